@@ -1,0 +1,116 @@
+"""The decode side's record of every KV handoff, as an explicit state machine.
+
+    RESERVED -> WRITING -> COMPLETE -> DECODING -> RELEASED
+    FAILED / EXPIRED from any state before RELEASED
+
+Blocks are reserved with a lease: a writer must stop writing before `write_deadline`;
+if nobody has started decoding by `write_deadline + grace`, the handoff EXPIRES and
+its blocks return to the pool. Transitions are idempotent (repeating one is a no-op),
+illegal ones raise `HandoffError`, and every change is logged. Plain Python with an
+injected clock, so it is tested without processes.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+
+class HandoffState(enum.Enum):
+    RESERVED = "reserved"
+    WRITING = "writing"
+    COMPLETE = "complete"
+    DECODING = "decoding"
+    RELEASED = "released"
+    FAILED = "failed"
+    EXPIRED = "expired"
+
+
+TERMINAL = frozenset({HandoffState.RELEASED, HandoffState.FAILED, HandoffState.EXPIRED})
+_NEXT = {
+    HandoffState.RESERVED: {HandoffState.WRITING, HandoffState.COMPLETE},
+    HandoffState.WRITING: {HandoffState.COMPLETE},
+    HandoffState.COMPLETE: {HandoffState.DECODING},
+    HandoffState.DECODING: {HandoffState.RELEASED},
+}
+
+
+class HandoffError(Exception):
+    """A handoff is unknown, from another epoch, or asked for an illegal transition."""
+
+
+@dataclass
+class KVHandoff:
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+    write_deadline: float
+    state: HandoffState = HandoffState.RESERVED
+
+
+class HandoffTable:
+    def __init__(self, epoch: str, grace_seconds: float = 2.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.epoch = epoch
+        self.grace_seconds = grace_seconds
+        self._clock = clock
+        self._live: dict[str, KVHandoff] = {}
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def reserve(self, request_id: str, block_ids: list[int], num_tokens: int,
+                lease_seconds: float) -> KVHandoff:
+        if request_id in self._live:
+            raise HandoffError(f"request {request_id} already holds a reservation")
+        h = KVHandoff(request_id, block_ids, num_tokens, self._clock() + lease_seconds)
+        self._live[request_id] = h
+        log.debug("handoff %s RESERVED %d blocks", request_id, len(block_ids))
+        return h
+
+    def get(self, request_id: str, epoch: str) -> KVHandoff:
+        if epoch != self.epoch:
+            raise HandoffError(f"stale handle: epoch {epoch!r}, this worker is {self.epoch!r}")
+        h = self._live.get(request_id)
+        if h is None:
+            raise HandoffError(f"no live reservation for request {request_id} (released or expired)")
+        return h
+
+    def advance(self, h: KVHandoff, new: HandoffState) -> None:
+        if h.state is new:
+            return
+        if new in TERMINAL:
+            self._end(h, new)
+            return
+        if new not in _NEXT.get(h.state, ()):
+            raise HandoffError(f"handoff {h.request_id}: {h.state.value} -> {new.value} is not allowed")
+        log.debug("handoff %s %s -> %s", h.request_id, h.state.name, new.name)
+        h.state = new
+
+    def pop(self, request_id: str, final: HandoffState) -> KVHandoff | None:
+        """End a handoff (RELEASED, FAILED or EXPIRED); returns it if it was live."""
+        h = self._live.get(request_id)
+        if h is not None:
+            self._end(h, final)
+        return h
+
+    def _end(self, h: KVHandoff, final: HandoffState) -> None:
+        log.debug("handoff %s %s -> %s", h.request_id, h.state.name, final.name)
+        h.state = final
+        self._live.pop(h.request_id, None)
+
+    def expire(self) -> list[KVHandoff]:
+        """End every handoff whose writer's lease ran out before decoding began."""
+        now = self._clock()
+        gone = [h for h in self._live.values()
+                if h.state in (HandoffState.RESERVED, HandoffState.WRITING, HandoffState.COMPLETE)
+                and now > h.write_deadline + self.grace_seconds]
+        for h in gone:
+            log.warning("handoff %s EXPIRED in state %s; its %d blocks return to the pool",
+                        h.request_id, h.state.name, len(h.block_ids))
+            self._end(h, HandoffState.EXPIRED)
+        return gone

@@ -1,0 +1,132 @@
+"""KV block memory: one tensor per worker, laid out [layer, k/v, block, slot, kv_head, dim].
+
+A decode worker's pool may live in a shared-memory file so that a prefill worker on the
+same host writes straight into its reserved blocks. Segment names carry the owner's
+pid, so segments left behind by a process that died are found and removed at start.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+SHM_DIR = Path("/dev/shm")
+SEGMENT_PREFIX = "pdserve-kv-"
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str                          # "float32", "bfloat16", "float16"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def block_bytes_per_layer(self) -> int:
+        """Bytes of one block's K and V in one layer."""
+        elem = torch.empty((), dtype=self.torch_dtype).element_size()
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def compat_hash(model_id: str, layout: KVLayout) -> str:
+    """Everything two workers must agree on for KV bytes to mean the same thing."""
+    key = {k: v for k, v in asdict(layout).items() if k != "num_blocks"}
+    key.update(model=model_id, protocol=PROTOCOL_VERSION)
+    return hashlib.sha256(repr(sorted(key.items())).encode()).hexdigest()[:16]
+
+
+class KVPoolMemory:
+    """The tensor behind a block pool; `path` is set when it is shared memory."""
+
+    def __init__(self, layout: KVLayout, tensor: torch.Tensor, path: Path | None = None,
+                 owner: bool = True) -> None:
+        self.layout = layout
+        self.tensor = tensor
+        self.path = path
+        self._owner = owner
+
+    @classmethod
+    def allocate(cls, layout: KVLayout, shared: bool = False, device: str = "cpu") -> "KVPoolMemory":
+        if not shared:
+            return cls(layout, torch.zeros(layout.shape, dtype=layout.torch_dtype, device=device))
+        path = SHM_DIR / f"{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        nbytes = layout.numel() * torch.empty((), dtype=layout.torch_dtype).element_size()
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+        return cls(layout, cls._map(path, layout), path, owner=True)
+
+    @classmethod
+    def attach(cls, path: Path, layout: KVLayout) -> "KVPoolMemory":
+        return cls(layout, cls._map(path, layout), path, owner=False)
+
+    @staticmethod
+    def _map(path: Path, layout: KVLayout) -> torch.Tensor:
+        flat = torch.from_file(str(path), shared=True, size=layout.numel(), dtype=layout.torch_dtype)
+        return flat.view(layout.shape)
+
+    def close(self) -> None:
+        self.tensor = torch.empty(0)
+        if self._owner and self.path is not None:
+            self.path.unlink(missing_ok=True)
+            self.path = None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale_segments() -> list[Path]:
+    """Remove shared-memory segments whose owning process is gone."""
+    removed = []
+    if not SHM_DIR.is_dir():
+        return removed
+    for path in SHM_DIR.glob(SEGMENT_PREFIX + "*"):
+        try:
+            pid = int(path.name[len(SEGMENT_PREFIX):].split("-")[0])
+        except ValueError:
+            continue
+        if not _pid_alive(pid):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    if removed:
+        log.warning("removed %d shared-memory KV segments left by dead processes", len(removed))
+    return removed
+
+
+def live_segments(pid: int | None = None) -> list[Path]:
+    """Segments present now (of one owner pid, if given): for leak checks."""
+    pattern = SEGMENT_PREFIX + (f"{pid}-*" if pid is not None else "*")
+    return sorted(SHM_DIR.glob(pattern)) if SHM_DIR.is_dir() else []

@@ -1,0 +1,71 @@
+"""Same-host KV transfer through shared memory: the writer maps the decode worker's
+pool file and copies its blocks straight into the reserved blocks (one copy)."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import ClassVar, Sequence
+
+from kv_transfer.base import IncompatiblePeer, PeerHandle, TransferError, TransferId, TransferState, block_runs
+from kv_transfer.memory import KVLayout, KVPoolMemory
+
+log = logging.getLogger(__name__)
+
+
+class ShmTransport:
+    name: ClassVar[str] = "shm"
+
+    def __init__(self) -> None:
+        self._local: KVPoolMemory | None = None
+        self._peers: dict[str, KVPoolMemory] = {}
+        self._next_xfer = 0
+
+    def register(self, pool: KVPoolMemory, compat_hash: str) -> bytes:
+        self._local = pool
+        meta = {"backend": self.name, "compat_hash": compat_hash,
+                "path": str(pool.path) if pool.path else None, "layout": pool.layout.__dict__}
+        return json.dumps(meta).encode()
+
+    def connect(self, peer: bytes, compat_hash: str) -> PeerHandle:
+        meta = json.loads(peer)
+        if meta.get("backend") != self.name:
+            raise TransferError(f"peer speaks {meta.get('backend')!r}, not {self.name!r}")
+        if meta["compat_hash"] != compat_hash:
+            raise IncompatiblePeer(
+                f"peer KV layout {meta['compat_hash']} differs from ours {compat_hash}: refusing to pair")
+        if not meta.get("path"):
+            raise TransferError("peer pool is not in shared memory")
+        path = meta["path"]
+        if path not in self._peers:
+            if not Path(path).exists():
+                raise TransferError(f"peer shared memory {path} is gone (peer restarted?)")
+            self._peers[path] = KVPoolMemory.attach(Path(path), KVLayout(**meta["layout"]))
+        return PeerHandle(peer_id=path)
+
+    def write(self, peer: PeerHandle, src: Sequence[int], dst: Sequence[int],
+              layers: range | None = None) -> TransferId:
+        if self._local is None:
+            raise TransferError("register() a local pool before writing")
+        target = self._peers.get(peer.peer_id)
+        if target is None:
+            raise TransferError(f"not connected to {peer.peer_id}")
+        source = self._local.tensor
+        layers = layers if layers is not None else range(self._local.layout.num_layers)
+        for s, d, n in block_runs(src, dst):
+            target.tensor[layers.start:layers.stop, :, d:d + n].copy_(
+                source[layers.start:layers.stop, :, s:s + n])
+        self._next_xfer += 1
+        return self._next_xfer
+
+    def poll(self, xfer: TransferId) -> TransferState:
+        return TransferState.DONE       # copies complete inside write()
+
+    def close(self, peer: PeerHandle) -> None:
+        pool = self._peers.pop(peer.peer_id, None)
+        if pool is not None:
+            pool.close()
+
+    def shutdown(self) -> None:
+        for key in list(self._peers):
+            self.close(PeerHandle(key))

@@ -1,0 +1,115 @@
+"""The `pdserve` command: `up` (local cluster), `router`, `prefill`, `decode`, `convert-model`."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from services.common.settings import DTYPES, RouterSettings, WorkerSettings, env_default
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=env_default("model"),
+                   help="a local Hugging Face model folder (default: SmolLM2-135M-Instruct, converted once)")
+    p.add_argument("--log-level", default=env_default("log_level", "info"),
+                   choices=["debug", "info", "warning", "error"])
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default=env_default("dtype", "bfloat16"), choices=DTYPES)
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--kv-transport", default="shm", choices=["shm"], help="KV transfer backend")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: automatic)")
+
+
+def _worker_args(p: argparse.ArgumentParser, decode: bool) -> None:
+    _model_args(p)
+    _engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
+    p.add_argument("--metrics-port", type=int, default=0)
+    p.add_argument("--announce-file", default=None, help=argparse.SUPPRESS)
+    if decode:
+        p.add_argument("--kv-cache-tokens", type=int, default=65536, help="KV pool size in tokens")
+        p.add_argument("--max-batch", type=int, default=64, help="most sequences decoded per step")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start router, prefill and decode workers on this machine")
+    _model_args(up)
+    _engine_args(up)
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--http-port", type=int, default=8000)
+    up.add_argument("--grpc-port", type=int, default=50051)
+    up.add_argument("--served-model-name", default=None)
+    up.add_argument("--kv-cache-tokens", type=int, default=65536)
+    up.add_argument("--max-batch", type=int, default=64)
+    up.add_argument("--max-pending", type=int, default=512)
+    up.add_argument("--announce-file", default=None, help="write the cluster's addresses here as JSON")
+
+    router = sub.add_parser("router", help="the HTTP/gRPC front end")
+    _model_args(router)
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--http-port", type=int, default=8000)
+    router.add_argument("--grpc-port", type=int, default=50051)
+    router.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT")
+    router.add_argument("--decode", action="append", default=[], metavar="HOST:PORT")
+    router.add_argument("--served-model-name", default=None)
+    router.add_argument("--max-pending", type=int, default=512)
+    router.add_argument("--announce-file", default=None, help=argparse.SUPPRESS)
+
+    _worker_args(sub.add_parser("prefill", help="a prefill worker"), decode=False)
+    _worker_args(sub.add_parser("decode", help="a decode worker"), decode=True)
+    sub.add_parser("convert-model", help="convert the default model into the cache (done once)")
+    return parser
+
+
+def _worker_settings(role: str, a) -> WorkerSettings:
+    extra = {"kv_cache_tokens": a.kv_cache_tokens, "max_batch": a.max_batch} if role == "decode" else {}
+    return WorkerSettings(role=role, model=a.model, dtype=a.dtype, device=a.device, block_size=a.block_size,
+                          threads=a.threads, host=a.host, grpc_port=a.port, metrics_port=a.metrics_port,
+                          kv_transport=a.kv_transport, announce_file=a.announce_file, log_level=a.log_level,
+                          **extra)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    from services.common.lifecycle import setup_logging
+    setup_logging(getattr(a, "log_level", "info"), a.command)
+    try:
+        if a.command == "convert-model":
+            from services.engine.model_store import ensure_default_model
+            print(ensure_default_model())
+            return 0
+        if a.command == "up":
+            from services.engine.model_store import resolve_model
+            resolve_model(a.model)                     # convert once, before the workers race to
+            from services.local_cluster import LocalCluster
+            return LocalCluster(a).run()
+        if a.command == "router":
+            from services.router.server import serve
+            settings = RouterSettings(model=a.model, served_model_name=a.served_model_name, host=a.host,
+                                      http_port=a.http_port, grpc_port=a.grpc_port, prefill=a.prefill,
+                                      decode=a.decode, max_pending=a.max_pending, announce_file=a.announce_file,
+                                      log_level=a.log_level)
+            asyncio.run(serve(settings))
+            return 0
+        from services.common.worker_main import run_worker
+        settings = _worker_settings(a.command, a)
+        if a.command == "decode":
+            from services.decode.worker import build
+        else:
+            from services.prefill.worker import build
+        asyncio.run(run_worker(settings, build))
+        return 0
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"pdserve {a.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Prometheus metrics: one registry per service instance (no process-global state)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import start_http_server
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 120)
+
+
+class WorkerMetrics:
+    def __init__(self, role: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.prompt_tokens_computed = Counter(
+            "pdserve_prompt_tokens_computed", "Prompt tokens this worker ran through the model", registry=r)
+        self.generated_tokens = Counter("pdserve_generated_tokens", "Tokens sampled by this worker", registry=r)
+        self.kv_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes moved through the transport",
+                                ["direction", "backend"], registry=r)
+        self.kv_transfer_seconds = Histogram("pdserve_kv_transfer_seconds", "Time spent in KV writes per request",
+                                             ["backend"], buckets=LATENCY_BUCKETS, registry=r)
+        self.handoffs = Counter("pdserve_kv_handoffs", "KV handoffs by final state", ["outcome"], registry=r)
+        self.requests = Counter("pdserve_worker_requests", "Requests finished by reason", ["reason"], registry=r)
+        self.blocks_total = Gauge("pdserve_kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.blocks_free = Gauge("pdserve_kv_blocks_free", "KV blocks free", registry=r)
+        self.running = Gauge("pdserve_running_sequences", "Sequences in the running batch", registry=r)
+        self.waiting = Gauge("pdserve_waiting_sequences", "Sequences waiting to run", registry=r)
+        self.preemptions = Counter("pdserve_preemptions", "Sequences preempted for lack of blocks", registry=r)
+        self.step_seconds = Histogram("pdserve_engine_step_seconds", "Engine step time", ["kind"],
+                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.role = role
+
+    def serve(self, host: str, port: int) -> int:
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return server.server_address[1]
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("pdserve_requests", "Requests by API and outcome", ["api", "outcome"], registry=r)
+        self.decisions = Counter("pdserve_disaggregation_decisions", "Requests by prefill decision",
+                                 ["decision"], registry=r)
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pdserve_inter_token_latency_seconds", "Time between streamed tokens",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "Request latency",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("pdserve_queue_time_seconds", "Time waiting for KV blocks",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens streamed to clients", registry=r)
+        self.kv_bytes = Counter("pdserve_router_kv_bytes", "KV bytes moved per request, as reported",
+                                ["backend"], registry=r)
+        self.pending = Gauge("pdserve_pending_requests", "Requests admitted and not finished", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

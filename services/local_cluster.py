@@ -1,0 +1,148 @@
+"""`pdserve up`: the whole cluster on one machine, one OS process per service.
+
+Start order: decode and prefill workers (in parallel, each announces its ports when
+its model is loaded), then the router pointed at them. Stop order is the reverse. If
+any service dies, the rest are stopped and `up` exits non-zero; children also get
+SIGTERM if `up` itself is killed, so nothing is left running.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+START_TIMEOUT = 600.0
+STOP_TIMEOUT = 15.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    announce: Path
+
+    def ports(self) -> dict | None:
+        try:
+            return json.loads(self.announce.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+
+class LocalCluster:
+    def __init__(self, args) -> None:
+        self.args = args
+        self.workdir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
+        self.children: list[Child] = []
+        self._stop = False
+
+    def _spawn(self, name: str, argv: list[str], threads: int) -> Child:
+        announce = self.workdir / f"{name}.json"
+        env = dict(os.environ)
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)
+        cmd = [sys.executable, "-m", "services.cli", *argv, "--announce-file", str(announce)]
+        proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+        child = Child(name, proc, announce)
+        self.children.append(child)
+        return child
+
+    def _wait_ready(self, children: list[Child]) -> list[dict]:
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            if self._stop:
+                raise KeyboardInterrupt
+            for c in children:
+                if c.proc.poll() is not None:
+                    raise RuntimeError(f"{c.name} exited with code {c.proc.returncode} during start-up")
+            ports = [c.ports() for c in children]
+            if all(ports):
+                return ports
+            if time.monotonic() > deadline:
+                raise RuntimeError("services did not become ready in time")
+            time.sleep(0.05)
+
+    def run(self) -> int:
+        a = self.args
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        threads = a.threads or max(1, (os.cpu_count() or 2) // 2)
+        common = ["--dtype", a.dtype, "--log-level", a.log_level, "--device", a.device,
+                  "--kv-transport", a.kv_transport, "--block-size", str(a.block_size), "--threads", str(threads)]
+        if a.model:
+            common += ["--model", a.model]
+        try:
+            decode = self._spawn("decode", ["decode", *common, "--kv-cache-tokens", str(a.kv_cache_tokens),
+                                            "--max-batch", str(a.max_batch)], threads)
+            prefill = self._spawn("prefill", ["prefill", *common], threads)
+            dports, pports = self._wait_ready([decode, prefill])
+            router_argv = ["router", "--host", a.host, "--http-port", str(a.http_port), "--grpc-port",
+                           str(a.grpc_port), "--decode", f"127.0.0.1:{dports['grpc_port']}",
+                           "--prefill", f"127.0.0.1:{pports['grpc_port']}", "--log-level", a.log_level,
+                           "--max-pending", str(a.max_pending)]
+            if a.model:
+                router_argv += ["--model", a.model]
+            if a.served_model_name:
+                router_argv += ["--served-model-name", a.served_model_name]
+            router = self._spawn("router", router_argv, 1)
+            (rports,) = self._wait_ready([router])
+            self._banner(rports, pports, dports)
+            while not self._stop:
+                for c in self.children:
+                    if c.proc.poll() is not None:
+                        print(f"pdserve: {c.name} exited with code {c.proc.returncode}; stopping", flush=True)
+                        return 1
+                time.sleep(0.2)
+            return 0
+        except KeyboardInterrupt:
+            return 0
+        except RuntimeError as exc:
+            print(f"pdserve: {exc}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            self.shutdown()
+
+    def _banner(self, r: dict, p: dict, d: dict) -> None:
+        host = self.args.host
+        summary = {"http": f"http://{host}:{r['http_port']}", "grpc": f"{host}:{r['grpc_port']}",
+                   "router_pid": r["pid"], "prefill": p, "decode": d}
+        print(f"pdserve is up: OpenAI-compatible HTTP on http://{host}:{r['http_port']}/v1, "
+              f"gRPC on {host}:{r['grpc_port']}\n"
+              f"  prefill worker pid {p['pid']} (gRPC :{p['grpc_port']}, metrics :{p['metrics_port']}), "
+              f"decode worker pid {d['pid']} (gRPC :{d['grpc_port']}, metrics :{d['metrics_port']})\n"
+              f"  Ctrl-C stops everything.", flush=True)
+        if self.args.announce_file:
+            tmp = Path(self.args.announce_file + ".tmp")
+            tmp.write_text(json.dumps(summary))
+            tmp.replace(self.args.announce_file)
+
+    def _on_signal(self, signum, frame) -> None:
+        self._stop = True
+
+    def shutdown(self) -> None:
+        for c in reversed(self.children):
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT
+        for c in reversed(self.children):
+            try:
+                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+        shutil.rmtree(self.workdir, ignore_errors=True)

@@ -1,0 +1,64 @@
+"""The public gRPC `Generate` API: same validation, same pipeline as HTTP."""
+from __future__ import annotations
+
+import grpc
+
+from services.router.cluster import Generation, new_request_id
+from services.router.openai_api import FrontEnd
+from services.router.protocol import APIError, bad_request
+from services.router.sampling import resolve_sampling
+from services.rpc import generate_pb2, generate_pb2_grpc
+
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+class GeneratorService(generate_pb2_grpc.GeneratorServicer):
+    def __init__(self, fe: FrontEnd) -> None:
+        self.fe = fe
+
+    def _prompt(self, request: generate_pb2.GenerateRequest) -> list[int]:
+        kind = request.WhichOneof("input")
+        if kind == "prompt":
+            if not request.prompt:
+                raise bad_request("prompt must not be empty", param="prompt")
+            return self.fe.tokenize_prompt(request.prompt)
+        if kind == "chat":
+            msgs = request.chat.messages
+            if not msgs:
+                raise bad_request("messages must not be empty", param="messages")
+            for m in msgs:
+                if m.role not in _ROLES:
+                    raise bad_request(f"unknown role {m.role!r}", param="messages")
+            return self.fe.tokenize_chat([{"role": m.role, "content": m.content} for m in msgs])
+        if kind == "prompt_token_ids":
+            return self.fe.tokenize_prompt(list(request.prompt_token_ids.ids))
+        raise bad_request("one of prompt, chat or prompt_token_ids is required", param="input")
+
+    def _generation(self, request: generate_pb2.GenerateRequest) -> Generation:
+        self.fe.check_model(request.model)
+        prompt_ids = self._prompt(request)
+        s = request.sampling
+        opt = lambda name: getattr(s, name) if s.HasField(name) else None  # noqa: E731
+        params = resolve_sampling(
+            prompt_len=len(prompt_ids), max_model_len=self.fe.max_model_len, max_tokens=opt("max_tokens"),
+            temperature=opt("temperature"), top_p=opt("top_p"), top_k=opt("top_k"), seed=opt("seed"),
+            stop=[x for x in s.stop if x], ignore_eos=s.ignore_eos, min_tokens=s.min_tokens)
+        return Generation(request.request_id or new_request_id("gen"), prompt_ids, params)
+
+    async def Generate(self, request, context):
+        try:
+            gen = self._generation(request)
+            running = self.fe.start(gen)
+        except APIError as exc:
+            await context.abort(getattr(grpc.StatusCode, exc.grpc_code), exc.message)
+        try:
+            async for d in running.deltas():
+                yield generate_pb2.GenerateResponse(
+                    request_id=gen.request_id, text=d.text, token_ids=d.token_ids,
+                    finish_reason=d.finish_reason or "",
+                    usage=generate_pb2.Usage(prompt_tokens=len(gen.prompt_ids),
+                                             completion_tokens=gen.completion_tokens))
+        except APIError as exc:
+            await context.abort(getattr(grpc.StatusCode, exc.grpc_code), exc.message)
+        context.set_trailing_metadata((("x-pdserve-route", f"decision={gen.decision};decode={gen.decode_worker};"
+                                        f"prefill={gen.prefill_worker};transport={gen.transport}"),))

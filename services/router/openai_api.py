@@ -1,0 +1,289 @@
+"""OpenAI-compatible HTTP front end: /v1/chat/completions, /v1/completions, /v1/models,
+plus /health, /ready and /metrics.
+
+Each admitted request runs as its own task that feeds a queue; the HTTP response only
+reads that queue. Whatever happens to the connection, the task's `finally` releases
+the request on every worker, and a client that disconnects cancels the task.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from services.engine.tokenizer import encode_chat, encode_prompt
+from services.router.cluster import Cluster, Delta, Generation, new_request_id
+from services.router.protocol import APIError, ChatCompletionRequest, CommonRequest, CompletionRequest, bad_request
+from services.router.sampling import resolve_sampling
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FrontEnd:
+    """What the front ends (HTTP and gRPC) share."""
+    cluster: Cluster
+    tokenizer: object
+    served_model_name: str
+    max_model_len: int
+    max_body_bytes: int
+
+    def check_model(self, model: str | None) -> None:
+        if model and model != self.served_model_name:
+            raise APIError(404, f"The model `{model}` does not exist. Served: `{self.served_model_name}`.",
+                           code="model_not_found", param="model", grpc_code="NOT_FOUND")
+
+    def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        try:
+            return encode_chat(self.tokenizer, messages)
+        except Exception as exc:                  # a template that rejects the conversation
+            raise bad_request(f"cannot apply the chat template: {exc}", param="messages") from None
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            vocab = len(self.tokenizer)
+            if any(not 0 <= t < vocab for t in prompt):
+                raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
+            return list(prompt)
+        return encode_prompt(self.tokenizer, prompt)
+
+    def start(self, gen: Generation) -> "RunningRequest":
+        self.cluster.admit()
+        return RunningRequest(self.cluster, gen)
+
+
+class RunningRequest:
+    """A generation running as a task; deltas arrive on a queue."""
+
+    def __init__(self, cluster: Cluster, gen: Generation) -> None:
+        self.gen = gen
+        self.queue: asyncio.Queue[Delta | APIError | None] = asyncio.Queue()
+        self.task = asyncio.create_task(self._run(cluster))
+
+    async def _run(self, cluster: Cluster) -> None:
+        metrics = cluster.metrics
+        last = None
+        try:
+            async for delta in cluster.generate(self.gen):
+                now = time.monotonic()
+                if last is None:
+                    metrics.ttft.observe(now - self.gen.started)
+                else:
+                    metrics.itl.observe(now - last)
+                last = now
+                self.queue.put_nowait(delta)
+            self.queue.put_nowait(None)
+        except APIError as exc:
+            self.queue.put_nowait(exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("request %s failed", self.gen.request_id)
+            self.queue.put_nowait(APIError(500, f"internal error: {exc}", type_="server_error", grpc_code="INTERNAL"))
+        finally:
+            cluster.done()
+            metrics.e2e.observe(time.monotonic() - self.gen.started)
+            metrics.prompt_tokens.inc(len(self.gen.prompt_ids))
+            metrics.generation_tokens.inc(self.gen.completion_tokens)
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Raises the request's APIError if it failed."""
+        try:
+            while True:
+                item = await self.queue.get()
+                if item is None:
+                    return
+                if isinstance(item, APIError):
+                    raise item
+                yield item
+        finally:
+            if not self.task.done():
+                self.task.cancel()
+
+    async def collect(self) -> tuple[str, list[int]]:
+        text, ids = [], []
+        async for d in self.deltas():
+            text.append(d.text)
+            ids.extend(d.token_ids)
+        return "".join(text), ids
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def route_header(gen: Generation) -> dict[str, str]:
+    parts = [f"decision={gen.decision}", f"decode={gen.decode_worker}"]
+    if gen.prefill_worker:
+        parts += [f"prefill={gen.prefill_worker}", f"transport={gen.transport}", f"kv_bytes={gen.kv_bytes}"]
+    return {"x-pdserve-route": ";".join(parts)}
+
+
+async def read_json(request: Request, max_bytes: int) -> dict:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > max_bytes:
+        raise bad_request(f"request body of {declared} bytes exceeds the limit of {max_bytes}", code="body_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise bad_request(f"request body exceeds the limit of {max_bytes} bytes", code="body_too_large")
+    try:
+        text = bytes(body).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"request body is not valid UTF-8: {exc}", code="invalid_utf8") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request("request body must be a JSON object", code="invalid_json")
+    return data
+
+
+def parse(model: type[BaseModel], data: dict):
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise bad_request(f"{loc}: {err['msg']}" if loc else err["msg"], param=loc or None) from None
+
+
+def sampling_for(fe: FrontEnd, req: CommonRequest, prompt_len: int, max_tokens: int | None):
+    return resolve_sampling(prompt_len=prompt_len, max_model_len=fe.max_model_len, max_tokens=max_tokens,
+                            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
+                            stop=req.stop or (), ignore_eos=req.ignore_eos, min_tokens=req.min_tokens)
+
+
+def sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def usage(gen: Generation) -> dict:
+    p, c = len(gen.prompt_ids), gen.completion_tokens
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def create_app(fe: FrontEnd, render_metrics) -> FastAPI:
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(exc)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}", type_="server_error"))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if fe.cluster.ready():
+            return {"status": "ready"}
+        return JSONResponse({"status": "not ready", "detail": "waiting for a prefill and a decode worker"},
+                            status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(render_metrics(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": fe.served_model_name, "object": "model", "created": 0,
+                                            "owned_by": "pdserve", "max_model_len": fe.max_model_len}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = parse(ChatCompletionRequest, await read_json(request, fe.max_body_bytes))
+        fe.check_model(req.model)
+        req.unsupported()
+        prompt_ids = fe.tokenize_chat([{"role": m.role, "content": m.text()} for m in req.messages])
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = sampling_for(fe, req, len(prompt_ids), max_tokens)
+        gen = Generation(new_request_id("chatcmpl"), prompt_ids, params)
+        return await respond(fe, req, gen, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse(CompletionRequest, await read_json(request, fe.max_body_bytes))
+        fe.check_model(req.model)
+        req.unsupported()
+        prompt_ids = fe.tokenize_prompt(req.prompt)
+        params = sampling_for(fe, req, len(prompt_ids), req.max_tokens)
+        gen = Generation(new_request_id("cmpl"), prompt_ids, params)
+        return await respond(fe, req, gen, chat=False)
+
+    return app
+
+
+async def respond(fe: FrontEnd, req: CommonRequest, gen: Generation, chat: bool) -> Response:
+    running = fe.start(gen)
+    created = int(time.time())
+    base = {"id": gen.request_id, "object": "chat.completion" if chat else "text_completion",
+            "created": created, "model": fe.served_model_name}
+    if not req.stream:
+        try:
+            text, ids = await running.collect()
+        except APIError as exc:
+            return error_response(exc)
+        choice = {"index": 0, "logprobs": None, "finish_reason": gen.finish_reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        body = {**base, "choices": [choice], "usage": usage(gen)}
+        if req.return_token_ids:
+            choice["token_ids"] = ids
+            body["prompt_token_ids"] = gen.prompt_ids
+        return JSONResponse(body, headers=route_header(gen))
+    return StreamingResponse(stream_events(running, req, base, chat), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def stream_events(running: RunningRequest, req: CommonRequest, base: dict, chat: bool) -> AsyncIterator[bytes]:
+    gen = running.gen
+    base = {**base, "object": "chat.completion.chunk" if chat else "text_completion"}
+    with_usage = bool(req.stream_options and req.stream_options.include_usage)
+    extra = {"usage": None} if with_usage else {}
+
+    def chunk(text: str | None, finish: str | None, token_ids: list[int] | None = None, role: bool = False) -> bytes:
+        choice: dict = {"index": 0, "logprobs": None, "finish_reason": finish}
+        if chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        return sse({**base, "choices": [choice], **extra})
+
+    try:
+        if chat:
+            yield chunk(None, None, role=True)
+        first = True
+        async for d in running.deltas():
+            ids = d.token_ids if req.return_token_ids else None
+            if ids is not None and first:
+                yield sse({**base, "choices": [], "prompt_token_ids": gen.prompt_ids, **extra})
+            first = False
+            if d.text or ids:
+                yield chunk(d.text, None, ids)
+            if d.finish_reason:
+                yield chunk(None, d.finish_reason)
+        if with_usage:
+            yield sse({**base, "choices": [], "usage": usage(gen)})
+    except APIError as exc:
+        yield sse(exc.body())
+    yield b"data: [DONE]\n\n"

@@ -1,0 +1,68 @@
+"""Router process: HTTP (uvicorn) and gRPC in one event loop, sharing one Cluster."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import uvicorn
+
+from services.common.grpc_server import ServiceHost
+from services.common.lifecycle import announce, stop_event_on_signals
+from services.common.metrics import RouterMetrics
+from services.common.settings import RouterSettings
+from services.engine.model_store import resolve_model
+from services.engine.tokenizer import load_tokenizer
+from services.router.cluster import Cluster
+from services.router.grpc_api import GeneratorService
+from services.router.openai_api import FrontEnd, create_app
+from services.rpc import generate_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def _max_model_len(model_dir) -> int:
+    from transformers import AutoConfig
+    return int(getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", 2048))
+
+
+async def serve(settings: RouterSettings) -> None:
+    model_dir = resolve_model(settings.model)
+    tokenizer = load_tokenizer(model_dir)
+    metrics = RouterMetrics()
+    cluster = Cluster(settings, tokenizer, metrics)
+    await cluster.start()
+    fe = FrontEnd(cluster, tokenizer, settings.served_model_name or model_dir.name, _max_model_len(model_dir),
+                  settings.max_body_bytes)
+
+    host = ServiceHost(["pdserve.v1.Generator"])
+    generate_pb2_grpc.add_GeneratorServicer_to_server(GeneratorService(fe), host.server)
+    grpc_port = host.bind(settings.host, settings.grpc_port)
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((settings.host, settings.http_port))
+    http_port = sock.getsockname()[1]
+    config = uvicorn.Config(create_app(fe, metrics.render), log_level=settings.log_level.lower(),
+                            timeout_graceful_shutdown=5, access_log=False)
+    http = uvicorn.Server(config)
+    http.install_signal_handlers = lambda: None       # signals are handled below
+    stop = stop_event_on_signals(asyncio.get_running_loop())
+
+    await host.server.start()
+    await host.set_status(True)
+    http_task = asyncio.create_task(http.serve(sockets=[sock]))
+    while not http.started and not http_task.done():
+        await asyncio.sleep(0.01)
+    log.info("router serving HTTP on http://%s:%d and gRPC on %s:%d (model %s)", settings.host, http_port,
+             settings.host, grpc_port, fe.served_model_name)
+    announce(settings.announce_file, http_port=http_port, grpc_port=grpc_port)
+    try:
+        await asyncio.wait([asyncio.create_task(stop.wait()), http_task], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        await host.set_status(False)
+        http.should_exit = True
+        await host.server.stop(5)
+        await http_task
+        await cluster.stop()
+        log.info("router stopped")

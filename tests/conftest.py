@@ -1,0 +1,110 @@
+"""Fixtures: the real default model, and a real local cluster (`pdserve up`) of separate
+processes, started once per test session in float32 for token-exact parity."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.engine.model_store import ensure_default_model
+from services.rpc import worker_pb2, worker_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+START_TIMEOUT = 300
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    return ensure_default_model()
+
+
+@dataclass
+class RunningCluster:
+    proc: subprocess.Popen
+    info: dict
+    log_path: Path
+
+    @property
+    def http(self) -> str:
+        return self.info["http"]
+
+    @property
+    def grpc(self) -> str:
+        return self.info["grpc"]
+
+    def worker_addr(self, role: str) -> str:
+        return f"127.0.0.1:{self.info[role]['grpc_port']}"
+
+    def metrics_url(self, role: str) -> str:
+        return f"http://127.0.0.1:{self.info[role]['metrics_port']}/metrics"
+
+    def stats(self, role: str) -> worker_pb2.WorkerStats:
+        with grpc.insecure_channel(self.worker_addr(role)) as ch:
+            stub = (worker_pb2_grpc.DecodeWorkerStub if role == "decode" else worker_pb2_grpc.PrefillWorkerStub)(ch)
+            return stub.Stats(worker_pb2.InfoRequest(), timeout=10)
+
+    def wait_idle(self, timeout: float = 30.0) -> worker_pb2.WorkerStats:
+        """Wait until the decode pool is full again and no handoff is live."""
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.stats("decode")
+            if (s.info.free_blocks == s.info.num_blocks and s.active_handoffs == 0
+                    and s.info.running == 0 and s.info.waiting == 0):
+                return s
+            if time.monotonic() > deadline:
+                return s
+            time.sleep(0.1)
+
+    def pids(self) -> list[int]:
+        return [self.proc.pid, self.info["router_pid"], self.info["prefill"]["pid"], self.info["decode"]["pid"]]
+
+
+def start_cluster(*extra: str, dtype: str = "float32") -> RunningCluster:
+    tmp = Path(tempfile.mkdtemp(prefix="pdserve-test-"))
+    announce = tmp / "cluster.json"
+    log_path = tmp / "cluster.log"
+    cmd = [sys.executable, "-m", "services.cli", "up", "--http-port", "0", "--grpc-port", "0", "--dtype", dtype,
+           "--kv-cache-tokens", "16384", "--announce-file", str(announce), "--log-level", "warning", *extra]
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + START_TIMEOUT
+    while not announce.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"cluster failed to start:\n{log_path.read_text()[-4000:]}")
+        time.sleep(0.1)
+    return RunningCluster(proc, json.loads(announce.read_text()), log_path)
+
+
+def stop_cluster(c: RunningCluster, sig: int = signal.SIGINT, timeout: float = 30.0) -> int:
+    if c.proc.poll() is None:
+        c.proc.send_signal(sig)
+    try:
+        return c.proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        c.proc.kill()
+        return c.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def cluster(model_dir) -> RunningCluster:
+    c = start_cluster()
+    yield c
+    stop_cluster(c)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

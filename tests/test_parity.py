@@ -1,0 +1,174 @@
+"""Correctness bar: in float32 with greedy sampling, tokens produced through the whole
+cluster (router -> prefill process -> KV over shared memory -> decode process) equal
+`transformers`' own `model.generate`, token for token, through raw HTTP, the official
+`openai` client (streaming and not), and gRPC; also with 8 requests in flight at once."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import grpc
+import httpx
+import openai
+import pytest
+import torch
+
+from services.engine.tokenizer import encode_chat
+from services.rpc import generate_pb2, generate_pb2_grpc
+
+MAX_TOKENS = 40
+
+
+def _long_document() -> str:
+    facts = [f"Fact {i}: the river number {i} flows {i * 3 % 17} kilometres east of the hill called "
+             f"{['Ash', 'Birch', 'Cedar', 'Dune'][i % 4]}." for i in range(60)]
+    return " ".join(facts) + "\nWhich hill appears most often above? Answer briefly."
+
+
+@dataclass
+class Case:
+    name: str
+    messages: list[dict]
+    max_tokens: int = MAX_TOKENS
+    stop: list[str] | None = None
+
+
+CASES = [
+    Case("short", [{"role": "user", "content": "What is the capital of France?"}]),
+    Case("long", [{"role": "user", "content": _long_document()}]),
+    Case("multi_turn", [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Now name a fruit of that colour."}]),
+    Case("non_ascii", [{"role": "user", "content": "Traduis en français et en japonais : « Bonjour, ça va ? » 日本語 ✓"}]),
+    Case("hits_max_tokens", [{"role": "user", "content": "Write a long story about a dragon and a knight."}],
+         max_tokens=17),
+    Case("stop_string", [{"role": "user", "content": "Count from 1 to 20, separated by commas."}], stop=["7"]),
+]
+
+
+@dataclass
+class Expected:
+    prompt_ids: list[int]
+    token_ids: list[int]           # what the cluster must return
+    text: str
+    finish_reason: str
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir) -> dict[str, Expected]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = {}
+    for case in CASES:
+        ids = encode_chat(tok, case.messages)
+        with torch.inference_mode():
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=case.max_tokens, do_sample=False)
+        toks = gen[0, len(ids):].tolist()
+        finish = "stop" if toks[-1] == tok.eos_token_id else "length"
+        text = tok.decode(toks, skip_special_tokens=True)
+        if case.stop:
+            cut = min(text.index(s) for s in case.stop if s in text)
+            text, finish = text[:cut], "stop"
+            # the cluster stops at the token that completes the stop string
+            n = next(k for k in range(1, len(toks) + 1)
+                     if any(s in tok.decode(toks[:k], skip_special_tokens=True) for s in case.stop))
+            toks = toks[:n]
+        out[case.name] = Expected(ids, toks, text, finish)
+    return out
+
+
+def _body(case: Case, **kw) -> dict:
+    body = {"messages": case.messages, "max_tokens": case.max_tokens, "temperature": 0, "return_token_ids": True}
+    if case.stop:
+        body["stop"] = case.stop
+    return {**body, **kw}
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_http_matches_generate(cluster, expected, case):
+    r = httpx.post(f"{cluster.http}/v1/chat/completions", json=_body(case), timeout=120)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    exp = expected[case.name]
+    choice = body["choices"][0]
+    assert body["prompt_token_ids"] == exp.prompt_ids
+    assert choice["token_ids"] == exp.token_ids
+    assert choice["message"]["content"] == exp.text
+    assert choice["finish_reason"] == exp.finish_reason
+    assert body["usage"] == {"prompt_tokens": len(exp.prompt_ids), "completion_tokens": len(exp.token_ids),
+                             "total_tokens": len(exp.prompt_ids) + len(exp.token_ids)}
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_openai_client_matches_generate(cluster, expected, case):
+    client = openai.OpenAI(base_url=f"{cluster.http}/v1", api_key="none", timeout=120, max_retries=0)
+    exp = expected[case.name]
+    model = client.models.list().data[0].id
+    kw = dict(model=model, messages=case.messages, max_tokens=case.max_tokens, temperature=0,
+              stop=case.stop, extra_body={"return_token_ids": True})
+    resp = client.chat.completions.create(**kw)
+    assert resp.choices[0].message.content == exp.text
+    assert resp.choices[0].model_extra["token_ids"] == exp.token_ids
+    assert resp.choices[0].finish_reason == exp.finish_reason
+
+    text, ids, finish, usage = [], [], None, None
+    for chunk in client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text.append(c.delta.content or "")
+            ids.extend((c.model_extra or {}).get("token_ids") or [])
+            finish = c.finish_reason or finish
+    assert "".join(text) == exp.text
+    assert ids == exp.token_ids
+    assert finish == exp.finish_reason
+    assert usage.completion_tokens == len(exp.token_ids) and usage.prompt_tokens == len(exp.prompt_ids)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_grpc_matches_generate(cluster, expected, case):
+    exp = expected[case.name]
+    req = generate_pb2.GenerateRequest(
+        chat=generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(**m) for m in case.messages]),
+        sampling=generate_pb2.SamplingParams(max_tokens=case.max_tokens, temperature=0, stop=case.stop or []))
+    with grpc.insecure_channel(cluster.grpc) as ch:
+        replies = list(generate_pb2_grpc.GeneratorStub(ch).Generate(req, timeout=120))
+    assert [t for r in replies for t in r.token_ids] == exp.token_ids
+    assert "".join(r.text for r in replies) == exp.text
+    assert replies[-1].finish_reason == exp.finish_reason
+    assert replies[-1].usage.prompt_tokens == len(exp.prompt_ids)
+
+
+def test_eight_requests_in_flight_match_generate(cluster, expected):
+    cases = CASES + CASES[:2]
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"{cluster.http}/v1", api_key="none", timeout=300, max_retries=0)
+        calls = [client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=c.messages,
+                                                max_tokens=c.max_tokens, temperature=0, stop=c.stop,
+                                                extra_body={"return_token_ids": True}) for c in cases]
+        return await asyncio.gather(*calls)
+
+    results = asyncio.run(run())
+    assert len(cases) == 8
+    for case, resp in zip(cases, results):
+        assert resp.choices[0].model_extra["token_ids"] == expected[case.name].token_ids, case.name
+        assert resp.choices[0].message.content == expected[case.name].text
+
+
+def test_completions_endpoint_matches_generate(cluster, model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = "The three primary colours are"
+    ids = tok.encode(prompt)
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+    r = httpx.post(f"{cluster.http}/v1/completions", timeout=120,
+                   json={"prompt": prompt, "max_tokens": 24, "temperature": 0, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == ref
+    assert r.json()["choices"][0]["text"] == tok.decode(ref, skip_special_tokens=True)

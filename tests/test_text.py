@@ -1,0 +1,47 @@
+"""Incremental detokenization, stop strings and sampling-parameter validation."""
+import pytest
+
+from services.engine.tokenizer import IncrementalDetokenizer, StopMatcher, load_tokenizer
+from services.router.protocol import APIError
+from services.router.sampling import resolve_sampling
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return load_tokenizer(model_dir)
+
+
+@pytest.mark.parametrize("text", ["héllo 海 🙂 wörld", "日本語のテキスト、絵文字👍🏽も。", "plain ascii, with  spaces"])
+def test_token_by_token_deltas_rebuild_the_text_and_never_split_utf8(tok, text):
+    ids = tok.encode(text, add_special_tokens=False)
+    d = IncrementalDetokenizer(tok)
+    deltas = [d.push([i]) for i in ids] + [d.flush()]
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in x for x in deltas)
+
+
+def test_stop_matcher_cuts_before_the_stop_and_holds_back_partial_matches():
+    m = StopMatcher(("STOP",))
+    assert m.feed("abc ST") == ("abc ", False)     # "ST" may begin the stop string: held back
+    assert m.feed("OP and more") == ("", True)
+    m = StopMatcher(("xyz", "hello!"))
+    assert m.feed("hello xy") == ("hello ", False)
+    assert m.feed("w") == ("xyw", False)          # no longer a possible start: released
+    assert m.feed(" hel") == (" ", False)
+    assert m.flush() == "hel"
+    assert StopMatcher(()).feed("anything") == ("anything", False)
+
+
+def test_resolve_sampling_defaults_and_ranges():
+    p = resolve_sampling(prompt_len=10, max_model_len=100)
+    assert p.max_tokens == 90 and p.temperature == 1.0 and p.top_p == 1.0 and p.top_k == 0
+    assert resolve_sampling(prompt_len=10, max_model_len=100, seed=-1).seed >= 0
+    bad = [dict(max_tokens=0), dict(max_tokens=91), dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5),
+           dict(top_k=-2), dict(min_tokens=5, max_tokens=2), dict(temperature=float("nan"))]
+    for kw in bad:
+        with pytest.raises(APIError) as e:
+            resolve_sampling(prompt_len=10, max_model_len=100, **kw)
+        assert e.value.status == 400
+    with pytest.raises(APIError, match="maximum context length") as e:
+        resolve_sampling(prompt_len=100, max_model_len=100)
+    assert e.value.code == "context_length_exceeded"
