@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 import uuid
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -163,46 +164,56 @@ class Cluster:
         (client gone) cancels the request on every worker involved."""
         detok = IncrementalDetokenizer(self.tokenizer, gen.prompt_ids)
         stops = StopMatcher(gen.params.stop)
-        async for token_ids, finish in self._tokens(gen):
-            gen.completion_tokens += len(token_ids)
-            text, hit = stops.feed(detok.push(token_ids))
-            if hit:
-                gen.finish_reason = "stop"
-                yield Delta(text, token_ids, "stop")
-                return
-            if finish:
-                text += stops.feed(detok.flush())[0] + stops.flush()
-                gen.finish_reason = finish
-            yield Delta(text, token_ids, finish or None)
-            if finish:
-                return
+        async with aclosing(self._tokens(gen)) as tokens:
+            async for token_ids, finish in tokens:
+                gen.completion_tokens += len(token_ids)
+                text, hit = stops.feed(detok.push(token_ids))
+                if hit:
+                    gen.finish_reason = "stop"
+                    yield Delta(text, token_ids, "stop")
+                    return
+                if finish:
+                    text += stops.feed(detok.flush())[0] + stops.flush()
+                    gen.finish_reason = finish
+                yield Delta(text, token_ids, finish or None)
+                if finish:
+                    return
 
     async def _tokens(self, gen: Generation) -> AsyncIterator[tuple[list[int], str]]:
+        """The worker-side pipeline. Cleanup rule: whenever a reservation exists and the
+        decode stream did not finish, a Release is sent, but only once no prefill can
+        still be writing into the reserved blocks. Release is idempotent on the worker."""
         decode = self._pick_decode()
         gen.decode_worker = decode.address
         decode.inflight += 1
+        handle, writer, finished = None, None, False
         try:
             prefill = self._pick_prefill(decode)
-            first = handle = None
+            first = None
             if prefill is not None:
                 handle = await self._reserve(decode, gen)
-                first = await self._remote_prefill(prefill, decode, handle, gen)
+                writer = self._start_prefill(prefill, handle, gen)
+                first = await self._await_prefill(prefill, decode, handle, writer, gen)
             else:
                 log.warning("request %s: no prefill worker available, prefilling on the decode worker",
                             gen.request_id)
             if first is None:
+                handle = None                   # released by _await_prefill, or never taken
                 gen.decision = "local_fallback" if prefill is not None else "local"
-                self.metrics.decisions.labels(gen.decision).inc()
                 req = self._decode_request(gen, first_token=0, local=True, epoch="")
             else:
                 gen.decision = "remote"
-                self.metrics.decisions.labels("remote").inc()
                 yield [first], ""
                 req = self._decode_request(gen, first_token=first, local=False, epoch=handle.epoch)
-            async for chunk in self._decode_stream(decode, req):
-                yield chunk
+            self.metrics.decisions.labels(gen.decision).inc()
+            async with aclosing(self._decode_stream(decode, req)) as stream:
+                async for token_ids, finish in stream:
+                    finished = bool(finish)
+                    yield token_ids, finish
         finally:
             decode.inflight -= 1
+            if handle is not None and not finished:
+                self._spawn(self._release_after(writer, decode, handle, "request ended early"))
 
     def _decode_request(self, gen: Generation, first_token: int, local: bool, epoch: str):
         return worker_pb2.DecodeRequest(
@@ -218,10 +229,15 @@ class Cluster:
         req = worker_pb2.ReserveRequest(request_id=gen.request_id, num_prompt_tokens=len(gen.prompt_ids),
                                         lease_seconds=min(LEASE_SECONDS, self.settings.prefill_timeout))
         while True:
+            call = asyncio.ensure_future(decode.stub.Reserve(req, timeout=INFO_TIMEOUT * 5))
             try:
-                handle = await decode.stub.Reserve(req, timeout=INFO_TIMEOUT * 5)
+                handle = await asyncio.shield(call)
                 self.metrics.queue_time.observe(time.monotonic() - t0)
                 return handle
+            except asyncio.CancelledError:
+                # The worker may have reserved already: release whatever the call returns.
+                self._spawn(self._release_reserved(call, decode))
+                raise
             except grpc.aio.AioRpcError as exc:
                 if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() + delay < deadline:
                     await asyncio.sleep(delay)
@@ -229,8 +245,7 @@ class Cluster:
                     continue
                 raise _worker_error(decode, exc) from None
 
-    async def _remote_prefill(self, prefill: Worker, decode: Worker, handle, gen: Generation) -> int | None:
-        """Returns the first token, or None when the decode worker should prefill locally."""
+    def _start_prefill(self, prefill: Worker, handle, gen: Generation) -> asyncio.Future:
         gen.prefill_worker = prefill.address
         gen.transport = handle.transport
         prefill.inflight += 1
@@ -239,12 +254,14 @@ class Cluster:
                                       sampling=sampling_to_proto(gen.params), handle=handle),
             timeout=self.settings.prefill_timeout))
         call.add_done_callback(lambda _: setattr(prefill, "inflight", prefill.inflight - 1))
+        return call
+
+    async def _await_prefill(self, prefill: Worker, decode: Worker, handle, call: asyncio.Future,
+                             gen: Generation) -> int | None:
+        """The first token, or None when the decode worker should prefill locally. The
+        call is shielded: a cancelled request lets the prefill end before its blocks go."""
         try:
             resp = await asyncio.shield(call)
-        except asyncio.CancelledError:
-            # The prefill may still be writing into the reserved blocks: release them only after it ends.
-            self._spawn(self._release_after(call, decode, handle, "client went away during prefill"))
-            raise
         except grpc.aio.AioRpcError as exc:
             await self._release(decode, handle, f"prefill failed: {exc.code().name}")
             if exc.code() in LOCAL_FALLBACK_CODES:
@@ -278,12 +295,20 @@ class Cluster:
             # The lease expires the blocks if the worker is alive but unreachable now.
             log.warning("release of %s on %s failed: %s", handle.request_id, decode.address, exc.code().name)
 
-    async def _release_after(self, call: asyncio.Future, decode: Worker, handle, reason: str) -> None:
-        try:
-            await call
-        except BaseException:
-            pass
+    async def _release_after(self, writer: asyncio.Future | None, decode: Worker, handle, reason: str) -> None:
+        if writer is not None:
+            try:
+                await writer
+            except BaseException:
+                pass
         await self._release(decode, handle, reason)
+
+    async def _release_reserved(self, call: asyncio.Future, decode: Worker) -> None:
+        try:
+            handle = await call
+        except BaseException:
+            return
+        await self._release(decode, handle, "request ended while reserving")
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)

@@ -1,0 +1,125 @@
+"""Bad input gets a precise 4xx with an OpenAI-style error object (gRPC: a precise
+status), and the server keeps serving afterwards."""
+from __future__ import annotations
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from services.rpc import generate_pb2, generate_pb2_grpc
+
+MSG = [{"role": "user", "content": "hi"}]
+LONG = "hello " * 9000          # well past the 8,192-token context
+
+
+def _post(cluster, path, content=None, json=None, headers=None):
+    return httpx.post(f"{cluster.http}{path}", content=content, json=json, timeout=60,
+                      headers=headers or {"content-type": "application/json"})
+
+
+BAD_CHAT = {
+    "malformed_json": b'{"messages": [',
+    "not_an_object": b"[1, 2, 3]",
+    "invalid_utf8": b'{"messages": [{"role": "user", "content": "\xff\xfe bad"}]}',
+    "messages_missing": {"max_tokens": 5},
+    "messages_empty": {"messages": []},
+    "messages_wrong_type": {"messages": "hello"},
+    "role_unknown": {"messages": [{"role": "wizard", "content": "hi"}]},
+    "content_wrong_type": {"messages": [{"role": "user", "content": 42}]},
+    "max_tokens_string": {"messages": MSG, "max_tokens": "ten"},
+    "max_tokens_bool": {"messages": MSG, "max_tokens": True},
+    "max_tokens_zero": {"messages": MSG, "max_tokens": 0},
+    "max_tokens_negative": {"messages": MSG, "max_tokens": -5},
+    "max_tokens_absurd": {"messages": MSG, "max_tokens": 10**12},
+    "temperature_negative": {"messages": MSG, "temperature": -0.5},
+    "temperature_string": {"messages": MSG, "temperature": "hot"},
+    "top_p_zero": {"messages": MSG, "top_p": 0},
+    "top_p_above_one": {"messages": MSG, "top_p": 1.5},
+    "top_k_negative": {"messages": MSG, "top_k": -3},
+    "stream_wrong_type": {"messages": MSG, "stream": "yes"},
+    "n_two": {"messages": MSG, "n": 2},
+    "prompt_too_long": {"messages": [{"role": "user", "content": LONG}]},
+    "prompt_plus_max_tokens_too_long": {"messages": [{"role": "user", "content": "hello " * 4000}],
+                                        "max_tokens": 5000},
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CHAT))
+def test_bad_chat_request_gets_400_and_server_keeps_serving(cluster, name):
+    body = BAD_CHAT[name]
+    r = _post(cluster, "/v1/chat/completions", **({"content": body} if isinstance(body, bytes) else {"json": body}))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    ok = _post(cluster, "/v1/chat/completions", json={"messages": MSG, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
+def test_context_overflow_names_the_limit(cluster):
+    r = _post(cluster, "/v1/chat/completions", json=BAD_CHAT["prompt_too_long"])
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and "8192" in err["message"]
+
+
+def test_oversized_body_is_refused(cluster):
+    r = _post(cluster, "/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "'
+              + b"a" * (9 * 1024 * 1024) + b'"}]}')
+    assert r.status_code == 400 and r.json()["error"]["code"] == "body_too_large"
+
+
+@pytest.mark.parametrize("body", [{"prompt": ""}, {"prompt": [999999]}, {"prompt": ["a", "b"]}, {"prompt": 5},
+                                  {"prompt": "hi", "max_tokens": 0}])
+def test_bad_completion_request_gets_400(cluster, body):
+    r = _post(cluster, "/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"]
+
+
+def test_unknown_model_is_404_model_not_found(cluster):
+    r = _post(cluster, "/v1/chat/completions", json={"model": "gpt-17", "messages": MSG})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    client = openai.OpenAI(base_url=f"{cluster.http}/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-17", messages=MSG)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MSG, max_tokens=-1)
+
+
+def test_models_health_ready(cluster):
+    assert httpx.get(f"{cluster.http}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{cluster.http}/ready").status_code == 200
+    models = httpx.get(f"{cluster.http}/v1/models").json()["data"]
+    assert [m["id"] for m in models] == ["SmolLM2-135M-Instruct"]
+
+
+def _grpc_generate(cluster, req):
+    with grpc.insecure_channel(cluster.grpc) as ch:
+        return list(generate_pb2_grpc.GeneratorStub(ch).Generate(req, timeout=60))
+
+
+GRPC_BAD = {
+    "no_input": (generate_pb2.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT),
+    "empty_prompt": (generate_pb2.GenerateRequest(prompt=""), grpc.StatusCode.INVALID_ARGUMENT),
+    "negative_temperature": (generate_pb2.GenerateRequest(
+        prompt="hi", sampling=generate_pb2.SamplingParams(temperature=-1)), grpc.StatusCode.INVALID_ARGUMENT),
+    "top_p_zero": (generate_pb2.GenerateRequest(
+        prompt="hi", sampling=generate_pb2.SamplingParams(top_p=0)), grpc.StatusCode.INVALID_ARGUMENT),
+    "max_tokens_zero": (generate_pb2.GenerateRequest(
+        prompt="hi", sampling=generate_pb2.SamplingParams(max_tokens=0)), grpc.StatusCode.INVALID_ARGUMENT),
+    "too_long": (generate_pb2.GenerateRequest(prompt=LONG), grpc.StatusCode.INVALID_ARGUMENT),
+    "bad_token_id": (generate_pb2.GenerateRequest(prompt_token_ids=generate_pb2.TokenIds(ids=[10**8])),
+                     grpc.StatusCode.INVALID_ARGUMENT),
+    "unknown_model": (generate_pb2.GenerateRequest(model="other", prompt="hi"), grpc.StatusCode.NOT_FOUND),
+}
+
+
+@pytest.mark.parametrize("name", list(GRPC_BAD))
+def test_grpc_bad_request_gets_precise_status(cluster, name):
+    req, code = GRPC_BAD[name]
+    with pytest.raises(grpc.RpcError) as e:
+        _grpc_generate(cluster, req)
+    assert e.value.code() == code and e.value.details()
+    ok = _grpc_generate(cluster, generate_pb2.GenerateRequest(
+        prompt="hi", sampling=generate_pb2.SamplingParams(max_tokens=2)))
+    assert ok[-1].finish_reason in ("stop", "length")

@@ -1,0 +1,133 @@
+"""Blocks are never lost: finished, cancelled and disconnected requests all return
+their KV blocks on both workers; the decode worker computes no prompt token of a
+remotely prefilled request; the local cluster stops cleanly on Ctrl-C."""
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import signal
+import time
+
+import httpx
+
+from kv_transfer.memory import live_segments
+from tests.conftest import pid_alive, start_cluster, stop_cluster
+
+STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+
+
+def _metric(text: str, name: str, labels: str = "") -> float:
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+-]+)$", text, re.M)
+    assert m, f"{name}{labels} missing from metrics"
+    return float(m.group(1))
+
+
+async def _one(client: httpx.AsyncClient, rng: random.Random, i: int) -> str:
+    body = {"messages": [{"role": "user", "content": f"Request {i}: write about the number {i}."}],
+            "max_tokens": rng.randint(4, 48), "temperature": rng.choice([0, 0.7]), "seed": i}
+    mode = rng.choice(["finish", "finish_stream", "drop_early", "drop_mid", "drop_at_once"])
+    if mode == "finish":
+        r = await client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        return mode
+    async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        if mode == "drop_at_once":
+            return mode
+        keep = {"finish_stream": 10**9, "drop_early": 1, "drop_mid": rng.randint(2, 8)}[mode]
+        n = 0
+        async for line in r.aiter_lines():
+            n += line.startswith("data:")
+            if n >= keep:
+                break
+    return mode
+
+
+def test_random_disconnects_return_every_block(cluster):
+    rng = random.Random(1234)
+
+    async def run():
+        sem = asyncio.Semaphore(6)
+        async with httpx.AsyncClient(base_url=cluster.http, timeout=120) as client:
+            async def guarded(i):
+                async with sem:
+                    return await _one(client, rng, i)
+            return await asyncio.gather(*(guarded(i) for i in range(40)))
+
+    modes = asyncio.run(run())
+    assert {"drop_early", "drop_mid", "drop_at_once", "finish", "finish_stream"} <= set(modes)
+    stats = cluster.wait_idle()
+    assert stats.info.free_blocks == stats.info.num_blocks, "decode blocks leaked"
+    assert stats.active_handoffs == 0
+    prefill = cluster.stats("prefill")
+    assert prefill.info.free_blocks == prefill.info.num_blocks, "prefill blocks leaked"
+    assert httpx.post(f"{cluster.http}/v1/chat/completions", timeout=60,
+                      json={"messages": STORY, "max_tokens": 3}).status_code == 200
+
+
+def test_disconnect_during_a_long_prefill_releases_the_reservation(cluster):
+    long_prompt = [{"role": "user", "content": "alpha beta gamma delta " * 900}]
+
+    async def run():
+        async with httpx.AsyncClient(base_url=cluster.http, timeout=60) as client:
+            async with client.stream("POST", "/v1/chat/completions",
+                                     json={"messages": long_prompt, "max_tokens": 50, "stream": True}) as r:
+                assert r.status_code == 200
+                # the first line is the role chunk, sent before prefill finishes: leave now
+                async for _ in r.aiter_lines():
+                    break
+
+    asyncio.run(run())
+    stats = cluster.wait_idle(timeout=60)
+    assert stats.info.free_blocks == stats.info.num_blocks and stats.active_handoffs == 0
+
+
+def test_decode_worker_computes_no_prompt_tokens_and_kv_bytes_cross(cluster):
+    before = cluster.stats("decode")
+    r = httpx.post(f"{cluster.http}/v1/chat/completions", timeout=60,
+                   json={"messages": STORY, "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200
+    route = dict(p.split("=", 1) for p in r.headers["x-pdserve-route"].split(";"))
+    assert route["decision"] == "remote" and route["transport"] == "shm" and int(route["kv_bytes"]) > 0
+    after = cluster.stats("decode")
+    prefill = cluster.stats("prefill")
+    assert after.prompt_tokens_computed == 0
+    assert after.kv_bytes_received - before.kv_bytes_received == int(route["kv_bytes"])
+    assert prefill.prompt_tokens_computed > 0 and prefill.kv_bytes_sent >= after.kv_bytes_received
+
+    decode_metrics = httpx.get(cluster.metrics_url("decode")).text
+    assert _metric(decode_metrics, "pdserve_prompt_tokens_computed_total") == 0
+    assert _metric(decode_metrics, "pdserve_kv_transfer_bytes_total", '{backend="shm",direction="received"}') > 0
+    prefill_metrics = httpx.get(cluster.metrics_url("prefill")).text
+    assert _metric(prefill_metrics, "pdserve_kv_transfer_bytes_total", '{backend="shm",direction="sent"}') > 0
+    router_metrics = httpx.get(f"{cluster.http}/metrics").text
+    assert _metric(router_metrics, "pdserve_disaggregation_decisions_total", '{decision="remote"}') > 0
+    assert "pdserve_time_to_first_token_seconds_bucket" in router_metrics
+
+
+def test_same_seed_same_output(cluster):
+    body = {"messages": STORY, "max_tokens": 24, "temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 7,
+            "return_token_ids": True}
+    runs = [httpx.post(f"{cluster.http}/v1/chat/completions", json=body, timeout=60).json() for _ in range(2)]
+    other = httpx.post(f"{cluster.http}/v1/chat/completions", json={**body, "seed": 8}, timeout=60).json()
+    assert runs[0]["choices"][0]["token_ids"] == runs[1]["choices"][0]["token_ids"]
+    assert runs[0]["choices"][0]["token_ids"] != other["choices"][0]["token_ids"]
+
+
+def test_up_stops_every_process_on_ctrl_c_bfloat16(model_dir):
+    """A separate cluster in the default dtype: serve one request, SIGINT, nothing left."""
+    c = start_cluster(dtype="bfloat16")
+    try:
+        r = httpx.post(f"{c.http}/v1/chat/completions", timeout=60, json={"messages": STORY, "max_tokens": 5})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        decode_pid = c.info["decode"]["pid"]
+        assert live_segments(decode_pid), "decode pool should live in shared memory"
+    finally:
+        code = stop_cluster(c, signal.SIGINT)
+    assert code == 0
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in c.pids()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(pid_alive(p) for p in c.pids())
+    assert not live_segments(decode_pid)
