@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import enum
 import importlib
+import logging
+import time
 from dataclasses import dataclass
 from typing import ClassVar, Protocol, Sequence
 
 from kv_transfer.memory import KVPoolMemory
+
+log = logging.getLogger(__name__)
 
 
 class TransferState(enum.Enum):
@@ -29,6 +33,10 @@ class TransferError(Exception):
 
 class IncompatiblePeer(TransferError):
     """The peer's KV layout or model differs: pairing is refused."""
+
+
+class TransferTimeout(TransferError):
+    """A transfer did not complete before its deadline (a dead or stuck peer)."""
 
 
 @dataclass(frozen=True)
@@ -62,8 +70,14 @@ class KVTransport(Protocol):
 # name -> "module:Class"; imported only when chosen.
 BACKENDS: dict[str, str] = {
     "shm": "kv_transfer.shm:ShmTransport",
+    "nixl": "kv_transfer.nixl:NixlTransport",
+    "tcp": "kv_transfer.tcp:TcpTransport",
     "fake": "kv_transfer.fake:FakeTransport",
 }
+
+
+# Fastest first: same-host shared memory, then NIXL (RDMA/NVLink, UCX here), then TCP.
+PREFERENCE: tuple[str, ...] = ("shm", "nixl", "tcp")
 
 
 def create_transport(name: str, **kwargs) -> KVTransport:
@@ -89,3 +103,81 @@ def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, i
                 continue
         runs.append((s, d, 1))
     return runs
+
+
+def wait_for(transport: KVTransport, xfers: Sequence[TransferId], deadline: float,
+             first_sleep: float = 0.0001, max_sleep: float = 0.005) -> None:
+    """Poll `xfers` with exponential back-off until all are DONE.
+
+    Raises TransferError on a FAILED/EXPIRED transfer and TransferTimeout once
+    `time.monotonic()` passes `deadline`: no transfer is ever waited on forever."""
+    pending = list(xfers)
+    sleep = first_sleep
+    while pending:
+        still = []
+        for x in pending:
+            state = transport.poll(x)
+            if state is TransferState.DONE:
+                continue
+            if state is not TransferState.PENDING:
+                raise TransferError(f"transfer {x} ended {state.value}")
+            still.append(x)
+        pending = still
+        if not pending:
+            return
+        if time.monotonic() >= deadline:
+            raise TransferTimeout(f"{len(pending)} transfer(s) still pending at the deadline")
+        time.sleep(sleep)
+        sleep = min(sleep * 2, max_sleep)
+
+
+def open_transports(choice: str, options: dict[str, dict] | None = None,
+                    drop_rate: float = 0.0) -> dict[str, KVTransport]:
+    """The backends a worker offers or uses, in preference order.
+
+    `auto` opens every backend that works on this machine (one that cannot, e.g. NIXL
+    without its library, is logged and skipped); a name opens exactly that one.
+    `drop_rate` wraps each in a fault injector (tests of failed transfers)."""
+    names = PREFERENCE if choice == "auto" else (choice,)
+    options = options or {}
+    out: dict[str, KVTransport] = {}
+    for name in names:
+        try:
+            t = create_transport(name, **options.get(name, {}))
+        except Exception as exc:              # a missing library or device
+            if choice != "auto":
+                raise TransferError(f"KV transport {name!r} is not available here: {exc}") from exc
+            log.info("KV transport %s is not available here (%s); skipping it", name, exc)
+            continue
+        if drop_rate > 0:
+            from kv_transfer.fault import DroppingTransport
+            t = DroppingTransport(t, drop_rate)
+        out[name] = t
+    if not out:
+        raise TransferError("no KV transport is available")
+    return out
+
+
+def pair(offers: Sequence[tuple[str, bytes]], transports: dict[str, KVTransport], compat_hash: str,
+         on_fallback=None) -> tuple[KVTransport, PeerHandle, bool]:
+    """Connect through the fastest backend both sides have (PREFERENCE order).
+
+    A backend that cannot pair (e.g. shared memory across hosts) is logged, reported
+    through `on_fallback(failed, next_or_None)`, and the next one is tried; a layout
+    mismatch refuses at once. Returns (transport, peer, whether a fallback happened)."""
+    usable = sorted(((b, m) for b, m in offers if b in transports), key=lambda o: PREFERENCE.index(o[0]))
+    if not usable:
+        raise IncompatiblePeer(f"no common KV transport: the peer offers {[b for b, _ in offers]}, "
+                               f"this worker has {list(transports)}")
+    for i, (backend, meta) in enumerate(usable):
+        try:
+            return transports[backend], transports[backend].connect(meta, compat_hash), i > 0
+        except IncompatiblePeer:
+            raise
+        except TransferError as exc:
+            nxt = usable[i + 1][0] if i + 1 < len(usable) else None
+            log.warning("KV transport %s cannot pair (%s); %s", backend, exc,
+                        f"falling back to {nxt}" if nxt else "no other transport left")
+            if on_fallback is not None:
+                on_fallback(backend, nxt)
+    raise TransferError("no KV transport could pair with the peer")

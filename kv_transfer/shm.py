@@ -37,9 +37,12 @@ class ShmTransport:
         if not meta.get("path"):
             raise TransferError("peer pool is not in shared memory")
         path = meta["path"]
+        # Checked on every connect, cached or not: a restarted peer's successor removes
+        # the old segment, so a stale handle cannot write into memory nobody reads.
+        if not Path(path).exists():
+            self.close(PeerHandle(path))
+            raise TransferError(f"peer shared memory {path} is gone (the peer restarted or died)")
         if path not in self._peers:
-            if not Path(path).exists():
-                raise TransferError(f"peer shared memory {path} is gone (peer restarted?)")
             self._peers[path] = KVPoolMemory.attach(Path(path), KVLayout(**meta["layout"]))
         return PeerHandle(peer_id=path)
 

@@ -5,7 +5,7 @@ import argparse
 import asyncio
 import sys
 
-from services.common.settings import DTYPES, RouterSettings, WorkerSettings, env_default
+from services.common.settings import DTYPES, KV_TRANSPORTS, RouterSettings, WorkerSettings, env_default
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -18,7 +18,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=env_default("dtype", "bfloat16"), choices=DTYPES)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--kv-transport", default="shm", choices=["shm"], help="KV transfer backend")
+    p.add_argument("--kv-transport", default=env_default("kv_transport", "auto"), choices=KV_TRANSPORTS,
+                   help="KV transfer backend; auto offers/uses the fastest that works for each pair")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: automatic)")
 
@@ -29,6 +30,9 @@ def _worker_args(p: argparse.ArgumentParser, decode: bool) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
     p.add_argument("--metrics-port", type=int, default=0)
+    p.add_argument("--advertise", default=None, help="host peers use to reach this worker (default: --host)")
+    p.add_argument("--fault-drop-transfers", type=float, default=0.0,
+                   help="fault testing: fraction of KV transfers to drop midway")
     p.add_argument("--announce-file", default=None, help=argparse.SUPPRESS)
     if decode:
         p.add_argument("--kv-cache-tokens", type=int, default=65536, help="KV pool size in tokens")
@@ -72,7 +76,9 @@ def _worker_settings(role: str, a) -> WorkerSettings:
     extra = {"kv_cache_tokens": a.kv_cache_tokens, "max_batch": a.max_batch} if role == "decode" else {}
     return WorkerSettings(role=role, model=a.model, dtype=a.dtype, device=a.device, block_size=a.block_size,
                           threads=a.threads, host=a.host, grpc_port=a.port, metrics_port=a.metrics_port,
-                          kv_transport=a.kv_transport, announce_file=a.announce_file, log_level=a.log_level,
+                          kv_transport=a.kv_transport, advertise=a.advertise,
+                          fault_drop_transfers=a.fault_drop_transfers, announce_file=a.announce_file,
+                          log_level=a.log_level,
                           **extra)
 
 

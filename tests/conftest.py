@@ -27,6 +27,12 @@ def model_dir() -> Path:
     return ensure_default_model()
 
 
+@pytest.fixture(scope="session")
+def expected(model_dir):
+    from tests.parity_cases import generate_expected
+    return generate_expected(model_dir)
+
+
 @dataclass
 class RunningCluster:
     proc: subprocess.Popen
@@ -108,3 +114,101 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Services:
+    """Router, prefill and decode started one by one, so tests can kill and restart
+    any of them (on the same port, as a supervisor would)."""
+
+    def __init__(self, dtype: str = "float32", transport: str = "auto") -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="pdserve-svc-"))
+        self.common = ["--dtype", dtype, "--threads", "1", "--kv-transport", transport, "--log-level", "warning"]
+        self.ports = {"decode": free_port(), "prefill": free_port()}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.info: dict[str, dict] = {}
+
+    def _spawn(self, role: str, argv: list[str]) -> dict:
+        announce = self.tmp / f"{role}.json"
+        announce.unlink(missing_ok=True)
+        log = open(self.tmp / f"{role}.log", "ab")
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", role, *argv, "--announce-file", str(announce)],
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        self.procs[role] = proc
+        deadline = time.monotonic() + START_TIMEOUT
+        while not announce.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{role} failed to start:\n{(self.tmp / f'{role}.log').read_text()[-3000:]}")
+            time.sleep(0.05)
+        self.info[role] = json.loads(announce.read_text())
+        return self.info[role]
+
+    def start_worker(self, role: str, *extra: str) -> dict:
+        argv = [*self.common, "--port", str(self.ports[role]), *extra]
+        if role == "decode":
+            argv += ["--kv-cache-tokens", "16384"]
+        return self._spawn(role, argv)
+
+    def start_router(self, *extra: str) -> dict:
+        return self._spawn("router", ["--http-port", "0", "--grpc-port", "0", "--log-level", "warning",
+                                      "--decode", self.addr("decode"), "--prefill", self.addr("prefill"), *extra])
+
+    def start_all(self) -> "Services":
+        self.start_worker("decode")
+        self.start_worker("prefill")
+        self.start_router()
+        return self
+
+    def addr(self, role: str) -> str:
+        return f"127.0.0.1:{self.ports[role]}"
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.info['router']['http_port']}"
+
+    def kill(self, role: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs.pop(role)
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+
+    def stats(self, role: str) -> worker_pb2.WorkerStats:
+        with grpc.insecure_channel(self.addr(role)) as ch:
+            stub = (worker_pb2_grpc.DecodeWorkerStub if role == "decode" else worker_pb2_grpc.PrefillWorkerStub)(ch)
+            return stub.Stats(worker_pb2.InfoRequest(), timeout=10)
+
+    def wait_idle(self, timeout: float = 30.0) -> worker_pb2.WorkerStats:
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.stats("decode")
+            if (s.info.free_blocks == s.info.num_blocks and s.active_handoffs == 0
+                    and s.info.running == 0 and s.info.waiting == 0) or time.monotonic() > deadline:
+                return s
+            time.sleep(0.1)
+
+    def wait_routable(self, timeout: float = 30.0) -> None:
+        """Until the router routes a request remotely again (its refresh saw the workers)."""
+        import httpx
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            r = httpx.post(f"{self.http}/v1/completions", timeout=60, json={"prompt": "ping", "max_tokens": 1})
+            if r.status_code == 200 and "decision=remote" in r.headers.get("x-pdserve-route", ""):
+                return
+            time.sleep(0.3)
+        raise AssertionError("router did not route remotely again in time")
+
+    def stop(self) -> None:
+        for role in ("router", "prefill", "decode"):
+            proc = self.procs.pop(role, None)
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()

@@ -6,44 +6,71 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from kv_transfer.base import IncompatiblePeer, TransferState, block_runs, create_transport
+import time
+
+from kv_transfer.base import IncompatiblePeer, TransferState, block_runs, create_transport, wait_for
 from kv_transfer.fake import FakeFabric, FakeTransport
 from kv_transfer.memory import KVLayout, KVPoolMemory, compat_hash, live_segments
 
 LAYOUT = KVLayout(num_layers=3, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 
 
-def _writer(meta: bytes, compat: str, src_blocks, dst_blocks, seed: int, q) -> None:
+def _writer(backend: str, layout: KVLayout, meta: bytes, compat: str, src_blocks, dst_blocks, seed: int, q) -> None:
     torch.manual_seed(seed)
-    local = KVPoolMemory.allocate(KVLayout(**{**LAYOUT.__dict__, "num_blocks": 8}))
+    local = KVPoolMemory.allocate(KVLayout(**{**layout.__dict__, "num_blocks": 8}))
     local.tensor.copy_(torch.randn(local.tensor.shape))
-    t = create_transport("shm")
+    t = create_transport(backend)
     t.register(local, compat)
     peer = t.connect(meta, compat)
-    for layer in range(LAYOUT.num_layers):            # layer by layer, as prefill does
-        assert t.poll(t.write(peer, src_blocks, dst_blocks, range(layer, layer + 1))) is TransferState.DONE
-    q.put(local.tensor[:, :, src_blocks].clone().numpy())
+    xfers = [t.write(peer, src_blocks, dst_blocks, range(layer, layer + 1))   # layer by layer, as prefill does
+             for layer in range(layout.num_layers)]
+    wait_for(t, xfers, time.monotonic() + 30)
+    q.put(local.tensor[:, :, src_blocks].view(torch.uint8).clone().numpy())
     t.shutdown()
 
 
-def test_shm_moves_bit_identical_blocks_between_processes():
-    pool = KVPoolMemory.allocate(LAYOUT, shared=True)
-    compat = compat_hash("m", LAYOUT)
-    t = create_transport("shm")
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_backend_moves_bit_identical_blocks_between_processes(backend, dtype):
+    layout = KVLayout(**{**LAYOUT.__dict__, "dtype": dtype})
+    pool = KVPoolMemory.allocate(layout, shared=backend == "shm")
+    compat = compat_hash("m", layout)
+    t = create_transport(backend)
     meta = t.register(pool, compat)
     src, dst = [0, 1, 2, 5], [9, 10, 11, 3]
-    q = mp.get_context("spawn").Queue()
-    p = mp.get_context("spawn").Process(target=_writer, args=(meta, compat, src, dst, 7, q))
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_writer, args=(backend, layout, meta, compat, src, dst, 7, q))
     p.start()
     sent = torch.from_numpy(q.get(timeout=60))
     p.join(60)
     assert p.exitcode == 0
-    assert torch.equal(pool.tensor[:, :, dst], sent)
+    assert torch.equal(pool.tensor[:, :, dst].view(torch.uint8), sent)
     untouched = [i for i in range(LAYOUT.num_blocks) if i not in dst]
     assert torch.count_nonzero(pool.tensor[:, :, untouched]) == 0
+    t.shutdown()
     path = pool.path
     pool.close()
-    assert not path.exists() and path not in live_segments()
+    if path is not None:
+        assert not path.exists() and path not in live_segments()
+
+
+def test_tcp_write_to_a_dead_peer_fails_instead_of_hanging():
+    pool = KVPoolMemory.allocate(LAYOUT)
+    receiver = create_transport("tcp")
+    meta = receiver.register(pool, "h")
+    sender = create_transport("tcp", io_timeout=2.0)
+    local = KVPoolMemory.allocate(LAYOUT)
+    sender.register(local, "h")
+    peer = sender.connect(meta, "h")
+    wait_for(sender, [sender.write(peer, [0], [1])], time.monotonic() + 10)
+    receiver.shutdown()                                  # the peer goes away
+    t0 = time.monotonic()
+    with pytest.raises(Exception):
+        for _ in range(50):                              # the loss is noticed within a few writes
+            wait_for(sender, [sender.write(peer, [0, 1, 2, 3], [4, 5, 6, 7])], time.monotonic() + 5)
+    assert time.monotonic() - t0 < 15
+    sender.shutdown()
 
 
 def test_mismatched_layout_refuses_to_pair():
@@ -77,3 +104,27 @@ def test_block_runs_merge_consecutive_pairs():
     assert create_transport("fake").name == "fake"
     with pytest.raises(ValueError):
         create_transport("carrier-pigeon")
+
+
+def test_pairing_prefers_the_fastest_backend_and_falls_back_loudly():
+    from kv_transfer.base import pair
+    pool = KVPoolMemory.allocate(LAYOUT, shared=True)
+    try:
+        shm, tcp = create_transport("shm"), create_transport("tcp")
+        offers = [("tcp", tcp.register(pool, "h")), ("shm", shm.register(pool, "h"))]
+        writers = {"shm": create_transport("shm"), "tcp": create_transport("tcp")}
+        t, _, fell_back = pair(offers, writers, "h")
+        assert t.name == "shm" and not fell_back
+        # shared memory that is not reachable from here (another host): pair over TCP, and say so
+        gone = json.dumps({**json.loads(offers[1][1]), "path": "/dev/shm/pdserve-kv-0-elsewhere"}).encode()
+        seen = []
+        t, _, fell_back = pair([offers[0], ("shm", gone)], writers, "h", lambda a, b: seen.append((a, b)))
+        assert t.name == "tcp" and fell_back and seen == [("shm", "tcp")]
+        with pytest.raises(IncompatiblePeer):
+            pair(offers, writers, "other-hash")
+        with pytest.raises(IncompatiblePeer, match="no common"):
+            pair([("nixl", b"{}")], {"tcp": writers["tcp"]}, "h")
+        for x in [shm, tcp, *writers.values()]:
+            x.shutdown()
+    finally:
+        pool.close()

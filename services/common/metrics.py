@@ -18,6 +18,9 @@ class WorkerMetrics:
                                 ["direction", "backend"], registry=r)
         self.kv_transfer_seconds = Histogram("pdserve_kv_transfer_seconds", "Time spent in KV writes per request",
                                              ["backend"], buckets=LATENCY_BUCKETS, registry=r)
+        self.transport_fallbacks = Counter("pdserve_kv_transport_fallbacks",
+                                           "A preferred KV transport failed to pair; the next was used",
+                                           ["failed", "used"], registry=r)
         self.handoffs = Counter("pdserve_kv_handoffs", "KV handoffs by final state", ["outcome"], registry=r)
         self.requests = Counter("pdserve_worker_requests", "Requests finished by reason", ["reason"], registry=r)
         self.blocks_total = Gauge("pdserve_kv_blocks_total", "KV blocks in the pool", registry=r)

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 
 DTYPES = ("bfloat16", "float32", "float16")
+KV_TRANSPORTS = ("auto", "shm", "nixl", "tcp")
 
 
 def env_default(name: str, default: str | None = None) -> str | None:
@@ -27,11 +28,17 @@ class WorkerSettings:
     host: str = "127.0.0.1"
     grpc_port: int = 0
     metrics_port: int = 0
-    kv_transport: str = "shm"
+    kv_transport: str = "auto"
+    advertise: str | None = None        # host peers use to reach this worker (default: host)
+    fault_drop_transfers: float = 0.0   # tests only: fraction of KV transfers dropped midway
     announce_file: str | None = None
     log_level: str = "info"
 
     def __post_init__(self) -> None:
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ValueError(f"--kv-transport must be one of {', '.join(KV_TRANSPORTS)}")
+        if not 0.0 <= self.fault_drop_transfers <= 1.0:
+            raise ValueError("--fault-drop-transfers must be in [0, 1]")
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, not {self.role!r}")
         if self.dtype not in DTYPES:
@@ -42,6 +49,9 @@ class WorkerSettings:
             raise ValueError("--kv-cache-tokens must hold at least one block")
         if self.max_batch < 1:
             raise ValueError("--max-batch must be at least 1")
+
+    def transport_options(self) -> dict[str, dict]:
+        return {"tcp": {"host": self.host, "advertise": self.advertise or self.host}}
 
 
 @dataclass
@@ -55,7 +65,7 @@ class RouterSettings:
     decode: list[str] = field(default_factory=list)
     max_pending: int = 512              # admitted requests beyond this get 429
     request_timeout: float = 600.0
-    prefill_timeout: float = 120.0
+    prefill_timeout: float = 120.0      # also the KV write lease a reservation asks for
     max_body_bytes: int = 8 * 1024 * 1024
     announce_file: str | None = None
     log_level: str = "info"

@@ -23,7 +23,7 @@ import uuid
 
 import grpc
 
-from kv_transfer.base import create_transport
+from kv_transfer.base import open_transports
 from kv_transfer.handoff import HandoffError, HandoffState, HandoffTable
 from kv_transfer.memory import KVPoolMemory, sweep_stale_segments
 from services.common.metrics import WorkerMetrics
@@ -52,10 +52,12 @@ class DecodeEngine:
         self.layout = runner.layout(num_blocks, settings.block_size)
         self.compat_hash = runner.compat_hash(self.layout)
         sweep_stale_segments()
-        self.memory = KVPoolMemory.allocate(self.layout, shared=settings.kv_transport == "shm",
+        self.transports = open_transports(settings.kv_transport, settings.transport_options())
+        self.memory = KVPoolMemory.allocate(self.layout, shared="shm" in self.transports,
                                             device=str(runner.device))
-        self.transport = create_transport(settings.kv_transport)
-        self.transport_meta = self.transport.register(self.memory, self.compat_hash)
+        self.offers = [worker_pb2.TransportOffer(backend=name, meta=t.register(self.memory, self.compat_hash))
+                       for name, t in self.transports.items()]
+        log.info("decode worker offers KV transports: %s", ", ".join(self.transports))
         self.pool = BlockPool(num_blocks, settings.block_size)
         self.scheduler = Scheduler(self.pool, settings.max_batch)
         self.handoffs = HandoffTable(self.epoch)
@@ -94,7 +96,7 @@ class DecodeEngine:
         log.info("request %s: reservation released (%s)", request_id, reason or "no reason given")
         return True
 
-    def admit(self, seq: Sequence, epoch: str | None, sink, kv_bytes: int) -> str | None:
+    def admit(self, seq: Sequence, epoch: str | None, sink, kv_bytes: int, backend: str) -> str | None:
         """Start decoding `seq`; `sink(token_ids, finish_reason)` receives its output from
         the engine thread. With an epoch the prompt KV came through a handoff."""
         with self._lock:
@@ -106,7 +108,7 @@ class DecodeEngine:
                 self.handoffs.advance(h, HandoffState.DECODING)
                 seq.block_ids = list(h.block_ids)
                 self.kv_bytes_received += kv_bytes
-                self.metrics.kv_bytes.labels("received", self.transport.name).inc(kv_bytes)
+                self.metrics.kv_bytes.labels("received", backend).inc(kv_bytes)
                 reason = self.scheduler.add_prefilled(seq)
                 if reason:
                     self.handoffs.pop(seq.request_id, HandoffState.RELEASED)
@@ -130,7 +132,8 @@ class DecodeEngine:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
-        self.transport.shutdown()
+        for t in self.transports.values():
+            t.shutdown()
         self.memory.close()
 
     # ---- engine thread ----
@@ -230,7 +233,7 @@ class DecodeEngine:
                 num_blocks=self.pool.num_blocks, free_blocks=self.pool.num_free,
                 running=len(self.scheduler.running),
                 waiting=len(self.scheduler.waiting) + len(self.scheduler.ready),
-                max_model_len=self.runner.max_model_len, kv_transport=self.transport.name)
+                max_model_len=self.runner.max_model_len, kv_transports=list(self.transports))
 
 
 class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
@@ -255,8 +258,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return worker_pb2.KVHandle(
             request_id=h.request_id, epoch=e.epoch, block_ids=h.block_ids, num_tokens=h.num_tokens,
-            write_deadline=h.write_deadline, transport=e.transport.name, transport_meta=e.transport_meta,
-            compat_hash=e.compat_hash)
+            write_deadline=h.write_deadline, offers=e.offers, compat_hash=e.compat_hash)
 
     async def Release(self, request, context):
         try:
@@ -281,7 +283,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         tokens = prompt if request.local_prefill else prompt + [request.first_token_id]
         seq = Sequence(request.request_id, tokens, len(prompt), params, e.eos)
         try:
-            reason = e.admit(seq, None if request.local_prefill else request.epoch, sink, request.kv_bytes)
+            reason = e.admit(seq, None if request.local_prefill else request.epoch, sink, request.kv_bytes,
+                             request.transport)
         except HandoffError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         if reason:

@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from kv_transfer.base import PeerHandle, TransferError, create_transport
+from kv_transfer.base import (IncompatiblePeer, KVTransport, PeerHandle, TransferError, open_transports, pair,
+                              wait_for)
 from kv_transfer.memory import KVPoolMemory
 from services.common.metrics import WorkerMetrics
 from services.common.settings import WorkerSettings
@@ -51,66 +52,79 @@ class PrefillEngine:
         self.compat_hash = runner.compat_hash(self.layout)
         self.memory = KVPoolMemory.allocate(self.layout, device=str(runner.device))
         self.pool = BlockPool(num_blocks, settings.block_size)
-        self.transport = create_transport(settings.kv_transport)
-        self.transport.register(self.memory, self.compat_hash)
-        self._peers: dict[bytes, PeerHandle] = {}
+        self.transports = open_transports(settings.kv_transport, settings.transport_options(),
+                                          drop_rate=settings.fault_drop_transfers)
+        for t in self.transports.values():
+            t.register(self.memory, self.compat_hash)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-engine")
-        self._lock = threading.Lock()
         self.queued = 0
         self.prompt_tokens_computed = 0
         self.kv_bytes_sent = 0
         metrics.blocks_total.set(num_blocks)
         metrics.blocks_free.set(num_blocks)
 
-    def _peer(self, meta: bytes, compat: str) -> PeerHandle:
-        if compat != self.compat_hash:
-            raise TransferError(f"decode worker layout {compat} differs from ours {self.compat_hash}")
-        peer = self._peers.get(meta)
-        if peer is None:
-            peer = self._peers[meta] = self.transport.connect(meta, self.compat_hash)
-        return peer
+    def _pair(self, handle) -> tuple[KVTransport, PeerHandle, bool]:
+        if handle.compat_hash != self.compat_hash:
+            raise IncompatiblePeer(f"decode worker KV layout {handle.compat_hash} differs from ours "
+                                   f"{self.compat_hash} (model, dtype, block size or protocol): refusing to pair")
+        return pair([(o.backend, o.meta) for o in handle.offers], self.transports, self.compat_hash,
+                    lambda failed, used: self.metrics.transport_fallbacks.labels(failed, used or "none").inc())
+
+    def _forget(self, t: KVTransport, peer: PeerHandle) -> None:
+        """Drop a connection that failed, so the next request reconnects."""
+        t.close(peer)
 
     def prefill(self, req: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
         handle = req.handle
         tokens = list(req.prompt_token_ids)
-        if handle.transport != self.transport.name:
-            raise TransferError(f"handle wants transport {handle.transport!r}, this worker has {self.transport.name!r}")
         if handle.num_tokens != len(tokens) or len(handle.block_ids) != self.pool.blocks_for(len(tokens)):
             raise TransferError("handle does not match the prompt length")
-        peer = self._peer(handle.transport_meta, handle.compat_hash)
+        # The lease is wall-clock (it crosses processes); waits below use the monotonic clock.
+        deadline = time.monotonic() + (handle.write_deadline - time.time())
+        transport, peer, fell_back = self._pair(handle)
         params = sampling_from_proto(req.sampling)
         blocks = self.pool.allocate(len(handle.block_ids))
         dst = list(handle.block_ids)
-        layer_bytes = self.layout.block_bytes_per_layer * len(blocks)
-        xfer_seconds = 0.0
+        xfers: list[int] = []
 
         def push_layer(layer: int) -> None:
-            nonlocal xfer_seconds
-            if time.time() >= handle.write_deadline:
+            if time.monotonic() >= deadline:
                 raise LeaseExpired(f"write deadline passed at layer {layer}")
-            t = time.perf_counter()
-            self.transport.write(peer, blocks, dst, range(layer, layer + 1))
-            xfer_seconds += time.perf_counter() - t
+            xfers.append(transport.write(peer, blocks, dst, range(layer, layer + 1)))
 
         t0 = time.perf_counter()
         try:
             self.metrics.blocks_free.set(self.pool.num_free)
             logits = self.runner.prefill(self.memory, tokens, blocks, on_layer=push_layer)
             first = sample(logits[None], [params], [0], self.eos)[0]
+            computed = time.perf_counter()
+            wait_for(transport, xfers, deadline)
+        except BaseException:
+            self._drain(transport, peer, xfers, deadline)
+            raise
         finally:
             self.pool.free(blocks)
             self.metrics.blocks_free.set(self.pool.num_free)
-        elapsed = time.perf_counter() - t0
-        kv_bytes = layer_bytes * self.layout.num_layers
+        done = time.perf_counter()
+        kv_bytes = self.layout.block_bytes_per_layer * len(blocks) * self.layout.num_layers
         self.prompt_tokens_computed += len(tokens)
         self.kv_bytes_sent += kv_bytes
         self.metrics.prompt_tokens_computed.inc(len(tokens))
         self.metrics.generated_tokens.inc()
-        self.metrics.kv_bytes.labels("sent", self.transport.name).inc(kv_bytes)
-        self.metrics.kv_transfer_seconds.labels(self.transport.name).observe(xfer_seconds)
-        self.metrics.step_seconds.labels("prefill").observe(elapsed)
-        return worker_pb2.PrefillResponse(first_token_id=first, kv_bytes=kv_bytes, prefill_seconds=elapsed,
-                                          transfer_seconds=xfer_seconds, transport=self.transport.name)
+        self.metrics.kv_bytes.labels("sent", transport.name).inc(kv_bytes)
+        self.metrics.kv_transfer_seconds.labels(transport.name).observe(done - computed)
+        self.metrics.step_seconds.labels("prefill").observe(done - t0)
+        return worker_pb2.PrefillResponse(first_token_id=first, kv_bytes=kv_bytes, prefill_seconds=done - t0,
+                                          transfer_seconds=done - computed, transport=transport.name,
+                                          transport_fallback=fell_back)
+
+    def _drain(self, transport: KVTransport, peer: PeerHandle, xfers: list[int], deadline: float) -> None:
+        """After a failure, let writes already posted end (or give up on the link) before
+        the staging blocks are reused, so no stale bytes can follow."""
+        try:
+            wait_for(transport, xfers, min(deadline, time.monotonic() + 5))
+        except TransferError:
+            self._forget(transport, peer)
 
     async def submit(self, req: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
         self.queued += 1
@@ -125,11 +139,12 @@ class PrefillEngine:
         return worker_pb2.WorkerInfo(
             role="prefill", epoch=self.epoch, compat_hash=self.compat_hash, model_name=self.runner.model_dir.name,
             block_size=self.layout.block_size, num_blocks=self.pool.num_blocks, free_blocks=self.pool.num_free,
-            waiting=self.queued, max_model_len=self.runner.max_model_len, kv_transport=self.transport.name)
+            waiting=self.queued, max_model_len=self.runner.max_model_len, kv_transports=list(self.transports))
 
     def stop(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
-        self.transport.shutdown()
+        for t in self.transports.values():
+            t.shutdown()
         self.memory.close()
 
 
@@ -152,8 +167,12 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         except NoFreeBlocks as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except (TransferError, ValueError) as exc:
+        except IncompatiblePeer as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except TransferError as exc:
+            await context.abort(grpc.StatusCode.ABORTED, f"KV transfer failed: {exc}")
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
 
 def build(settings: WorkerSettings, runner: ModelRunner, eos: frozenset[int], metrics: WorkerMetrics):

@@ -33,9 +33,13 @@ log = logging.getLogger(__name__)
 
 INFO_TIMEOUT = 2.0
 REFRESH_SECONDS = 1.0
-LEASE_SECONDS = 60.0
-# A prefill may fail for these reasons without having touched the decode worker's blocks.
-LOCAL_FALLBACK_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# The prefill RPC outlives the write lease by this much, so a prefill that reaches the
+# router's deadline has already stopped writing.
+PREFILL_RPC_MARGIN = 5.0
+# Prefill failures after which the decode worker prefills locally instead: the prefill
+# worker is gone or full, or the KV transfer failed or ran out of lease. Each is counted.
+LOCAL_FALLBACK_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
 @dataclass
@@ -69,6 +73,7 @@ class Generation:
     decode_worker: str = ""
     prefill_worker: str = ""
     transport: str = ""
+    transport_fallback: bool = False
     kv_bytes: int = 0
     completion_tokens: int = 0
     finish_reason: str | None = None
@@ -219,7 +224,7 @@ class Cluster:
         return worker_pb2.DecodeRequest(
             request_id=gen.request_id, epoch=epoch, prompt_token_ids=gen.prompt_ids, first_token_id=first_token,
             sampling=sampling_to_proto(gen.params), max_tokens=gen.params.max_tokens, kv_bytes=gen.kv_bytes,
-            local_prefill=local)
+            local_prefill=local, transport=gen.transport)
 
     async def _reserve(self, decode: Worker, gen: Generation) -> worker_pb2.KVHandle:
         """Reserve prompt blocks; while the pool is full, wait (this is the queue)."""
@@ -227,7 +232,7 @@ class Cluster:
         deadline = t0 + self.settings.request_timeout
         delay = 0.01
         req = worker_pb2.ReserveRequest(request_id=gen.request_id, num_prompt_tokens=len(gen.prompt_ids),
-                                        lease_seconds=min(LEASE_SECONDS, self.settings.prefill_timeout))
+                                        lease_seconds=self.settings.prefill_timeout)
         while True:
             call = asyncio.ensure_future(decode.stub.Reserve(req, timeout=INFO_TIMEOUT * 5))
             try:
@@ -247,12 +252,11 @@ class Cluster:
 
     def _start_prefill(self, prefill: Worker, handle, gen: Generation) -> asyncio.Future:
         gen.prefill_worker = prefill.address
-        gen.transport = handle.transport
         prefill.inflight += 1
         call = asyncio.ensure_future(prefill.stub.Prefill(
             worker_pb2.PrefillRequest(request_id=gen.request_id, prompt_token_ids=gen.prompt_ids,
                                       sampling=sampling_to_proto(gen.params), handle=handle),
-            timeout=self.settings.prefill_timeout))
+            timeout=self.settings.prefill_timeout + PREFILL_RPC_MARGIN))
         call.add_done_callback(lambda _: setattr(prefill, "inflight", prefill.inflight - 1))
         return call
 
@@ -270,6 +274,8 @@ class Cluster:
                 return None
             raise _worker_error(prefill, exc) from None
         gen.kv_bytes = resp.kv_bytes
+        gen.transport = resp.transport
+        gen.transport_fallback = resp.transport_fallback
         self.metrics.kv_bytes.labels(resp.transport).inc(resp.kv_bytes)
         return resp.first_token_id
 

@@ -122,7 +122,10 @@ def error_response(exc: APIError) -> JSONResponse:
 def route_header(gen: Generation) -> dict[str, str]:
     parts = [f"decision={gen.decision}", f"decode={gen.decode_worker}"]
     if gen.prefill_worker:
-        parts += [f"prefill={gen.prefill_worker}", f"transport={gen.transport}", f"kv_bytes={gen.kv_bytes}"]
+        parts += [f"prefill={gen.prefill_worker}", f"transport={gen.transport or 'none'}",
+                  f"kv_bytes={gen.kv_bytes}"]
+        if gen.transport_fallback:
+            parts.append("transport_fallback=1")
     return {"x-pdserve-route": ";".join(parts)}
 
 

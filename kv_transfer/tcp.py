@@ -1,0 +1,273 @@
+"""KV transfer over plain TCP, for hosts without NIXL.
+
+The receiving side (decode worker) listens; each writer connection is served by one
+thread that reads frames straight into the pool tensor (`recv_into` on the block
+slices: no staging copy) and acknowledges each frame once its bytes are in memory.
+The writing side keeps one connection per peer with a sender thread (so `write` returns
+at once and the transfer overlaps the next layer's compute) and an ack reader thread.
+
+Frame: header (magic, xfer id, first layer, layer count, run count), then the runs
+(dst start block, block count), then for each layer, K then V, each run's bytes.
+A dead or stuck peer fails the transfer after `io_timeout` seconds; nothing waits forever.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import secrets
+import socket
+import struct
+import threading
+from dataclasses import dataclass, field
+from typing import ClassVar, Sequence
+
+import torch
+
+from kv_transfer.base import IncompatiblePeer, PeerHandle, TransferError, TransferId, TransferState, block_runs
+from kv_transfer.memory import KVPoolMemory
+
+log = logging.getLogger(__name__)
+
+MAGIC = 0x4B565450                       # "KVTP"
+HEADER = struct.Struct("!IQHHI")         # magic, xfer id, first layer, layer count, run count
+RUN = struct.Struct("!II")               # dst start block, block count
+ACK = struct.Struct("!QB")               # xfer id, ok
+HELLO = struct.Struct("!I32s")           # magic, shared token
+SOCK_BUF = 8 * 1024 * 1024
+
+
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous tensor slice, without copying."""
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    while view:
+        n = sock.recv_into(view)
+        if n == 0:
+            raise ConnectionError("peer closed the connection mid-frame")
+        view = view[n:]
+
+
+def _tune(sock: socket.socket, send_timeout: float | None = None) -> None:
+    """Blocking socket; sends (not receives) time out, so an idle link is fine but a
+    peer that stops reading fails the transfer."""
+    sock.settimeout(None)
+    if send_timeout:
+        sec = int(send_timeout)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                        struct.pack("ll", sec, int((send_timeout - sec) * 1e6)))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUF)
+
+
+@dataclass
+class _Peer:
+    sock: socket.socket
+    jobs: "queue.SimpleQueue[tuple | None]" = field(default_factory=queue.SimpleQueue)
+    threads: list[threading.Thread] = field(default_factory=list)
+    pending: set[int] = field(default_factory=set)
+    dead: str | None = None
+
+
+class TcpTransport:
+    name: ClassVar[str] = "tcp"
+
+    def __init__(self, host: str = "127.0.0.1", advertise: str | None = None, io_timeout: float = 10.0) -> None:
+        self.host = host
+        self.advertise = advertise or host
+        self.io_timeout = io_timeout
+        self._local: KVPoolMemory | None = None
+        self._token = secrets.token_bytes(32)
+        self._listener: socket.socket | None = None
+        self._conns: set[socket.socket] = set()
+        self._peers: dict[str, _Peer] = {}
+        self._states: dict[int, TransferState] = {}
+        self._lock = threading.Lock()
+        self._next = 0
+        self._closed = False
+
+    # ---- receiving side ----
+    def register(self, pool: KVPoolMemory, compat_hash: str) -> bytes:
+        self._local = pool
+        if self._listener is None:
+            self._listener = socket.create_server((self.host, 0), backlog=64)
+            threading.Thread(target=self._accept, name="kv-tcp-accept", daemon=True).start()
+        port = self._listener.getsockname()[1]
+        return json.dumps({"backend": self.name, "compat_hash": compat_hash, "host": self.advertise, "port": port,
+                           "token": self._token.hex(), "layout": pool.layout.__dict__}).encode()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            _tune(conn)
+            self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="kv-tcp-recv", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            hello = bytearray(HELLO.size)
+            _recv_exact(conn, memoryview(hello))
+            magic, token = HELLO.unpack(hello)
+            if magic != MAGIC or not secrets.compare_digest(token, self._token):
+                raise ConnectionError("bad hello from a KV writer")
+            header = bytearray(HEADER.size)
+            while True:
+                _recv_exact(conn, memoryview(header))
+                magic, xfer, first, count, nruns = HEADER.unpack(header)
+                if magic != MAGIC:
+                    raise ConnectionError("bad frame magic")
+                raw = bytearray(RUN.size * nruns)
+                _recv_exact(conn, memoryview(raw))
+                runs = [RUN.unpack_from(raw, i * RUN.size) for i in range(nruns)]
+                ok = self._receive(conn, first, count, runs)
+                conn.sendall(ACK.pack(xfer, 1 if ok else 0))
+        except (ConnectionError, OSError) as exc:
+            if not self._closed:
+                log.debug("KV writer connection ended: %s", exc)
+        finally:
+            self._conns.discard(conn)
+            conn.close()
+
+    def _receive(self, conn: socket.socket, first: int, count: int, runs: list[tuple[int, int]]) -> bool:
+        t = self._local.tensor
+        nblocks = t.shape[2]
+        valid = first + count <= t.shape[0] and all(d + n <= nblocks for d, n in runs)
+        block_bytes = t[0, 0, 0].numel() * t.element_size()
+        for layer in range(first, first + count):
+            for kv in (0, 1):
+                for d, n in runs:
+                    if valid:
+                        _recv_exact(conn, _bytes_view(t[layer, kv, d:d + n]))
+                    else:                        # read and drop: the frame is out of bounds
+                        _recv_exact(conn, memoryview(bytearray(n * block_bytes)))
+        return valid
+
+    # ---- writing side ----
+    def connect(self, peer: bytes, compat_hash: str) -> PeerHandle:
+        meta = json.loads(peer)
+        if meta.get("backend") != self.name:
+            raise TransferError(f"peer speaks {meta.get('backend')!r}, not {self.name!r}")
+        if meta["compat_hash"] != compat_hash:
+            raise IncompatiblePeer(
+                f"peer KV layout {meta['compat_hash']} differs from ours {compat_hash}: refusing to pair")
+        key = f"{meta['host']}:{meta['port']}:{meta['token'][:8]}"
+        with self._lock:
+            p = self._peers.pop(key, None)
+            if p is not None and p.dead is None:
+                self._peers[key] = p
+                return PeerHandle(key)
+        if p is not None:                        # a dead link: its threads have ended or will
+            p.sock.close()
+        try:
+            sock = socket.create_connection((meta["host"], meta["port"]), timeout=self.io_timeout)
+        except OSError as exc:
+            raise TransferError(f"cannot reach KV peer {meta['host']}:{meta['port']}: {exc}") from None
+        _tune(sock, send_timeout=self.io_timeout)
+        sock.sendall(HELLO.pack(MAGIC, bytes.fromhex(meta["token"])))
+        p = _Peer(sock)
+        p.threads = [threading.Thread(target=self._send_loop, args=(key, p), name="kv-tcp-send", daemon=True),
+                     threading.Thread(target=self._ack_loop, args=(key, p), name="kv-tcp-ack", daemon=True)]
+        for th in p.threads:
+            th.start()
+        with self._lock:
+            self._peers[key] = p
+        return PeerHandle(key)
+
+    def write(self, peer: PeerHandle, src: Sequence[int], dst: Sequence[int],
+              layers: range | None = None) -> TransferId:
+        if self._local is None:
+            raise TransferError("register() a local pool before writing")
+        p = self._peers.get(peer.peer_id)
+        if p is None:
+            raise TransferError(f"not connected to {peer.peer_id}")
+        layers = layers if layers is not None else range(self._local.layout.num_layers)
+        with self._lock:
+            self._next += 1
+            xfer = self._next
+            self._states[xfer] = TransferState.FAILED if p.dead else TransferState.PENDING
+            if not p.dead:
+                p.pending.add(xfer)
+        if not p.dead:
+            p.jobs.put((xfer, layers, block_runs(src, dst)))
+        return xfer
+
+    def _send_loop(self, key: str, p: _Peer) -> None:
+        t = self._local.tensor
+        try:
+            while True:
+                job = p.jobs.get()
+                if job is None:
+                    return
+                xfer, layers, runs = job
+                head = HEADER.pack(MAGIC, xfer, layers.start, len(layers), len(runs))
+                head += b"".join(RUN.pack(d, n) for _, d, n in runs)
+                p.sock.sendall(head)
+                for layer in layers:
+                    for kv in (0, 1):
+                        for s, _, n in runs:
+                            p.sock.sendall(_bytes_view(t[layer, kv, s:s + n]))
+        except (OSError, ValueError) as exc:            # ValueError: socket closed under us
+            self._kill(p, f"send failed: {exc}")
+
+    def _ack_loop(self, key: str, p: _Peer) -> None:
+        buf = bytearray(ACK.size)
+        try:
+            while True:
+                _recv_exact(p.sock, memoryview(buf))
+                xfer, ok = ACK.unpack(buf)
+                with self._lock:
+                    p.pending.discard(xfer)
+                    if self._states.get(xfer) is TransferState.PENDING:
+                        self._states[xfer] = TransferState.DONE if ok else TransferState.FAILED
+        except (ConnectionError, OSError) as exc:
+            self._kill(p, f"connection lost: {exc}")
+
+    def _kill(self, p: _Peer, why: str) -> None:
+        """Fail everything in flight on this connection and never use it again."""
+        with self._lock:
+            if p.dead:
+                return
+            p.dead = why
+            for x in p.pending:
+                if self._states.get(x) is TransferState.PENDING:
+                    self._states[x] = TransferState.FAILED
+            p.pending.clear()
+        if not self._closed:
+            log.warning("KV connection failed (%s); its pending transfers are FAILED", why)
+        try:
+            p.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        p.jobs.put(None)
+
+    def poll(self, xfer: TransferId) -> TransferState:
+        with self._lock:
+            state = self._states.get(xfer, TransferState.FAILED)
+            if state is not TransferState.PENDING:
+                self._states.pop(xfer, None)
+            return state
+
+    def close(self, peer: PeerHandle) -> None:
+        p = self._peers.pop(peer.peer_id, None)
+        if p is not None:
+            self._kill(p, "closed")
+            p.sock.close()
+
+    def shutdown(self) -> None:
+        self._closed = True
+        for key in list(self._peers):
+            self.close(PeerHandle(key))
+        if self._listener is not None:
+            self._listener.close()
+        for conn in list(self._conns):
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass

@@ -1,0 +1,167 @@
+"""Fault tests with real processes: a worker killed mid-handoff, a dropped transfer, a
+lapsed lease and a replayed handle from before a restart. In every case the client gets
+a clear error or a correct answer (local prefill on the decode worker, counted as a
+fallback) within the lease, nothing hangs, and both block pools return to full."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+
+from kv_transfer.memory import live_segments
+from services.rpc import worker_pb2, worker_pb2_grpc
+from tests.conftest import Services
+
+LONG = [{"role": "user", "content": "Summarise: " + "the tide comes in and the tide goes out. " * 330}]
+
+
+@pytest.fixture(scope="module")
+def svc(model_dir):
+    s = Services().start_all()
+    yield s
+    s.stop()
+
+
+def chat(svc, messages, **kw):
+    body = {"messages": messages, "temperature": 0, "return_token_ids": True, "max_tokens": 8, **kw}
+    return httpx.post(f"{svc.http}/v1/chat/completions", json=body, timeout=120)
+
+
+def route(r) -> dict:
+    return dict(p.split("=", 1) for p in r.headers["x-pdserve-route"].split(";"))
+
+
+def assert_pools_full(svc):
+    d = svc.wait_idle()
+    assert d.info.free_blocks == d.info.num_blocks and d.active_handoffs == 0
+    p = svc.stats("prefill")
+    assert p.info.free_blocks == p.info.num_blocks
+
+
+def wait_prefill_busy(svc, timeout=30):
+    deadline = time.monotonic() + timeout
+    while svc.stats("prefill").info.waiting == 0:
+        assert time.monotonic() < deadline, "prefill never started"
+        time.sleep(0.02)
+
+
+def test_killing_the_prefill_worker_mid_transfer_falls_back_to_local_prefill(svc):
+    ref = chat(svc, LONG)
+    assert ref.status_code == 200 and route(ref)["decision"] == "remote"
+    result = {}
+    t = threading.Thread(target=lambda: result.update(r=chat(svc, LONG)))
+    t0 = time.monotonic()
+    t.start()
+    wait_prefill_busy(svc)
+    time.sleep(0.3)                                   # layers are being written now
+    svc.kill("prefill")
+    t.join(120)
+    r = result["r"]
+    assert r.status_code == 200, r.text
+    assert route(r)["decision"] == "local_fallback"
+    assert r.json()["choices"][0]["token_ids"] == ref.json()["choices"][0]["token_ids"]
+    assert time.monotonic() - t0 < 60
+    assert svc.stats("decode").prompt_tokens_computed > 0      # the fallback ran on the decode worker
+    metrics = httpx.get(f"{svc.http}/metrics").text
+    assert 'pdserve_disaggregation_decisions_total{decision="local_fallback"}' in metrics
+    d = svc.wait_idle()
+    assert d.info.free_blocks == d.info.num_blocks and d.active_handoffs == 0
+    svc.start_worker("prefill")
+    svc.wait_routable()
+    assert_pools_full(svc)
+
+
+def test_dropped_transfers_fall_back_and_answers_stay_correct(svc):
+    prompts = [[{"role": "user", "content": f"Give me fact number {i} about owls."}] for i in range(6)]
+    refs = [chat(svc, p).json()["choices"][0]["token_ids"] for p in prompts]
+    svc.kill("prefill", sig=15)
+    svc.start_worker("prefill", "--fault-drop-transfers", "0.5")
+    svc.wait_routable()
+    decisions = []
+    for p, ref in zip(prompts, refs):
+        r = chat(svc, p)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == ref
+        decisions.append(route(r)["decision"])
+    assert "local_fallback" in decisions and "remote" in decisions
+    assert_pools_full(svc)
+    svc.kill("prefill", sig=15)
+    svc.start_worker("prefill")
+    svc.wait_routable()
+
+
+def test_a_lapsed_lease_returns_the_blocks(svc):
+    with grpc.insecure_channel(svc.addr("decode")) as ch:
+        stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+        total = stub.Info(worker_pb2.InfoRequest()).num_blocks
+        h = stub.Reserve(worker_pb2.ReserveRequest(request_id="orphan", num_prompt_tokens=100, lease_seconds=0.5))
+        assert stub.Info(worker_pb2.InfoRequest()).free_blocks == total - len(h.block_ids)
+        deadline = time.monotonic() + 10                 # lease 0.5 s + 2 s grace
+        while stub.Info(worker_pb2.InfoRequest()).free_blocks != total:
+            assert time.monotonic() < deadline, "expired reservation was not reclaimed"
+            time.sleep(0.1)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Decode(worker_pb2.DecodeRequest(request_id="orphan", epoch=h.epoch,
+                                                      prompt_token_ids=[1] * 100, first_token_id=5,
+                                                      sampling=_sampling())))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def _sampling():
+    from services.rpc import generate_pb2
+    return generate_pb2.SamplingParams(max_tokens=4, temperature=0, top_p=1.0)
+
+
+def test_killing_the_decode_worker_mid_stream_ends_the_stream_with_an_error(svc):
+    body = {"messages": LONG[:1], "max_tokens": 2000, "ignore_eos": True, "stream": True, "temperature": 0}
+    lines = []
+    t0 = time.monotonic()
+    with httpx.stream("POST", f"{svc.http}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            lines.append(line)
+            if len(lines) == 12:
+                decode_pid = svc.info["decode"]["pid"]
+                svc.kill("decode")
+    assert time.monotonic() - t0 < 60
+    assert [x for x in lines if x][-1] == "data: [DONE]"
+    events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert "error" in events[-1] and events[-1]["error"]["message"]
+    p = svc.stats("prefill")
+    assert p.info.free_blocks == p.info.num_blocks
+    # the dead worker's shared memory is swept by its successor
+    svc.start_worker("decode")
+    assert not live_segments(decode_pid)
+    svc.wait_routable()
+    assert chat(svc, [{"role": "user", "content": "hello"}]).status_code == 200
+    assert_pools_full(svc)
+
+
+def test_a_handle_from_before_a_restart_is_refused(svc):
+    with grpc.insecure_channel(svc.addr("decode")) as ch:
+        old = worker_pb2_grpc.DecodeWorkerStub(ch).Reserve(
+            worker_pb2.ReserveRequest(request_id="stale", num_prompt_tokens=40, lease_seconds=60))
+    svc.kill("decode")
+    svc.start_worker("decode")
+    with grpc.insecure_channel(svc.addr("decode")) as ch:
+        stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+        info = stub.Info(worker_pb2.InfoRequest())
+        assert info.epoch != old.epoch
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Decode(worker_pb2.DecodeRequest(request_id="stale", epoch=old.epoch,
+                                                      prompt_token_ids=[1] * 40, first_token_id=5,
+                                                      sampling=_sampling())))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "stale" in e.value.details()
+        assert not stub.Release(worker_pb2.ReleaseRequest(request_id="stale", epoch=old.epoch)).released
+    # a prefill worker handed the old handle cannot reach the old memory: a clear error, no write
+    with grpc.insecure_channel(svc.addr("prefill")) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            worker_pb2_grpc.PrefillWorkerStub(ch).Prefill(worker_pb2.PrefillRequest(
+                request_id="stale", prompt_token_ids=[1] * 40, sampling=_sampling(), handle=old), timeout=30)
+        assert e.value.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.FAILED_PRECONDITION)
+    svc.wait_routable()
+    assert_pools_full(svc)
