@@ -1,0 +1,233 @@
+"""KV-transfer benchmark: bandwidth of every backend between two processes against an
+in-process torch copy of the same bytes, and the time-to-first-token overhead of
+disaggregation through a real local cluster.
+
+    python -m kv_transfer.bench --json out.json [--sizes 1,16,256] [--repeats 5] [--no-ttft]
+
+Payloads are KV-shaped: 32 layers x K/V x blocks of 16 tokens x 4 heads x 64 dims in
+float32, so one block across all layers is exactly 1 MiB. A writer process sends every
+block layer by layer (as prefill does) into a receiving pool in this process; the time
+runs from the first write to the last completion. Medians over --repeats.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kv_transfer.base import PREFERENCE, create_transport, wait_for
+from kv_transfer.memory import KVLayout, KVPoolMemory, compat_hash
+
+MIB = 1 << 20
+
+
+def layout(blocks: int) -> KVLayout:
+    return KVLayout(num_layers=32, num_blocks=blocks, block_size=16, num_kv_heads=4, head_dim=64, dtype="float32")
+
+
+def _writer(backend: str, blocks: int, meta: bytes, compat: str, repeats: int, q) -> None:
+    torch.set_num_threads(1)
+    local = KVPoolMemory.allocate(layout(blocks))
+    local.tensor.uniform_()
+    t = create_transport(backend)
+    t.register(local, compat)
+    peer = t.connect(meta, compat)
+    ids = list(range(blocks))
+    times = []
+    for _ in range(repeats + 1):                         # the first round warms the link up
+        t0 = time.perf_counter()
+        xfers = [t.write(peer, ids, ids, range(layer, layer + 1)) for layer in range(local.layout.num_layers)]
+        wait_for(t, xfers, time.monotonic() + 120)
+        times.append(time.perf_counter() - t0)
+    q.put((times[1:], float(local.tensor.sum())))
+    t.shutdown()
+
+
+def transfer(backend: str, size_mib: int, repeats: int) -> float:
+    """Median seconds to move `size_mib` MiB from another process into this one."""
+    lay = layout(size_mib)
+    pool = KVPoolMemory.allocate(lay, shared=backend == "shm")
+    t = create_transport(backend)
+    compat = compat_hash("bench", lay)
+    try:
+        meta = t.register(pool, compat)
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        p = ctx.Process(target=_writer, args=(backend, size_mib, meta, compat, repeats, q))
+        p.start()
+        times, checksum = q.get(timeout=600)
+        p.join(60)
+        if abs(float(pool.tensor.sum()) - checksum) > 1e-3 * max(1.0, abs(checksum)):
+            raise RuntimeError(f"{backend}: received bytes differ from the sent ones")
+        return statistics.median(times)
+    finally:
+        t.shutdown()
+        pool.close()
+
+
+def memcpy(size_mib: int, repeats: int) -> float:
+    src = torch.rand(size_mib * MIB // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _raw_receiver(nbytes: int, repeats: int, q) -> None:
+    import socket
+    srv = socket.create_server(("127.0.0.1", 0))
+    q.put(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    view = memoryview(bytearray(nbytes))
+    for _ in range(repeats + 1):
+        got = 0
+        while got < nbytes:
+            got += conn.recv_into(view[got:])
+        conn.sendall(b"k")
+
+
+def raw_tcp(size_mib: int, repeats: int) -> float:
+    """The kernel's loopback ceiling: one plain socket stream between two processes."""
+    import socket
+    nbytes = size_mib * MIB
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_raw_receiver, args=(nbytes, repeats, q))
+    p.start()
+    sock = socket.create_connection(("127.0.0.1", q.get(timeout=60)))
+    data = memoryview(bytearray(nbytes))
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        sock.sendall(data)
+        sock.recv(1)
+        times.append(time.perf_counter() - t0)
+    sock.close()
+    p.join(60)
+    return statistics.median(times[1:])
+
+
+def available_backends() -> list[str]:
+    out = []
+    for name in PREFERENCE:
+        try:
+            create_transport(name).shutdown()
+            out.append(name)
+        except Exception as exc:
+            print(f"  {name}: not available here ({exc})", file=sys.stderr)
+    return out
+
+
+def bandwidth(sizes: list[int], repeats: int) -> dict:
+    torch.set_num_threads(1)
+    result: dict = {"memcpy": {}, "backends": {}}
+    backends = available_backends()
+    print(f"{'backend':<8} {'MiB':>5} {'GB/s':>8} {'x memcpy':>9}")
+    for size in sizes:
+        base = memcpy(size, repeats)
+        result["memcpy"][str(size)] = {"seconds": base, "gbps": size * MIB / base / 1e9}
+        print(f"{'memcpy':<8} {size:>5} {size * MIB / base / 1e9:>8.2f} {1.0:>9.2f}")
+        raw = raw_tcp(size, repeats)
+        result.setdefault("raw_tcp_socket", {})[str(size)] = {
+            "seconds": raw, "gbps": size * MIB / raw / 1e9, "ratio_to_memcpy": base / raw}
+        print(f"{'raw-tcp':<8} {size:>5} {size * MIB / raw / 1e9:>8.2f} {base / raw:>9.2f}  (plain socket, reference)")
+        for name in backends:
+            secs = transfer(name, size, repeats)
+            gbps = size * MIB / secs / 1e9
+            result["backends"].setdefault(name, {})[str(size)] = {
+                "seconds": secs, "gbps": gbps, "ratio_to_memcpy": base / secs}
+            print(f"{name:<8} {size:>5} {gbps:>8.2f} {base / secs:>9.2f}")
+    return result
+
+
+def _first_token_seconds(url: str, prompt: list[int]) -> tuple[float, str]:
+    """Time to the first streamed chunk carrying a token, and the route taken."""
+    import httpx
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True, "return_token_ids": True}
+    t0 = time.perf_counter()
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {") and any(c.get("token_ids") for c in json.loads(line[6:])["choices"]):
+                elapsed = time.perf_counter() - t0
+                break
+    route = httpx.post(f"{url}/v1/completions", timeout=600,
+                       json={"prompt": prompt[:8], "max_tokens": 1}).headers.get("x-pdserve-route", "")
+    return elapsed, dict(p.split("=", 1) for p in route.split(";")).get("transport", "?")
+
+
+def ttft_overhead(prompt_lens: list[int], repeats: int, transport: str) -> dict:
+    """TTFT through a local cluster (HTTP, router, prefill worker, KV transfer, first
+    token) minus the same prefill done by the engine in this process, one thread each."""
+    from services.engine.model_store import ensure_default_model
+    from services.engine.runner import ModelRunner
+
+    model_dir = ensure_default_model()
+    torch.set_num_threads(1)
+    runner = ModelRunner(model_dir, "bfloat16")
+    lay = runner.layout(2 * max(prompt_lens) // 16 + 2, 16)
+    pool = KVPoolMemory.allocate(lay)
+    tmp = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
+    announce = tmp / "up.json"
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--http-port", "0", "--grpc-port", "0",
+                             "--announce-file", str(announce), "--log-level", "warning", "--kv-transport", transport],
+                            stdout=open(tmp / "up.log", "wb"), stderr=subprocess.STDOUT)
+    out: dict = {}
+    try:
+        while not announce.exists():
+            if proc.poll() is not None:
+                raise RuntimeError((tmp / "up.log").read_text()[-2000:])
+            time.sleep(0.1)
+        url = json.loads(announce.read_text())["http"]
+        print(f"{'prompt':>7} {'in-process ms':>14} {'cluster ms':>11} {'overhead':>9}  transport")
+        for n in prompt_lens:
+            prompt = [(i * 7919) % 40000 + 100 for i in range(n)]
+            local, remote = [], []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                runner.prefill(pool, prompt, list(range(-(-n // 16))))
+                local.append(time.perf_counter() - t0)
+                seconds, used = _first_token_seconds(url, prompt)
+                remote.append(seconds)
+            lo, re_ = statistics.median(local[1:]), statistics.median(remote[1:])
+            out[str(n)] = {"in_process_s": lo, "cluster_s": re_, "overhead_s": re_ - lo,
+                           "overhead_pct": 100 * (re_ - lo) / lo, "transport": used}
+            print(f"{n:>7} {lo * 1000:>14.1f} {re_ * 1000:>11.1f} {100 * (re_ - lo) / lo:>8.1f}%  {used}")
+    finally:
+        proc.send_signal(2)
+        proc.wait(60)
+        pool.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="1,16,256", help="payload sizes in MiB")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--prompts", default="128,1024,4096", help="prompt lengths for the TTFT overhead")
+    ap.add_argument("--no-ttft", action="store_true")
+    ap.add_argument("--ttft-transport", default="auto", help="--kv-transport of the cluster for the TTFT part")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    result = {"bandwidth": bandwidth([int(s) for s in a.sizes.split(",")], a.repeats)}
+    if not a.no_ttft:
+        result["ttft_overhead"] = ttft_overhead([int(s) for s in a.prompts.split(",")], a.repeats,
+                                                a.ttft_transport)
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
