@@ -199,13 +199,13 @@ class TcpTransport:
         return xfer
 
     def _send_loop(self, key: str, p: _Peer) -> None:
-        t = self._local.tensor
         try:
             while True:
                 job = p.jobs.get()
                 if job is None:
                     return
                 xfer, layers, runs = job
+                t = self._local.tensor              # write() only queues jobs once registered
                 head = HEADER.pack(MAGIC, xfer, layers.start, len(layers), len(runs))
                 head += b"".join(RUN.pack(d, n) for _, d, n in runs)
                 p.sock.sendall(head)
