@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -65,6 +66,20 @@ class KVTransport(Protocol):
     def close(self, peer: PeerHandle) -> None: ...
 
     def shutdown(self) -> None: ...
+
+
+def read_peer_meta(peer: bytes, backend: str, compat_hash: str) -> dict:
+    """Decode a peer's registration metadata and check that pairing is allowed."""
+    try:
+        meta = json.loads(peer)
+    except ValueError:
+        raise TransferError(f"unreadable {backend} peer metadata") from None
+    if meta.get("backend") != backend:
+        raise TransferError(f"peer speaks {meta.get('backend')!r}, not {backend!r}")
+    if meta.get("compat_hash") != compat_hash:
+        raise IncompatiblePeer(
+            f"peer KV layout {meta.get('compat_hash')} differs from ours {compat_hash}: refusing to pair")
+    return meta
 
 
 # name -> "module:Class"; imported only when chosen.

@@ -34,7 +34,7 @@ import numpy as np
 import nixl._bindings as nixl_bindings
 from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
 
-from kv_transfer.base import IncompatiblePeer, PeerHandle, TransferError, TransferId, TransferState, block_runs
+from kv_transfer.base import PeerHandle, TransferError, TransferId, TransferState, block_runs, read_peer_meta
 from kv_transfer.memory import KVLayout, KVPoolMemory
 
 log = logging.getLogger(__name__)
@@ -156,15 +156,7 @@ class NixlTransport:
 
     # ---- writing side ----
     def connect(self, peer: bytes, compat_hash: str) -> PeerHandle:
-        try:
-            meta = json.loads(peer)
-        except ValueError:
-            raise TransferError("unreadable NIXL peer metadata") from None
-        if meta.get("backend") != self.name:
-            raise TransferError(f"peer speaks {meta.get('backend')!r}, not {self.name!r}")
-        if meta["compat_hash"] != compat_hash:
-            raise IncompatiblePeer(
-                f"peer KV layout {meta['compat_hash']} differs from ours {compat_hash}: refusing to pair")
+        meta = read_peer_meta(peer, self.name, compat_hash)
         agent_md = base64.b64decode(meta["agent_md"])
         name = meta["agent"]
         digest = hashlib.sha256(agent_md).hexdigest()

@@ -7,7 +7,8 @@ import logging
 from pathlib import Path
 from typing import ClassVar, Sequence
 
-from kv_transfer.base import IncompatiblePeer, PeerHandle, TransferError, TransferId, TransferState, block_runs
+from kv_transfer.base import (PeerHandle, TransferError, TransferId, TransferState, block_runs,
+                              read_peer_meta)
 from kv_transfer.memory import KVLayout, KVPoolMemory
 
 log = logging.getLogger(__name__)
@@ -28,12 +29,7 @@ class ShmTransport:
         return json.dumps(meta).encode()
 
     def connect(self, peer: bytes, compat_hash: str) -> PeerHandle:
-        meta = json.loads(peer)
-        if meta.get("backend") != self.name:
-            raise TransferError(f"peer speaks {meta.get('backend')!r}, not {self.name!r}")
-        if meta["compat_hash"] != compat_hash:
-            raise IncompatiblePeer(
-                f"peer KV layout {meta['compat_hash']} differs from ours {compat_hash}: refusing to pair")
+        meta = read_peer_meta(peer, self.name, compat_hash)
         if not meta.get("path"):
             raise TransferError("peer pool is not in shared memory")
         path = meta["path"]

@@ -24,7 +24,8 @@ from typing import ClassVar, Sequence
 
 import torch
 
-from kv_transfer.base import IncompatiblePeer, PeerHandle, TransferError, TransferId, TransferState, block_runs
+from kv_transfer.base import (PeerHandle, TransferError, TransferId, TransferState, block_runs,
+                              read_peer_meta)
 from kv_transfer.memory import KVPoolMemory
 
 log = logging.getLogger(__name__)
@@ -151,12 +152,7 @@ class TcpTransport:
 
     # ---- writing side ----
     def connect(self, peer: bytes, compat_hash: str) -> PeerHandle:
-        meta = json.loads(peer)
-        if meta.get("backend") != self.name:
-            raise TransferError(f"peer speaks {meta.get('backend')!r}, not {self.name!r}")
-        if meta["compat_hash"] != compat_hash:
-            raise IncompatiblePeer(
-                f"peer KV layout {meta['compat_hash']} differs from ours {compat_hash}: refusing to pair")
+        meta = read_peer_meta(peer, self.name, compat_hash)
         key = f"{meta['host']}:{meta['port']}:{meta['token'][:8]}"
         with self._lock:
             p = self._peers.pop(key, None)

@@ -33,6 +33,18 @@ def expected(model_dir):
     return generate_expected(model_dir)
 
 
+def wait_decode_idle(stats, timeout: float) -> worker_pb2.WorkerStats:
+    """Wait until the decode pool is full again, nothing runs and no handoff is live;
+    returns the last stats either way (the caller asserts on them)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = stats("decode")
+        if (s.info.free_blocks == s.info.num_blocks and s.active_handoffs == 0
+                and s.info.running == 0 and s.info.waiting == 0) or time.monotonic() > deadline:
+            return s
+        time.sleep(0.1)
+
+
 @dataclass
 class RunningCluster:
     proc: subprocess.Popen
@@ -59,16 +71,7 @@ class RunningCluster:
             return stub.Stats(worker_pb2.InfoRequest(), timeout=10)
 
     def wait_idle(self, timeout: float = 30.0) -> worker_pb2.WorkerStats:
-        """Wait until the decode pool is full again and no handoff is live."""
-        deadline = time.monotonic() + timeout
-        while True:
-            s = self.stats("decode")
-            if (s.info.free_blocks == s.info.num_blocks and s.active_handoffs == 0
-                    and s.info.running == 0 and s.info.waiting == 0):
-                return s
-            if time.monotonic() > deadline:
-                return s
-            time.sleep(0.1)
+        return wait_decode_idle(self.stats, timeout)
 
     def pids(self) -> list[int]:
         return [self.proc.pid, self.info["router_pid"], self.info["prefill"]["pid"], self.info["decode"]["pid"]]
@@ -183,13 +186,7 @@ class Services:
             return stub.Stats(worker_pb2.InfoRequest(), timeout=10)
 
     def wait_idle(self, timeout: float = 30.0) -> worker_pb2.WorkerStats:
-        deadline = time.monotonic() + timeout
-        while True:
-            s = self.stats("decode")
-            if (s.info.free_blocks == s.info.num_blocks and s.active_handoffs == 0
-                    and s.info.running == 0 and s.info.waiting == 0) or time.monotonic() > deadline:
-                return s
-            time.sleep(0.1)
+        return wait_decode_idle(self.stats, timeout)
 
     def wait_routable(self, timeout: float = 30.0) -> None:
         """Until the router routes a request remotely again (its refresh saw the workers)."""

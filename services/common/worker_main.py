@@ -22,6 +22,19 @@ log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_SECONDS = 5.0
 
 
+class EngineStatus:
+    """The Info and Stats RPCs every worker servicer answers from its engine."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    async def Info(self, request, context):
+        return self.engine.info()
+
+    async def Stats(self, request, context):
+        return self.engine.stats()
+
+
 class WorkerParts:
     """What a worker's `build` callback returns: its servicer registration and teardown."""
 

@@ -28,6 +28,7 @@ from kv_transfer.handoff import HandoffError, HandoffState, HandoffTable
 from kv_transfer.memory import KVPoolMemory, sweep_stale_segments
 from services.common.metrics import WorkerMetrics
 from services.common.settings import WorkerSettings
+from services.common.worker_main import EngineStatus, WorkerParts
 from services.common.wire import sampling_from_proto
 from services.engine.block_pool import BlockPool, NoFreeBlocks
 from services.engine.runner import ModelRunner
@@ -225,6 +226,10 @@ class DecodeEngine:
         self.metrics.running.set(len(self.scheduler.running))
         self.metrics.waiting.set(len(self.scheduler.waiting) + len(self.scheduler.ready))
 
+    def stats(self) -> worker_pb2.WorkerStats:
+        return worker_pb2.WorkerStats(info=self.info(), prompt_tokens_computed=self.prompt_tokens_computed,
+                                      kv_bytes_received=self.kv_bytes_received, active_handoffs=len(self.handoffs))
+
     def info(self) -> worker_pb2.WorkerInfo:
         with self._lock:
             return worker_pb2.WorkerInfo(
@@ -236,17 +241,7 @@ class DecodeEngine:
                 max_model_len=self.runner.max_model_len, kv_transports=list(self.transports))
 
 
-class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, engine: DecodeEngine) -> None:
-        self.engine = engine
-
-    async def Info(self, request, context):
-        return self.engine.info()
-
-    async def Stats(self, request, context):
-        e = self.engine
-        return worker_pb2.WorkerStats(info=e.info(), prompt_tokens_computed=e.prompt_tokens_computed,
-                                      kv_bytes_received=e.kv_bytes_received, active_handoffs=len(e.handoffs))
+class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
 
     async def Reserve(self, request, context):
         e = self.engine
@@ -306,7 +301,6 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
 
 
 def build(settings: WorkerSettings, runner: ModelRunner, eos: frozenset[int], metrics: WorkerMetrics):
-    from services.common.worker_main import WorkerParts
     engine = DecodeEngine(settings, runner, eos, metrics)
     engine.start()
     return WorkerParts("pdserve.v1.DecodeWorker",

@@ -97,13 +97,11 @@ class Scheduler:
         token was sampled elsewhere. Returns a finish reason if that token already ends it."""
         seq.num_computed = seq.prompt_len
         self._by_id[seq.request_id] = seq
-        reason = seq.check_finished()
-        if reason:
-            self._finish(seq, reason)
-            return reason
-        seq.status = SeqStatus.READY
-        self.ready.append(seq)
-        return None
+        reason = self._finish_if_done(seq)
+        if reason is None:
+            seq.status = SeqStatus.READY
+            self.ready.append(seq)
+        return reason
 
     def add_waiting(self, seq: Sequence) -> None:
         """Admit a sequence whose prompt must be prefilled on this worker."""
@@ -167,13 +165,11 @@ class Scheduler:
         seq.num_computed += len(seq.tokens_to_prefill())
         if sampled is not None:
             seq.token_ids.append(sampled)
-        reason = seq.check_finished()
-        if reason:
-            self._finish(seq, reason)
-            return reason
-        seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
-        return None
+        reason = self._finish_if_done(seq)
+        if reason is None:
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+        return reason
 
     def on_decoded(self, seqs: list[Sequence], tokens: list[int]) -> list[tuple[Sequence, str | None]]:
         """Append each sequence's new token; returns (sequence, finish reason or None)."""
@@ -183,11 +179,14 @@ class Scheduler:
                 continue
             seq.num_computed = len(seq.token_ids)
             seq.token_ids.append(tok)
-            reason = seq.check_finished()
-            if reason:
-                self._finish(seq, reason)
-            out.append((seq, reason))
+            out.append((seq, self._finish_if_done(seq)))
         return out
+
+    def _finish_if_done(self, seq: Sequence) -> str | None:
+        reason = seq.check_finished()
+        if reason:
+            self._finish(seq, reason)
+        return reason
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is SeqStatus.FINISHED:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,6 +24,7 @@ from kv_transfer.base import (IncompatiblePeer, KVTransport, PeerHandle, Transfe
 from kv_transfer.memory import KVPoolMemory
 from services.common.metrics import WorkerMetrics
 from services.common.settings import WorkerSettings
+from services.common.worker_main import EngineStatus, WorkerParts
 from services.common.wire import sampling_from_proto
 from services.engine.block_pool import BlockPool, NoFreeBlocks
 from services.engine.runner import ModelRunner
@@ -141,6 +141,10 @@ class PrefillEngine:
             block_size=self.layout.block_size, num_blocks=self.pool.num_blocks, free_blocks=self.pool.num_free,
             waiting=self.queued, max_model_len=self.runner.max_model_len, kv_transports=list(self.transports))
 
+    def stats(self) -> worker_pb2.WorkerStats:
+        return worker_pb2.WorkerStats(info=self.info(), prompt_tokens_computed=self.prompt_tokens_computed,
+                                      kv_bytes_sent=self.kv_bytes_sent)
+
     def stop(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
         for t in self.transports.values():
@@ -148,17 +152,7 @@ class PrefillEngine:
         self.memory.close()
 
 
-class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, engine: PrefillEngine) -> None:
-        self.engine = engine
-
-    async def Info(self, request, context):
-        return self.engine.info()
-
-    async def Stats(self, request, context):
-        e = self.engine
-        return worker_pb2.WorkerStats(info=e.info(), prompt_tokens_computed=e.prompt_tokens_computed,
-                                      kv_bytes_sent=e.kv_bytes_sent)
+class PrefillService(EngineStatus, worker_pb2_grpc.PrefillWorkerServicer):
 
     async def Prefill(self, request, context):
         try:
@@ -176,7 +170,6 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
 
 
 def build(settings: WorkerSettings, runner: ModelRunner, eos: frozenset[int], metrics: WorkerMetrics):
-    from services.common.worker_main import WorkerParts
     engine = PrefillEngine(settings, runner, eos, metrics)
     return WorkerParts("pdserve.v1.PrefillWorker",
                        lambda server: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillService(engine), server),

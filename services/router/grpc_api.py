@@ -4,7 +4,7 @@ from __future__ import annotations
 import grpc
 
 from services.router.cluster import Generation, new_request_id
-from services.router.openai_api import FrontEnd
+from services.router.frontend import FrontEnd
 from services.router.protocol import APIError, bad_request
 from services.router.sampling import resolve_sampling
 from services.rpc import generate_pb2, generate_pb2_grpc

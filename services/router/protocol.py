@@ -69,8 +69,8 @@ class CommonRequest(BaseModel):
     top_k: StrictInt | None = None
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    n: StrictInt = 1
-    stream: StrictBool = False
+    n: StrictInt | None = 1             # explicit nulls mean the default, as in OpenAI's API
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = 0
@@ -92,7 +92,7 @@ class CommonRequest(BaseModel):
 
     def unsupported(self) -> None:
         """Reject what the engine does not implement instead of silently ignoring it."""
-        if self.n != 1:
+        if self.n not in (None, 1):
             raise bad_request("only n=1 is supported", param="n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):

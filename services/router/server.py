@@ -15,7 +15,8 @@ from services.engine.model_store import resolve_model
 from services.engine.tokenizer import load_tokenizer
 from services.router.cluster import Cluster
 from services.router.grpc_api import GeneratorService
-from services.router.openai_api import FrontEnd, create_app
+from services.router.frontend import FrontEnd
+from services.router.openai_api import create_app
 from services.rpc import generate_pb2_grpc
 
 log = logging.getLogger(__name__)
