@@ -6,7 +6,7 @@ PIP     := $(BIN)/pip
 STAMP   := $(VENV)/.installed
 ARGS    ?=
 
-.PHONY: run test install proto model clean test-deps
+.PHONY: run test test-slow install proto model clean test-deps
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -37,6 +37,10 @@ test-deps:
 
 test: model test-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# soaks and long benchmarks (marked slow)
+test-slow: model test-deps
+	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) services/rpc/*_pb2*.py

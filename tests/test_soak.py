@@ -1,6 +1,7 @@
 """Soak: a few hundred requests with random cancellations and one worker restart in
 the middle. Afterwards no KV block is held on either side, no handoff is live, no
-socket or file descriptor has leaked, and no shared-memory segment is left."""
+socket or file descriptor has leaked, and no shared-memory segment is left.
+Two minutes on a two-core machine, so it runs with `make test-slow`, not in CI's default."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +10,7 @@ import random
 import time
 
 import httpx
+import pytest
 
 from kv_transfer.memory import live_segments
 from tests.conftest import Services, pid_alive
@@ -44,6 +46,7 @@ async def one(client: httpx.AsyncClient, rng: random.Random, i: int) -> str:
         return f"{mode}:{type(exc).__name__}"
 
 
+@pytest.mark.slow
 def test_soak_with_cancellations_and_a_worker_restart(model_dir):
     svc = Services(dtype="bfloat16").start_all()
     try:
