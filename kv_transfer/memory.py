@@ -73,8 +73,14 @@ class KVPoolMemory:
     def allocate(cls, layout: KVLayout, shared: bool = False, device: str = "cpu") -> "KVPoolMemory":
         if not shared:
             return cls(layout, torch.zeros(layout.shape, dtype=layout.torch_dtype, device=device))
-        path = SHM_DIR / f"{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         nbytes = layout.numel() * torch.empty((), dtype=layout.torch_dtype).element_size()
+        free = shm_free_bytes()
+        if free < nbytes:
+            # tmpfs pages are only taken on first write: an oversized segment would be
+            # created fine and then kill the process with SIGBUS mid-request.
+            raise MemoryError(f"{SHM_DIR} has {free / 2**20:.0f} MiB free, the KV pool needs "
+                              f"{nbytes / 2**20:.0f} MiB (in containers, mount a larger /dev/shm)")
+        path = SHM_DIR / f"{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, nbytes)
@@ -96,6 +102,14 @@ class KVPoolMemory:
         if self._owner and self.path is not None:
             self.path.unlink(missing_ok=True)
             self.path = None
+
+
+def shm_free_bytes() -> int:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
 
 
 def _pid_alive(pid: int) -> bool:

@@ -128,3 +128,12 @@ def test_pairing_prefers_the_fastest_backend_and_falls_back_loudly():
             x.shutdown()
     finally:
         pool.close()
+
+
+def test_shared_pool_larger_than_dev_shm_is_refused_up_front(monkeypatch):
+    import kv_transfer.memory as memory
+    monkeypatch.setattr(memory, "shm_free_bytes", lambda: 1024)
+    before = live_segments()
+    with pytest.raises(MemoryError, match="/dev/shm"):
+        KVPoolMemory.allocate(LAYOUT, shared=True)
+    assert live_segments() == before

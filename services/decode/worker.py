@@ -54,8 +54,7 @@ class DecodeEngine:
         self.compat_hash = runner.compat_hash(self.layout)
         sweep_stale_segments()
         self.transports = open_transports(settings.kv_transport, settings.transport_options())
-        self.memory = KVPoolMemory.allocate(self.layout, shared="shm" in self.transports,
-                                            device=str(runner.device))
+        self.memory = self._allocate_pool(settings, str(runner.device))
         self.offers = [worker_pb2.TransportOffer(backend=name, meta=t.register(self.memory, self.compat_hash))
                        for name, t in self.transports.items()]
         log.info("decode worker offers KV transports: %s", ", ".join(self.transports))
@@ -71,6 +70,20 @@ class DecodeEngine:
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="decode-engine", daemon=True)
         metrics.blocks_total.set(num_blocks)
+
+    def _allocate_pool(self, settings: WorkerSettings, device: str) -> KVPoolMemory:
+        """In shared memory when `shm` is offered; if /dev/shm is too small and other
+        backends remain (auto), drop `shm` loudly instead of failing to start."""
+        if "shm" not in self.transports:
+            return KVPoolMemory.allocate(self.layout, device=device)
+        try:
+            return KVPoolMemory.allocate(self.layout, shared=True, device=device)
+        except MemoryError as exc:
+            if len(self.transports) == 1:
+                raise ValueError(f"--kv-transport shm: {exc}") from None
+            log.warning("not offering shm: %s", exc)
+            self.transports.pop("shm").shutdown()
+            return KVPoolMemory.allocate(self.layout, device=device)
 
     # ---- called from RPC handlers (any thread) ----
     def reserve(self, request_id: str, num_tokens: int, lease_seconds: float):
