@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 import uuid
+from typing import Callable
 
 import grpc
 
@@ -50,6 +51,10 @@ class DecodeEngine:
         self.metrics = metrics
         self.epoch = uuid.uuid4().hex[:12]
         num_blocks = settings.kv_cache_tokens // settings.block_size
+        if num_blocks * settings.block_size < runner.max_model_len:
+            # A sequence that can never fit would wait (or preempt itself) forever.
+            raise ValueError(f"--kv-cache-tokens {settings.kv_cache_tokens} cannot hold one full context of "
+                             f"{runner.max_model_len} tokens")
         self.layout = runner.layout(num_blocks, settings.block_size)
         self.compat_hash = runner.compat_hash(self.layout)
         sweep_stale_segments()
@@ -66,7 +71,7 @@ class DecodeEngine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self._sinks: dict[str, callable] = {}
+        self._sinks: dict[str, Callable[[list[int], str], None]] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="decode-engine", daemon=True)
         metrics.blocks_total.set(num_blocks)
