@@ -76,9 +76,7 @@ class RunningRequest:
             self.queue.put_nowait(None)
         except APIError as exc:
             self.queue.put_nowait(exc)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
+        except Exception as exc:                      # CancelledError (client gone) passes through
             log.exception("request %s failed", self.gen.request_id)
             self.queue.put_nowait(APIError(500, f"internal error: {exc}", type_="server_error", grpc_code="INTERNAL"))
         finally:
