@@ -33,6 +33,12 @@ def expected(model_dir):
     return generate_expected(model_dir)
 
 
+def worker_stats(address: str, role: str) -> worker_pb2.WorkerStats:
+    with grpc.insecure_channel(address) as ch:
+        stub = (worker_pb2_grpc.DecodeWorkerStub if role == "decode" else worker_pb2_grpc.PrefillWorkerStub)(ch)
+        return stub.Stats(worker_pb2.InfoRequest(), timeout=10)
+
+
 def wait_decode_idle(stats, timeout: float) -> worker_pb2.WorkerStats:
     """Wait until the decode pool is full again, nothing runs and no handoff is live;
     returns the last stats either way (the caller asserts on them)."""
@@ -66,9 +72,7 @@ class RunningCluster:
         return f"http://127.0.0.1:{self.info[role]['metrics_port']}/metrics"
 
     def stats(self, role: str) -> worker_pb2.WorkerStats:
-        with grpc.insecure_channel(self.worker_addr(role)) as ch:
-            stub = (worker_pb2_grpc.DecodeWorkerStub if role == "decode" else worker_pb2_grpc.PrefillWorkerStub)(ch)
-            return stub.Stats(worker_pb2.InfoRequest(), timeout=10)
+        return worker_stats(self.worker_addr(role), role)
 
     def wait_idle(self, timeout: float = 30.0) -> worker_pb2.WorkerStats:
         return wait_decode_idle(self.stats, timeout)
@@ -181,9 +185,7 @@ class Services:
         proc.wait(timeout=30)
 
     def stats(self, role: str) -> worker_pb2.WorkerStats:
-        with grpc.insecure_channel(self.addr(role)) as ch:
-            stub = (worker_pb2_grpc.DecodeWorkerStub if role == "decode" else worker_pb2_grpc.PrefillWorkerStub)(ch)
-            return stub.Stats(worker_pb2.InfoRequest(), timeout=10)
+        return worker_stats(self.addr(role), role)
 
     def wait_idle(self, timeout: float = 30.0) -> worker_pb2.WorkerStats:
         return wait_decode_idle(self.stats, timeout)

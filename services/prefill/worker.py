@@ -70,10 +70,6 @@ class PrefillEngine:
         return pair([(o.backend, o.meta) for o in handle.offers], self.transports, self.compat_hash,
                     lambda failed, used: self.metrics.transport_fallbacks.labels(failed, used or "none").inc())
 
-    def _forget(self, t: KVTransport, peer: PeerHandle) -> None:
-        """Drop a connection that failed, so the next request reconnects."""
-        t.close(peer)
-
     def prefill(self, req: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
         handle = req.handle
         tokens = list(req.prompt_token_ids)
@@ -124,7 +120,7 @@ class PrefillEngine:
         try:
             wait_for(transport, xfers, min(deadline, time.monotonic() + 5))
         except TransferError:
-            self._forget(transport, peer)
+            transport.close(peer)                   # a failed link: the next request reconnects
 
     async def submit(self, req: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
         self.queued += 1

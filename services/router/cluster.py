@@ -267,12 +267,12 @@ class Cluster:
         try:
             resp = await asyncio.shield(call)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() not in LOCAL_FALLBACK_CODES:
+                raise _worker_error(prefill, exc) from None     # _tokens releases the handle
             await self._release(decode, handle, f"prefill failed: {exc.code().name}")
-            if exc.code() in LOCAL_FALLBACK_CODES:
-                log.warning("request %s: prefill worker %s failed (%s: %s); prefilling on the decode worker",
-                            gen.request_id, prefill.address, exc.code().name, exc.details())
-                return None
-            raise _worker_error(prefill, exc) from None
+            log.warning("request %s: prefill worker %s failed (%s: %s); prefilling on the decode worker",
+                        gen.request_id, prefill.address, exc.code().name, exc.details())
+            return None
         gen.kv_bytes = resp.kv_bytes
         gen.transport = resp.transport
         gen.transport_fallback = resp.transport_fallback
