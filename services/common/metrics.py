@@ -23,6 +23,9 @@ class WorkerMetrics:
                                            ["failed", "used"], registry=r)
         self.handoffs = Counter("pdserve_kv_handoffs", "KV handoffs by final state", ["outcome"], registry=r)
         self.requests = Counter("pdserve_worker_requests", "Requests finished by reason", ["reason"], registry=r)
+        self.prefix_cache_tokens = Counter("pdserve_prefix_cache_tokens",
+                                           "Prompt tokens found in (hit) or missing from (miss) the prefix cache",
+                                           ["result"], registry=r)
         self.blocks_total = Gauge("pdserve_kv_blocks_total", "KV blocks in the pool", registry=r)
         self.blocks_free = Gauge("pdserve_kv_blocks_free", "KV blocks free", registry=r)
         self.running = Gauge("pdserve_running_sequences", "Sequences in the running batch", registry=r)
@@ -57,6 +60,11 @@ class RouterMetrics:
         self.kv_bytes = Counter("pdserve_router_kv_bytes", "KV bytes moved per request, as reported",
                                 ["backend"], registry=r)
         self.pending = Gauge("pdserve_pending_requests", "Requests admitted and not finished", registry=r)
+        self.cached_tokens = Counter("pdserve_prefix_cached_tokens",
+                                     "Prompt tokens served from a prefill worker's prefix cache", registry=r)
+        self.retries = Counter("pdserve_request_retries",
+                               "Requests tried again after a worker was found dead before streaming", registry=r)
+        self.pool_workers = Gauge("pdserve_pool_workers", "Ready workers per pool", ["role"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -3,9 +3,12 @@
 A request's life here:
   Prefill RPC -> wait for the engine thread (one prompt at a time, FIFO)
              -> connect to the decode worker's KV memory (compat hash checked, cached)
-             -> forward pass into local blocks; after each layer, that layer's blocks
-                are written into the reserved decode blocks (transfer overlaps compute)
-             -> sample the first token -> local blocks back to the pool -> reply
+             -> take the prompt's blocks: its leading blocks already in the prefix
+                cache are reused, the rest are new
+             -> forward pass over the uncached tokens into local blocks; after each
+                layer, all the prompt's blocks of that layer are written into the
+                reserved decode blocks (transfer overlaps compute)
+             -> sample the first token -> full blocks stay cached -> reply
 
 Writes stop at the handle's write deadline: past it the decode worker may have given
 the blocks to someone else, so a late prefill fails instead of writing.
@@ -27,11 +30,16 @@ from services.common.settings import WorkerSettings
 from services.common.worker_main import EngineStatus, WorkerParts
 from services.common.wire import sampling_from_proto
 from services.engine.block_pool import BlockPool, NoFreeBlocks
+from services.engine.prefix_cache import PrefixCache
 from services.engine.runner import ModelRunner
 from services.engine.sampler import sample
 from services.rpc import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+
+# Keys of cached blocks a worker advertises to the router (8 bytes each).
+PREFIX_SUMMARY_BLOCKS = 4096
 
 
 class LeaseExpired(TransferError):
@@ -46,18 +54,20 @@ class PrefillEngine:
         self.eos = eos
         self.metrics = metrics
         self.epoch = uuid.uuid4().hex[:12]
-        # Local blocks only stage one prompt at a time: room for two full contexts.
-        num_blocks = 2 * -(-runner.max_model_len // settings.block_size)
+        # Room for one full context being computed plus the prefix cache.
+        num_blocks = -(-runner.max_model_len // settings.block_size) + settings.prefix_cache_tokens // settings.block_size
         self.layout = runner.layout(num_blocks, settings.block_size)
         self.compat_hash = runner.compat_hash(self.layout)
         self.memory = KVPoolMemory.allocate(self.layout, device=str(runner.device))
         self.pool = BlockPool(num_blocks, settings.block_size)
+        self.cache = PrefixCache(self.pool, enabled=settings.prefix_cache_tokens > 0)
         self.transports = open_transports(settings.kv_transport, settings.transport_options(),
                                           drop_rate=settings.fault_drop_transfers)
         for t in self.transports.values():
             t.register(self.memory, self.compat_hash)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-engine")
         self.queued = 0
+        self.queued_tokens = 0
         self.prompt_tokens_computed = 0
         self.kv_bytes_sent = 0
         metrics.blocks_total.set(num_blocks)
@@ -79,7 +89,8 @@ class PrefillEngine:
         deadline = time.monotonic() + (handle.write_deadline - time.time())
         transport, peer, fell_back = self._pair(handle)
         params = sampling_from_proto(req.sampling)
-        blocks = self.pool.allocate(len(handle.block_ids))
+        hit = self.cache.acquire(tokens)
+        blocks, start = hit.block_ids, hit.cached_tokens
         dst = list(handle.block_ids)
         xfers: list[int] = []
 
@@ -89,30 +100,37 @@ class PrefillEngine:
             xfers.append(transport.write(peer, blocks, dst, range(layer, layer + 1)))
 
         t0 = time.perf_counter()
+        computed = False
         try:
-            self.metrics.blocks_free.set(self.pool.num_free)
-            logits = self.runner.prefill(self.memory, tokens, blocks, on_layer=push_layer)
+            self._set_free_gauge()
+            logits = self.runner.prefill(self.memory, tokens[start:], blocks, start=start, on_layer=push_layer)
+            computed = True
             first = sample(logits[None], [params], [0], self.eos)[0]
-            computed = time.perf_counter()
+            after_compute = time.perf_counter()
             wait_for(transport, xfers, deadline)
         except BaseException:
             self._drain(transport, peer, xfers, deadline)
             raise
         finally:
-            self.pool.free(blocks)
-            self.metrics.blocks_free.set(self.pool.num_free)
+            self.cache.release(hit, computed)
+            self._set_free_gauge()
         done = time.perf_counter()
         kv_bytes = self.layout.block_bytes_per_layer * len(blocks) * self.layout.num_layers
-        self.prompt_tokens_computed += len(tokens)
+        self.prompt_tokens_computed += len(tokens) - start
         self.kv_bytes_sent += kv_bytes
-        self.metrics.prompt_tokens_computed.inc(len(tokens))
+        self.metrics.prompt_tokens_computed.inc(len(tokens) - start)
+        self.metrics.prefix_cache_tokens.labels("hit").inc(start)
+        self.metrics.prefix_cache_tokens.labels("miss").inc(len(tokens) - start)
         self.metrics.generated_tokens.inc()
         self.metrics.kv_bytes.labels("sent", transport.name).inc(kv_bytes)
-        self.metrics.kv_transfer_seconds.labels(transport.name).observe(done - computed)
+        self.metrics.kv_transfer_seconds.labels(transport.name).observe(done - after_compute)
         self.metrics.step_seconds.labels("prefill").observe(done - t0)
         return worker_pb2.PrefillResponse(first_token_id=first, kv_bytes=kv_bytes, prefill_seconds=done - t0,
-                                          transfer_seconds=done - computed, transport=transport.name,
-                                          transport_fallback=fell_back)
+                                          transfer_seconds=done - after_compute, transport=transport.name,
+                                          transport_fallback=fell_back, cached_tokens=start)
+
+    def _set_free_gauge(self) -> None:
+        self.metrics.blocks_free.set(self.cache.num_available)
 
     def _drain(self, transport: KVTransport, peer: PeerHandle, xfers: list[int], deadline: float) -> None:
         """After a failure, let writes already posted end (or give up on the link) before
@@ -123,19 +141,24 @@ class PrefillEngine:
             transport.close(peer)                   # a failed link: the next request reconnects
 
     async def submit(self, req: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
+        n = len(req.prompt_token_ids)
         self.queued += 1
+        self.queued_tokens += n
         self.metrics.waiting.set(self.queued)
         try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, self.prefill, req)
         finally:
             self.queued -= 1
+            self.queued_tokens -= n
             self.metrics.waiting.set(self.queued)
 
     def info(self) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(
             role="prefill", epoch=self.epoch, compat_hash=self.compat_hash, model_name=self.runner.model_dir.name,
-            block_size=self.layout.block_size, num_blocks=self.pool.num_blocks, free_blocks=self.pool.num_free,
-            waiting=self.queued, max_model_len=self.runner.max_model_len, kv_transports=list(self.transports))
+            block_size=self.layout.block_size, num_blocks=self.pool.num_blocks, free_blocks=self.cache.num_available,
+            waiting=self.queued, max_model_len=self.runner.max_model_len, kv_transports=list(self.transports),
+            queued_prefill_tokens=self.queued_tokens, prefix_hashes=self.cache.keys_newest_first(PREFIX_SUMMARY_BLOCKS),
+            reported_at=time.time())
 
     def stats(self) -> worker_pb2.WorkerStats:
         return worker_pb2.WorkerStats(info=self.info(), prompt_tokens_computed=self.prompt_tokens_computed,
@@ -169,4 +192,4 @@ def build(settings: WorkerSettings, runner: ModelRunner, eos: frozenset[int], me
     engine = PrefillEngine(settings, runner, eos, metrics)
     return WorkerParts("pdserve.v1.PrefillWorker",
                        lambda server: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillService(engine), server),
-                       engine.stop)
+                       engine, engine.stop)

@@ -1,0 +1,77 @@
+"""The prefix cache on its own: chained keys, reuse, reference counts, LRU eviction."""
+import pytest
+
+from services.engine.block_pool import BlockPool, NoFreeBlocks
+from services.engine.prefix_cache import PrefixCache, block_hashes, cached_prefix_blocks
+
+BS = 4
+
+
+def test_keys_are_chained_and_stable():
+    a = block_hashes(list(range(12)), BS)
+    assert len(a) == 3 and a == block_hashes(list(range(12)) + [99], BS)   # partial block: no key
+    b = block_hashes([7] + list(range(1, 12)), BS)
+    assert a[0] != b[0] and a[1] != b[1] and a[2] != b[2]   # one early token changes every later key
+    assert block_hashes(list(range(4, 8)), BS)[0] != a[1]   # same tokens, other position: other key
+    assert cached_prefix_blocks(a, {a[0], a[2]}) == 1
+
+
+def test_second_request_reuses_the_prefix_and_computes_the_rest():
+    pool = BlockPool(16, BS)
+    cache = PrefixCache(pool)
+    first = cache.acquire(list(range(10)))          # 2 full blocks + 2 tokens
+    assert first.cached_tokens == 0 and len(first.block_ids) == 3
+    cache.release(first, computed=True)
+    assert cache.num_cached == 2 and pool.num_free == 14
+
+    second = cache.acquire(list(range(8)) + [50, 51, 52])
+    assert second.cached_tokens == 8 and second.block_ids[:2] == first.block_ids[:2]
+    cache.release(second, computed=True)
+    assert cache.hits == 1 and cache.queries == 2
+
+
+def test_the_last_token_is_always_computed():
+    cache = PrefixCache(BlockPool(8, BS))
+    cache.release(cache.acquire(list(range(8))), computed=True)
+    again = cache.acquire(list(range(8)))           # fully cached prompt: its last block is recomputed
+    assert again.cached_tokens == 4
+    cache.release(again, computed=True)
+
+
+def test_failed_prefill_caches_nothing_and_leaks_nothing():
+    pool = BlockPool(8, BS)
+    cache = PrefixCache(pool)
+    hit = cache.acquire(list(range(9)))
+    cache.release(hit, computed=False)
+    assert cache.num_cached == 0 and pool.num_free == 8
+
+
+def test_blocks_in_use_are_never_evicted_and_idle_ones_go_lru_first():
+    pool = BlockPool(4, BS)
+    cache = PrefixCache(pool)
+    a = cache.acquire(list(range(0, 9)))            # 3 blocks: keys a0, a1
+    cache.release(a, computed=True)                 # a0, a1 cached, idle; 2 free
+    b = cache.acquire(list(range(100, 105)))        # 2 blocks, fits in the free ones
+    cache.release(b, computed=True)                 # b0 cached; 3 free of 4 counting idle
+    assert cache.num_cached == 3 and cache.num_available == 4
+    held = cache.acquire(list(range(0, 5)))         # a0 in use again, plus the last free block
+    assert held.cached_tokens == 4 and cache.num_available == 2
+    with pytest.raises(NoFreeBlocks):
+        cache.acquire(list(range(200, 216)))        # 4 blocks; only a1 and b0 are evictable
+    assert cache.num_available == 2 and cache.num_cached == 3   # the failed call took nothing
+    cache.acquire(list(range(300, 301)))            # 1 block: evicts a1, the least recently used
+    keys = set(cache.keys_newest_first(10))
+    a0, a1 = block_hashes(list(range(8)), BS)
+    assert a1 not in keys and {a0, block_hashes(list(range(100, 104)), BS)[0]} <= keys
+    cache.release(held, computed=True)
+    assert cache.acquire(list(range(0, 5))).cached_tokens == 4       # a0 survived: it was in use
+
+
+def test_disabled_cache_is_plain_allocation():
+    pool = BlockPool(8, BS)
+    cache = PrefixCache(pool, enabled=False)
+    for _ in range(2):
+        hit = cache.acquire(list(range(9)))
+        assert hit.cached_tokens == 0 and len(hit.block_ids) == 3
+        cache.release(hit, computed=True)
+    assert cache.num_cached == 0 and pool.num_free == 8
