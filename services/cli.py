@@ -5,20 +5,20 @@ import argparse
 import asyncio
 import sys
 
-from services.common.settings import DTYPES, KV_TRANSPORTS, RouterSettings, WorkerSettings, env_default
+from services.common.settings import DTYPES, KV_TRANSPORTS, RouterSettings, WorkerSettings, env_defaults
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=env_default("model"),
+    p.add_argument("--model", default=None,
                    help="a local Hugging Face model folder (default: SmolLM2-135M-Instruct, converted once)")
-    p.add_argument("--log-level", default=env_default("log_level", "info"),
+    p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"])
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default=env_default("dtype", "bfloat16"), choices=DTYPES)
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--kv-transport", default=env_default("kv_transport", "auto"), choices=KV_TRANSPORTS,
+    p.add_argument("--kv-transport", default="auto", choices=KV_TRANSPORTS,
                    help="KV transfer backend; auto offers/uses the fastest that works for each pair")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: automatic)")
@@ -30,13 +30,33 @@ def _worker_args(p: argparse.ArgumentParser, decode: bool) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
     p.add_argument("--metrics-port", type=int, default=0)
-    p.add_argument("--advertise", default=None, help="host peers use to reach this worker (default: --host)")
+    p.add_argument("--advertise", default=None, metavar="HOST[:PORT]",
+                   help="address routers and peers use to reach this worker (default: --host and the bound port)")
+    _registry_args(p)
     p.add_argument("--fault-drop-transfers", type=float, default=0.0,
                    help="fault testing: fraction of KV transfers to drop midway")
     p.add_argument("--announce-file", default=None, help=argparse.SUPPRESS)
     if decode:
         p.add_argument("--kv-cache-tokens", type=int, default=65536, help="KV pool size in tokens")
         p.add_argument("--max-batch", type=int, default=64, help="most sequences decoded per step")
+    else:
+        p.add_argument("--prefix-cache-tokens", type=int, default=16384,
+                       help="prompt KV kept for reuse by later prompts with the same prefix (0: off)")
+
+
+def _registry_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis", default=None, metavar="URL",
+                   help="Redis registry (redis://host:6379/0): workers announce themselves, routers discover them")
+    p.add_argument("--registry-ttl", type=float, default=3.0,
+                   help="seconds a worker stays routable after its last heartbeat")
+
+
+def _routing_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-pending", type=int, default=512,
+                   help="requests admitted at once; beyond it new ones get 429 / RESOURCE_EXHAUSTED")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=256,
+                   help="prompts up to this size may prefill on the decode worker when the cost model "
+                        "says it is faster (0: always use a prefill worker)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,7 +72,13 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--served-model-name", default=None)
     up.add_argument("--kv-cache-tokens", type=int, default=65536)
     up.add_argument("--max-batch", type=int, default=64)
-    up.add_argument("--max-pending", type=int, default=512)
+    up.add_argument("--prefix-cache-tokens", type=int, default=16384)
+    up.add_argument("--prefill", dest="num_prefill", type=int, default=1, metavar="N", help="prefill workers")
+    up.add_argument("--decode", dest="num_decode", type=int, default=1, metavar="M", help="decode workers")
+    up.add_argument("--redis", default=None, metavar="URL",
+                    help="registry to use; default: start a private redis-server if one is installed, "
+                         "else give the router the workers' addresses")
+    _routing_args(up)
     up.add_argument("--announce-file", default=None, help="write the cluster's addresses here as JSON")
 
     router = sub.add_parser("router", help="the HTTP/gRPC front end")
@@ -63,23 +89,25 @@ def _parser() -> argparse.ArgumentParser:
     router.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT")
     router.add_argument("--decode", action="append", default=[], metavar="HOST:PORT")
     router.add_argument("--served-model-name", default=None)
-    router.add_argument("--max-pending", type=int, default=512)
+    _registry_args(router)
+    _routing_args(router)
     router.add_argument("--announce-file", default=None, help=argparse.SUPPRESS)
 
     _worker_args(sub.add_parser("prefill", help="a prefill worker"), decode=False)
     _worker_args(sub.add_parser("decode", help="a decode worker"), decode=True)
     sub.add_parser("convert-model", help="convert the default model into the cache (done once)")
+    env_defaults(parser)
     return parser
 
 
 def _worker_settings(role: str, a) -> WorkerSettings:
-    extra = {"kv_cache_tokens": a.kv_cache_tokens, "max_batch": a.max_batch} if role == "decode" else {}
+    extra = ({"kv_cache_tokens": a.kv_cache_tokens, "max_batch": a.max_batch} if role == "decode"
+             else {"prefix_cache_tokens": a.prefix_cache_tokens})
     return WorkerSettings(role=role, model=a.model, dtype=a.dtype, device=a.device, block_size=a.block_size,
                           threads=a.threads, host=a.host, grpc_port=a.port, metrics_port=a.metrics_port,
                           kv_transport=a.kv_transport, advertise=a.advertise,
                           fault_drop_transfers=a.fault_drop_transfers, announce_file=a.announce_file,
-                          log_level=a.log_level,
-                          **extra)
+                          log_level=a.log_level, redis=a.redis, registry_ttl=a.registry_ttl, **extra)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             settings = RouterSettings(model=a.model, served_model_name=a.served_model_name, host=a.host,
                                       http_port=a.http_port, grpc_port=a.grpc_port, prefill=a.prefill,
                                       decode=a.decode, max_pending=a.max_pending, announce_file=a.announce_file,
-                                      log_level=a.log_level)
+                                      log_level=a.log_level, redis=a.redis, registry_ttl=a.registry_ttl,
+                                      local_prefill_max_tokens=a.local_prefill_max_tokens)
             asyncio.run(serve(settings))
             return 0
         from services.common.worker_main import run_worker

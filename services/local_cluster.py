@@ -1,9 +1,11 @@
 """`pdserve up`: the whole cluster on one machine, one OS process per service.
 
-Start order: decode and prefill workers (in parallel, each announces its ports when
-its model is loaded), then the router pointed at them. Stop order is the reverse. If
-any service dies, the rest are stopped and `up` exits non-zero; children also get
-SIGTERM if `up` itself is killed, so nothing is left running.
+Start order: the registry (the --redis given, else a private redis-server on a unix
+socket if one is installed, else none: the router is given the workers' addresses),
+then M decode and N prefill workers (in parallel, each announces its ports when its
+model is loaded), then the router. Stop order is the reverse. If any service dies, the
+rest are stopped and `up` exits non-zero; children also get SIGTERM if `up` itself is
+killed, so nothing is left running.
 """
 from __future__ import annotations
 
@@ -62,6 +64,30 @@ class LocalCluster:
         self.children.append(child)
         return child
 
+    def _registry(self) -> str | None:
+        """The registry URL the services share, or None for static addresses."""
+        if self.args.redis:
+            print(f"pdserve: registry: {self.args.redis}", flush=True)
+            return self.args.redis
+        server = shutil.which("redis-server")
+        if server is None:
+            print("pdserve: registry: none (redis-server is not installed); "
+                  "the router is given the workers' addresses", flush=True)
+            return None
+        sock = self.workdir / "redis.sock"
+        proc = subprocess.Popen([server, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700",
+                                 "--save", "", "--appendonly", "no", "--dir", str(self.workdir)],
+                                stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        self.children.append(Child("redis", proc, sock))
+        deadline = time.monotonic() + 30
+        while not sock.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the private redis-server did not start")
+            time.sleep(0.05)
+        url = f"unix://{sock}"
+        print(f"pdserve: registry: a private redis-server at {url}", flush=True)
+        return url
+
     def _wait_ready(self, children: list[Child]) -> list[dict]:
         deadline = time.monotonic() + START_TIMEOUT
         while True:
@@ -87,21 +113,35 @@ class LocalCluster:
         if a.model:
             common += ["--model", a.model]
         try:
-            decode = self._spawn("decode", ["decode", *common, "--kv-cache-tokens", str(a.kv_cache_tokens),
-                                            "--max-batch", str(a.max_batch)], threads)
-            prefill = self._spawn("prefill", ["prefill", *common], threads)
-            dports, pports = self._wait_ready([decode, prefill])
+            if a.num_prefill < 1 or a.num_decode < 1:
+                raise RuntimeError("--prefill and --decode need at least one worker each")
+            redis = self._registry()
+            if redis:
+                common += ["--redis", redis]
+            decodes = [self._spawn(f"decode-{i}", ["decode", *common, "--kv-cache-tokens", str(a.kv_cache_tokens),
+                                                   "--max-batch", str(a.max_batch)], threads)
+                       for i in range(a.num_decode)]
+            prefills = [self._spawn(f"prefill-{i}", ["prefill", *common, "--prefix-cache-tokens",
+                                                     str(a.prefix_cache_tokens)], threads)
+                        for i in range(a.num_prefill)]
+            ports = self._wait_ready(decodes + prefills)
+            dports, pports = ports[:len(decodes)], ports[len(decodes):]
             router_argv = ["router", "--host", a.host, "--http-port", str(a.http_port), "--grpc-port",
-                           str(a.grpc_port), "--decode", f"127.0.0.1:{dports['grpc_port']}",
-                           "--prefill", f"127.0.0.1:{pports['grpc_port']}", "--log-level", a.log_level,
-                           "--max-pending", str(a.max_pending)]
+                           str(a.grpc_port), "--log-level", a.log_level, "--max-pending", str(a.max_pending),
+                           "--local-prefill-max-tokens", str(a.local_prefill_max_tokens)]
+            if redis:
+                router_argv += ["--redis", redis]
+            else:
+                for role, group in (("--decode", dports), ("--prefill", pports)):
+                    for w in group:
+                        router_argv += [role, f"127.0.0.1:{w['grpc_port']}"]
             if a.model:
                 router_argv += ["--model", a.model]
             if a.served_model_name:
                 router_argv += ["--served-model-name", a.served_model_name]
             router = self._spawn("router", router_argv, 1)
             (rports,) = self._wait_ready([router])
-            self._banner(rports, pports, dports)
+            self._banner(rports, pports, dports, redis)
             while not self._stop:
                 for c in self.children:
                     if c.proc.poll() is not None:
@@ -117,15 +157,17 @@ class LocalCluster:
         finally:
             self.shutdown()
 
-    def _banner(self, r: dict, p: dict, d: dict) -> None:
+    def _banner(self, r: dict, prefills: list[dict], decodes: list[dict], redis: str | None) -> None:
         host = self.args.host
         summary = {"http": f"http://{host}:{r['http_port']}", "grpc": f"{host}:{r['grpc_port']}",
-                   "router_pid": r["pid"], "prefill": p, "decode": d}
+                   "router_pid": r["pid"], "prefill": prefills[0], "decode": decodes[0],
+                   "prefills": prefills, "decodes": decodes, "redis": redis,
+                   "redis_pid": next((c.proc.pid for c in self.children if c.name == "redis"), None)}
+        workers = [f"{role} worker pid {w['pid']} (gRPC :{w['grpc_port']}, metrics :{w['metrics_port']})"
+                   for role, group in (("prefill", prefills), ("decode", decodes)) for w in group]
         print(f"pdserve is up: OpenAI-compatible HTTP on http://{host}:{r['http_port']}/v1, "
-              f"gRPC on {host}:{r['grpc_port']}\n"
-              f"  prefill worker pid {p['pid']} (gRPC :{p['grpc_port']}, metrics :{p['metrics_port']}), "
-              f"decode worker pid {d['pid']} (gRPC :{d['grpc_port']}, metrics :{d['metrics_port']})\n"
-              f"  Ctrl-C stops everything.", flush=True)
+              f"gRPC on {host}:{r['grpc_port']}\n  " + "\n  ".join(workers) + "\n  Ctrl-C stops everything.",
+              flush=True)
         if self.args.announce_file:
             tmp = Path(self.args.announce_file + ".tmp")
             tmp.write_text(json.dumps(summary))

@@ -78,15 +78,20 @@ class RunningCluster:
         return wait_decode_idle(self.stats, timeout)
 
     def pids(self) -> list[int]:
-        return [self.proc.pid, self.info["router_pid"], self.info["prefill"]["pid"], self.info["decode"]["pid"]]
+        workers = [w["pid"] for w in self.info["prefills"] + self.info["decodes"]]
+        return [self.proc.pid, self.info["router_pid"], *workers] + ([self.info["redis_pid"]]
+                                                                      if self.info["redis_pid"] else [])
 
 
 def start_cluster(*extra: str, dtype: str = "float32") -> RunningCluster:
+    """`pdserve up` with every prompt sent through a prefill worker (no local prefill for
+    short prompts) unless `extra` says otherwise: the tests are about the KV handoff."""
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-test-"))
     announce = tmp / "cluster.json"
     log_path = tmp / "cluster.log"
     cmd = [sys.executable, "-m", "services.cli", "up", "--http-port", "0", "--grpc-port", "0", "--dtype", dtype,
-           "--kv-cache-tokens", "16384", "--announce-file", str(announce), "--log-level", "warning", *extra]
+           "--kv-cache-tokens", "16384", "--announce-file", str(announce), "--log-level", "warning",
+           "--local-prefill-max-tokens", "0", *extra]
     log = open(log_path, "wb")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + START_TIMEOUT
@@ -164,7 +169,8 @@ class Services:
 
     def start_router(self, *extra: str) -> dict:
         return self._spawn("router", ["--http-port", "0", "--grpc-port", "0", "--log-level", "warning",
-                                      "--decode", self.addr("decode"), "--prefill", self.addr("prefill"), *extra])
+                                      "--local-prefill-max-tokens", "0", "--decode", self.addr("decode"),
+                                      "--prefill", self.addr("prefill"), *extra])
 
     def start_all(self) -> "Services":
         self.start_worker("decode")

@@ -1,17 +1,21 @@
 """The start-up and shutdown sequence both worker kinds share.
 
 start:    load model -> build the service -> bind gRPC + metrics -> SERVING -> announce
-shutdown: NOT_SERVING -> grace for in-flight RPCs -> stop the server -> stop the engine
+          (file for a local supervisor; Redis record with a heartbeat, if --redis)
+shutdown: deregister -> NOT_SERVING -> grace for in-flight RPCs -> stop the server
+          -> stop the engine
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Callable
 
 from services.common.grpc_server import ServiceHost
 from services.common.lifecycle import announce, set_torch_threads, stop_event_on_signals
 from services.common.metrics import WorkerMetrics
+from services.common.registry import Heartbeat, RedisRegistry
 from services.common.settings import WorkerSettings
 from services.engine.model_store import resolve_model
 from services.engine.runner import ModelRunner
@@ -36,11 +40,13 @@ class EngineStatus:
 
 
 class WorkerParts:
-    """What a worker's `build` callback returns: its servicer registration and teardown."""
+    """What a worker's `build` callback returns: its servicer registration, its engine
+    (for the registry record) and teardown."""
 
-    def __init__(self, service_name: str, register: Callable, stop: Callable[[], None]) -> None:
+    def __init__(self, service_name: str, register: Callable, engine, stop: Callable[[], None]) -> None:
         self.service_name = service_name
         self.register = register
+        self.engine = engine
         self.stop = stop
 
 
@@ -59,10 +65,24 @@ async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]
     await host.set_status(True)
     log.info("%s worker serving gRPC on %s:%d, metrics on :%d (model %s, %s)", settings.role, settings.host,
              port, metrics_port, model_dir.name, settings.dtype)
+    heartbeat = None
+    if settings.redis:
+        address = settings.advertise_address(port)
+        started = time.time()
+
+        def record():
+            info = parts.engine.info()
+            info.address, info.started_at = address, started
+            return info
+        heartbeat = Heartbeat(RedisRegistry(settings.redis, ttl=settings.registry_ttl), record)
+        await heartbeat.start()
+        log.info("registered in %s as %s %s", settings.redis, settings.role, address)
     announce(settings.announce_file, grpc_port=port, metrics_port=metrics_port)
     try:
         await stop.wait()
     finally:
+        if heartbeat is not None:
+            await heartbeat.stop()
         await host.set_status(False)
         await host.server.stop(SHUTDOWN_GRACE_SECONDS)
         parts.stop()

@@ -323,4 +323,4 @@ def build(settings: WorkerSettings, runner: ModelRunner, eos: frozenset[int], me
     engine.start()
     return WorkerParts("pdserve.v1.DecodeWorker",
                        lambda server: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeService(engine), server),
-                       engine.stop)
+                       engine, engine.stop)

@@ -1,12 +1,14 @@
 """The router's view of the workers and the life of one generation across them.
 
-    admit (bounded) -> pick decode worker -> Reserve blocks (waits while the pool is full)
-      -> pick prefill worker -> Prefill (KV pushed into the reserved blocks, first token)
+    admit (bounded) -> pick decode worker -> plan: remote or local prefill (policy.py)
+      -> remote: Reserve blocks (waits while the pool is full) -> Prefill on the chosen
+         prefill worker (KV pushed into the reserved blocks, first token)
       -> Decode stream (tokens) -> detokenize, stop strings -> caller
       -> on any exit: the reservation or the decode stream is released
 
-If no prefill worker is reachable, or the prefill fails before writing, the decode
-worker prefills locally; that fallback is logged and counted, never silent.
+Workers come from a static list (each polled with Info) or from the Redis registry
+(records with a TTL; a new epoch is a new worker). If the prefill fails before
+writing, the decode worker prefills locally; that fallback is logged and counted.
 """
 from __future__ import annotations
 
@@ -22,10 +24,13 @@ import grpc
 
 from services.common.grpc_server import channel
 from services.common.metrics import RouterMetrics
+from services.common.registry import RedisRegistry
 from services.common.settings import RouterSettings
 from services.common.wire import sampling_to_proto
+from services.engine.prefix_cache import block_hashes
 from services.engine.sampling import SamplingParams
 from services.engine.tokenizer import IncrementalDetokenizer, StopMatcher
+from services.router.policy import CostModel, DecodeLoad, PrefillLoad, pick_decode, plan_prefill
 from services.router.protocol import APIError
 from services.rpc import worker_pb2, worker_pb2_grpc
 
@@ -33,6 +38,11 @@ log = logging.getLogger(__name__)
 
 INFO_TIMEOUT = 2.0
 REFRESH_SECONDS = 1.0
+# Prefix keys the router itself just sent to a prefill worker count as held there until
+# the worker's own summary has had time to include them.
+RECENT_KEYS_SECONDS = 5.0
+# Tries per request when a worker turns out dead before any token was streamed.
+ATTEMPTS = 3
 # The prefill RPC outlives the write lease by this much, so a prefill that reaches the
 # router's deadline has already stopped writing.
 PREFILL_RPC_MARGIN = 5.0
@@ -49,11 +59,29 @@ class Worker:
     stub: object = None
     chan: grpc.aio.Channel | None = None
     info: worker_pb2.WorkerInfo | None = None
-    inflight: int = 0
+    inflight: int = 0                   # requests this router has routed here, unfinished
+    inflight_tokens: int = 0            # prefill: prompt tokens sent and not answered
+    last_pick: float = 0.0
+    suspend_seconds: float = REFRESH_SECONDS    # how long a connection failure takes it out
+    suspended_until: float = 0.0
+    recent_keys: dict[int, float] = field(default_factory=dict)   # prefix key -> expiry
+    answered: list[tuple[float, int]] = field(default_factory=list)  # (unix time, prompt tokens)
 
     @property
     def healthy(self) -> bool:
-        return self.info is not None
+        return self.info is not None and time.monotonic() >= self.suspended_until
+
+    def queued_tokens(self) -> int:
+        """The worker's reported queue, less what it has answered this router since the
+        report was taken; never less than what this router has waiting there now."""
+        since = self.info.reported_at
+        self.answered = [(t, n) for t, n in self.answered if t >= since]
+        return max(self.inflight_tokens, self.info.queued_prefill_tokens - sum(n for _, n in self.answered))
+
+    def held_keys(self, now: float) -> frozenset[int]:
+        for k in [k for k, t in self.recent_keys.items() if t < now]:
+            del self.recent_keys[k]
+        return frozenset(self.info.prefix_hashes).union(self.recent_keys)
 
 
 @dataclass
@@ -76,8 +104,19 @@ class Generation:
     transport_fallback: bool = False
     kv_bytes: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
     finish_reason: str | None = None
     started: float = field(default_factory=time.monotonic)
+
+    def route(self) -> str:
+        """What happened, for the x-pdserve-route header and gRPC trailing metadata."""
+        parts = [f"decision={self.decision}", f"decode={self.decode_worker}"]
+        if self.prefill_worker:
+            parts += [f"prefill={self.prefill_worker}", f"cached_tokens={self.cached_tokens}",
+                      f"transport={self.transport or 'none'}", f"kv_bytes={self.kv_bytes}"]
+            if self.transport_fallback:
+                parts.append("transport_fallback=1")
+        return ";".join(parts)
 
 
 class Cluster:
@@ -85,8 +124,11 @@ class Cluster:
         self.settings = settings
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.registry = RedisRegistry(settings.redis, ttl=settings.registry_ttl) if settings.redis else None
         self.decode = [Worker("decode", a) for a in settings.decode]
         self.prefill = [Worker("prefill", a) for a in settings.prefill]
+        self.by_epoch: dict[str, Worker] = {}
+        self.cost = CostModel()
         self.pending = 0
         self._refresher: asyncio.Task | None = None
         self._cleanups: set[asyncio.Task] = set()
@@ -94,11 +136,15 @@ class Cluster:
     # ---- membership ----
     async def start(self) -> None:
         for w in self.decode + self.prefill:
-            w.chan = channel(w.address)
-            stub = worker_pb2_grpc.DecodeWorkerStub if w.role == "decode" else worker_pb2_grpc.PrefillWorkerStub
-            w.stub = stub(w.chan)
+            self._connect(w)
         await self.refresh()
         self._refresher = asyncio.create_task(self._refresh_forever())
+
+    @staticmethod
+    def _connect(w: Worker) -> None:
+        w.chan = channel(w.address)
+        stub = worker_pb2_grpc.DecodeWorkerStub if w.role == "decode" else worker_pb2_grpc.PrefillWorkerStub
+        w.stub = stub(w.chan)
 
     async def stop(self) -> None:
         if self._refresher:
@@ -108,16 +154,27 @@ class Cluster:
         for w in self.decode + self.prefill:
             if w.chan is not None:
                 await w.chan.close()
+        if self.registry is not None:
+            await self.registry.close()
 
     async def _refresh_forever(self) -> None:
+        period = min(REFRESH_SECONDS, self.settings.registry_ttl / 3) if self.registry else REFRESH_SECONDS
         while True:
-            await asyncio.sleep(REFRESH_SECONDS)
+            await asyncio.sleep(period)
             try:
                 await self.refresh()
             except Exception:
                 log.exception("worker refresh failed")
 
     async def refresh(self) -> None:
+        if self.registry is not None:
+            await self._refresh_from_registry()
+        else:
+            await self._poll_info()
+        for role, n in self.pool_sizes().items():
+            self.metrics.pool_workers.labels(role).set(n)
+
+    async def _poll_info(self) -> None:
         async def one(w: Worker) -> None:
             try:
                 info = await w.stub.Info(worker_pb2.InfoRequest(), timeout=INFO_TIMEOUT)
@@ -131,6 +188,39 @@ class Cluster:
             w.info = info
         await asyncio.gather(*(one(w) for w in self.decode + self.prefill))
 
+    async def _refresh_from_registry(self) -> None:
+        """Workers are exactly the live records: new epochs join, missing ones leave."""
+        try:
+            records = await self.registry.workers()
+        except Exception as exc:                 # Redis away: keep routing to what we know
+            log.warning("cannot read the registry %s: %s", self.settings.redis, exc)
+            return
+        seen = set()
+        for info in records:
+            if info.role not in ("prefill", "decode") or not info.address:
+                continue
+            seen.add(info.epoch)
+            w = self.by_epoch.get(info.epoch)
+            if w is None:
+                w = Worker(info.role, info.address, suspend_seconds=self.registry.ttl)
+                self._connect(w)
+                self.by_epoch[info.epoch] = w
+                (self.decode if w.role == "decode" else self.prefill).append(w)
+                log.info("%s worker %s joined (epoch %s)", w.role, w.address, info.epoch)
+            w.info = info
+        for epoch in [e for e in self.by_epoch if e not in seen]:
+            w = self.by_epoch.pop(epoch)
+            (self.decode if w.role == "decode" else self.prefill).remove(w)
+            log.info("%s worker %s left (epoch %s)", w.role, w.address, epoch)
+            self._spawn(self._close_when_idle(w))
+
+    async def _close_when_idle(self, w: Worker) -> None:
+        """A departed worker's channel closes once the requests on it have ended."""
+        deadline = time.monotonic() + self.settings.request_timeout
+        while w.inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        await w.chan.close()
+
     def ready(self) -> bool:
         return any(w.healthy for w in self.decode) and any(w.healthy for w in self.prefill)
 
@@ -138,17 +228,35 @@ class Cluster:
         lens = [w.info.max_model_len for w in self.decode + self.prefill if w.healthy]
         return min(lens) if lens else None
 
+    def pool_sizes(self) -> dict[str, int]:
+        return {"prefill": sum(w.healthy for w in self.prefill), "decode": sum(w.healthy for w in self.decode)}
+
     # ---- selection ----
-    def _pick_decode(self) -> Worker:
-        live = [w for w in self.decode if w.healthy]
+    def _pick_decode(self, prompt_tokens: int) -> Worker:
+        live = {w.address + w.info.epoch: w for w in self.decode if w.healthy}
         if not live:
             raise APIError(503, "no decode worker is available", type_="service_unavailable",
                            grpc_code="UNAVAILABLE")
-        return max(live, key=lambda w: (w.info.free_blocks - 4 * w.inflight, -w.inflight))
+        loads = [DecodeLoad(k, w.info.free_blocks, max(w.info.running + w.info.waiting, w.inflight), w.last_pick)
+                 for k, w in live.items()]
+        bs = next(iter(live.values())).info.block_size or 16
+        chosen = live[pick_decode(loads, -(-(prompt_tokens + 1) // bs)).key]
+        chosen.last_pick = time.monotonic()
+        return chosen
 
-    def _pick_prefill(self, decode: Worker) -> Worker | None:
-        live = [w for w in self.prefill if w.healthy and w.info.compat_hash == decode.info.compat_hash]
-        return min(live, key=lambda w: (w.inflight, w.info.waiting)) if live else None
+    def _plan(self, decode: Worker, gen: Generation):
+        """(prefill worker or None, cached tokens, prompt keys) for this request."""
+        bs = decode.info.block_size or 16
+        live = {w.address + w.info.epoch: w for w in self.prefill
+                if w.healthy and w.info.compat_hash == decode.info.compat_hash}
+        now = time.monotonic()
+        loads = [PrefillLoad(k, w.queued_tokens(), w.held_keys(now))
+                 for k, w in live.items()]
+        keys = block_hashes(gen.prompt_ids, bs)
+        plan = plan_prefill(loads, keys, len(gen.prompt_ids), bs, max(decode.info.running, decode.inflight - 1),
+                            self.cost, self.settings.local_prefill_max_tokens)
+        log.debug("request %s: %s", gen.request_id, plan.reason)
+        return (live[plan.prefill.key] if plan.prefill else None), plan.cached_tokens, keys
 
     # ---- admission ----
     def admit(self) -> None:
@@ -185,23 +293,39 @@ class Cluster:
                     return
 
     async def _tokens(self, gen: Generation) -> AsyncIterator[tuple[list[int], str]]:
-        """The worker-side pipeline. Cleanup rule: whenever a reservation exists and the
-        decode stream did not finish, a Release is sent, but only once no prefill can
+        """Tokens from the workers. A worker found dead before anything was streamed
+        is taken out of routing and the request is tried again on the others."""
+        for attempt in range(1, ATTEMPTS + 1):
+            streamed = False
+            try:
+                async with aclosing(self._attempt(gen)) as tokens:
+                    async for item in tokens:
+                        streamed = True
+                        yield item
+                return
+            except APIError as exc:
+                if streamed or exc.grpc_code != "UNAVAILABLE" or attempt == ATTEMPTS or not self.ready():
+                    raise
+                log.warning("request %s: %s; trying again on another worker", gen.request_id, exc.message)
+                self.metrics.retries.inc()
+
+    async def _attempt(self, gen: Generation) -> AsyncIterator[tuple[list[int], str]]:
+        """One try through the workers. Cleanup rule: whenever a reservation exists and
+        the decode stream did not finish, a Release is sent, but only once no prefill can
         still be writing into the reserved blocks. Release is idempotent on the worker."""
-        decode = self._pick_decode()
+        gen.prefill_worker, gen.transport, gen.transport_fallback = "", "", False
+        gen.kv_bytes = gen.cached_tokens = 0
+        decode = self._pick_decode(len(gen.prompt_ids))
         gen.decode_worker = decode.address
         decode.inflight += 1
         handle, writer, finished = None, None, False
         try:
-            prefill = self._pick_prefill(decode)
+            prefill, _, keys = self._plan(decode, gen)
             first = None
             if prefill is not None:
                 handle = await self._reserve(decode, gen)
                 writer = self._start_prefill(prefill, handle, gen)
-                first = await self._await_prefill(prefill, decode, handle, writer, gen)
-            else:
-                log.warning("request %s: no prefill worker available, prefilling on the decode worker",
-                            gen.request_id)
+                first = await self._await_prefill(prefill, decode, handle, writer, gen, keys)
             if first is None:
                 handle = None                   # released by _await_prefill, or never taken
                 gen.decision = "local_fallback" if prefill is not None else "local"
@@ -252,16 +376,23 @@ class Cluster:
 
     def _start_prefill(self, prefill: Worker, handle, gen: Generation) -> asyncio.Future:
         gen.prefill_worker = prefill.address
+        n = len(gen.prompt_ids)
         prefill.inflight += 1
+        prefill.inflight_tokens += n
         call = asyncio.ensure_future(prefill.stub.Prefill(
             worker_pb2.PrefillRequest(request_id=gen.request_id, prompt_token_ids=gen.prompt_ids,
                                       sampling=sampling_to_proto(gen.params), handle=handle),
             timeout=self.settings.prefill_timeout + PREFILL_RPC_MARGIN))
-        call.add_done_callback(lambda _: setattr(prefill, "inflight", prefill.inflight - 1))
+
+        def done(_) -> None:
+            prefill.inflight -= 1
+            prefill.inflight_tokens -= n
+            prefill.answered.append((time.time(), n))
+        call.add_done_callback(done)
         return call
 
     async def _await_prefill(self, prefill: Worker, decode: Worker, handle, call: asyncio.Future,
-                             gen: Generation) -> int | None:
+                             gen: Generation, keys: list[int]) -> int | None:
         """The first token, or None when the decode worker should prefill locally. The
         call is shielded: a cancelled request lets the prefill end before its blocks go."""
         try:
@@ -269,6 +400,8 @@ class Cluster:
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in LOCAL_FALLBACK_CODES:
                 raise _worker_error(prefill, exc) from None     # _tokens releases the handle
+            if exc.code() is grpc.StatusCode.UNAVAILABLE:
+                prefill.suspended_until = time.monotonic() + prefill.suspend_seconds
             await self._release(decode, handle, f"prefill failed: {exc.code().name}")
             log.warning("request %s: prefill worker %s failed (%s: %s); prefilling on the decode worker",
                         gen.request_id, prefill.address, exc.code().name, exc.details())
@@ -276,7 +409,14 @@ class Cluster:
         gen.kv_bytes = resp.kv_bytes
         gen.transport = resp.transport
         gen.transport_fallback = resp.transport_fallback
+        gen.cached_tokens = resp.cached_tokens
+        n = len(gen.prompt_ids)
+        self.cost.observe(n - resp.cached_tokens, resp.prefill_seconds, resp.transfer_seconds,
+                          time.monotonic() - gen.started, n)
+        expiry = time.monotonic() + RECENT_KEYS_SECONDS
+        prefill.recent_keys.update((k, expiry) for k in keys)
         self.metrics.kv_bytes.labels(resp.transport).inc(resp.kv_bytes)
+        self.metrics.cached_tokens.inc(resp.cached_tokens)
         return resp.first_token_id
 
     async def _decode_stream(self, decode: Worker, req) -> AsyncIterator[tuple[list[int], str]]:
@@ -325,7 +465,10 @@ class Cluster:
 def _worker_error(worker: Worker, exc: grpc.aio.AioRpcError) -> APIError:
     code = exc.code()
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-        worker.info = None                  # out of routing until the next refresh sees it
+        # Out of routing until a refresh after the registry TTL (or the next Info poll)
+        # shows it alive: a killed worker's record outlives it by up to the TTL.
+        worker.info = None
+        worker.suspended_until = time.monotonic() + worker.suspend_seconds
         return APIError(503, f"{worker.role} worker {worker.address} is unavailable: {exc.details()}",
                         type_="service_unavailable", grpc_code="UNAVAILABLE")
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -60,5 +60,4 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
                                              completion_tokens=gen.completion_tokens))
         except APIError as exc:
             await context.abort(getattr(grpc.StatusCode, exc.grpc_code), exc.message)
-        context.set_trailing_metadata((("x-pdserve-route", f"decision={gen.decision};decode={gen.decode_worker};"
-                                        f"prefill={gen.prefill_worker};transport={gen.transport}"),))
+        context.set_trailing_metadata((("x-pdserve-route", gen.route()),))

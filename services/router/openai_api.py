@@ -25,13 +25,7 @@ def error_response(exc: APIError) -> JSONResponse:
 
 
 def route_header(gen: Generation) -> dict[str, str]:
-    parts = [f"decision={gen.decision}", f"decode={gen.decode_worker}"]
-    if gen.prefill_worker:
-        parts += [f"prefill={gen.prefill_worker}", f"transport={gen.transport or 'none'}",
-                  f"kv_bytes={gen.kv_bytes}"]
-        if gen.transport_fallback:
-            parts.append("transport_fallback=1")
-    return {"x-pdserve-route": ";".join(parts)}
+    return {"x-pdserve-route": gen.route()}
 
 
 async def read_json(request: Request, max_bytes: int) -> dict:

@@ -1,0 +1,113 @@
+"""Routing policies: which decode worker, prefill here or there, which prefill worker.
+
+Pure functions over snapshots of the workers (no I/O, no clocks), so every choice is
+unit-tested on its own. The order of decisions for one request:
+
+1. Decode worker: among those with room for the prompt's blocks, the least loaded
+   (sequences running or routed there), then the one picked least recently.
+2. Remote or local prefill, from a cost model of time to first token:
+     remote(p) = overhead + (queued tokens at p + prompt tokens p has not cached) x c
+                 + transfer tail
+     local     = prompt tokens x c, plus the stall it imposes: every sequence running
+                 on the decode worker waits that long for its next token
+   Local wins only for prompts up to a size limit, when local + stall < best remote.
+3. Prefill worker: the smallest remote(p); a worker already holding the prompt's
+   prefix wins unless its queue costs more than the cache saves.
+
+The cost model's per-token prefill time, fixed overhead and transfer tail are moving
+averages of what the workers report, so the model recalibrates as load and hosts change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from services.engine.prefix_cache import cached_prefix_blocks
+
+
+@dataclass(frozen=True)
+class DecodeLoad:
+    key: str
+    free_blocks: int
+    running: int                     # sequences running or waiting there (seen or routed)
+    last_pick: float = 0.0           # when this router last chose it (ties go round robin)
+
+
+@dataclass(frozen=True)
+class PrefillLoad:
+    key: str
+    queued_tokens: int               # prompt tokens ahead of a new request
+    held: frozenset[int] = frozenset()   # prefix keys it holds
+
+
+def pick_decode(workers: Sequence[DecodeLoad], need_blocks: int) -> DecodeLoad | None:
+    """Least loaded among those with room; if none has room, the one with the most
+    free blocks (the request waits there for blocks: that is the queue)."""
+    if not workers:
+        return None
+    roomy = [w for w in workers if w.free_blocks >= need_blocks]
+    if roomy:
+        return min(roomy, key=lambda w: (w.running, w.last_pick, w.key))
+    return max(workers, key=lambda w: (w.free_blocks, -w.running))
+
+
+@dataclass
+class CostModel:
+    """Seconds-per-token and overhead estimates, updated from measurements (EWMA)."""
+    prefill_s_per_token: float = 0.002
+    remote_overhead_s: float = 0.02
+    transfer_tail_s_per_token: float = 0.00002
+    alpha: float = 0.2
+    samples: int = field(default=0, init=False)
+
+    def _mix(self, old: float, new: float) -> float:
+        return new if self.samples == 0 else (1 - self.alpha) * old + self.alpha * new
+
+    def observe(self, computed_tokens: int, prefill_seconds: float, transfer_seconds: float,
+                ttft_seconds: float, prompt_tokens: int) -> None:
+        """One remote prefill's report: compute time, transfer tail, and the TTFT the
+        router saw (its excess over the worker's own time is the fixed overhead)."""
+        if computed_tokens >= 16 and prefill_seconds > 0:
+            compute = max(prefill_seconds - transfer_seconds, 0.0)
+            self.prefill_s_per_token = self._mix(self.prefill_s_per_token, compute / computed_tokens)
+        if prompt_tokens > 0:
+            self.transfer_tail_s_per_token = self._mix(self.transfer_tail_s_per_token,
+                                                       max(transfer_seconds, 0.0) / prompt_tokens)
+        if ttft_seconds > 0:
+            self.remote_overhead_s = self._mix(self.remote_overhead_s, max(ttft_seconds - prefill_seconds, 0.0))
+        self.samples += 1
+
+    def remote_ttft(self, queued_tokens: int, uncached_tokens: int, prompt_tokens: int) -> float:
+        return (self.remote_overhead_s + (queued_tokens + uncached_tokens) * self.prefill_s_per_token
+                + prompt_tokens * self.transfer_tail_s_per_token)
+
+    def local_ttft(self, prompt_tokens: int) -> float:
+        return prompt_tokens * self.prefill_s_per_token
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    prefill: PrefillLoad | None      # None: prefill on the decode worker
+    cached_tokens: int               # prompt tokens the chosen prefill worker holds
+    reason: str
+
+
+def plan_prefill(prefills: Sequence[PrefillLoad], keys: Sequence[int], prompt_tokens: int, block_size: int,
+                 decode_running: int, model: CostModel, local_max_tokens: int) -> PrefillPlan:
+    """Decide where the prompt is computed. `keys` are the prompt's chained block keys."""
+    if not prefills:
+        return PrefillPlan(None, 0, "no prefill worker")
+    usable_blocks = (prompt_tokens - 1) // block_size        # the last token is always computed
+
+    def cost(p: PrefillLoad) -> tuple[float, int]:
+        cached = min(cached_prefix_blocks(keys, p.held), usable_blocks) * block_size
+        return model.remote_ttft(p.queued_tokens, prompt_tokens - cached, prompt_tokens), cached
+
+    scored = [(cost(p), p) for p in prefills]
+    (remote, cached), best = min(scored, key=lambda s: (s[0][0], s[1].key))
+    if prompt_tokens <= local_max_tokens:
+        local = model.local_ttft(prompt_tokens)
+        if local + decode_running * local < remote:
+            return PrefillPlan(None, 0, f"local {local * 1000:.0f} ms + stall of {decode_running} running "
+                                        f"< remote {remote * 1000:.0f} ms")
+    return PrefillPlan(best, cached, f"remote {remote * 1000:.0f} ms, {cached} cached tokens")

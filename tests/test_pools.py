@@ -1,0 +1,250 @@
+"""Pools of workers found through a real Redis registry: 2 prefill + 2 decode processes
+and a router that knows only the Redis URL. Parity holds across the pools; a shared
+prefix is routed to the prefill worker holding it; a tiny queue answers 429; a killed
+decode worker drops out within the TTL while new requests keep succeeding, and its
+restart (a new epoch) receives traffic again."""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import ROOT, START_TIMEOUT, worker_stats
+from tests.parity_cases import CASES
+
+TTL = 2.0
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
+                                reason="redis-server is not installed (make test installs it)")
+
+
+def route(r: httpx.Response) -> dict:
+    return dict(p.split("=", 1) for p in r.headers["x-pdserve-route"].split(";"))
+
+
+class Pools:
+    def __init__(self) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="pdserve-pools-"))
+        sock = self.tmp / "redis.sock"
+        self.redis = subprocess.Popen(["redis-server", "--port", "0", "--unixsocket", str(sock), "--save", "",
+                                       "--appendonly", "no", "--dir", str(self.tmp)], stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while not sock.exists():
+            assert self.redis.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+        self.url = f"unix://{sock}"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.info: dict[str, dict] = {}
+
+    def spawn(self, name: str, *argv: str) -> dict:
+        announce = self.tmp / f"{name}.json"
+        announce.unlink(missing_ok=True)
+        log = open(self.tmp / f"{name}.log", "ab")
+        role = name.split("-")[0]
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", role, *argv, "--redis", self.url,
+                                 "--registry-ttl", str(TTL), "--log-level", "warning",
+                                 "--announce-file", str(announce)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        self.procs[name] = proc
+        deadline = time.monotonic() + START_TIMEOUT
+        while not announce.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{name} failed to start:\n{(self.tmp / f'{name}.log').read_text()[-3000:]}")
+            time.sleep(0.05)
+        self.info[name] = json.loads(announce.read_text())
+        return self.info[name]
+
+    def worker(self, name: str, *extra: str) -> dict:
+        argv = ["--dtype", "float32", "--threads", "1"]
+        if name.startswith("decode"):
+            argv += ["--kv-cache-tokens", "16384"]
+        return self.spawn(name, *argv, *extra)
+
+    def router(self, name: str = "router", *extra: str) -> str:
+        info = self.spawn(name, "--http-port", "0", "--grpc-port", "0", "--local-prefill-max-tokens", "0", *extra)
+        url = f"http://127.0.0.1:{info['http_port']}"
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{url}/health").status_code != 200:            # it has seen both pools
+            assert time.monotonic() < deadline, "router never saw the workers"
+            time.sleep(0.2)
+        return url
+
+    def addr(self, name: str) -> str:
+        return f"127.0.0.1:{self.info[name]['grpc_port']}"
+
+    def stats(self, name: str):
+        return worker_stats(self.addr(name), name.split("-")[0])
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs.pop(name)
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        for name in [n for n in self.procs if n.startswith("router")] + list(self.procs):
+            proc = self.procs.pop(name, None)
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        self.redis.terminate()
+        self.redis.wait(timeout=10)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def pools(model_dir):
+    p = Pools()
+    try:
+        for name in ("decode-0", "decode-1", "prefill-0", "prefill-1"):
+            p.worker(name)
+        p.http = p.router()
+        yield p
+    finally:
+        p.stop()
+
+
+def wait_pools_idle(p: Pools, names, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = {n: p.stats(n) for n in names}
+        idle = all(s.info.free_blocks == s.info.num_blocks and s.active_handoffs == 0 and s.info.running == 0
+                   for s in stats.values())
+        if idle:
+            return
+        assert time.monotonic() < deadline, f"decode pools not back to full: {stats}"
+        time.sleep(0.2)
+
+
+def test_workers_register_with_epoch_address_and_capacity(pools):
+    import redis
+    r = redis.Redis.from_url(pools.url)
+    from services.rpc import worker_pb2
+    keys = sorted(k.decode() for k in r.keys("pdserve:worker:*"))
+    assert len(keys) == 4 and sum(":decode:" in k for k in keys) == 2
+    records = [worker_pb2.WorkerInfo.FromString(r.get(k)) for k in keys]
+    assert {x.address for x in records} == {pools.addr(n) for n in ("decode-0", "decode-1", "prefill-0", "prefill-1")}
+    assert all(x.epoch in k for x, k in zip(records, keys))
+    assert all(x.num_blocks > 0 and x.compat_hash for x in records)
+    assert 0 < r.pttl(keys[0]) <= TTL * 1000
+
+
+def test_parity_across_two_prefill_and_two_decode_workers(pools, expected):
+    async def one(client, case):
+        body = {"messages": case.messages, "max_tokens": case.max_tokens, "temperature": 0,
+                "return_token_ids": True, **({"stop": case.stop} if case.stop else {})}
+        r = await client.post(f"{pools.http}/v1/chat/completions", json=body)
+        return case, r
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*(one(client, c) for c in CASES for _ in range(2)))
+
+    used = set()
+    for case, r in asyncio.run(run()):
+        assert r.status_code == 200, r.text
+        exp = expected[case.name]
+        assert r.json()["choices"][0]["token_ids"] == exp.token_ids, case.name
+        assert route(r)["decision"] == "remote"
+        used.add(route(r)["decode"])
+    assert used == {pools.addr("decode-0"), pools.addr("decode-1")}
+    wait_pools_idle(pools, ("decode-0", "decode-1"))
+
+
+def test_shared_prefix_goes_to_the_worker_holding_it(pools):
+    prefix = [(i * 7919) % 40000 + 100 for i in range(1024)]
+    before = {n: pools.stats(n).prompt_tokens_computed for n in ("prefill-0", "prefill-1")}
+    routes = []
+    for i in range(11):
+        suffix = [(j * 31 + i * 977) % 30000 + 200 for j in range(64)]
+        r = httpx.post(f"{pools.http}/v1/completions", timeout=300,
+                       json={"prompt": prefix + suffix, "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+        routes.append(route(r))
+    holder = routes[0]["prefill"]
+    later = routes[1:]
+    on_holder = [x for x in later if x["prefill"] == holder and int(x["cached_tokens"]) == 1024]
+    assert len(on_holder) >= 0.9 * len(later), routes
+    computed = sum(pools.stats(n).prompt_tokens_computed - before[n] for n in before)
+    assert computed <= 1088 + 10 * 64 + 64, computed          # the prefix ran (about) once
+
+
+def test_a_tiny_queue_answers_429_and_loses_nothing(pools):
+    url = pools.router("router-tiny", "--max-pending", "1")
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*(client.post(f"{url}/v1/completions", json={
+                "prompt": f"Count to fifty, attempt {i}:", "max_tokens": 48, "ignore_eos": True})
+                for i in range(6)))
+
+    rs = asyncio.run(run())
+    codes = sorted(r.status_code for r in rs)
+    assert codes.count(200) >= 1 and codes.count(429) >= 1 and set(codes) <= {200, 429}, codes
+    busy = next(r for r in rs if r.status_code == 429)
+    assert busy.headers["retry-after"].isdigit() and busy.json()["error"]["code"] == "overloaded"
+    wait_pools_idle(pools, ("decode-0", "decode-1"))
+    pools.kill("router-tiny", signal.SIGTERM)
+
+
+def test_killed_decode_worker_leaves_and_its_restart_rejoins(pools):
+    victim = "decode-1"
+    old_addr = pools.addr(victim)
+
+    async def stream(client, i):
+        body = {"prompt": f"Write a long list of animals, number {i}:", "max_tokens": 60, "ignore_eos": True,
+                "stream": True}
+        try:
+            async with client.stream("POST", f"{pools.http}/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    return r.status_code, await r.aread()
+                text = [line async for line in r.aiter_lines()]
+                return 200, "\n".join(text)
+        except httpx.HTTPError as exc:
+            return "transport", str(exc)
+
+    async def during_kill():
+        async with httpx.AsyncClient(timeout=120) as client:
+            tasks = [asyncio.create_task(stream(client, i)) for i in range(4)]
+            await asyncio.sleep(1.5)
+            pools.kill(victim)
+            return await asyncio.gather(*tasks)
+
+    for status, body in asyncio.run(during_kill()):
+        # Finished, or a clear error: an HTTP status, or an error event in the stream.
+        assert status in (200, 503), (status, body)
+        if status == 200:
+            assert "[DONE]" in body or '"error"' in body, body
+
+    # New requests keep succeeding: one routed to the dead worker is retried elsewhere.
+    t0 = time.monotonic()
+    for i in range(6):
+        r = httpx.post(f"{pools.http}/v1/completions", timeout=120, json={"prompt": f"Hello {i}", "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        assert route(r)["decode"] != old_addr
+    assert time.monotonic() - t0 < 60
+
+    info = pools.worker(victim)                         # a new process: a new epoch
+    new_addr = pools.addr(victim)
+    deadline = time.monotonic() + 10 * TTL
+    seen = set()
+    while new_addr not in seen:
+        assert time.monotonic() < deadline, f"restarted worker {new_addr} got no traffic: {seen}"
+        rs = [httpx.post(f"{pools.http}/v1/completions", timeout=120,
+                         json={"prompt": f"Hi {i}", "max_tokens": 2}) for i in range(3)]
+        assert all(r.status_code == 200 for r in rs)
+        seen |= {route(r)["decode"] for r in rs}
+    assert info["pid"] != 0
+    wait_pools_idle(pools, ("decode-0", "decode-1"))
+    metrics = httpx.get(f"{pools.http}/metrics").text
+    assert 'pdserve_pool_workers{role="decode"} 2.0' in metrics

@@ -1,0 +1,89 @@
+"""Routing policies on their own: decode choice, remote-or-local prefill from the cost
+model, prefill choice by queue and prefix overlap, and the model's recalibration."""
+from services.engine.prefix_cache import block_hashes
+from services.router.policy import CostModel, DecodeLoad, PrefillLoad, pick_decode, plan_prefill
+
+BS = 16
+PROMPT = list(range(1000, 1000 + 1088))          # 1,024-token shared prefix + 64 more
+KEYS = block_hashes(PROMPT, BS)
+HELD = frozenset(KEYS[:64])                       # the 1,024-token prefix
+
+
+def model(**kw) -> CostModel:
+    return CostModel(prefill_s_per_token=0.002, remote_overhead_s=0.02, transfer_tail_s_per_token=0.0, **kw)
+
+
+def test_decode_least_loaded_among_those_with_room():
+    ws = [DecodeLoad("a", free_blocks=500, running=3), DecodeLoad("b", free_blocks=80, running=1),
+          DecodeLoad("c", free_blocks=10, running=0)]
+    assert pick_decode(ws, need_blocks=69).key == "b"        # c has no room for the prompt
+    assert pick_decode(ws, need_blocks=100).key == "a"
+    assert pick_decode(ws, need_blocks=600).key == "a"       # nobody has room: most free, and wait there
+    assert pick_decode([], 1) is None
+    tie = [DecodeLoad("x", 100, 2, last_pick=5.0), DecodeLoad("y", 300, 2, last_pick=7.0)]
+    assert pick_decode(tie, 10).key == "x"                   # equal load: round robin
+
+
+def test_prefix_holder_wins_while_not_overloaded():
+    ps = [PrefillLoad("cold", 0), PrefillLoad("warm", 0, HELD)]
+    plan = plan_prefill(ps, KEYS, len(PROMPT), BS, decode_running=0, model=model(), local_max_tokens=0)
+    assert plan.prefill.key == "warm" and plan.cached_tokens == 1024
+    # Its queue grows past what the cache saves (1,024 tokens): the cold worker is faster.
+    busy = [PrefillLoad("cold", 0), PrefillLoad("warm", 1500, HELD)]
+    assert plan_prefill(busy, KEYS, len(PROMPT), BS, 0, model(), 0).prefill.key == "cold"
+    ok = [PrefillLoad("cold", 0), PrefillLoad("warm", 900, HELD)]
+    assert plan_prefill(ok, KEYS, len(PROMPT), BS, 0, model(), 0).prefill.key == "warm"
+
+
+def test_a_partial_prefix_only_counts_its_leading_blocks():
+    other = block_hashes(PROMPT[:512] + [7] * 576, BS)        # same first 512 tokens, then different
+    ps = [PrefillLoad("half", 0, frozenset(other)), PrefillLoad("none", 0)]
+    plan = plan_prefill(ps, KEYS, len(PROMPT), BS, 0, model(), 0)
+    assert plan.prefill.key == "half" and plan.cached_tokens == 512
+
+
+def test_fully_cached_prompt_still_computes_its_last_token():
+    prompt = PROMPT[:1024]
+    keys = block_hashes(prompt, BS)
+    plan = plan_prefill([PrefillLoad("w", 0, frozenset(keys))], keys, 1024, BS, 0, model(), 0)
+    assert plan.cached_tokens == 1008
+
+
+def test_short_prompt_prefills_locally_only_when_it_stalls_nobody_much():
+    ps = [PrefillLoad("p", 0)]
+    idle = plan_prefill(ps, block_hashes(list(range(40)), BS), 40, BS, decode_running=0, model=model(),
+                        local_max_tokens=256)
+    assert idle.prefill is None and "local" in idle.reason
+    busy = plan_prefill(ps, block_hashes(list(range(40)), BS), 40, BS, decode_running=8, model=model(),
+                        local_max_tokens=256)
+    assert busy.prefill is not None                           # 8 running sequences would each wait
+    off = plan_prefill(ps, [], 40, BS, 0, model(), local_max_tokens=0)
+    assert off.prefill is not None                            # always disaggregate
+    long = plan_prefill(ps, KEYS, len(PROMPT), BS, 0, model(), local_max_tokens=256)
+    assert long.prefill is not None
+
+
+def test_local_when_no_prefill_worker():
+    plan = plan_prefill([], KEYS, len(PROMPT), BS, 5, model(), 0)
+    assert plan.prefill is None and plan.reason == "no prefill worker"
+
+
+def test_cached_prefix_on_a_prefill_worker_beats_local_prefill():
+    # 200 tokens, 192 of them cached remotely: remote computes 8 tokens, local would compute 200.
+    prompt = PROMPT[:200]
+    keys = block_hashes(prompt, BS)
+    plan = plan_prefill([PrefillLoad("w", 0, frozenset(keys))], keys, 200, BS, 0, model(), 256)
+    assert plan.prefill is not None and plan.cached_tokens == 192
+
+
+def test_cost_model_recalibrates_from_reports():
+    m = CostModel(prefill_s_per_token=0.010, remote_overhead_s=0.5)
+    for _ in range(30):                                       # the workers are much faster than guessed
+        m.observe(computed_tokens=1000, prefill_seconds=1.05, transfer_seconds=0.05, ttft_seconds=1.08,
+                  prompt_tokens=1000)
+    assert abs(m.prefill_s_per_token - 0.001) < 1e-4
+    assert abs(m.remote_overhead_s - 0.03) < 5e-3
+    assert abs(m.transfer_tail_s_per_token - 0.00005) < 1e-5
+    before = m.prefill_s_per_token
+    m.observe(computed_tokens=3, prefill_seconds=5.0, transfer_seconds=0.0, ttft_seconds=5.0, prompt_tokens=1000)
+    assert m.prefill_s_per_token == before                    # a near-fully cached prompt says nothing
