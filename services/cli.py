@@ -1,10 +1,12 @@
-"""The `pdserve` command: `up` (local cluster), `router`, `prefill`, `decode`, `convert-model`."""
+"""The `pdserve` command: `up` (local cluster), `router`, `prefill`, `decode`, `convert-model`,
+`bench` (load generator)."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import sys
 
+from services.bench.command import add_arguments as bench_arguments
 from services.common.settings import DTYPES, KV_TRANSPORTS, RouterSettings, WorkerSettings, env_defaults
 
 
@@ -96,6 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     _worker_args(sub.add_parser("prefill", help="a prefill worker"), decode=False)
     _worker_args(sub.add_parser("decode", help="a decode worker"), decode=True)
     sub.add_parser("convert-model", help="convert the default model into the cache (done once)")
+    bench_arguments(sub.add_parser("bench", help="load-test an OpenAI-compatible endpoint (this or another server)"))
     env_defaults(parser)
     return parser
 
@@ -119,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
             from services.engine.model_store import ensure_default_model
             print(ensure_default_model())
             return 0
+        if a.command == "bench":
+            from services.bench.command import run
+            return run(a)
         if a.command == "up":
             from services.engine.model_store import resolve_model
             resolve_model(a.model)                     # convert once, before the workers race to

@@ -45,3 +45,18 @@ def test_resolve_sampling_defaults_and_ranges():
     with pytest.raises(APIError, match="maximum context length") as e:
         resolve_sampling(prompt_len=100, max_model_len=100)
     assert e.value.code == "context_length_exceeded"
+
+
+def test_min_tokens_masks_eos_in_logits_made_under_inference_mode():
+    import torch
+
+    from services.engine.sampler import sample
+    from services.engine.sampling import SamplingParams
+    with torch.inference_mode():                    # as the model runner returns them
+        logits = torch.zeros(2, 8)
+        logits[:, 3] = 10.0                         # EOS is every row's best token
+    params = [SamplingParams(max_tokens=4, temperature=0.0, min_tokens=2),
+              SamplingParams(max_tokens=4, temperature=0.0)]
+    assert sample(logits, params, [0, 0], frozenset({3})) == [0, 3]
+    assert sample(logits, params, [2, 0], frozenset({3})) == [3, 3]
+    assert logits[0, 3] == 10.0                     # the caller's tensor is untouched

@@ -38,8 +38,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: li
     """One new token per row of `logits` ([batch, vocab]); `num_generated` is how many
     tokens each row's sequence has produced so far (its next token's index)."""
     logits = logits.float()
-    for row, (p, n) in enumerate(zip(params, num_generated)):
-        if n < p.min_tokens and eos_token_ids:
+    held = [row for row, (p, n) in enumerate(zip(params, num_generated)) if n < p.min_tokens]
+    if held and eos_token_ids:
+        logits = logits.clone()     # the model's output may be an inference tensor: no writes into it
+        for row in held:
             logits[row, list(eos_token_ids)] = float("-inf")
     out = torch.argmax(logits, dim=-1).tolist()
     for row, (p, n) in enumerate(zip(params, num_generated)):
