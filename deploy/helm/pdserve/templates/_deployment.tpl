@@ -46,20 +46,9 @@ spec:
       enableServiceLinks: false
       terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
       securityContext: {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
-      {{- with $root.Values.imagePullSecrets }}
-      imagePullSecrets: {{- toYaml . | nindent 8 }}
-      {{- end }}
-      {{- with $v.nodeSelector }}
-      nodeSelector: {{- toYaml . | nindent 8 }}
-      {{- end }}
-      {{- with $v.tolerations }}
-      tolerations: {{- toYaml . | nindent 8 }}
-      {{- end }}
-      {{- with $v.affinity }}
-      affinity: {{- toYaml . | nindent 8 }}
-      {{- end }}
+      {{- with include "pdserve.podPlacement" (dict "root" $root "values" $v) }}{{ trim . | nindent 6 }}{{ end }}
       {{- with include "pdserve.modelInitContainers" . }}
-      initContainers: {{- . | nindent 8 }}
+      initContainers: {{- trim . | nindent 8 }}
       {{- end }}
       containers:
         - name: {{ .component }}
@@ -105,5 +94,5 @@ spec:
         - name: dshm
           emptyDir: {medium: Memory, sizeLimit: {{ .shmSize }}}
         {{- end }}
-        {{- with $modelVolume }}{{ . | nindent 8 }}{{ end }}
+        {{- with $modelVolume }}{{ trim . | nindent 8 }}{{ end }}
 {{- end }}

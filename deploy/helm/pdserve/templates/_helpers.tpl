@@ -118,6 +118,22 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- end }}
 {{- end }}
 
+{{/* Pull secrets and where a pod may run: (dict "root" $ "values" .Values.decode) */}}
+{{- define "pdserve.podPlacement" -}}
+{{- with .root.Values.imagePullSecrets }}
+imagePullSecrets: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.nodeSelector }}
+nodeSelector: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.tolerations }}
+tolerations: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.affinity }}
+affinity: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
 {{/* Environment every pdserve service gets: the registry and the log level. */}}
 {{- define "pdserve.commonEnv" -}}
 - name: PDSERVE_REDIS
