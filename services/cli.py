@@ -38,6 +38,8 @@ def _worker_args(p: argparse.ArgumentParser, decode: bool) -> None:
     p.add_argument("--fault-drop-transfers", type=float, default=0.0,
                    help="fault testing: fraction of KV transfers to drop midway")
     p.add_argument("--announce-file", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds accepted requests may still run before the worker stops")
     if decode:
         p.add_argument("--kv-cache-tokens", type=int, default=65536, help="KV pool size in tokens")
         p.add_argument("--max-batch", type=int, default=64, help="most sequences decoded per step")
@@ -110,7 +112,8 @@ def _worker_settings(role: str, a) -> WorkerSettings:
                           threads=a.threads, host=a.host, grpc_port=a.port, metrics_port=a.metrics_port,
                           kv_transport=a.kv_transport, advertise=a.advertise,
                           fault_drop_transfers=a.fault_drop_transfers, announce_file=a.announce_file,
-                          log_level=a.log_level, redis=a.redis, registry_ttl=a.registry_ttl, **extra)
+                          log_level=a.log_level, redis=a.redis, registry_ttl=a.registry_ttl,
+                          drain_timeout=a.drain_timeout, **extra)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 START_TIMEOUT = 600.0
-STOP_TIMEOUT = 15.0
+STOP_TIMEOUT = 45.0                 # workers drain up to --drain-timeout (30 s)
 _PR_SET_PDEATHSIG = 1
 
 

@@ -197,6 +197,46 @@ def test_a_tiny_queue_answers_429_and_loses_nothing(pools):
     pools.kill("router-tiny", signal.SIGTERM)
 
 
+def test_sigterm_drains_a_decode_worker_without_failing_its_requests(pools):
+    import redis
+    pools.worker("decode-2")
+    r = redis.Redis.from_url(pools.url)
+    deadline = time.monotonic() + 10
+    while pools.addr("decode-2") not in {
+            route(httpx.post(f"{pools.http}/v1/completions", json={"prompt": "x", "max_tokens": 1}))["decode"]
+            for _ in range(3)}:
+        assert time.monotonic() < deadline, "the third decode worker never got traffic"
+
+    async def stream(client, i):
+        body = {"prompt": f"List animals, number {i}:", "max_tokens": 80, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        async with client.stream("POST", f"{pools.http}/v1/completions", json=body) as resp:
+            lines = [line async for line in resp.aiter_lines()]
+        events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        usage = [e["usage"] for e in events if e.get("usage")]
+        return resp.status_code, usage[-1]["completion_tokens"] if usage else None, lines[-2:]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as client:
+            tasks = [asyncio.create_task(stream(client, i)) for i in range(6)]
+            await asyncio.sleep(2.0)                  # all six are decoding, some on decode-2
+            proc = pools.procs["decode-2"]
+            proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            while r.keys("pdserve:worker:decode:*").__len__() > 2:     # deregistered first
+                assert time.monotonic() - t0 < 2, "draining worker still registered"
+                await asyncio.sleep(0.05)
+            results = await asyncio.gather(*tasks)
+            return results, proc
+
+    results, proc = asyncio.run(run())
+    assert proc.wait(timeout=40) == 0
+    pools.procs.pop("decode-2")
+    for status, tokens, tail in results:
+        assert status == 200 and tokens == 80, (status, tokens, tail)
+    wait_pools_idle(pools, ("decode-0", "decode-1"))
+
+
 def test_killed_decode_worker_leaves_and_its_restart_rejoins(pools):
     victim = "decode-1"
     old_addr = pools.addr(victim)

@@ -52,6 +52,7 @@ class WorkerSettings:
     advertise: str | None = None        # HOST or HOST:PORT peers use to reach this worker
     redis: str | None = None            # registry URL; None: a router is given this address
     registry_ttl: float = 3.0           # seconds a registry record outlives its last heartbeat
+    drain_timeout: float = 30.0         # on SIGTERM: how long accepted requests may still run
     fault_drop_transfers: float = 0.0   # tests only: fraction of KV transfers dropped midway
     announce_file: str | None = None
     log_level: str = "info"

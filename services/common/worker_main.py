@@ -2,8 +2,9 @@
 
 start:    load model -> build the service -> bind gRPC + metrics -> SERVING -> announce
           (file for a local supervisor; Redis record with a heartbeat, if --redis)
-shutdown: deregister -> NOT_SERVING -> grace for in-flight RPCs -> stop the server
-          -> stop the engine
+shutdown (SIGTERM/SIGINT): deregister -> NOT_SERVING, new work refused (UNAVAILABLE, so
+          routers try another worker) -> drain: what was accepted runs to its end, up
+          to --drain-timeout -> stop the server -> stop the engine (blocks released)
 """
 from __future__ import annotations
 
@@ -27,10 +28,12 @@ SHUTDOWN_GRACE_SECONDS = 5.0
 
 
 class EngineStatus:
-    """The Info and Stats RPCs every worker servicer answers from its engine."""
+    """The Info and Stats RPCs every worker servicer answers from its engine, and the
+    draining flag: once set, the servicer refuses new work with UNAVAILABLE."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
+        self.draining = False
 
     async def Info(self, request, context):
         return self.engine.info()
@@ -43,11 +46,24 @@ class WorkerParts:
     """What a worker's `build` callback returns: its servicer registration, its engine
     (for the registry record) and teardown."""
 
-    def __init__(self, service_name: str, register: Callable, engine, stop: Callable[[], None]) -> None:
+    def __init__(self, service_name: str, servicer: EngineStatus, register: Callable,
+                 stop: Callable[[], None]) -> None:
         self.service_name = service_name
-        self.register = register
-        self.engine = engine
+        self.servicer = servicer
+        self.engine = servicer.engine
+        self.register = lambda server: register(servicer, server)
         self.stop = stop
+
+
+async def _drain(engine, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    if engine.busy():
+        log.info("draining: waiting up to %.0f s for accepted requests to finish", timeout)
+    while engine.busy():
+        if time.monotonic() > deadline:
+            log.warning("drain timeout: stopping with requests still in progress")
+            return
+        await asyncio.sleep(0.1)
 
 
 async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]) -> None:
@@ -84,6 +100,8 @@ async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]
         if heartbeat is not None:
             await heartbeat.stop()
         await host.set_status(False)
+        parts.servicer.draining = True
+        await _drain(parts.engine, settings.drain_timeout)
         await host.server.stop(SHUTDOWN_GRACE_SECONDS)
         parts.stop()
         log.info("%s worker stopped", settings.role)

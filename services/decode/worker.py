@@ -248,6 +248,11 @@ class DecodeEngine:
         return worker_pb2.WorkerStats(info=self.info(), prompt_tokens_computed=self.prompt_tokens_computed,
                                       kv_bytes_received=self.kv_bytes_received, active_handoffs=len(self.handoffs))
 
+    def busy(self) -> bool:
+        """Anything accepted and not yet finished: sequences or reservations."""
+        sch = self.scheduler
+        return bool(sch.running or sch.ready or sch.waiting or len(self.handoffs))
+
     def info(self) -> worker_pb2.WorkerInfo:
         with self._lock:
             return worker_pb2.WorkerInfo(
@@ -263,6 +268,8 @@ class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
 
     async def Reserve(self, request, context):
         e = self.engine
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this decode worker is draining")
         try:
             h = e.reserve(request.request_id, request.num_prompt_tokens, request.lease_seconds or 30.0)
         except NoFreeBlocks as exc:
@@ -289,6 +296,8 @@ class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
             loop.call_soon_threadsafe(out.put_nowait, (token_ids, reason))
 
         prompt = list(request.prompt_token_ids)
+        if self.draining and request.local_prefill:      # new work; a handoff in flight is finished
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this decode worker is draining")
         try:
             params = sampling_from_proto(request.sampling)
         except ValueError as exc:
@@ -322,5 +331,4 @@ def build(settings: WorkerSettings, runner: ModelRunner, eos: frozenset[int], me
     engine = DecodeEngine(settings, runner, eos, metrics)
     engine.start()
     return WorkerParts("pdserve.v1.DecodeWorker",
-                       lambda server: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeService(engine), server),
-                       engine, engine.stop)
+                       DecodeService(engine), worker_pb2_grpc.add_DecodeWorkerServicer_to_server, engine.stop)

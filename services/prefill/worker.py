@@ -164,6 +164,9 @@ class PrefillEngine:
         return worker_pb2.WorkerStats(info=self.info(), prompt_tokens_computed=self.prompt_tokens_computed,
                                       kv_bytes_sent=self.kv_bytes_sent)
 
+    def busy(self) -> bool:
+        return self.queued > 0
+
     def stop(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
         for t in self.transports.values():
@@ -174,6 +177,8 @@ class PrefillEngine:
 class PrefillService(EngineStatus, worker_pb2_grpc.PrefillWorkerServicer):
 
     async def Prefill(self, request, context):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this prefill worker is draining")
         try:
             return await self.engine.submit(request)
         except LeaseExpired as exc:
@@ -191,5 +196,4 @@ class PrefillService(EngineStatus, worker_pb2_grpc.PrefillWorkerServicer):
 def build(settings: WorkerSettings, runner: ModelRunner, eos: frozenset[int], metrics: WorkerMetrics):
     engine = PrefillEngine(settings, runner, eos, metrics)
     return WorkerParts("pdserve.v1.PrefillWorker",
-                       lambda server: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillService(engine), server),
-                       engine, engine.stop)
+                       PrefillService(engine), worker_pb2_grpc.add_PrefillWorkerServicer_to_server, engine.stop)
