@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 120)
@@ -65,6 +66,33 @@ class RouterMetrics:
         self.retries = Counter("pdserve_request_retries",
                                "Requests tried again after a worker was found dead before streaming", registry=r)
         self.pool_workers = Gauge("pdserve_pool_workers", "Ready workers per pool", ["role"], registry=r)
+        self.autoscaler = AutoscalerExport()
+        r.register(self.autoscaler)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class AutoscalerExport:
+    """The autoscaler's desired replicas and decision counts, as last read from wherever
+    it publishes them (the registry): exported as they are, since the autoscaler may run
+    in another process. No autoscaler (its status expired): no desired-replicas series."""
+
+    def __init__(self) -> None:
+        self.desired: dict[str, int] = {}
+        self.decisions: dict[tuple[str, str], int] = {}
+
+    def update(self, desired: dict[str, int], decisions: dict[tuple[str, str], int]) -> None:
+        self.desired, self.decisions = dict(desired), dict(decisions)
+
+    def collect(self):
+        desired = GaugeMetricFamily("pdserve_autoscaler_desired_replicas",
+                                    "Replicas the autoscaler wants per pool", labels=["role"])
+        for role, n in sorted(self.desired.items()):
+            desired.add_metric([role], n)
+        decisions = CounterMetricFamily("pdserve_autoscaler_decisions",
+                                        "Autoscaler decisions (one per pool per tick) by reason",
+                                        labels=["role", "reason"])
+        for (role, reason), n in sorted(self.decisions.items()):
+            decisions.add_metric([role, reason], n)
+        return [desired, decisions]

@@ -1,6 +1,12 @@
-"""Worker discovery through Redis: announcements with a heartbeat and a TTL.
+"""Worker discovery through Redis: announcements with a heartbeat and a TTL; and what
+routers and the autoscaler tell each other there.
 
-    key   <namespace>:worker:<role>:<epoch>   value  WorkerInfo (protobuf bytes)
+    <namespace>:worker:<role>:<epoch>   WorkerInfo (protobuf bytes), TTL
+    <namespace>:latency:<router id>     LatencyReport: a router's latency per worker, TTL
+    <namespace>:autoscaler:status       AutoscalerStatus: the last tick's decisions, TTL
+    <namespace>:autoscaler:decisions    hash "<role>:<reason>" -> decisions counted
+    <namespace>:autoscaler:bounds       hash of live overrides (min_prefill, max_decode,
+                                        budget, ...), written by operators
 
 A worker writes its record every `ttl / 3` seconds with an expiry of `ttl`, so one that
 stops heartbeating (killed, hung, cut off) drops out of every router within the TTL.
@@ -18,7 +24,7 @@ from typing import Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from services.rpc import worker_pb2
+from services.rpc import autoscaler_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 
@@ -44,20 +50,54 @@ class RedisRegistry:
         await self._redis.delete(self._key(role, epoch))
 
     async def workers(self) -> list[worker_pb2.WorkerInfo]:
-        keys = [k async for k in self._redis.scan_iter(match=f"{self.namespace}:worker:*", count=500)]
-        if not keys:
-            return []
+        return self._parse_all(worker_pb2.WorkerInfo, await self._values(f"{self.namespace}:worker:*"))
+
+    # ---- routers <-> autoscaler ----
+    async def publish_latency(self, report: autoscaler_pb2.LatencyReport, ttl: float) -> None:
+        await self._redis.set(f"{self.namespace}:latency:{report.router_id}", report.SerializeToString(),
+                              px=int(ttl * 1000))
+
+    async def latency_reports(self) -> list[autoscaler_pb2.LatencyReport]:
+        return self._parse_all(autoscaler_pb2.LatencyReport, await self._values(f"{self.namespace}:latency:*"))
+
+    async def publish_autoscaler(self, status: autoscaler_pb2.AutoscalerStatus, ttl: float) -> None:
+        """The tick's status, and one more decision counted per pool by its reason."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.set(f"{self.namespace}:autoscaler:status", status.SerializeToString(), px=int(ttl * 1000))
+            for pool in status.pools:
+                pipe.hincrby(f"{self.namespace}:autoscaler:decisions", f"{pool.role}:{pool.reason}", 1)
+            await pipe.execute()
+
+    async def autoscaler_status(self) -> tuple[autoscaler_pb2.AutoscalerStatus | None, dict[tuple[str, str], int]]:
+        """The live status (None once it expired: no autoscaler runs) and the decision counts."""
+        raw = await self._redis.get(f"{self.namespace}:autoscaler:status")
+        counts = await self._redis.hgetall(f"{self.namespace}:autoscaler:decisions")
+        decisions = {}
+        for key, value in counts.items():
+            role, _, reason = key.decode().partition(":")
+            decisions[(role, reason)] = int(value)
+        status = self._parse_all(autoscaler_pb2.AutoscalerStatus, [raw] if raw else [])
+        return (status[0] if status else None), decisions
+
+    async def bounds_overrides(self) -> dict[str, str]:
+        raw = await self._redis.hgetall(f"{self.namespace}:autoscaler:bounds")
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    async def _values(self, pattern: str) -> list[bytes]:
+        keys = [k async for k in self._redis.scan_iter(match=pattern, count=500)]
+        # a key may expire between SCAN and MGET
+        return [raw for raw in await self._redis.mget(keys) if raw is not None] if keys else []
+
+    def _parse_all(self, message_type, raws: list[bytes]) -> list:
         out = []
-        for raw in await self._redis.mget(keys):
-            if raw is None:                       # expired between SCAN and MGET
-                continue
-            info = worker_pb2.WorkerInfo()
+        for raw in raws:
+            message = message_type()
             try:
-                info.ParseFromString(raw)
+                message.ParseFromString(raw)
             except Exception:                    # protobuf's DecodeError; not ours to trust
-                log.warning("ignoring an unreadable worker record in %s", self.url)
+                log.warning("ignoring an unreadable %s record in %s", message_type.__name__, self.url)
                 continue
-            out.append(info)
+            out.append(message)
         return out
 
     async def close(self) -> None:

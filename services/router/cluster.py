@@ -30,6 +30,7 @@ from services.common.wire import sampling_to_proto
 from services.engine.prefix_cache import block_hashes
 from services.engine.sampling import SamplingParams
 from services.engine.tokenizer import IncrementalDetokenizer, StopMatcher
+from services.router.latency import LatencyLedger
 from services.router.policy import CostModel, DecodeLoad, PrefillLoad, pick_decode, plan_prefill
 from services.router.protocol import APIError
 from services.rpc import worker_pb2, worker_pb2_grpc
@@ -100,6 +101,8 @@ class Generation:
     decision: str = ""
     decode_worker: str = ""
     prefill_worker: str = ""
+    decode_epoch: str = ""
+    prefill_epoch: str = ""
     transport: str = ""
     transport_fallback: bool = False
     kv_bytes: int = 0
@@ -129,6 +132,7 @@ class Cluster:
         self.prefill = [Worker("prefill", a) for a in settings.prefill]
         self.by_epoch: dict[str, Worker] = {}
         self.cost = CostModel()
+        self.latency = LatencyLedger()
         self.pending = 0
         self._refresher: asyncio.Task | None = None
         self._cleanups: set[asyncio.Task] = set()
@@ -196,6 +200,7 @@ class Cluster:
             log.warning("cannot read the registry %s: %s", self.settings.redis, exc)
             return
         seen = set()
+        await self._exchange_with_autoscaler()
         for info in records:
             if info.role not in ("prefill", "decode") or not info.address:
                 continue
@@ -213,6 +218,17 @@ class Cluster:
             (self.decode if w.role == "decode" else self.prefill).remove(w)
             log.info("%s worker %s left (epoch %s)", w.role, w.address, epoch)
             self._spawn(self._close_when_idle(w))
+
+    async def _exchange_with_autoscaler(self) -> None:
+        """Publish this router's latency per worker; export the autoscaler's decisions."""
+        try:
+            await self.registry.publish_latency(self.latency.report(set(self.by_epoch)), ttl=3 * self.registry.ttl)
+            status, decisions = await self.registry.autoscaler_status()
+        except Exception as exc:
+            log.warning("cannot exchange autoscaling data through %s: %s", self.settings.redis, exc)
+            return
+        desired = {p.role: p.desired for p in status.pools} if status else {}
+        self.metrics.autoscaler.update(desired, decisions)
 
     async def _close_when_idle(self, w: Worker) -> None:
         """A departed worker's channel closes once the requests on it have ended."""
@@ -313,10 +329,10 @@ class Cluster:
         """One try through the workers. Cleanup rule: whenever a reservation exists and
         the decode stream did not finish, a Release is sent, but only once no prefill can
         still be writing into the reserved blocks. Release is idempotent on the worker."""
-        gen.prefill_worker, gen.transport, gen.transport_fallback = "", "", False
+        gen.prefill_worker, gen.prefill_epoch, gen.transport, gen.transport_fallback = "", "", "", False
         gen.kv_bytes = gen.cached_tokens = 0
         decode = self._pick_decode(len(gen.prompt_ids))
-        gen.decode_worker = decode.address
+        gen.decode_worker, gen.decode_epoch = decode.address, decode.info.epoch
         decode.inflight += 1
         handle, writer, finished = None, None, False
         try:
@@ -375,7 +391,7 @@ class Cluster:
                 raise _worker_error(decode, exc) from None
 
     def _start_prefill(self, prefill: Worker, handle, gen: Generation) -> asyncio.Future:
-        gen.prefill_worker = prefill.address
+        gen.prefill_worker, gen.prefill_epoch = prefill.address, prefill.info.epoch
         n = len(gen.prompt_ids)
         prefill.inflight += 1
         prefill.inflight_tokens += n

@@ -69,8 +69,11 @@ class RunningRequest:
                 now = time.monotonic()
                 if last is None:
                     metrics.ttft.observe(now - self.gen.started)
+                    if self.gen.decision == "remote":       # prefilled by the prefill pool
+                        cluster.latency.observe_ttft(self.gen.prefill_epoch, now - self.gen.started)
                 else:
                     metrics.itl.observe(now - last)
+                    cluster.latency.observe_itl(self.gen.decode_epoch, now - last)
                 last = now
                 self.queue.put_nowait(delta)
             self.queue.put_nowait(None)
