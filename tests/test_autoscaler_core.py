@@ -371,6 +371,12 @@ def test_quantile_interpolates_within_buckets():
 
 def test_cumulative_deltas_handle_new_and_restarted_sources():
     deltas = CumulativeDeltas()
-    assert sum(deltas.delta("r1", histogram([0.1] * 5))) == 0                  # its past is unknown
-    assert sum(deltas.delta("r1", histogram([0.1] * 8))) == 3
-    assert sum(deltas.delta("r1", histogram([0.1] * 2))) == 2                  # restarted
+    total = lambda out: {k: sum(v) for k, v in out.items()}     # noqa: E731
+    assert total(deltas.feed("r1", {"w1": histogram([0.1] * 5)})) == {"w1": 0}     # a new router: its past is unknown
+    deltas.end_tick()
+    assert total(deltas.feed("r1", {"w1": histogram([0.1] * 8), "w2": histogram([0.1] * 2)})) == {"w1": 3, "w2": 2}
+    deltas.end_tick()
+    assert total(deltas.feed("r1", {"w1": histogram([0.1] * 1)})) == {"w1": 1}     # the router restarted
+    deltas.end_tick()
+    deltas.end_tick()                                       # r1 sent nothing: forgotten
+    assert total(deltas.feed("r1", {"w1": histogram([0.1] * 4)})) == {"w1": 0}

@@ -320,7 +320,8 @@ class Planner:
                             f"demand fell ({v.text}) before {v.pending} pending worker(s) came up")
         if calm_long and v.warming:
             return v.decide(v.current, Reason.SETTLING, f"calm ({v.text}), {v.warming} warming")
-        if calm_long and v.ready >= 2 and v.pressure * v.ready / (v.ready - 1) < p.scale_in_below:
+        # (more registered than the pool is set to: those are on their way out already)
+        if calm_long and 2 <= v.ready <= v.current and v.pressure * v.ready / (v.ready - 1) < p.scale_in_below:
             if now - mem.changed_at < p.scale_in_cooldown:
                 return v.decide(v.current, Reason.COOLDOWN,
                                 f"calm ({v.text}), but the pool changed {now - mem.changed_at:.0f} s ago")

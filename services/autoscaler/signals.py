@@ -52,22 +52,33 @@ def quantile(counts: Sequence[int], q: float) -> float | None:
 
 
 class CumulativeDeltas:
-    """Samples added since the last call, from counters that only grow per source (a
-    router): a source seen for the first time gives nothing (its past is unknown), a
-    source whose counts went down restarted, and its new counts are all new."""
+    """Samples added since the last tick, from counters that only grow per source (a
+    router) and key (a worker). A source seen for the first time gives nothing (its
+    past is unknown: this reader just started); a new key of a known source is all new;
+    counts that went down mean the source restarted, and are all new."""
 
     def __init__(self) -> None:
-        self._last: dict[Hashable, Histogram] = {}
+        self._last: dict[tuple[Hashable, Hashable], Histogram] = {}
+        self._sources: set[Hashable] = set()
+        self._fed: set[tuple[Hashable, Hashable]] = set()
+        self._fed_sources: set[Hashable] = set()
 
-    def delta(self, key: Hashable, counts: Sequence[int]) -> Histogram:
-        counts = tuple(counts)
-        previous = self._last.get(key)
-        self._last[key] = counts
-        if previous is None:
-            return EMPTY
-        diff = tuple(c - p for c, p in zip(counts, previous))
-        return counts if any(d < 0 for d in diff) else diff
+    def feed(self, source: Hashable, series: dict[Hashable, Sequence[int]]) -> dict[Hashable, Histogram]:
+        out = {}
+        self._fed_sources.add(source)
+        for key, counts in series.items():
+            counts = tuple(counts)
+            previous = self._last.get((source, key))
+            self._last[(source, key)] = counts
+            self._fed.add((source, key))
+            if previous is None:
+                out[key] = counts if source in self._sources else EMPTY
+                continue
+            diff = tuple(c - p for c, p in zip(counts, previous))
+            out[key] = counts if any(d < 0 for d in diff) else diff
+        return out
 
-    def forget_except(self, keys: set) -> None:
-        for k in [k for k in self._last if k not in keys]:
-            del self._last[k]
+    def end_tick(self) -> None:
+        """Forget the sources and keys not fed since the last end_tick."""
+        self._last = {k: v for k, v in self._last.items() if k in self._fed}
+        self._sources, self._fed, self._fed_sources = self._fed_sources, set(), set()
