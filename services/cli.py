@@ -1,5 +1,5 @@
-"""The `pdserve` command: `up` (local cluster), `router`, `prefill`, `decode`, `convert-model`,
-`bench` (load generator)."""
+"""The `pdserve` command: `up` (local cluster), `router`, `prefill`, `decode`, `autoscaler`,
+`convert-model`, `bench` (load generator)."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,8 @@ import asyncio
 import sys
 
 from services.bench.command import add_arguments as bench_arguments
-from services.common.settings import DTYPES, KV_TRANSPORTS, RouterSettings, WorkerSettings, env_defaults
+from services.common.settings import (DTYPES, KV_TRANSPORTS, AutoscalerSettings, RouterSettings, WorkerSettings,
+                                      env_defaults)
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -63,6 +64,58 @@ def _routing_args(p: argparse.ArgumentParser) -> None:
                         "says it is faster (0: always use a prefill worker)")
 
 
+def _autoscaling_args(p: argparse.ArgumentParser) -> None:
+    """The policy, bounds and budget: the same flags for `up --autoscale` and `autoscaler`."""
+    from services.autoscaler.core import Policy
+    d = Policy()
+    g = p.add_argument_group("autoscaling (docs/autoscaling.md)")
+    g.add_argument("--slo-ttft", type=float, default=d.slo_ttft * 1000, metavar="MS",
+                   help="time-to-first-token p90 target of the prefill pool, ms")
+    g.add_argument("--slo-itl", type=float, default=d.slo_itl * 1000, metavar="MS",
+                   help="inter-token latency p90 target of the decode pool, ms")
+    for role in ("prefill", "decode"):
+        g.add_argument(f"--min-{role}", type=int, default=1, metavar="N", help=f"fewest {role} workers")
+        g.add_argument(f"--max-{role}", type=int, default=4, metavar="N", help=f"most {role} workers")
+    g.add_argument("--budget", type=int, default=None, metavar="SLOTS",
+                   help="most workers in both pools together (or GPUs, with --prefill-cost/--decode-cost)")
+    g.add_argument("--prefill-cost", type=int, default=1, metavar="SLOTS", help="budget slots a prefill worker holds")
+    g.add_argument("--decode-cost", type=int, default=1, metavar="SLOTS", help="budget slots a decode worker holds")
+    g.add_argument("--autoscale-interval", type=float, default=15.0, metavar="S", help="seconds between decisions")
+    timings = [("--latency-window", "window", "latency percentiles over this many seconds"),
+               ("--warmup", "warmup", "a worker younger than this is warming: its samples are ignored"),
+               ("--scale-out-cooldown", "scale_out_cooldown", "after a pool changed, before it may grow again"),
+               ("--scale-in-cooldown", "scale_in_cooldown", "after a pool changed, before it may shrink"),
+               ("--scale-in-after", "scale_in_after", "calm this long before a pool shrinks"),
+               ("--pending-timeout", "pending_timeout", "workers not up after this long are cancelled"),
+               ("--manual-hold", "manual_hold", "a replica count changed by someone else is left alone this long")]
+    for flag, field_name, text in timings:
+        g.add_argument(flag, dest=field_name, type=float, default=getattr(d, field_name), metavar="S", help=text)
+    g.add_argument("--target-prefill-queue-tokens", type=int, default=d.target_prefill_queue_tokens, metavar="N",
+                   help="queued prefill tokens per prefill worker that count as full")
+    g.add_argument("--target-kv-utilisation", type=float, default=d.target_kv_utilisation, metavar="F",
+                   help="fraction of a decode worker's KV blocks in use that counts as full")
+    g.add_argument("--target-running", type=int, default=d.target_running, metavar="N",
+                   help="sequences per decode worker that count as full")
+
+
+def _autoscaler_settings(a, actuator: str, redis: str | None) -> AutoscalerSettings:
+    from services.autoscaler.core import Limits, Policy, PoolBounds
+    policy = Policy(slo_ttft=a.slo_ttft / 1000, slo_itl=a.slo_itl / 1000,
+                    target_prefill_queue_tokens=a.target_prefill_queue_tokens,
+                    target_kv_utilisation=a.target_kv_utilisation, target_running=a.target_running,
+                    window=a.window, warmup=a.warmup, scale_out_cooldown=a.scale_out_cooldown,
+                    scale_in_cooldown=a.scale_in_cooldown, scale_in_after=a.scale_in_after,
+                    pending_timeout=a.pending_timeout, manual_hold=a.manual_hold)
+    limits = Limits(PoolBounds(a.min_prefill, a.max_prefill), PoolBounds(a.min_decode, a.max_decode), a.budget,
+                    a.prefill_cost, a.decode_cost)
+    return AutoscalerSettings(redis=redis, policy=policy, limits=limits, actuator=actuator,
+                              interval=a.autoscale_interval, namespace=getattr(a, "namespace", None),
+                              prefill_deployment=getattr(a, "prefill_deployment", None),
+                              decode_deployment=getattr(a, "decode_deployment", None),
+                              kubeconfig=getattr(a, "kubeconfig", None), host=a.host,
+                              metrics_port=getattr(a, "metrics_port", None), log_level=a.log_level)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -84,6 +137,24 @@ def _parser() -> argparse.ArgumentParser:
                          "else give the router the workers' addresses")
     _routing_args(up)
     up.add_argument("--announce-file", default=None, help="write the cluster's addresses here as JSON")
+    up.add_argument("--autoscale", action="store_true",
+                    help="grow and shrink each pool on its own signal within --min/--max-prefill/decode "
+                         "(needs the Redis registry); --prefill/--decode are the starting sizes")
+    _autoscaling_args(up)
+
+    scaler = sub.add_parser("autoscaler", help="scale the prefill and decode pools (Kubernetes Deployments)")
+    scaler.add_argument("--redis", default=None, metavar="URL", help="the registry the workers use (required)")
+    scaler.add_argument("--actuator", default="report", choices=["kubernetes", "report"],
+                        help="kubernetes: set the Deployments' scale; report: only log what it would set")
+    scaler.add_argument("--namespace", default=None, help="Kubernetes namespace of the Deployments")
+    scaler.add_argument("--prefill-deployment", default=None, metavar="NAME")
+    scaler.add_argument("--decode-deployment", default=None, metavar="NAME")
+    scaler.add_argument("--kubeconfig", default=None, metavar="FILE",
+                        help="default: in-cluster credentials, else ~/.kube/config")
+    scaler.add_argument("--host", default="127.0.0.1", help="address of its /metrics and /healthz")
+    scaler.add_argument("--metrics-port", type=int, default=None, help="serve /metrics and /healthz here")
+    scaler.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _autoscaling_args(scaler)
 
     router = sub.add_parser("router", help="the HTTP/gRPC front end")
     _model_args(router)
@@ -132,7 +203,14 @@ def main(argv: list[str] | None = None) -> int:
             from services.engine.model_store import resolve_model
             resolve_model(a.model)                     # convert once, before the workers race to
             from services.local_cluster import LocalCluster
-            return LocalCluster(a).run()
+            scaling = _autoscaler_settings(a, "local", None) if a.autoscale else None
+            return LocalCluster(a, scaling).run()
+        if a.command == "autoscaler":
+            if not a.redis:
+                raise ValueError("--redis is needed: workers and latency are read from the registry")
+            from services.autoscaler.service import serve as serve_autoscaler
+            asyncio.run(serve_autoscaler(_autoscaler_settings(a, a.actuator, a.redis)))
+            return 0
         if a.command == "router":
             from services.router.server import serve
             settings = RouterSettings(model=a.model, served_model_name=a.served_model_name, host=a.host,

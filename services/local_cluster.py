@@ -6,10 +6,17 @@ then M decode and N prefill workers (in parallel, each announces its ports when 
 model is loaded), then the router. Stop order is the reverse. If any service dies, the
 rest are stopped and `up` exits non-zero; children also get SIGTERM if `up` itself is
 killed, so nothing is left running.
+
+With --autoscale an autoscaler thread (services/autoscaler) resizes the pools through
+`resize`: new workers are spawned like the first ones and join through the registry;
+a removed worker gets SIGTERM and drains (deregister, refuse new work, finish what it
+accepted), and its exit is expected, not a failure. Workers still loading go first.
 """
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import itertools
 import json
 import os
 import shutil
@@ -17,9 +24,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Sequence
+
+from services.common.settings import AutoscalerSettings
 
 START_TIMEOUT = 600.0
 STOP_TIMEOUT = 45.0                 # workers drain up to --drain-timeout (30 s)
@@ -47,11 +58,20 @@ class Child:
 
 
 class LocalCluster:
-    def __init__(self, args) -> None:
+    def __init__(self, args, autoscaling: AutoscalerSettings | None = None) -> None:
         self.args = args
+        self.autoscaling = autoscaling
         self.workdir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
         self.children: list[Child] = []
+        self.pools: dict[str, list[Child]] = {"prefill": [], "decode": []}
+        self.draining_children: list[Child] = []
+        self._worker_argv: dict[str, list[str]] = {}
+        self._serial = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._threads = 1
+        self._lock = threading.Lock()           # the autoscaler thread resizes the pools
         self._stop = False
+        self._scaler: threading.Thread | None = None
+        self._scaler_stop = threading.Event()
 
     def _spawn(self, name: str, argv: list[str], threads: int) -> Child:
         announce = self.workdir / f"{name}.json"
@@ -63,6 +83,66 @@ class LocalCluster:
         child = Child(name, proc, announce)
         self.children.append(child)
         return child
+
+    # ---- pools (the autoscaler's LocalActuator calls these from its thread) ----
+    def _spawn_worker(self, role: str) -> Child:
+        child = self._spawn(f"{role}-{next(self._serial[role])}", self._worker_argv[role], self._threads)
+        self.pools[role].append(child)
+        return child
+
+    def pool_size(self, role: str) -> int:
+        with self._lock:
+            return len(self.pools[role])
+
+    def draining(self, role: str) -> int:
+        with self._lock:
+            return sum(c.name.startswith(role) for c in self.draining_children)
+
+    def resize(self, role: str, n: int, victims: Sequence[str] = ()) -> None:
+        """Spawn workers up to n, or drain down to n: first workers still loading (the
+        youngest), then `victims` (registered addresses, best first), then the youngest."""
+        with self._lock:
+            pool = self.pools[role]
+            while len(pool) < n:
+                print(f"pdserve: starting {self._spawn_worker(role).name}", flush=True)
+            ports = {c.name: (c.ports() or {}).get("grpc_port") for c in pool}
+            wanted = [a.rpartition(":")[2] for a in victims]
+            while len(pool) > n:
+                loading = [c for c in pool if ports[c.name] is None]
+                named = sorted((c for c in pool if str(ports[c.name]) in wanted),
+                               key=lambda c: wanted.index(str(ports[c.name])))
+                victim = loading[-1] if loading else named[0] if named else pool[-1]
+                pool.remove(victim)
+                self.draining_children.append(victim)
+                victim.proc.send_signal(signal.SIGTERM)
+                print(f"pdserve: draining {victim.name} (pid {victim.proc.pid})", flush=True)
+
+    def _start_autoscaler(self, redis: str) -> None:
+        from services.autoscaler.actuators.local import LocalActuator
+        from services.autoscaler.service import Autoscaler
+        from services.common.registry import RedisRegistry
+        settings = replace(self.autoscaling, redis=redis)
+
+        async def run() -> None:
+            registry = RedisRegistry(redis)
+            scaler = Autoscaler(settings, registry, LocalActuator(self),
+                                announce=lambda change: print(f"pdserve: autoscaler: {change.decision}", flush=True))
+            try:
+                await scaler.run(self._scaler_stop)
+            finally:
+                await registry.close()
+        self._scaler = threading.Thread(target=asyncio.run, args=(run(),), name="autoscaler", daemon=True)
+        self._scaler.start()
+        b = settings.limits
+        print(f"pdserve: autoscaling prefill {b.prefill.min}-{b.prefill.max}, decode {b.decode.min}-{b.decode.max}"
+              f" workers, a decision every {settings.interval:g} s", flush=True)
+
+    def _reap_drained(self) -> None:
+        with self._lock:
+            for c in [c for c in self.draining_children if c.proc.poll() is not None]:
+                self.draining_children.remove(c)
+                self.children.remove(c)
+                print(f"pdserve: {c.name} drained and stopped (exit code {c.proc.returncode})", flush=True)
 
     def _registry(self) -> str | None:
         """The registry URL the services share, or None for static addresses."""
@@ -107,23 +187,29 @@ class LocalCluster:
         a = self.args
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
-        threads = a.threads or max(1, (os.cpu_count() or 2) // 2)
+        self._threads = a.threads or max(1, (os.cpu_count() or 2) // 2)
         common = ["--dtype", a.dtype, "--log-level", a.log_level, "--device", a.device,
-                  "--kv-transport", a.kv_transport, "--block-size", str(a.block_size), "--threads", str(threads)]
+                  "--kv-transport", a.kv_transport, "--block-size", str(a.block_size), "--threads", str(self._threads)]
         if a.model:
             common += ["--model", a.model]
         try:
             if a.num_prefill < 1 or a.num_decode < 1:
                 raise RuntimeError("--prefill and --decode need at least one worker each")
             redis = self._registry()
+            if self.autoscaling and not redis:
+                raise RuntimeError("--autoscale needs the Redis registry: install redis-server or pass --redis")
             if redis:
                 common += ["--redis", redis]
-            decodes = [self._spawn(f"decode-{i}", ["decode", *common, "--kv-cache-tokens", str(a.kv_cache_tokens),
-                                                   "--max-batch", str(a.max_batch)], threads)
-                       for i in range(a.num_decode)]
-            prefills = [self._spawn(f"prefill-{i}", ["prefill", *common, "--prefix-cache-tokens",
-                                                     str(a.prefix_cache_tokens)], threads)
-                        for i in range(a.num_prefill)]
+            self._worker_argv = {
+                "decode": ["decode", *common, "--kv-cache-tokens", str(a.kv_cache_tokens), "--max-batch", str(a.max_batch)],
+                "prefill": ["prefill", *common, "--prefix-cache-tokens", str(a.prefix_cache_tokens)]}
+            sizes = {"decode": a.num_decode, "prefill": a.num_prefill}
+            if self.autoscaling:                # start inside the bounds
+                limits = self.autoscaling.limits
+                sizes = {"decode": min(max(a.num_decode, limits.decode.min), limits.decode.max),
+                         "prefill": min(max(a.num_prefill, limits.prefill.min), limits.prefill.max)}
+            decodes = [self._spawn_worker("decode") for _ in range(sizes["decode"])]
+            prefills = [self._spawn_worker("prefill") for _ in range(sizes["prefill"])]
             ports = self._wait_ready(decodes + prefills)
             dports, pports = ports[:len(decodes)], ports[len(decodes):]
             router_argv = ["router", "--host", a.host, "--http-port", str(a.http_port), "--grpc-port",
@@ -142,11 +228,16 @@ class LocalCluster:
             router = self._spawn("router", router_argv, 1)
             (rports,) = self._wait_ready([router])
             self._banner(rports, pports, dports, redis)
+            if self.autoscaling:
+                self._start_autoscaler(redis)
             while not self._stop:
-                for c in self.children:
-                    if c.proc.poll() is not None:
-                        print(f"pdserve: {c.name} exited with code {c.proc.returncode}; stopping", flush=True)
-                        return 1
+                self._reap_drained()
+                with self._lock:
+                    dead = next((c for c in self.children
+                                 if c.proc.poll() is not None and c not in self.draining_children), None)
+                if dead is not None:
+                    print(f"pdserve: {dead.name} exited with code {dead.proc.returncode}; stopping", flush=True)
+                    return 1
                 time.sleep(0.2)
             return 0
         except KeyboardInterrupt:
@@ -177,6 +268,9 @@ class LocalCluster:
         self._stop = True
 
     def shutdown(self) -> None:
+        if self._scaler is not None:            # no resize while everything stops
+            self._scaler_stop.set()
+            self._scaler.join(timeout=30)
         for c in reversed(self.children):
             if c.proc.poll() is None:
                 c.proc.send_signal(signal.SIGTERM)
