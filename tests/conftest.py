@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -217,3 +218,20 @@ class Services:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+
+
+@pytest.fixture
+def redis_url():
+    """A private redis-server on a unix socket, for one test."""
+    tmp = Path(tempfile.mkdtemp(prefix="pdserve-redis-"))
+    sock = tmp / "redis.sock"
+    proc = subprocess.Popen(["redis-server", "--port", "0", "--unixsocket", str(sock), "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp)], stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while not sock.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+        time.sleep(0.05)
+    yield f"unix://{sock}"
+    proc.terminate()
+    proc.wait(timeout=10)
+    shutil.rmtree(tmp, ignore_errors=True)

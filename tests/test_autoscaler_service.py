@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import subprocess
-import tempfile
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -31,22 +28,6 @@ POLICY = Policy(slo_ttft=1.0, slo_itl=0.1, window=30, min_samples=5, warmup=10, 
                 scale_in_cooldown=0, scale_in_after=600, manual_hold=60)
 EAGER = replace(POLICY, scale_in_after=0)       # scales in on the first calm tick
 LIMITS = Limits(PoolBounds(1, 3), PoolBounds(1, 4))
-
-
-@pytest.fixture
-def redis_url():
-    tmp = Path(tempfile.mkdtemp(prefix="pdserve-autoscaler-"))
-    sock = tmp / "redis.sock"
-    proc = subprocess.Popen(["redis-server", "--port", "0", "--unixsocket", str(sock), "--save", "",
-                             "--appendonly", "no", "--dir", str(tmp)], stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while not sock.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
-        time.sleep(0.05)
-    yield f"unix://{sock}"
-    proc.terminate()
-    proc.wait(timeout=10)
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 class RecordingActuator:
