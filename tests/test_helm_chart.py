@@ -112,6 +112,8 @@ VALUE_SETS = {
     "hub-model": ["--set", "model.source=hub", "--set", "model.hub.id=HuggingFaceTB/SmolLM2-135M-Instruct",
                   "--set", "model.hub.tokenSecret.name=hf"],
     "hostpath-model": ["--set", "model.source=hostPath", "--set", "model.hostPath.path=/srv/models"],
+    "autoscaler": ["--set", "autoscaler.enabled=true", "--set", "autoscaler.budget=6",
+                   "--set", "autoscaler.decodeCost=2"],
 }
 
 
@@ -314,6 +316,9 @@ BAD_VALUES = {
     "model.source=pvc": "model.pvc.claimName",
     "unknownKey=1": "unknownKey",
     "decode.unknownKey=1": "unknownKey",
+    "autoscaler.prefill.min=0": "autoscaler.prefill.min",
+    "autoscaler.slo.itlMs=0": "autoscaler.slo.itlMs",
+    "autoscaler.budget=-1": "autoscaler.budget",
 }
 
 
@@ -442,3 +447,65 @@ def test_notes_tell_how_to_reach_the_api(helm, tmp_path):
                     "--set", "router.ingress.hosts[0].paths[0].path=/",
                     "--set", "router.ingress.hosts[0].paths[0].pathType=Prefix")
     assert "curl http://llm.example/v1/models" in ingress and "port-forward" not in ingress
+
+
+# ---- the autoscaler ----
+
+def test_autoscaler_is_off_by_default_and_pools_keep_their_replicas(helm):
+    m = render(helm)
+    assert not m.find("Deployment", "autoscaler") and not m.of_kind("Role") and not m.of_kind("RoleBinding")
+    for role in POOLS:
+        assert m.one("Deployment", role)["spec"]["replicas"] == 1
+
+
+def test_autoscaler_renders_with_rbac_for_exactly_the_pools_scale(helm):
+    """On: its own ServiceAccount, a Role allowed get/patch on the two pool Deployments'
+    scale subresource and nothing else of apps, pods listed and annotated; its command
+    line names those Deployments; the pools leave spec.replicas to it."""
+    m = render(helm, "--set", "autoscaler.enabled=true", "--set", "autoscaler.prefill.max=3",
+               "--set", "autoscaler.decode.min=2", "--set", "autoscaler.budget=6",
+               "--set", "autoscaler.slo.itlMs=80", "--namespace", "serving")
+    pools = {role: m.one("Deployment", role)["metadata"]["name"] for role in POOLS}
+    for role in POOLS:
+        assert "replicas" not in m.one("Deployment", role)["spec"], "helm upgrade would undo the autoscaler"
+    assert m.one("Deployment", "router")["spec"]["replicas"] == 1
+
+    account = m.one("ServiceAccount", "autoscaler")
+    (role,) = m.of_kind("Role")
+    (binding,) = m.of_kind("RoleBinding")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"],
+                                    "namespace": "serving"}]
+    rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): r for r in role["rules"]}
+    scale = rules[(("apps",), ("deployments/scale",))]
+    assert sorted(scale["resourceNames"]) == sorted(pools.values())
+    assert set(scale["verbs"]) <= {"get", "patch", "update"} and {"get", "patch"} <= set(scale["verbs"])
+    assert set(rules[(("",), ("pods",))]["verbs"]) == {"list", "patch"}
+    assert len(rules) == 2
+
+    pod, c = m.pod("autoscaler"), m.container("autoscaler")
+    assert pod["serviceAccountName"] == account["metadata"]["name"]
+    assert pod["automountServiceAccountToken"] is True           # the only pod with API access
+    assert m.one("Deployment", "autoscaler")["spec"]["strategy"] == {"type": "Recreate"}
+    f = flags(c)
+    assert c["args"][0] == "autoscaler" and f["actuator"] == "kubernetes" and f["namespace"] == "serving"
+    assert (f["prefill-deployment"], f["decode-deployment"]) == (pools["prefill"], pools["decode"])
+    assert (f["min-prefill"], f["max-prefill"], f["min-decode"], f["max-decode"]) == ("1", "3", "2", "4")
+    assert (f["budget"], f["slo-itl"], f["slo-ttft"]) == ("6", "80", "2000")
+    assert env_of(c)["PDSERVE_REDIS"] == env_of(m.container("router"))["PDSERVE_REDIS"]
+    port = port_named(c, "metrics")
+    assert f["metrics-port"] == str(port)
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True and pod["securityContext"]["runAsNonRoot"] is True
+    annotations = m.one("Deployment", "autoscaler")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(port)
+
+
+def test_autoscaler_flags_are_the_commands_own(helm):
+    """Every flag the chart passes is one `pdserve autoscaler` accepts."""
+    from services.cli import _parser
+    m = render(helm, "--set", "autoscaler.enabled=true", "--set", "autoscaler.budget=4")
+    args = _parser().parse_args(m.container("autoscaler")["args"])
+    assert args.command == "autoscaler" and args.actuator == "kubernetes" and args.budget == 4

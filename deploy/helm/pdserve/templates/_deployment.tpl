@@ -11,6 +11,8 @@ what differs between them:
   metricsPort  the port Prometheus scrapes (path /metrics)
   env        environment before the user's (may be empty)
   shmSize    size of a memory-backed /dev/shm, or "" for none
+  autoscaled true: spec.replicas is left out, the autoscaler owns it (a value here would
+             reset the pool on every `helm upgrade`)
 */}}
 {{- define "pdserve.deployment" -}}
 {{- $root := .root }}
@@ -22,7 +24,9 @@ metadata:
   name: {{ include "pdserve.componentName" . }}
   labels: {{- include "pdserve.labels" . | nindent 4 }}
 spec:
+  {{- if not .autoscaled }}
   replicas: {{ $v.replicas }}
+  {{- end }}
   revisionHistoryLimit: 3
   selector:
     matchLabels: {{- include "pdserve.selectorLabels" . | nindent 6 }}

@@ -22,7 +22,8 @@ only in what their values say:
       "probes" (dict "startup" $health "readiness" $health "liveness" $health)
       "metricsPort" $pool.metricsPort
       "env" $env
-      "shmSize" $pool.shmSize) $ctx) }}
+      "shmSize" $pool.shmSize
+      "autoscaled" $root.Values.autoscaler.enabled) $ctx) }}
 ---
 # Headless: the router reaches each worker by the address it registered, never through a
 # load-balanced virtual IP; the Service gives the pods DNS names and a metrics target.
