@@ -186,13 +186,13 @@ def budget_goes_to_the_pool_furthest_from_its_slo(w: World):
 
 
 def no_flapping_between_two_sizes(w: World):
-    """Demand that needs 2 workers and looks calm-ish on 2 (x0.45 each) must not make the
-    pool shrink to 1 (x0.9) and grow back: n-1 would not be calm. Demand noise around
-    the band changes nothing either."""
+    """Demand that needs 2 workers and looks calm on 2 (x0.5 each) must not make the pool
+    shrink to 1 (about x1, over the latency headroom) and grow back. Demand noise
+    around the band changes nothing either."""
     w.pools[D].demand = 1.2
     rows = w.run(60)
     assert changes(rows, D) == [(1, 2, Reason.SCALE_OUT_SLO)]
-    for demand in [0.9, 1.1, 0.95, 1.05] * 10:
+    for demand in [0.95, 1.1, 1.0, 1.05] * 10:
         w.pools[D].demand = demand
         rows += w.run(TICK * 3)
     assert len(changes(rows, D)) == 1 and w.pools[D].current == 2
@@ -380,3 +380,16 @@ def test_cumulative_deltas_handle_new_and_restarted_sources():
     deltas.end_tick()
     deltas.end_tick()                                       # r1 sent nothing: forgotten
     assert total(deltas.feed("r1", {"w1": histogram([0.1] * 4)})) == {"w1": 0}
+
+
+@pytest.mark.parametrize("itl,running,reason", [
+    (0.040, 2, Reason.SCALE_IN),        # a latency floor (x0.4 of SLO): x0.8 on one worker is fine
+    (0.045, 2, Reason.HOLD),            # x0.9 on one worker: over the headroom
+    (0.030, 12, Reason.HOLD),           # load x0.375 per worker -> x0.75 on one: not calm
+])
+def test_scale_in_projects_latency_and_load_onto_one_worker_fewer(itl, running, reason):
+    planner = Planner(replace(POLICY, scale_in_after=0, scale_in_cooldown=0, target_running=16), Clock())
+    workers = tuple(WorkerSample(f"d{i}", f"a{i}", 0.0, running=running, latency=histogram([itl] * 10))
+                    for i in range(2))
+    d = tick(planner, decode=PoolObservation(D, 2, workers))[D]
+    assert d.reason is reason, d

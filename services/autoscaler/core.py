@@ -11,7 +11,7 @@ One tick, for each pool on its own (prefill, then decode):
   2. A replica count other than the one the planner last set was changed by someone
      else: it is adopted, not fought, and held for `manual_hold` (bounds still apply).
   3. Pressure: the largest of the pool's signals over its target, 1.0 = at target.
-     prefill: TTFT p90 / SLO, queued prefill tokens per worker / target;
+     prefill: TTFT p90 / SLO, busy fraction / target, queued prefill tokens per worker / target;
      decode: ITL p90 / SLO, KV-block utilisation / target, sequences per worker / target.
      Latency percentiles cover the last `window` seconds, but never reach back past the
      last change of the set of warm workers (samples of a smaller pool would speak for
@@ -22,9 +22,11 @@ One tick, for each pool on its own (prefill, then decode):
      Calm (pressure below `scale_in_below`) for `scale_in_after` seconds: cancel pending
      workers first (falling demand, or `pending_timeout` passed, cancels capacity that
      never came up; waiting for it would block scale-in forever); otherwise, with
-     nothing pending or warming and `scale_in_cooldown` passed, remove one worker if the
-     pressure projected onto n-1 workers stays below `scale_in_below` (so the removal
-     cannot itself trigger a scale-out: no flapping between two sizes).
+     nothing pending or warming and `scale_in_cooldown` passed, remove one worker if,
+     spread over n-1 workers, the load signals stay calm and the latency p90 stays under
+     `latency_headroom` x SLO (so the removal cannot itself trigger a scale-out: no
+     flapping between two sizes). Latency is projected as if it grew with load alone;
+     it has a floor, so the projection errs on the side of keeping the worker.
   5. Bounds [min, max] clamp the result.
 Then the shared budget: slots held = sum of cost x (replicas + draining workers, which
 keep their GPU until they exit). Increases only spend free slots, one worker at a time
@@ -78,6 +80,7 @@ class WorkerSample:
     kv_blocks_total: int = 0
     running: int = 0                    # decode: sequences running or waiting
     latency: Histogram = EMPTY          # samples new since the last tick: TTFT (prefill) or ITL (decode)
+    busy: float | None = None           # prefill: share of the last tick spent computing; None: unknown
 
     def load(self, role: Role) -> int:
         return self.queued_prefill_tokens if role is Role.PREFILL else self.running
@@ -132,9 +135,11 @@ class Policy:
     slo_ttft: float = 2.0
     slo_itl: float = 0.1
     target_prefill_queue_tokens: int = 8192     # per prefill worker
+    target_prefill_busy: float = 0.75           # share of time a prefill worker computes
     target_kv_utilisation: float = 0.8          # of a decode worker's KV blocks
     target_running: int = 32                    # sequences per decode worker
     scale_in_below: float = 0.6                 # pressure that counts as calm
+    latency_headroom: float = 0.85              # a scale-in must leave latency p90 under this x SLO
     rebalance_margin: float = 0.1               # a move must lower the larger pressure by this much
     window: float = 60.0                        # latency percentiles over this long
     min_samples: int = 10                       # fewer latency samples are no signal
@@ -146,13 +151,13 @@ class Policy:
     manual_hold: float = 300.0                  # an outside change is left alone this long
 
     def __post_init__(self) -> None:
-        for name in ("slo_ttft", "slo_itl", "target_kv_utilisation", "window"):
+        for name in ("slo_ttft", "slo_itl", "target_kv_utilisation", "target_prefill_busy", "window"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
         if self.target_prefill_queue_tokens < 1 or self.target_running < 1 or self.min_samples < 1:
             raise ValueError("targets and min_samples must be at least 1")
-        if not 0 < self.scale_in_below < 1:
-            raise ValueError("scale_in_below must be in (0, 1): calm must be below target")
+        if not 0 < self.scale_in_below < 1 or not 0 < self.latency_headroom < 1:
+            raise ValueError("scale_in_below and latency_headroom must be in (0, 1): below target")
         for name in ("rebalance_margin", "warmup", "scale_out_cooldown", "scale_in_cooldown", "scale_in_after",
                      "pending_timeout", "manual_hold"):
             if getattr(self, name) < 0:
@@ -205,6 +210,13 @@ class _View:
     pressure: float | None
     kind: str                           # of the largest signal: "slo" or "load"
     text: str
+    latency: float                      # the latency signal's ratio to its SLO (0: none)
+    load: float                         # the largest load signal's ratio to its target
+
+    def after_scale_in(self) -> tuple[float, float]:
+        """(latency, load) ratios spread over one worker fewer."""
+        factor = self.ready / (self.ready - 1)
+        return self.latency * factor, self.load * factor
 
     def decide(self, desired: int, reason: Reason, detail: str) -> Decision:
         return Decision(self.role, self.current, desired, reason, detail, self.pressure, self.ready, self.warming,
@@ -264,6 +276,11 @@ class Planner:
         if obs.role is Role.PREFILL:
             if p90 is not None:
                 out.append(("slo", p90 / p.slo_ttft, f"TTFT p90 {_ms(p90)} vs SLO {_ms(p.slo_ttft)}"))
+            busy = [w.busy for w in warm if w.busy is not None]
+            if busy:
+                share = sum(busy) / len(busy)
+                out.append(("load", share / p.target_prefill_busy,
+                            f"prefill workers {share:.0%} busy vs {p.target_prefill_busy:.0%}"))
             queued = sum(w.queued_prefill_tokens for w in warm) / n
             out.append(("load", queued / p.target_prefill_queue_tokens,
                         f"{queued:.0f} queued prefill tokens per worker vs {p.target_prefill_queue_tokens}"))
@@ -290,7 +307,8 @@ class Planner:
         signals = self._signals(obs, warm, now) if warm else []
         kind, pressure, text = max(signals, key=lambda s: s[1]) if signals else ("", None, "")
         v = _View(obs.role, current, len(warm), len(obs.workers) - len(warm), max(0, current - len(obs.workers)),
-                  obs.draining, pressure, kind, text)
+                  obs.draining, pressure, kind, text, max((r for k, r, _ in signals if k == "slo"), default=0.0),
+                  max((r for k, r, _ in signals if k == "load"), default=0.0))
         mem.pending_since = (mem.pending_since or now) if v.pending else None
         calm = pressure is not None and pressure < p.scale_in_below
         mem.calm_since = (mem.calm_since if mem.calm_since is not None else now) if calm else None
@@ -321,13 +339,17 @@ class Planner:
         if calm_long and v.warming:
             return v.decide(v.current, Reason.SETTLING, f"calm ({v.text}), {v.warming} warming")
         # (more registered than the pool is set to: those are on their way out already)
-        if calm_long and 2 <= v.ready <= v.current and v.pressure * v.ready / (v.ready - 1) < p.scale_in_below:
+        if calm_long and 2 <= v.ready <= v.current:
+            latency, load = v.after_scale_in()
+            if latency >= p.latency_headroom or load >= p.scale_in_below:
+                return v.decide(v.current, Reason.HOLD, f"calm ({v.text}), but {v.ready - 1} worker(s) would be "
+                                                        f"at latency x{latency:.2f}, load x{load:.2f}")
             if now - mem.changed_at < p.scale_in_cooldown:
                 return v.decide(v.current, Reason.COOLDOWN,
                                 f"calm ({v.text}), but the pool changed {now - mem.changed_at:.0f} s ago")
             return v.decide(v.current - 1, Reason.SCALE_IN,
                             f"calm for {now - mem.calm_since:.0f} s ({v.text}); {v.ready - 1} worker(s) would "
-                            f"be at x{v.pressure * v.ready / (v.ready - 1):.2f}")
+                            f"be at latency x{latency:.2f}, load x{load:.2f}")
         return v.decide(v.current, Reason.HOLD, f"x{v.pressure:.2f}: {v.text}")
 
     def _scale_out(self, v: _View, mem: _PoolMemory, now: float) -> Decision:

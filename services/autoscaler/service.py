@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from services.autoscaler.actuators import Actuator, actuator_class
 from services.autoscaler.core import ROLES, Decision, Limits, Planner, PoolBounds, PoolObservation, Role, \
     WorkerSample, choose_victims
-from services.autoscaler.signals import EMPTY, LATENCY_BOUNDS, CumulativeDeltas, merge
+from services.autoscaler.signals import EMPTY, LATENCY_BOUNDS, BusyFraction, CumulativeDeltas, merge
 from services.common.registry import RedisRegistry
 from services.common.settings import AutoscalerSettings
 from services.rpc import autoscaler_pb2
@@ -74,6 +74,7 @@ class Autoscaler:
         self.clock = clock
         self.planner = Planner(settings.policy, clock)
         self.deltas = CumulativeDeltas()
+        self.busy = BusyFraction()
         self.timeline: list[Change] = []
         self.metrics = AutoscalerMetrics()
         self.last_tick = 0.0
@@ -121,11 +122,14 @@ class Autoscaler:
         workers = await self.registry.workers()
         latency = self._new_latency(await self.registry.latency_reports())
         out = {}
+        self.busy.forget_except({w.epoch for w in workers})
         for role in ROLES:
             mine = [w for w in workers if w.role == role.value]
             samples = tuple(WorkerSample(w.epoch, w.address, w.started_at, w.queued_prefill_tokens,
                                          w.num_blocks - w.free_blocks, w.num_blocks, w.running + w.waiting,
-                                         latency.get((role, w.epoch), EMPTY)) for w in mine)
+                                         latency.get((role, w.epoch), EMPTY),
+                                         self.busy.update(w.epoch, w.reported_at, w.busy_seconds)
+                                         if role is Role.PREFILL else None) for w in mine)
             size = self.actuator.observe(role, len(mine))
             out[role] = PoolObservation(role, size.replicas, samples, size.draining)
         return out

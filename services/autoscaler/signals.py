@@ -82,3 +82,27 @@ class CumulativeDeltas:
         """Forget the sources and keys not fed since the last end_tick."""
         self._last = {k: v for k, v in self._last.items() if k in self._fed}
         self._sources, self._fed, self._fed_sources = self._fed_sources, set(), set()
+
+
+class BusyFraction:
+    """The share of wall time a worker spent busy between two of its reports, from a
+    cumulative busy-seconds counter; None until two reports were seen."""
+
+    def __init__(self) -> None:
+        self._last: dict[Hashable, tuple[float, float]] = {}
+        self._fraction: dict[Hashable, float | None] = {}
+
+    def update(self, key: Hashable, reported_at: float, busy_seconds: float) -> float | None:
+        previous = self._last.get(key)
+        if previous is not None and reported_at <= previous[0]:
+            return self._fraction.get(key)                      # the same report again
+        self._last[key] = (reported_at, busy_seconds)
+        fraction = None
+        if previous is not None and busy_seconds >= previous[1]:
+            fraction = (busy_seconds - previous[1]) / (reported_at - previous[0])
+        self._fraction[key] = fraction
+        return fraction
+
+    def forget_except(self, keys: set) -> None:
+        self._last = {k: v for k, v in self._last.items() if k in keys}
+        self._fraction = {k: v for k, v in self._fraction.items() if k in keys}

@@ -69,6 +69,7 @@ class PrefillEngine:
         self.queued = 0
         self.queued_tokens = 0
         self.prompt_tokens_computed = 0
+        self.busy_seconds = 0.0                # in prefill passes, for the autoscaler
         self.kv_bytes_sent = 0
         metrics.blocks_total.set(num_blocks)
         metrics.blocks_free.set(num_blocks)
@@ -117,6 +118,7 @@ class PrefillEngine:
         done = time.perf_counter()
         kv_bytes = self.layout.block_bytes_per_layer * len(blocks) * self.layout.num_layers
         self.prompt_tokens_computed += len(tokens) - start
+        self.busy_seconds += done - t0
         self.kv_bytes_sent += kv_bytes
         self.metrics.prompt_tokens_computed.inc(len(tokens) - start)
         self.metrics.prefix_cache_tokens.labels("hit").inc(start)
@@ -158,7 +160,7 @@ class PrefillEngine:
             block_size=self.layout.block_size, num_blocks=self.pool.num_blocks, free_blocks=self.cache.num_available,
             waiting=self.queued, max_model_len=self.runner.max_model_len, kv_transports=list(self.transports),
             queued_prefill_tokens=self.queued_tokens, prefix_hashes=self.cache.keys_newest_first(PREFIX_SUMMARY_BLOCKS),
-            reported_at=time.time())
+            reported_at=time.time(), busy_seconds=self.busy_seconds)
 
     def stats(self) -> worker_pb2.WorkerStats:
         return worker_pb2.WorkerStats(info=self.info(), prompt_tokens_computed=self.prompt_tokens_computed,
