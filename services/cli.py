@@ -90,6 +90,10 @@ def _autoscaling_args(p: argparse.ArgumentParser) -> None:
                ("--manual-hold", "manual_hold", "a replica count changed by someone else is left alone this long")]
     for flag, field_name, text in timings:
         g.add_argument(flag, dest=field_name, type=float, default=getattr(d, field_name), metavar="S", help=text)
+    g.add_argument("--min-latency-samples", dest="min_samples", type=int, default=d.min_samples, metavar="N",
+                   help="fewer latency samples in the window are no signal")
+    g.add_argument("--target-prefill-busy", type=float, default=d.target_prefill_busy, metavar="F",
+                   help="share of time a prefill worker computes that counts as full")
     g.add_argument("--target-prefill-queue-tokens", type=int, default=d.target_prefill_queue_tokens, metavar="N",
                    help="queued prefill tokens per prefill worker that count as full")
     g.add_argument("--target-kv-utilisation", type=float, default=d.target_kv_utilisation, metavar="F",
@@ -102,6 +106,7 @@ def _autoscaler_settings(a, actuator: str, redis: str | None) -> AutoscalerSetti
     from services.autoscaler.core import Limits, Policy, PoolBounds
     policy = Policy(slo_ttft=a.slo_ttft / 1000, slo_itl=a.slo_itl / 1000,
                     target_prefill_queue_tokens=a.target_prefill_queue_tokens,
+                    target_prefill_busy=a.target_prefill_busy, min_samples=a.min_samples,
                     target_kv_utilisation=a.target_kv_utilisation, target_running=a.target_running,
                     window=a.window, warmup=a.warmup, scale_out_cooldown=a.scale_out_cooldown,
                     scale_in_cooldown=a.scale_in_cooldown, scale_in_after=a.scale_in_after,

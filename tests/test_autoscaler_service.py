@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import threading
 import time
 from dataclasses import replace
 
@@ -135,20 +136,37 @@ def test_report_actuator_changes_nothing_and_the_planner_knows_it(redis_url):
 
 
 def test_ray_actuator_is_a_thin_adapter_over_ray_pools():
-    class FakeRayPools:
+    """RayPools.scale blocks until workers serve or have drained: the adapter runs it on
+    a thread, reports the target meanwhile (actors still stopping as draining), and
+    applies the latest target when several come in during one call."""
+    class FakeRayPools:                         # the surface of services/ray_cluster.RayPools
         def __init__(self) -> None:
-            self.n = {"prefill": 1, "decode": 2}
+            self.n = {"prefill": 1, "decode": 3}
+            self.calls: list[tuple[str, int]] = []
+            self.release = threading.Event()
 
-        def scale(self, role: str, n: int) -> None:
+        def scale(self, role: str, n: int) -> list[dict]:
+            self.calls.append((role, n))
+            self.release.wait(10)
             self.n[role] = n
+            return []
 
         def counts(self) -> dict[str, int]:
             return dict(self.n)
 
     pools = FakeRayPools()
     ray = RayActuator(pools)
-    assert ray.observe(Role.DECODE, 0) == PoolSize(2)
-    assert ray.scale(Role.PREFILL, 3, ["ignored:1"]) and pools.n["prefill"] == 3
+    assert ray.observe(Role.DECODE, 0) == PoolSize(3)
+    assert ray.scale(Role.DECODE, 2, ["ignored:1"])
+    assert ray.observe(Role.DECODE, 0) == PoolSize(2, draining=1)           # returned at once
+    deadline = time.monotonic() + 10
+    while not pools.calls:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    ray.scale(Role.DECODE, 1, [])                                           # during the first call
+    pools.release.set()
+    ray.wait(10)
+    assert pools.calls == [("decode", 2), ("decode", 1)] and ray.observe(Role.DECODE, 0) == PoolSize(1)
     assert actuator_class("ray") is RayActuator
     with pytest.raises(ValueError):
         actuator_class("nomad")

@@ -73,7 +73,8 @@ class RunningRequest:
                         cluster.latency.observe_ttft(self.gen.prefill_epoch, now - self.gen.started)
                 else:
                     metrics.itl.observe(now - last)
-                    cluster.latency.observe_itl(self.gen.decode_epoch, now - last)
+                    if delta.token_ids:                      # a closing chunk without tokens is no gap
+                        cluster.latency.observe_itl(self.gen.decode_epoch, now - last)
                 last = now
                 self.queue.put_nowait(delta)
             self.queue.put_nowait(None)

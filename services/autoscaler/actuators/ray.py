@@ -1,17 +1,24 @@
 """Ray: a thin adapter over a RayPools (services/ray_cluster.py, `pdserve up --ray`),
-whose `scale(role, n)` adds or removes actors and `counts()` says how many each pool
-has. RayPools picks which actor goes and drains it; the victims asked for here are not
-passed on. Ray itself is imported only by RayPools, never here."""
+whose `scale(role, n)` adds or removes worker actors and `counts()` says how many each
+pool has. RayPools picks which actor goes and drains it, so the victims asked for here
+are not passed on. Its `scale` returns only once new workers serve and removed ones
+have stopped, so it runs on a thread of its own per pool: the autoscaler keeps deciding
+meanwhile and sees the target as the pool's size, with actors still stopping counted
+as draining. Ray itself is imported by RayPools, never here."""
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Protocol, Sequence
 
 from services.autoscaler.actuators import PoolSize
 from services.autoscaler.core import Role
 
+log = logging.getLogger(__name__)
+
 
 class Pools(Protocol):
-    def scale(self, role: str, n: int) -> None: ...
+    def scale(self, role: str, n: int) -> object: ...
 
     def counts(self) -> dict[str, int]: ...
 
@@ -21,10 +28,42 @@ class RayActuator:
 
     def __init__(self, pools: Pools) -> None:
         self.pools = pools
+        self._lock = threading.Lock()
+        self._wanted: dict[Role, int] = {}          # while a scale call is under way
+        self._threads: dict[Role, threading.Thread] = {}
 
     def observe(self, role: Role, registered: int) -> PoolSize:
-        return PoolSize(self.pools.counts()[role.value])
+        live = self.pools.counts()[role.value]
+        with self._lock:
+            wanted = self._wanted.get(role)
+        return PoolSize(live) if wanted is None else PoolSize(wanted, max(0, live - wanted))
 
     def scale(self, role: Role, replicas: int, victims: Sequence[str]) -> bool:
-        self.pools.scale(role.value, replicas)
+        with self._lock:
+            self._wanted[role] = replicas
+            if role not in self._threads:
+                self._threads[role] = threading.Thread(target=self._apply, args=(role,), daemon=True,
+                                                       name=f"ray-scale-{role.value}")
+                self._threads[role].start()
         return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Until no scale call is under way (for shutdown and tests)."""
+        with self._lock:
+            threads = list(self._threads.values())
+        for t in threads:
+            t.join(timeout)
+
+    def _apply(self, role: Role) -> None:
+        """Scale to the latest target until it holds still."""
+        while True:
+            with self._lock:
+                n = self._wanted[role]
+            try:
+                self.pools.scale(role.value, n)
+            except Exception:
+                log.exception("scaling the Ray %s pool to %d failed; the pool is what counts() says", role.value, n)
+            with self._lock:
+                if self._wanted[role] == n:
+                    del self._wanted[role], self._threads[role]
+                    return
