@@ -125,8 +125,7 @@ class LocalCluster:
 
         async def run() -> None:
             registry = RedisRegistry(redis)
-            scaler = Autoscaler(settings, registry, LocalActuator(self),
-                                announce=lambda change: print(f"pdserve: autoscaler: {change.decision}", flush=True))
+            scaler = Autoscaler(settings, registry, LocalActuator(self), announce=self._announce_change)
             try:
                 await scaler.run(self._scaler_stop)
             finally:
@@ -136,6 +135,11 @@ class LocalCluster:
         b = settings.limits
         print(f"pdserve: autoscaling prefill {b.prefill.min}-{b.prefill.max}, decode {b.decode.min}-{b.decode.max}"
               f" workers, a decision every {settings.interval:g} s", flush=True)
+
+    @staticmethod
+    def _announce_change(change) -> None:
+        print(f"pdserve: autoscaler: [{time.strftime('%H:%M:%S', time.localtime(change.at))}] {change.decision}",
+              flush=True)
 
     def _reap_drained(self) -> None:
         with self._lock:
