@@ -393,3 +393,26 @@ def test_scale_in_projects_latency_and_load_onto_one_worker_fewer(itl, running, 
                     for i in range(2))
     d = tick(planner, decode=PoolObservation(D, 2, workers))[D]
     assert d.reason is reason, d
+
+
+def test_prefill_busy_share_is_averaged_over_the_window():
+    """One tick of a burst (short prompts all at once) does not scale prefill out; a
+    share over target that lasts does."""
+    clock = Clock()
+    planner = Planner(replace(POLICY, target_prefill_busy=0.75, window=30), clock)
+    limits = Limits(PoolBounds(1, 4), PoolBounds(1, 4))
+
+    def step(busy: float):
+        clock.t += TICK
+        pools = {P: PoolObservation(P, 1, (WorkerSample("p", "a", 0.0, busy=busy),)),
+                 D: PoolObservation(D, 1, (WorkerSample("d", "b", 0.0),))}
+        return planner.tick(pools, limits)[P]
+
+    for busy in (0.1, 0.1, 0.1, 0.1, 1.0):
+        d = step(busy)
+    assert d.reason is Reason.HOLD, d
+    for _ in range(6):
+        d = step(1.0)
+        if d.changed:
+            break
+    assert d.reason is Reason.SCALE_OUT_LOAD and "busy" in d.detail, d

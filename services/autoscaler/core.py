@@ -196,6 +196,7 @@ class _PoolMemory:
     warm: frozenset[str] = frozenset()
     membership_at: float = -math.inf    # when `warm` last changed
     samples: deque = field(default_factory=deque)   # (tick time, Histogram)
+    busy: deque = field(default_factory=deque)      # (tick time, mean busy share of the warm workers)
 
 
 @dataclass(frozen=True)
@@ -264,21 +265,26 @@ class Planner:
             new = merge(new, w.latency)
         if sum(new):
             mem.samples.append((now, new))
-        while mem.samples and mem.samples[0][0] <= now - p.window:
-            mem.samples.popleft()
+        busy = [w.busy for w in warm if w.busy is not None]
+        if busy:
+            mem.busy.append((now, sum(busy) / len(busy)))
+        for series in (mem.samples, mem.busy):
+            while series and series[0][0] <= now - p.window:
+                series.popleft()
         window = EMPTY
         for t, h in mem.samples:
             if t > mem.membership_at:
                 window = merge(window, h)
+        # a share of one tick is jumpy (a burst of short prompts fills a second): averaged over the window
+        shares = [b for t, b in mem.busy if t >= mem.membership_at]
         out = []
         n = len(warm)
         p90 = quantile(window, 0.9) if sum(window) >= p.min_samples else None
         if obs.role is Role.PREFILL:
             if p90 is not None:
                 out.append(("slo", p90 / p.slo_ttft, f"TTFT p90 {_ms(p90)} vs SLO {_ms(p.slo_ttft)}"))
-            busy = [w.busy for w in warm if w.busy is not None]
-            if busy:
-                share = sum(busy) / len(busy)
+            if shares:
+                share = sum(shares) / len(shares)
                 out.append(("load", share / p.target_prefill_busy,
                             f"prefill workers {share:.0%} busy vs {p.target_prefill_busy:.0%}"))
             queued = sum(w.queued_prefill_tokens for w in warm) / n
