@@ -38,7 +38,7 @@ AUTOSCALE = ["--autoscale", "--max-decode", "2", "--max-prefill", "2",
              "--autoscale-interval", "1", "--latency-window", "15", "--min-latency-samples", "3",
              "--warmup", "3", "--scale-out-cooldown", "3", "--scale-in-cooldown", "10", "--scale-in-after", "10",
              "--manual-hold", "10", "--pending-timeout", "180",
-             "--slo-itl", "150", "--slo-ttft", "8000", "--target-prefill-busy", "0.9",
+             "--slo-itl", "150", "--slo-ttft", "12000", "--target-prefill-busy", "0.95",
              "--target-prefill-queue-tokens", "3000"]
 DECODE_HEAVY = ["--input-len", "16", "--output-len", "120", "--num-prompts", "16", "--max-concurrency", "8"]
 PROMPT_HEAVY = ["--input-len", "1500", "--output-len", "1", "--num-prompts", "8", "--max-concurrency", "4"]
