@@ -57,8 +57,9 @@ helm-test: install $(HELM)
 	@mkdir -p build/helm
 	$(HELM) template pdserve $(CHART) > build/helm/default.yaml
 	$(HELM) template pdserve $(CHART) -f $(CHART)/values-gpu.yaml > build/helm/gpu.yaml
-	$(BIN)/kubernetes-validate --strict --quiet -k 1.27.0 build/helm/default.yaml build/helm/gpu.yaml
-	$(BIN)/kubernetes-validate --strict --quiet build/helm/default.yaml build/helm/gpu.yaml
+	$(HELM) template pdserve $(CHART) --set autoscaler.enabled=true > build/helm/autoscaler.yaml
+	$(BIN)/kubernetes-validate --strict --quiet -k 1.27.0 build/helm/default.yaml build/helm/gpu.yaml build/helm/autoscaler.yaml
+	$(BIN)/kubernetes-validate --strict --quiet build/helm/default.yaml build/helm/gpu.yaml build/helm/autoscaler.yaml
 	$(BIN)/python -m pytest -q tests/test_helm_chart.py
 
 clean:
