@@ -222,7 +222,8 @@ class Cluster:
         await w.chan.close()
 
     def ready(self) -> bool:
-        return any(w.healthy for w in self.decode) and any(w.healthy for w in self.prefill)
+        return any(w.healthy for w in self.decode) and (self.settings.aggregated
+                                                          or any(w.healthy for w in self.prefill))
 
     def max_model_len(self) -> int | None:
         lens = [w.info.max_model_len for w in self.decode + self.prefill if w.healthy]
