@@ -318,6 +318,7 @@ class Cluster:
         gen.kv_bytes = gen.cached_tokens = 0
         decode = self._pick_decode(len(gen.prompt_ids))
         gen.decode_worker = decode.address
+        self.metrics.routed.labels("decode", decode.address).inc()
         decode.inflight += 1
         handle, writer, finished = None, None, False
         try:
@@ -377,6 +378,7 @@ class Cluster:
 
     def _start_prefill(self, prefill: Worker, handle, gen: Generation) -> asyncio.Future:
         gen.prefill_worker = prefill.address
+        self.metrics.routed.labels("prefill", prefill.address).inc()
         n = len(gen.prompt_ids)
         prefill.inflight += 1
         prefill.inflight_tokens += n
