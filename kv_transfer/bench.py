@@ -33,11 +33,15 @@ def layout(blocks: int) -> KVLayout:
     return KVLayout(num_layers=32, num_blocks=blocks, block_size=16, num_kv_heads=4, head_dim=64, dtype="float32")
 
 
-def _writer(backend: str, blocks: int, meta: bytes, compat: str, repeats: int, q) -> None:
+def _options(backend: str, tcp_streams: int) -> dict:
+    return {"streams": tcp_streams} if backend == "tcp" else {}
+
+
+def _writer(backend: str, blocks: int, meta: bytes, compat: str, repeats: int, tcp_streams: int, q) -> None:
     torch.set_num_threads(1)
     local = KVPoolMemory.allocate(layout(blocks))
     local.tensor.uniform_()
-    t = create_transport(backend)
+    t = create_transport(backend, **_options(backend, tcp_streams))
     t.register(local, compat)
     peer = t.connect(meta, compat)
     ids = list(range(blocks))
@@ -51,7 +55,7 @@ def _writer(backend: str, blocks: int, meta: bytes, compat: str, repeats: int, q
     t.shutdown()
 
 
-def transfer(backend: str, size_mib: int, repeats: int) -> float:
+def transfer(backend: str, size_mib: int, repeats: int, tcp_streams: int = 2) -> float:
     """Median seconds to move `size_mib` MiB from another process into this one."""
     lay = layout(size_mib)
     pool = KVPoolMemory.allocate(lay, shared=backend == "shm")
@@ -61,7 +65,7 @@ def transfer(backend: str, size_mib: int, repeats: int) -> float:
         meta = t.register(pool, compat)
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
-        p = ctx.Process(target=_writer, args=(backend, size_mib, meta, compat, repeats, q))
+        p = ctx.Process(target=_writer, args=(backend, size_mib, meta, compat, repeats, tcp_streams, q))
         p.start()
         times, checksum = q.get(timeout=600)
         p.join(60)
@@ -130,7 +134,7 @@ def available_backends() -> list[str]:
     return out
 
 
-def bandwidth(sizes: list[int], repeats: int) -> dict:
+def bandwidth(sizes: list[int], repeats: int, tcp_streams: int = 2) -> dict:
     torch.set_num_threads(1)
     result: dict = {"memcpy": {}, "backends": {}}
     backends = available_backends()
@@ -144,7 +148,7 @@ def bandwidth(sizes: list[int], repeats: int) -> dict:
             "seconds": raw, "gbps": size * MIB / raw / 1e9, "ratio_to_memcpy": base / raw}
         print(f"{'raw-tcp':<8} {size:>5} {size * MIB / raw / 1e9:>8.2f} {base / raw:>9.2f}  (plain socket, reference)")
         for name in backends:
-            secs = transfer(name, size, repeats)
+            secs = transfer(name, size, repeats, tcp_streams)
             gbps = size * MIB / secs / 1e9
             result["backends"].setdefault(name, {})[str(size)] = {
                 "seconds": secs, "gbps": gbps, "ratio_to_memcpy": base / secs}
@@ -181,8 +185,11 @@ def ttft_overhead(prompt_lens: list[int], repeats: int, transport: str) -> dict:
     pool = KVPoolMemory.allocate(lay)
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
     announce = tmp / "up.json"
+    # Every prompt through a prefill worker and nothing from the prefix cache: the same
+    # prompt is sent again and again, and each time must be a full prefill.
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--http-port", "0", "--grpc-port", "0",
-                             "--announce-file", str(announce), "--log-level", "warning", "--kv-transport", transport],
+                             "--announce-file", str(announce), "--log-level", "warning", "--kv-transport", transport,
+                             "--prefix-cache-tokens", "0", "--local-prefill-max-tokens", "0"],
                             stdout=open(tmp / "up.log", "wb"), stderr=subprocess.STDOUT)
     out: dict = {}
     try:
@@ -221,10 +228,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prompts", default="128,1024,4096", help="prompt lengths for the TTFT overhead")
     ap.add_argument("--no-ttft", action="store_true")
+    ap.add_argument("--tcp-streams", type=int, default=2, help="connections per peer for the tcp backend")
     ap.add_argument("--ttft-transport", default="auto", help="--kv-transport of the cluster for the TTFT part")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    result = {"bandwidth": bandwidth([int(s) for s in a.sizes.split(",")], a.repeats)}
+    result = {"bandwidth": bandwidth([int(s) for s in a.sizes.split(",")], a.repeats, a.tcp_streams)}
     if not a.no_ttft:
         result["ttft_overhead"] = ttft_overhead([int(s) for s in a.prompts.split(",")], a.repeats,
                                                 a.ttft_transport)

@@ -44,6 +44,9 @@ def _worker_args(p: argparse.ArgumentParser, decode: bool) -> None:
     if decode:
         p.add_argument("--kv-cache-tokens", type=int, default=65536, help="KV pool size in tokens")
         p.add_argument("--max-batch", type=int, default=64, help="most sequences decoded per step")
+        p.add_argument("--prefill-chunk-tokens", type=int, default=0,
+                       help="prompts prefilled on this worker run this many tokens per step, interleaved "
+                            "with decoding (0: a whole prompt per step)")
     else:
         p.add_argument("--prefix-cache-tokens", type=int, default=16384,
                        help="prompt KV kept for reuse by later prompts with the same prefix (0: off)")
@@ -135,6 +138,13 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--kv-cache-tokens", type=int, default=65536)
     up.add_argument("--max-batch", type=int, default=64)
     up.add_argument("--prefix-cache-tokens", type=int, default=16384)
+    up.add_argument("--mode", choices=("disaggregated", "aggregated"), default="disaggregated",
+                    help="disaggregated: prefill and decode workers, one core each when they fit; aggregated: "
+                         "decode workers that also prefill (chunked), sharing the cores")
+    up.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                    help="decode workers' local prefill chunk (default: 256 aggregated, whole prompts otherwise)")
+    up.add_argument("--no-pin-cpus", dest="pin_cpus", action="store_false",
+                    help="do not pin each disaggregated worker to its own core")
     up.add_argument("--prefill", dest="num_prefill", type=int, default=1, metavar="N", help="prefill workers")
     up.add_argument("--decode", dest="num_decode", type=int, default=1, metavar="M", help="decode workers")
     up.add_argument("--redis", default=None, metavar="URL",
@@ -171,6 +181,8 @@ def _parser() -> argparse.ArgumentParser:
     router.add_argument("--served-model-name", default=None)
     _registry_args(router)
     _routing_args(router)
+    router.add_argument("--aggregated", action="store_true",
+                        help="no prefill pool: decode workers prefill every prompt themselves")
     router.add_argument("--announce-file", default=None, help=argparse.SUPPRESS)
 
     _worker_args(sub.add_parser("prefill", help="a prefill worker"), decode=False)
@@ -182,7 +194,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _worker_settings(role: str, a) -> WorkerSettings:
-    extra = ({"kv_cache_tokens": a.kv_cache_tokens, "max_batch": a.max_batch} if role == "decode"
+    extra = ({"kv_cache_tokens": a.kv_cache_tokens, "max_batch": a.max_batch,
+              "prefill_chunk_tokens": a.prefill_chunk_tokens} if role == "decode"
              else {"prefix_cache_tokens": a.prefix_cache_tokens})
     return WorkerSettings(role=role, model=a.model, dtype=a.dtype, device=a.device, block_size=a.block_size,
                           threads=a.threads, host=a.host, grpc_port=a.port, metrics_port=a.metrics_port,
@@ -222,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                                       http_port=a.http_port, grpc_port=a.grpc_port, prefill=a.prefill,
                                       decode=a.decode, max_pending=a.max_pending, announce_file=a.announce_file,
                                       log_level=a.log_level, redis=a.redis, registry_ttl=a.registry_ttl,
-                                      local_prefill_max_tokens=a.local_prefill_max_tokens)
+                                      local_prefill_max_tokens=a.local_prefill_max_tokens, aggregated=a.aggregated)
             asyncio.run(serve(settings))
             return 0
         from services.common.worker_main import run_worker

@@ -44,6 +44,25 @@ def _die_with_parent() -> None:
         pass
 
 
+def _child_setup(cpus: set[int] | None):
+    """Runs in the child before exec: die with `up`, and keep to `cpus` if given (every
+    thread the service starts later inherits the mask)."""
+    def setup() -> None:
+        _die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+    return setup
+
+
+def plan_cpus(roles: list[str], available: list[int]) -> list[set[int] | None]:
+    """One core of its own per worker when there are enough cores, else no pinning.
+    Prefill and decode then never steal each other's core: that isolation is what
+    disaggregation buys on one host."""
+    if len(roles) > len(available):
+        return [None] * len(roles)
+    return [{cpu} for cpu in available[:len(roles)]]
+
+
 @dataclass
 class Child:
     name: str
@@ -73,20 +92,20 @@ class LocalCluster:
         self._scaler: threading.Thread | None = None
         self._scaler_stop = threading.Event()
 
-    def _spawn(self, name: str, argv: list[str], threads: int) -> Child:
+    def _spawn(self, name: str, argv: list[str], threads: int, cpus: set[int] | None = None) -> Child:
         announce = self.workdir / f"{name}.json"
         env = dict(os.environ)
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
         cmd = [sys.executable, "-m", "services.cli", *argv, "--announce-file", str(announce)]
-        proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(cmd, env=env, preexec_fn=_child_setup(cpus))
         child = Child(name, proc, announce)
         self.children.append(child)
         return child
 
     # ---- pools (the autoscaler's LocalActuator calls these from its thread) ----
-    def _spawn_worker(self, role: str) -> Child:
-        child = self._spawn(f"{role}-{next(self._serial[role])}", self._worker_argv[role], self._threads)
+    def _spawn_worker(self, role: str, cpus: set[int] | None = None) -> Child:
+        child = self._spawn(f"{role}-{next(self._serial[role])}", self._worker_argv[role], self._threads, cpus)
         self.pools[role].append(child)
         return child
 
@@ -191,13 +210,31 @@ class LocalCluster:
         a = self.args
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
-        self._threads = a.threads or max(1, (os.cpu_count() or 2) // 2)
+        aggregated = a.mode == "aggregated"
+        num_prefill = 0 if aggregated else a.num_prefill
+        num_decode = a.num_decode
+        if self.autoscaling:                    # start inside the bounds
+            limits = self.autoscaling.limits
+            num_decode = min(max(num_decode, limits.decode.min), limits.decode.max)
+            num_prefill = min(max(num_prefill, limits.prefill.min), limits.prefill.max)
+        cores = sorted(os.sched_getaffinity(0))
+        workers = num_prefill + num_decode
+        # Disaggregated: a core and one torch thread per worker when they fit. Aggregated:
+        # each worker shares the cores (two threads here) and chunks its prefills. Pools
+        # that grow and shrink are not pinned: cores are planned once, at start.
+        self._threads = a.threads or (max(1, len(cores) // workers) if aggregated else
+                                      max(1, len(cores) // max(2, workers)))
+        pins = (plan_cpus(["decode"] * num_decode + ["prefill"] * num_prefill, cores)
+                if a.pin_cpus and not aggregated and not self.autoscaling else [None] * workers)
         common = ["--dtype", a.dtype, "--log-level", a.log_level, "--device", a.device,
                   "--kv-transport", a.kv_transport, "--block-size", str(a.block_size), "--threads", str(self._threads)]
         if a.model:
             common += ["--model", a.model]
+        chunk = a.prefill_chunk_tokens if a.prefill_chunk_tokens is not None else (256 if aggregated else 0)
         try:
-            if a.num_prefill < 1 or a.num_decode < 1:
+            if self.autoscaling and aggregated:
+                raise RuntimeError("--autoscale scales the prefill and decode pools: not with --mode aggregated")
+            if num_decode < 1 or (num_prefill < 1 and not aggregated):
                 raise RuntimeError("--prefill and --decode need at least one worker each")
             redis = self._registry()
             if self.autoscaling and not redis:
@@ -205,20 +242,21 @@ class LocalCluster:
             if redis:
                 common += ["--redis", redis]
             self._worker_argv = {
-                "decode": ["decode", *common, "--kv-cache-tokens", str(a.kv_cache_tokens), "--max-batch", str(a.max_batch)],
+                "decode": ["decode", *common, "--kv-cache-tokens", str(a.kv_cache_tokens), "--max-batch",
+                           str(a.max_batch), "--prefill-chunk-tokens", str(chunk)],
                 "prefill": ["prefill", *common, "--prefix-cache-tokens", str(a.prefix_cache_tokens)]}
-            sizes = {"decode": a.num_decode, "prefill": a.num_prefill}
-            if self.autoscaling:                # start inside the bounds
-                limits = self.autoscaling.limits
-                sizes = {"decode": min(max(a.num_decode, limits.decode.min), limits.decode.max),
-                         "prefill": min(max(a.num_prefill, limits.prefill.min), limits.prefill.max)}
-            decodes = [self._spawn_worker("decode") for _ in range(sizes["decode"])]
-            prefills = [self._spawn_worker("prefill") for _ in range(sizes["prefill"])]
+            decodes = [self._spawn_worker("decode", pins[i]) for i in range(num_decode)]
+            prefills = [self._spawn_worker("prefill", pins[num_decode + i]) for i in range(num_prefill)]
+            print(f"pdserve: {a.mode}: {num_decode} decode + {num_prefill} prefill worker(s), {self._threads} torch "
+                  f"thread(s) each" + (", one core each" if pins[0] else "")
+                  + (f", local prefill in chunks of {chunk} tokens" if chunk else ""), flush=True)
             ports = self._wait_ready(decodes + prefills)
             dports, pports = ports[:len(decodes)], ports[len(decodes):]
             router_argv = ["router", "--host", a.host, "--http-port", str(a.http_port), "--grpc-port",
                            str(a.grpc_port), "--log-level", a.log_level, "--max-pending", str(a.max_pending),
                            "--local-prefill-max-tokens", str(a.local_prefill_max_tokens)]
+            if aggregated:
+                router_argv.append("--aggregated")
             if redis:
                 router_argv += ["--redis", redis]
             else:
@@ -255,7 +293,7 @@ class LocalCluster:
     def _banner(self, r: dict, prefills: list[dict], decodes: list[dict], redis: str | None) -> None:
         host = self.args.host
         summary = {"http": f"http://{host}:{r['http_port']}", "grpc": f"{host}:{r['grpc_port']}",
-                   "router_pid": r["pid"], "prefill": prefills[0], "decode": decodes[0],
+                   "router_pid": r["pid"], "prefill": prefills[0] if prefills else None, "decode": decodes[0],
                    "prefills": prefills, "decodes": decodes, "redis": redis,
                    "redis_pid": next((c.proc.pid for c in self.children if c.name == "redis"), None)}
         workers = [f"{role} worker pid {w['pid']} (gRPC :{w['grpc_port']}, metrics :{w['metrics_port']})"

@@ -67,7 +67,8 @@ def test_local_prefill_then_join_running_batch():
     plan = s.schedule()
     assert plan.prefill is local and plan.decode == [running]
     assert local.tokens_to_prefill() == local.token_ids
-    assert s.on_prefilled(local, 42) is None
+    assert plan.prefill_len == 6
+    assert s.on_prefilled(local, 6, 42) is None
     assert s.schedule().decode == [running, local]
 
 
@@ -85,7 +86,7 @@ def test_out_of_blocks_preempts_newest_and_recomputes():
     s.abort("a")
     plan = s.schedule()
     assert plan.prefill is b and b.tokens_to_prefill() == b.token_ids[:-1]
-    assert s.on_prefilled(b, None) is None and b.num_computed == 2
+    assert s.on_prefilled(b, plan.prefill_len, None) is None and b.num_computed == 2
 
 
 def test_abort_frees_blocks_in_any_state():
@@ -101,3 +102,34 @@ def test_abort_frees_blocks_in_any_state():
     s.abort("a")
     s.abort("missing")
     assert pool.num_free == 8 and len(s) == 0
+
+
+def test_chunked_prefill_interleaves_with_decoding_and_can_be_aborted():
+    pool = BlockPool(16, 4)
+    s = Scheduler(pool, prefill_chunk=4)
+    running = seq("r", prompt_len=4, first=5, max_tokens=50)
+    running.block_ids = pool.allocate(2)
+    s.add_prefilled(running)
+    long = seq("long", prompt_len=10)
+    s.add_waiting(long)
+    chunks = []
+    while True:
+        plan = s.schedule()
+        assert running in plan.decode                  # the running sequence never waits a whole prompt
+        s.on_decoded(plan.decode, [7] * len(plan.decode))
+        chunks.append(plan.prefill_len)
+        if s.on_prefilled(long, plan.prefill_len, 9 if long.num_computed + plan.prefill_len == 10 else None):
+            break
+        if long.status is SeqStatus.RUNNING:
+            break
+    assert chunks == [4, 4, 2] and long.num_computed == 10 and long.token_ids[-1] == 9
+    assert s.prefilling is None and long in s.running
+    other = seq("other", prompt_len=12)
+    s.add_waiting(other)
+    plan = s.schedule()
+    assert plan.prefill is other and plan.prefill_len == 4
+    s.on_prefilled(other, 4, None)
+    assert s.schedule().prefill is other               # the next chunk of the same prompt
+    free = pool.num_free
+    s.abort("other")
+    assert s.prefilling is None and pool.num_free == free + 3

@@ -175,6 +175,9 @@ def test_shared_prefix_goes_to_the_worker_holding_it(pools):
     later = routes[1:]
     on_holder = [x for x in later if x["prefill"] == holder and int(x["cached_tokens"]) == 1024]
     assert len(on_holder) >= 0.9 * len(later), routes
+    metrics = httpx.get(f"{pools.http}/metrics").text
+    assert f'pdserve_routed_requests_total{{role="prefill",worker="{holder}"}}' in metrics
+    assert "pdserve_prefix_cached_tokens_total" in metrics
     computed = sum(pools.stats(n).prompt_tokens_computed - before[n] for n in before)
     assert computed <= 1088 + 10 * 64 + 64, computed          # the prefix ran (about) once
 

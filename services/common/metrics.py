@@ -63,6 +63,8 @@ class RouterMetrics:
         self.pending = Gauge("pdserve_pending_requests", "Requests admitted and not finished", registry=r)
         self.cached_tokens = Counter("pdserve_prefix_cached_tokens",
                                      "Prompt tokens served from a prefill worker's prefix cache", registry=r)
+        self.routed = Counter("pdserve_routed_requests", "Requests sent to each worker", ["role", "worker"],
+                              registry=r)
         self.retries = Counter("pdserve_request_retries",
                                "Requests tried again after a worker was found dead before streaming", registry=r)
         self.pool_workers = Gauge("pdserve_pool_workers", "Ready workers per pool", ["role"], registry=r)

@@ -48,6 +48,7 @@ class WorkerSettings:
     kv_cache_tokens: int = 65536        # decode pool size in tokens
     prefix_cache_tokens: int = 16384    # prefill: tokens of prompt KV kept for reuse (0: off)
     max_batch: int = 64
+    prefill_chunk_tokens: int = 0       # decode worker's local prefill: tokens per step (0: whole prompt)
     threads: int = 0                    # torch threads; 0 = torch's default
     host: str = "127.0.0.1"
     grpc_port: int = 0
@@ -74,6 +75,8 @@ class WorkerSettings:
             raise ValueError("--block-size must be a power of two")
         if self.kv_cache_tokens < self.block_size:
             raise ValueError("--kv-cache-tokens must hold at least one block")
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError("--prefill-chunk-tokens must be 0 (whole prompts) or more")
         if self.prefix_cache_tokens < 0:
             raise ValueError("--prefix-cache-tokens must be 0 (off) or more")
         if self.max_batch < 1:
@@ -113,6 +116,7 @@ class RouterSettings:
     redis: str | None = None            # discover workers here instead of --prefill/--decode
     registry_ttl: float = 3.0
     local_prefill_max_tokens: int = 256 # prompts up to this may prefill on the decode worker
+    aggregated: bool = False            # no prefill pool: decode workers prefill everything
     max_pending: int = 512              # admitted requests beyond this get 429
     request_timeout: float = 600.0
     prefill_timeout: float = 120.0      # also the KV write lease a reservation asks for
@@ -121,8 +125,9 @@ class RouterSettings:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        if not self.redis and (not self.prefill or not self.decode):
-            raise ValueError("the router needs --redis, or at least one --prefill and one --decode address")
+        if not self.redis and (not self.decode or not (self.prefill or self.aggregated)):
+            raise ValueError("the router needs --redis, or at least one --decode and one --prefill address "
+                             "(or --aggregated)")
         if self.local_prefill_max_tokens < 0:
             raise ValueError("--local-prefill-max-tokens must be 0 (always disaggregate) or more")
         if self.max_pending < 1:

@@ -64,7 +64,7 @@ class DecodeEngine:
                        for name, t in self.transports.items()]
         log.info("decode worker offers KV transports: %s", ", ".join(self.transports))
         self.pool = BlockPool(num_blocks, settings.block_size)
-        self.scheduler = Scheduler(self.pool, settings.max_batch)
+        self.scheduler = Scheduler(self.pool, settings.max_batch, settings.prefill_chunk_tokens)
         self.handoffs = HandoffTable(self.epoch)
         self.prompt_tokens_computed = 0
         self.kv_bytes_received = 0
@@ -179,22 +179,23 @@ class DecodeEngine:
 
     def step(self, plan: StepPlan) -> None:
         if plan.prefill is not None:
-            self._prefill(plan.prefill)
+            self._prefill(plan.prefill, plan.prefill_len)
         if plan.decode:
             self._decode(plan.decode)
 
-    def _prefill(self, seq: Sequence) -> None:
+    def _prefill(self, seq: Sequence, n: int) -> None:
         t0 = time.perf_counter()
-        tokens = seq.tokens_to_prefill()
+        todo = seq.tokens_to_prefill()
+        tokens = todo[:n]
         logits = self.runner.prefill(self.memory, tokens, seq.block_ids, start=seq.num_computed)
         first = None
-        if seq.num_generated == 0:
+        if seq.num_generated == 0 and n == len(todo):          # the prompt's last chunk
             first = sample(logits[None], [seq.params], [0], self.eos)[0]
         self.prompt_tokens_computed += len(tokens)
         self.metrics.prompt_tokens_computed.inc(len(tokens))
         self.metrics.step_seconds.labels("prefill").observe(time.perf_counter() - t0)
         with self._lock:
-            reason = self.scheduler.on_prefilled(seq, first)
+            reason = self.scheduler.on_prefilled(seq, len(tokens), first)
             if first is not None:
                 self._emit(seq, [first], reason)
 
@@ -251,7 +252,7 @@ class DecodeEngine:
     def busy(self) -> bool:
         """Anything accepted and not yet finished: sequences or reservations."""
         sch = self.scheduler
-        return bool(sch.running or sch.ready or sch.waiting or len(self.handoffs))
+        return bool(sch.running or sch.ready or sch.waiting or sch.prefilling or len(self.handoffs))
 
     def info(self) -> worker_pb2.WorkerInfo:
         with self._lock:

@@ -32,8 +32,28 @@ class PagedBatch:
     prefix_len: int = 0
     # decode (one new token per sequence)
     block_table: torch.Tensor | None = None     # [batch, max blocks]
-    context_lens: torch.Tensor | None = None    # [batch]
+    context_mask: torch.Tensor | None = None    # [batch, max blocks * block_size]: True = attend
+    workspace: "Workspace | None" = None
     on_layer: Callable[[int], None] | None = None
+
+
+class Workspace:
+    """Scratch memory reused by every layer and step: decode gathers each layer's
+    context into it instead of allocating (a fresh multi-MiB tensor per layer costs
+    page faults on every touch once the allocator hands the memory back)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != like.dtype or buf.device != like.device:
+            buf = torch.empty(n, dtype=like.dtype, device=like.device)
+            self._bufs[name] = buf
+        return buf[:n].view(shape)
 
 
 def _write(kv: torch.Tensor, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -41,6 +61,30 @@ def _write(kv: torch.Tensor, layer: int, slots: torch.Tensor, key: torch.Tensor,
     heads, dim = kv.shape[-2:]
     kv[layer, 0].view(-1, heads, dim).index_copy_(0, slots, key)
     kv[layer, 1].view(-1, heads, dim).index_copy_(0, slots, value)
+
+
+def _decode_attention(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, mask: torch.Tensor,
+                      scaling: float | None, ws: Workspace) -> torch.Tensor:
+    """One query token per sequence over its blocks. kv: [2, blocks, block_size, kv_heads,
+    dim] (one layer). The blocks are gathered with one row copy per block (index_select,
+    not advanced indexing) into [2, batch, kv_heads, ctx, dim], and attention is two
+    batched matmuls per KV head group: at one query token that beats the fused CPU
+    kernels, whose blocking is built for long queries. Softmax runs in float32."""
+    batch, q_heads, _, dim = query.shape
+    _, blocks, block_size, kv_heads, _ = kv.shape
+    ctx = block_table.shape[1] * block_size
+    rows = kv.view(2, blocks, -1)
+    gathered = ws.take("gather", (2, block_table.numel(), rows.shape[2]), kv)
+    torch.index_select(rows, 1, block_table.flatten(), out=gathered)
+    kv_ctx = ws.take("context", (2, batch, kv_heads, ctx, dim), kv)
+    kv_ctx.copy_(gathered.view(2, batch, ctx, kv_heads, dim).transpose(2, 3))
+    k, v = kv_ctx
+    q = query.reshape(batch, kv_heads, q_heads // kv_heads, dim)
+    scale = scaling if scaling is not None else dim ** -0.5
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale            # [batch, kv_heads, group, ctx]
+    scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).view(batch, q_heads, 1, dim)
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -62,18 +106,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
             out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
     else:                                                       # decode, one token per sequence
         _write(kv, layer, b.slots, key[:, :, 0], value[:, :, 0])
-        batch = query.shape[0]
-        k = kv[layer, 0][b.block_table]                         # [batch, blocks, block_size, heads, dim]
-        v = kv[layer, 1][b.block_table]
-        k = k.flatten(1, 2).transpose(1, 2)                     # [batch, heads, ctx, dim]
-        v = v.flatten(1, 2).transpose(1, 2)
-        if batch == 1:
-            n = int(b.context_lens[0])
-            out = F.scaled_dot_product_attention(query, k[:, :, :n], v[:, :, :n], scale=scaling, enable_gqa=True)
-        else:
-            ctx = torch.arange(k.shape[2], device=query.device)
-            mask = (ctx[None, :] < b.context_lens[:, None])[:, None, None, :]
-            out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+        out = _decode_attention(query, kv[layer], b.block_table, b.context_mask, scaling, b.workspace)
     if b.on_layer is not None:
         b.on_layer(layer)
     return out.transpose(1, 2).contiguous(), None
@@ -108,6 +141,7 @@ class ModelRunner:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.max_model_len = int(getattr(config, "max_position_embeddings", 2048))
         self.vocab_size = config.vocab_size
+        self.workspace = Workspace()
 
     def layout(self, num_blocks: int, block_size: int) -> KVLayout:
         return KVLayout(self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim, self.dtype_name)
@@ -154,7 +188,8 @@ class ModelRunner:
             table[i, :len(t)] = torch.tensor(t, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
         slots = table[torch.arange(len(positions)), pos // bs] * bs + pos % bs
+        mask = torch.arange(width * bs)[None, :] <= pos[:, None]
         batch = PagedBatch(kv=pool.tensor, slots=slots.to(self.device), block_table=table.to(self.device),
-                           context_lens=(pos + 1).to(self.device))
+                           context_mask=mask.to(self.device), workspace=self.workspace)
         ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device).unsqueeze(1)
         return self._forward(ids, pos.to(self.device).unsqueeze(1), batch, None)

@@ -5,9 +5,11 @@ A sequence's life here:
   local prefill:   add_waiting()   -> waiting -> (prefill step) -> running -> finished
   out of blocks:   running -> preempted -> waiting (its KV is recomputed locally)
 
-Each engine step asks `schedule()` for at most one prefill and every running sequence's
-next decode token; blocks for the new tokens are taken from the pool here, so the
-runner never allocates. Sequences join and leave the running batch at any step.
+Each engine step asks `schedule()` for at most one prefill chunk and every running
+sequence's next decode token; blocks for the new tokens are taken from the pool here,
+so the runner never allocates. Sequences join and leave the running batch at any step.
+With `prefill_chunk` set, a long local prompt is computed a chunk per step, so the
+running sequences keep getting tokens while it fills (chunked prefill).
 """
 from __future__ import annotations
 
@@ -71,15 +73,18 @@ class Sequence:
 class StepPlan:
     prefill: Sequence | None
     decode: list[Sequence]
+    prefill_len: int = 0                # tokens of `prefill` to compute in this step
 
     def __bool__(self) -> bool:
         return self.prefill is not None or bool(self.decode)
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_batch: int = 64) -> None:
+    def __init__(self, pool: BlockPool, max_batch: int = 64, prefill_chunk: int = 0) -> None:
         self.pool = pool
         self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk  # 0: a whole prompt per step
+        self.prefilling: Sequence | None = None
         self.waiting: deque[Sequence] = deque()
         self.ready: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -121,7 +126,11 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
         decode = [seq for seq in list(self.running) if self._grow(seq)]
-        return StepPlan(prefill=self._pick_prefill(), decode=decode)
+        seq = self._pick_prefill()
+        if seq is None:
+            return StepPlan(None, decode)
+        todo = len(seq.tokens_to_prefill())
+        return StepPlan(seq, decode, min(todo, self.prefill_chunk) if self.prefill_chunk else todo)
 
     def _grow(self, seq: Sequence) -> bool:
         """Give `seq` a slot for its next token, preempting newer sequences if needed."""
@@ -148,6 +157,8 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _pick_prefill(self) -> Sequence | None:
+        if self.prefilling is not None:                 # the next chunk of a started prompt
+            return self.prefilling
         if not self.waiting or len(self.running) >= self.max_batch:
             return None
         seq = self.waiting[0]
@@ -156,13 +167,18 @@ class Scheduler:
             return None
         self.waiting.popleft()
         seq.block_ids.extend(self.pool.allocate(need))
+        self.prefilling = seq
         return seq
 
-    def on_prefilled(self, seq: Sequence, sampled: int | None) -> str | None:
-        """After a local prefill step; `sampled` is the first token if one was drawn."""
+    def on_prefilled(self, seq: Sequence, computed: int, sampled: int | None) -> str | None:
+        """After a local prefill step over `computed` tokens; `sampled` is the first
+        token if the prompt is complete and one was drawn. None while chunks remain."""
         if seq.status is SeqStatus.FINISHED:
             return seq.finish_reason
-        seq.num_computed += len(seq.tokens_to_prefill())
+        seq.num_computed += computed
+        if seq.tokens_to_prefill():
+            return None
+        self.prefilling = None
         if sampled is not None:
             seq.token_ids.append(sampled)
         reason = self._finish_if_done(seq)
@@ -197,6 +213,8 @@ class Scheduler:
             self.ready.remove(seq)
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+        if self.prefilling is seq:
+            self.prefilling = None
         if seq.block_ids:
             self.pool.free(seq.block_ids)
             seq.block_ids = []

@@ -238,7 +238,8 @@ class Cluster:
         await w.chan.close()
 
     def ready(self) -> bool:
-        return any(w.healthy for w in self.decode) and any(w.healthy for w in self.prefill)
+        return any(w.healthy for w in self.decode) and (self.settings.aggregated
+                                                          or any(w.healthy for w in self.prefill))
 
     def max_model_len(self) -> int | None:
         lens = [w.info.max_model_len for w in self.decode + self.prefill if w.healthy]
@@ -333,6 +334,7 @@ class Cluster:
         gen.kv_bytes = gen.cached_tokens = 0
         decode = self._pick_decode(len(gen.prompt_ids))
         gen.decode_worker, gen.decode_epoch = decode.address, decode.info.epoch
+        self.metrics.routed.labels("decode", decode.address).inc()
         decode.inflight += 1
         handle, writer, finished = None, None, False
         try:
@@ -392,6 +394,7 @@ class Cluster:
 
     def _start_prefill(self, prefill: Worker, handle, gen: Generation) -> asyncio.Future:
         gen.prefill_worker, gen.prefill_epoch = prefill.address, prefill.info.epoch
+        self.metrics.routed.labels("prefill", prefill.address).inc()
         n = len(gen.prompt_ids)
         prefill.inflight += 1
         prefill.inflight_tokens += n

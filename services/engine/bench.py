@@ -1,0 +1,139 @@
+"""Engine micro-benchmark: one decode step at several batch sizes, and one prefill,
+through pdserve's engine and through plain transformers forward calls with a
+`DynamicCache`, same model, dtype and thread count, side by side in one run.
+
+    python -m services.engine.bench --json out.json [--batches 1,8,32] [--context 256]
+                                    [--prefill 512] [--threads 1] [--dtype bfloat16]
+
+Decode: every sequence has `--context` tokens of KV already cached (random values: the
+cost does not depend on them); one step feeds one token per sequence. The transformers
+side appends to its DynamicCache as `generate` does, then crops back, so each timed
+step sees the same context. Medians over --repeats steps after warm-up.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kv_transfer.memory import KVPoolMemory
+
+BLOCK = 16
+
+
+def _median_ms(fn, repeats: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def _hf_model(model_dir: Path, dtype: str):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype),
+                                                attn_implementation="sdpa").eval()
+
+
+def pdserve_decode_ms(runner, batch: int, context: int, repeats: int) -> float:
+    per_seq = -(-(context + 1) // BLOCK)
+    pool = KVPoolMemory.allocate(runner.layout(batch * per_seq, BLOCK))
+    pool.tensor.normal_()
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+    tokens = torch.randint(100, 10000, (batch,)).tolist()
+    positions = [context] * batch
+    try:
+        return _median_ms(lambda: runner.decode(pool, tokens, positions, tables), repeats)
+    finally:
+        pool.close()
+
+
+@torch.inference_mode()
+def hf_decode_ms(model, batch: int, context: int, repeats: int) -> float:
+    from transformers import DynamicCache
+    cfg = model.config
+    heads = cfg.num_key_value_heads
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    cache = DynamicCache(config=cfg)
+    for layer in range(cfg.num_hidden_layers):
+        k = torch.randn(batch, heads, context, dim, dtype=model.dtype)
+        cache.update(k, torch.randn_like(k), layer)
+    ids = torch.randint(100, 10000, (batch, 1))
+    pos = torch.full((batch, 1), context)
+
+    def step():
+        model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+        cache.crop(-1)                    # back to `context` tokens
+    return _median_ms(step, repeats)
+
+
+def pdserve_prefill_ms(runner, tokens: int, repeats: int) -> float:
+    blocks = -(-tokens // BLOCK)
+    pool = KVPoolMemory.allocate(runner.layout(blocks, BLOCK))
+    ids = torch.randint(100, 10000, (tokens,)).tolist()
+    try:
+        return _median_ms(lambda: runner.prefill(pool, ids, list(range(blocks))), repeats, warmup=1)
+    finally:
+        pool.close()
+
+
+@torch.inference_mode()
+def hf_prefill_ms(model, tokens: int, repeats: int) -> float:
+    from transformers import DynamicCache
+    ids = torch.randint(100, 10000, (1, tokens))
+
+    def run():
+        out = model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True,
+                    logits_to_keep=1)
+        return out.logits
+    return _median_ms(run, repeats, warmup=1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds; the median round is reported")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    from services.engine.model_store import resolve_model
+    from services.engine.runner import ModelRunner
+
+    torch.set_num_threads(a.threads)
+    model_dir = resolve_model(a.model)
+    runner = ModelRunner(model_dir, a.dtype, "cpu")
+    hf = _hf_model(model_dir, a.dtype)
+    batches = [int(b) for b in a.batches.split(",")]
+    rows: dict[str, dict] = {}
+    for _ in range(a.rounds):            # alternate engines so drift hits both alike
+        for b in batches:
+            r = rows.setdefault(f"decode_b{b}", {"pdserve_ms": [], "transformers_ms": []})
+            r["pdserve_ms"].append(pdserve_decode_ms(runner, b, a.context, a.repeats))
+            r["transformers_ms"].append(hf_decode_ms(hf, b, a.context, a.repeats))
+        r = rows.setdefault(f"prefill_{a.prefill}", {"pdserve_ms": [], "transformers_ms": []})
+        r["pdserve_ms"].append(pdserve_prefill_ms(runner, a.prefill, max(3, a.repeats // 5)))
+        r["transformers_ms"].append(hf_prefill_ms(hf, a.prefill, max(3, a.repeats // 5)))
+    print(f"{'case':<14} {'pdserve ms':>11} {'transformers ms':>16} {'ratio':>7}")
+    out = {"config": vars(a), "results": {}}
+    for name, r in rows.items():
+        p, h = statistics.median(r["pdserve_ms"]), statistics.median(r["transformers_ms"])
+        out["results"][name] = {"pdserve_ms": p, "transformers_ms": h, "ratio": p / h, "rounds": r}
+        print(f"{name:<14} {p:>11.2f} {h:>16.2f} {p / h:>7.2f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
