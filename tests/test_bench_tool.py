@@ -273,6 +273,52 @@ def test_bad_flags_exit_2_before_anything_is_sent(capsys):
     assert main(["bench", "--max-concurrency", "0"]) == 2
 
 
+def test_extra_body_is_merged_into_every_request_and_checked_up_front(capsys):
+    from services.bench.client import Endpoint
+    from services.bench.command import BenchSettings
+    from services.bench.workload import BenchRequest
+    extra = '{"generation_config": "{\\"eos_token_id\\": -1}", "temperature": 0.5}'
+    s = BenchSettings(ignore_eos=False, extra_body=extra, endpoint="chat")
+    endpoint = Endpoint("http://x", "m", "chat", s.ignore_eos, s.temperature, extra=s.extra_body_fields())
+    body = endpoint.body(BenchRequest(prompt="hi", prompt_len=1, output_len=8))
+    assert body["generation_config"] == '{"eos_token_id": -1}' and body["temperature"] == 0.5
+    assert "ignore_eos" not in body and body["messages"] == [{"role": "user", "content": "hi"}]
+    assert main(["bench", "--extra-body", "[1]"]) == 2
+    assert "must be a JSON object" in capsys.readouterr().err
+    assert main(["bench", "--extra-body", "{nope"]) == 2
+    assert "is not JSON" in capsys.readouterr().err
+    assert main(["bench", "--extra-body", '{"stream": false}']) == 2
+    assert "may not set stream" in capsys.readouterr().err
+
+
+def _sse(*chunks: str) -> bytes:
+    return "".join(f"data: {c}\n\n" for c in chunks).encode()
+
+
+@pytest.mark.parametrize("tail, error", [
+    (("[DONE]",), None),
+    ((), None),                                             # transformers serve ends here, no [DONE]
+])
+def test_a_stream_is_complete_at_done_or_when_it_closes_after_a_finish_reason(tail, error):
+    import httpx
+
+    from services.bench.client import Endpoint, send
+    from services.bench.workload import BenchRequest
+    body = _sse('{"choices": [{"delta": {"role": "assistant"}}]}', '{"choices": [{"delta": {"content": "a"}}]}',
+                '{"choices": [{"delta": {"content": "b"}, "finish_reason": "length"}], '
+                '"usage": {"completion_tokens": 2, "prompt_tokens": 3}}', *tail)
+
+    async def run(content: bytes):
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=content))
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await send(client, Endpoint("http://x", "m", "chat"), BenchRequest("p", 1, 2), 0.0, len)
+
+    r = asyncio.run(run(body))
+    assert r.error is error and (r.output_len, r.server_prompt_len, len(r.itl)) == (2, 3, 1)
+    cut = asyncio.run(run(_sse('{"choices": [{"delta": {"content": "a"}}]}')))   # closed mid-answer
+    assert cut.error == "stream ended without [DONE] or a finish_reason"
+
+
 # --- against a real cluster ---------------------------------------------------------
 
 def test_bench_against_the_cluster_writes_a_sane_run(cluster, tmp_path):

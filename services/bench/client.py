@@ -6,14 +6,16 @@ the server's own prompt count from `usage`). Output tokens come from `usage`, as
 with stream_options.include_usage; a server that sends none has the text re-tokenised.
 With ignore_eos (the default) the body also carries `ignore_eos: true` and
 `min_tokens = max_tokens`, as vLLM and pdserve accept; --no-ignore-eos drops both for
-servers that refuse unknown fields.
+servers that refuse unknown fields. `extra` (--extra-body) is merged in last, for a
+server's own options. A stream is complete at `data: [DONE]`, or when it closes after a
+chunk with a finish_reason (transformers serve sends no [DONE]).
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import httpx
@@ -52,6 +54,7 @@ class Endpoint:
     ignore_eos: bool = True
     temperature: float = 0.0
     timeout_s: float = 600.0            # the whole request, first byte to last
+    extra: dict = field(default_factory=dict)   # merged into every body, over the fields above
 
     def __post_init__(self) -> None:
         if self.kind not in ENDPOINTS:
@@ -71,6 +74,7 @@ class Endpoint:
         if self.ignore_eos:
             body["ignore_eos"] = True
             body["min_tokens"] = req.output_len
+        body.update(self.extra)
         return body
 
     def chunk_text(self, chunk: dict) -> str:
@@ -105,7 +109,7 @@ async def send(client: httpx.AsyncClient, endpoint: Endpoint, req: BenchRequest,
                 if response.status_code != 200:
                     error = await _error_text(response)
                 else:
-                    done = False
+                    done = finished = False
                     async for line in response.aiter_lines():
                         if not line.startswith("data:"):
                             continue                    # blank separators, SSE comments
@@ -119,11 +123,12 @@ async def send(client: httpx.AsyncClient, endpoint: Endpoint, req: BenchRequest,
                             break
                         if chunk.get("usage"):
                             usage = chunk["usage"]
+                        finished = finished or any(c.get("finish_reason") for c in chunk.get("choices") or ())
                         if piece := endpoint.chunk_text(chunk):
                             chunk_times.append(time.perf_counter())
                             text.append(piece)
-                    if error is None and not done:
-                        error = "stream ended without [DONE]"
+                    if error is None and not done and not finished:
+                        error = "stream ended without [DONE] or a finish_reason"
     except TimeoutError:
         error = f"no complete answer within {endpoint.timeout_s:g} s"
     except Exception as exc:        # any failure of one request is that request's result

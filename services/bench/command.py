@@ -19,10 +19,14 @@ examples:
   pdserve bench --workload chat --num-prompts 50 --max-concurrency 4
   pdserve bench --workload fixed --input-len 512 --output-len 64-128 --request-rate 2 --json a.json
   pdserve bench --base-url http://127.0.0.1:8001 --tokenizer /models/llama --no-ignore-eos --json b.json
+  pdserve bench --no-ignore-eos --extra-body '{"generation_config": "{\\"eos_token_id\\": -1}"}'
   pdserve bench compare a.json b.json
 exit status: 0 when every request succeeded, 1 when any failed, 2 on bad flags or an
 unreachable endpoint.
 """
+
+# Body fields a request's measurement depends on: --extra-body may add or override any other.
+EXTRA_BODY_FIXED = frozenset({"model", "prompt", "messages", "stream"})
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,7 @@ class BenchSettings:
     request_rate: float = math.inf
     seed: int = 0
     ignore_eos: bool = True
+    extra_body: str | None = None       # a JSON object merged into every request body
     temperature: float = 0.0
     slo_ttft_ms: float | None = None
     slo_itl_ms: float | None = None
@@ -52,6 +57,7 @@ class BenchSettings:
     def __post_init__(self) -> None:
         self.workload_spec()
         self.load_shape()
+        self.extra_body_fields()
         if self.num_prompts < 1:
             raise ValueError("--num-prompts must be at least 1")
         if self.warmup < 0:
@@ -72,6 +78,19 @@ class BenchSettings:
 
     def load_shape(self) -> LoadShape:
         return LoadShape(self.request_rate, self.max_concurrency, self.seed)
+
+    def extra_body_fields(self) -> dict:
+        if self.extra_body is None:
+            return {}
+        try:
+            fields = json.loads(self.extra_body)
+        except ValueError as exc:
+            raise ValueError(f"--extra-body is not JSON: {exc}") from None
+        if not isinstance(fields, dict):
+            raise ValueError("--extra-body must be a JSON object")
+        if fixed := sorted(fields.keys() & EXTRA_BODY_FIXED):
+            raise ValueError(f"--extra-body may not set {', '.join(fixed)}: the benchmark sets and measures by them")
+        return fields
 
     def slo(self) -> SLO:
         return SLO(None if self.slo_ttft_ms is None else self.slo_ttft_ms / 1000,
@@ -106,6 +125,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="do not send ignore_eos/min_tokens (for servers that refuse unknown fields); "
                         "answers may then stop before --output-len")
+    e.add_argument("--extra-body", default=None, metavar="JSON",
+                   help="a JSON object merged into every request body, for a server's own options")
     e.add_argument("--temperature", type=float, default=d.temperature)
     e.add_argument("--request-timeout", type=float, default=d.request_timeout, help="seconds per request")
 
@@ -165,7 +186,8 @@ async def _measure(s: BenchSettings, requests: list[BenchRequest], warm: list[Be
     base = normalize_base_url(s.base_url)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         model = s.model or await first_model(client, base)
-        endpoint = Endpoint(base, model, s.endpoint, s.ignore_eos, s.temperature, s.request_timeout)
+        endpoint = Endpoint(base, model, s.endpoint, s.ignore_eos, s.temperature, s.request_timeout,
+                            s.extra_body_fields())
 
         def call(req: BenchRequest, t0: float):
             return send(client, endpoint, req, t0, count_tokens)

@@ -1,0 +1,5 @@
+import sys
+
+from bench.peers.command import main
+
+sys.exit(main())
