@@ -341,6 +341,9 @@ class RayCluster:
         try:
             if a.num_prefill < 1 or a.num_decode < 1:
                 raise RuntimeError("--prefill and --decode need at least one worker each")
+            if a.mode != "disaggregated" or a.autoscale:
+                raise RuntimeError("--ray runs --mode disaggregated pools, resized with `pdserve scale` "
+                                   "(not --mode aggregated, not --autoscale)")
             self.ray = connect(a.address, self.workdir / "ray")
             for sig in (signal.SIGINT, signal.SIGTERM):      # after ray.init, which sets its own
                 signal.signal(sig, _interrupt)
@@ -393,6 +396,7 @@ class RayCluster:
         return WorkerSettings(role="decode", model=a.model, dtype=a.dtype, device=a.device, block_size=a.block_size,
                               threads=a.threads or max(1, (os.cpu_count() or 2) // 2), kv_transport=a.kv_transport,
                               kv_cache_tokens=a.kv_cache_tokens, max_batch=a.max_batch,
+                              prefill_chunk_tokens=a.prefill_chunk_tokens or 0,
                               prefix_cache_tokens=a.prefix_cache_tokens, redis=redis, log_level=a.log_level)
 
     def _start_router(self, redis: str):
