@@ -1,5 +1,5 @@
-"""The `pdserve` command: `up` (local cluster), `router`, `prefill`, `decode`, `autoscaler`,
-`convert-model`, `bench` (load generator)."""
+"""The `pdserve` command: `up` (local cluster, or Ray actors with --ray), `scale` (Ray pools),
+`router`, `prefill`, `decode`, `autoscaler`, `convert-model`, `bench` (load generator)."""
 from __future__ import annotations
 
 import argparse
@@ -156,6 +156,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="grow and shrink each pool on its own signal within --min/--max-prefill/decode "
                          "(needs the Redis registry); --prefill/--decode are the starting sizes")
     _autoscaling_args(up)
+    up.add_argument("--ray", action="store_true", help="run the services as Ray actors (see --address)")
+    up.add_argument("--address", default=None, metavar="ADDR",
+                    help="with --ray: the Ray cluster to join (default: start a Ray instance on this machine)")
 
     scaler = sub.add_parser("autoscaler", help="scale the prefill and decode pools (Kubernetes Deployments)")
     scaler.add_argument("--redis", default=None, metavar="URL", help="the registry the workers use (required)")
@@ -170,6 +173,11 @@ def _parser() -> argparse.ArgumentParser:
     scaler.add_argument("--metrics-port", type=int, default=None, help="serve /metrics and /healthz here")
     scaler.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _autoscaling_args(scaler)
+
+    scale = sub.add_parser("scale", help="resize the prefill and decode pools of `pdserve up --ray`")
+    scale.add_argument("counts", nargs="+", metavar="ROLE=N", help="prefill=N and/or decode=M")
+    scale.add_argument("--address", default=None, metavar="ADDR",
+                       help="the Ray cluster `up --ray` printed (default: RAY_ADDRESS, or the one `ray start` made)")
 
     router = sub.add_parser("router", help="the HTTP/gRPC front end")
     _model_args(router)
@@ -220,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
         if a.command == "up":
             from services.engine.model_store import resolve_model
             resolve_model(a.model)                     # convert once, before the workers race to
+            if a.address and not a.ray:
+                raise ValueError("--address is the Ray cluster to join: it needs --ray")
+            if a.ray:
+                from services.ray_cluster import RayCluster
+                return RayCluster(a).run()
             from services.local_cluster import LocalCluster
             scaling = _autoscaler_settings(a, "local", None) if a.autoscale else None
             return LocalCluster(a, scaling).run()
@@ -229,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
             from services.autoscaler.service import serve as serve_autoscaler
             asyncio.run(serve_autoscaler(_autoscaler_settings(a, a.actuator, a.redis)))
             return 0
+        if a.command == "scale":
+            from services.ray_cluster import scale_command
+            return scale_command(a)
         if a.command == "router":
             from services.router.server import serve
             settings = RouterSettings(model=a.model, served_model_name=a.served_model_name, host=a.host,

@@ -63,6 +63,26 @@ def plan_cpus(roles: list[str], available: list[int]) -> list[set[int] | None]:
     return [{cpu} for cpu in available[:len(roles)]]
 
 
+def start_private_redis(workdir: Path) -> tuple[subprocess.Popen, str] | None:
+    """A redis-server for this machine only, on a unix socket in `workdir`, stopped with
+    its parent: (process, URL), or None when redis-server is not installed."""
+    server = shutil.which("redis-server")
+    if server is None:
+        return None
+    sock = workdir / "redis.sock"
+    proc = subprocess.Popen([server, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700",
+                             "--save", "", "--appendonly", "no", "--dir", str(workdir)],
+                            stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    deadline = time.monotonic() + 30
+    while not sock.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError("the private redis-server did not start")
+        time.sleep(0.05)
+    return proc, f"unix://{sock}"
+
+
 @dataclass
 class Child:
     name: str
@@ -172,22 +192,13 @@ class LocalCluster:
         if self.args.redis:
             print(f"pdserve: registry: {self.args.redis}", flush=True)
             return self.args.redis
-        server = shutil.which("redis-server")
-        if server is None:
+        started = start_private_redis(self.workdir)
+        if started is None:
             print("pdserve: registry: none (redis-server is not installed); "
                   "the router is given the workers' addresses", flush=True)
             return None
-        sock = self.workdir / "redis.sock"
-        proc = subprocess.Popen([server, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700",
-                                 "--save", "", "--appendonly", "no", "--dir", str(self.workdir)],
-                                stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent)
-        self.children.append(Child("redis", proc, sock))
-        deadline = time.monotonic() + 30
-        while not sock.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the private redis-server did not start")
-            time.sleep(0.05)
-        url = f"unix://{sock}"
+        proc, url = started
+        self.children.append(Child("redis", proc, self.workdir / "redis.sock"))
         print(f"pdserve: registry: a private redis-server at {url}", flush=True)
         return url
 

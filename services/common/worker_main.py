@@ -66,7 +66,9 @@ async def _drain(engine, timeout: float) -> None:
         await asyncio.sleep(0.1)
 
 
-async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]) -> None:
+async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts],
+                     stop: asyncio.Event | None = None) -> None:
+    """Serve until `stop` is set (default: SIGTERM/SIGINT), then drain and stop."""
     set_torch_threads(settings.threads)
     model_dir = resolve_model(settings.model)
     runner = ModelRunner(model_dir, settings.dtype, settings.device)
@@ -76,7 +78,8 @@ async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]
     parts.register(host.server)
     port = host.bind(settings.host, settings.grpc_port)
     metrics_port = metrics.serve(settings.host, settings.metrics_port)
-    stop = stop_event_on_signals(asyncio.get_running_loop())
+    if stop is None:
+        stop = stop_event_on_signals(asyncio.get_running_loop())
     await host.server.start()
     await host.set_status(True)
     log.info("%s worker serving gRPC on %s:%d, metrics on :%d (model %s, %s)", settings.role, settings.host,

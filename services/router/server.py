@@ -27,7 +27,8 @@ def _max_model_len(model_dir) -> int:
     return int(getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", 2048))
 
 
-async def serve(settings: RouterSettings) -> None:
+async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> None:
+    """Serve until `stop` is set (default: SIGTERM/SIGINT)."""
     model_dir = resolve_model(settings.model)
     tokenizer = load_tokenizer(model_dir)
     metrics = RouterMetrics()
@@ -48,7 +49,8 @@ async def serve(settings: RouterSettings) -> None:
                             timeout_graceful_shutdown=5, access_log=False)
     http = uvicorn.Server(config)
     http.install_signal_handlers = lambda: None       # signals are handled below
-    stop = stop_event_on_signals(asyncio.get_running_loop())
+    if stop is None:
+        stop = stop_event_on_signals(asyncio.get_running_loop())
 
     await host.server.start()
     await host.set_status(True)
