@@ -156,8 +156,8 @@ def bandwidth(sizes: list[int], repeats: int, tcp_streams: int = 2) -> dict:
     return result
 
 
-def _first_token_seconds(url: str, prompt: list[int]) -> tuple[float, str]:
-    """Time to the first streamed chunk carrying a token, and the route taken."""
+def _first_token_seconds(url: str, prompt: list[int]) -> float:
+    """Time to the first streamed chunk carrying a token."""
     import httpx
     body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True, "return_token_ids": True}
     t0 = time.perf_counter()
@@ -165,16 +165,39 @@ def _first_token_seconds(url: str, prompt: list[int]) -> tuple[float, str]:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data: {") and any(c.get("token_ids") for c in json.loads(line[6:])["choices"]):
-                elapsed = time.perf_counter() - t0
-                break
+                return time.perf_counter() - t0
+    raise RuntimeError("the stream carried no token")
+
+
+def _transport_used(url: str) -> str:
+    import httpx
     route = httpx.post(f"{url}/v1/completions", timeout=600,
-                       json={"prompt": prompt[:8], "max_tokens": 1}).headers.get("x-pdserve-route", "")
-    return elapsed, dict(p.split("=", 1) for p in route.split(";")).get("transport", "?")
+                       json={"prompt": [100] * 8, "max_tokens": 1}).headers.get("x-pdserve-route", "")
+    return dict(p.split("=", 1) for p in route.split(";")).get("transport", "?")
 
 
-def ttft_overhead(prompt_lens: list[int], repeats: int, transport: str) -> dict:
+def _worker_compute_seconds(metrics_url: str) -> float:
+    """The prefill worker's forward-pass time so far: its prefill step time minus the
+    KV-transfer tail it waited for after the last layer (both from its /metrics)."""
+    import re
+
+    import httpx
+    text = httpx.get(metrics_url, timeout=30).text
+
+    def total(pattern: str) -> float:
+        return sum(float(v) for v in re.findall(pattern + r" ([0-9.eE+-]+)", text))
+    return (total(r'pdserve_engine_step_seconds_sum\{kind="prefill"\}')
+            - total(r'pdserve_kv_transfer_seconds_sum\{backend="[a-z]+"\}'))
+
+
+def ttft_overhead(prompt_lens: list[int], repeats: int, transport: str, up_args: list[str] = ()) -> dict:
     """TTFT through a local cluster (HTTP, router, prefill worker, KV transfer, first
-    token) minus the same prefill done by the engine in this process, one thread each."""
+    token) minus the same prefill done by the engine in this process, one thread each.
+
+    The forward pass itself varies by several percent from one run to the next on a
+    shared machine, which swamps a difference of a few percent; so each cluster request
+    is also split into the prefill worker's own forward-pass time (from its /metrics)
+    and everything else, which is what disaggregation adds."""
     from services.engine.model_store import ensure_default_model
     from services.engine.runner import ModelRunner
 
@@ -189,7 +212,7 @@ def ttft_overhead(prompt_lens: list[int], repeats: int, transport: str) -> dict:
     # prompt is sent again and again, and each time must be a full prefill.
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--http-port", "0", "--grpc-port", "0",
                              "--announce-file", str(announce), "--log-level", "warning", "--kv-transport", transport,
-                             "--prefix-cache-tokens", "0", "--local-prefill-max-tokens", "0"],
+                             "--prefix-cache-tokens", "0", "--local-prefill-max-tokens", "0", *up_args],
                             stdout=open(tmp / "up.log", "wb"), stderr=subprocess.STDOUT)
     out: dict = {}
     try:
@@ -197,24 +220,33 @@ def ttft_overhead(prompt_lens: list[int], repeats: int, transport: str) -> dict:
             if proc.poll() is not None:
                 raise RuntimeError((tmp / "up.log").read_text()[-2000:])
             time.sleep(0.1)
-        url = json.loads(announce.read_text())["http"]
-        print(f"{'prompt':>7} {'in-process ms':>14} {'cluster ms':>11} {'overhead':>9}  transport")
+        cluster = json.loads(announce.read_text())
+        url = cluster["http"]
+        metrics_url = f"http://127.0.0.1:{cluster['prefill']['metrics_port']}/metrics"
+        print(f"{'prompt':>7} {'in-process ms':>14} {'cluster ms':>11} {'overhead':>9} "
+              f"{'added outside the forward pass':>31}  transport")
         for n in prompt_lens:
             prompt = [(i * 7919) % 40000 + 100 for i in range(n)]
-            local, remote = [], []
+            local, remote, added = [], [], []
             for _ in range(repeats + 1):
                 t0 = time.perf_counter()
                 runner.prefill(pool, prompt, list(range(-(-n // 16))))
                 local.append(time.perf_counter() - t0)
-                seconds, used = _first_token_seconds(url, prompt)
+                before = _worker_compute_seconds(metrics_url)
+                seconds = _first_token_seconds(url, prompt)
                 remote.append(seconds)
+                added.append(seconds - (_worker_compute_seconds(metrics_url) - before))
             # Pairs run back to back, so the median of per-pair overheads resists the
             # machine's slow drifts better than the difference of two medians.
             lo, re_ = statistics.median(local[1:]), statistics.median(remote[1:])
             pct = statistics.median(100 * (r - l) / l for l, r in zip(local[1:], remote[1:]))
-            out[str(n)] = {"in_process_s": lo, "cluster_s": re_, "overhead_s": re_ - lo,
-                           "overhead_pct": pct, "transport": used}
-            print(f"{n:>7} {lo * 1000:>14.1f} {re_ * 1000:>11.1f} {pct:>8.1f}%  {used}")
+            add = statistics.median(added[1:])
+            used = _transport_used(url)
+            out[str(n)] = {"in_process_s": lo, "cluster_s": re_, "overhead_s": re_ - lo, "overhead_pct": pct,
+                           "added_outside_forward_s": add, "added_outside_forward_pct": 100 * add / lo,
+                           "transport": used}
+            print(f"{n:>7} {lo * 1000:>14.1f} {re_ * 1000:>11.1f} {pct:>8.1f}% "
+                  f"{add * 1000:>16.1f} ms ({100 * add / lo:4.1f} %)  {used}")
     finally:
         proc.send_signal(2)
         proc.wait(60)
@@ -230,12 +262,13 @@ def main() -> None:
     ap.add_argument("--no-ttft", action="store_true")
     ap.add_argument("--tcp-streams", type=int, default=2, help="connections per peer for the tcp backend")
     ap.add_argument("--ttft-transport", default="auto", help="--kv-transport of the cluster for the TTFT part")
+    ap.add_argument("--up-args", default="", help="more `pdserve up` flags for the TTFT part, e.g. '--no-pin-cpus'")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     result = {"bandwidth": bandwidth([int(s) for s in a.sizes.split(",")], a.repeats, a.tcp_streams)}
     if not a.no_ttft:
         result["ttft_overhead"] = ttft_overhead([int(s) for s in a.prompts.split(",")], a.repeats,
-                                                a.ttft_transport)
+                                                a.ttft_transport, a.up_args.split())
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2))
 
