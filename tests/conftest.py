@@ -136,6 +136,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawn_service(tmp: Path, name: str, role: str, argv: list[str]) -> tuple[subprocess.Popen, dict]:
+    """`pdserve <role> argv` logging to tmp/<name>.log; returns once it has announced
+    its ports: (process, announcement)."""
+    announce = tmp / f"{name}.json"
+    announce.unlink(missing_ok=True)
+    log = open(tmp / f"{name}.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", role, *argv, "--announce-file", str(announce)],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + START_TIMEOUT
+    while not announce.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"{name} failed to start:\n{(tmp / f'{name}.log').read_text()[-3000:]}")
+        time.sleep(0.05)
+    return proc, json.loads(announce.read_text())
+
+
+def terminate(proc: subprocess.Popen, timeout: float = 20.0) -> None:
+    """SIGTERM (the service drains), then SIGKILL if it outlives `timeout`."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class Services:
     """Router, prefill and decode started one by one, so tests can kill and restart
     any of them (on the same port, as a supervisor would)."""
@@ -148,18 +176,7 @@ class Services:
         self.info: dict[str, dict] = {}
 
     def _spawn(self, role: str, argv: list[str]) -> dict:
-        announce = self.tmp / f"{role}.json"
-        announce.unlink(missing_ok=True)
-        log = open(self.tmp / f"{role}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", role, *argv, "--announce-file", str(announce)],
-                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        self.procs[role] = proc
-        deadline = time.monotonic() + START_TIMEOUT
-        while not announce.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{role} failed to start:\n{(self.tmp / f'{role}.log').read_text()[-3000:]}")
-            time.sleep(0.05)
-        self.info[role] = json.loads(announce.read_text())
+        self.procs[role], self.info[role] = spawn_service(self.tmp, role, role, argv)
         return self.info[role]
 
     def start_worker(self, role: str, *extra: str) -> dict:
@@ -211,13 +228,8 @@ class Services:
     def stop(self) -> None:
         for role in ("router", "prefill", "decode"):
             proc = self.procs.pop(role, None)
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            if proc is not None:
+                terminate(proc)
 
 
 @pytest.fixture

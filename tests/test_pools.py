@@ -10,7 +10,6 @@ import json
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -18,7 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ROOT, START_TIMEOUT, worker_stats
+from services.local_cluster import start_private_redis
+from tests.conftest import spawn_service, terminate, worker_stats
 from tests.parity_cases import CASES
 
 TTL = 2.0
@@ -33,32 +33,13 @@ def route(r: httpx.Response) -> dict:
 class Pools:
     def __init__(self) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="pdserve-pools-"))
-        sock = self.tmp / "redis.sock"
-        self.redis = subprocess.Popen(["redis-server", "--port", "0", "--unixsocket", str(sock), "--save", "",
-                                       "--appendonly", "no", "--dir", str(self.tmp)], stdout=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
-        while not sock.exists():
-            assert self.redis.poll() is None and time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)
-        self.url = f"unix://{sock}"
+        self.redis, self.url = start_private_redis(self.tmp)
         self.procs: dict[str, subprocess.Popen] = {}
         self.info: dict[str, dict] = {}
 
     def spawn(self, name: str, *argv: str) -> dict:
-        announce = self.tmp / f"{name}.json"
-        announce.unlink(missing_ok=True)
-        log = open(self.tmp / f"{name}.log", "ab")
-        role = name.split("-")[0]
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", role, *argv, "--redis", self.url,
-                                 "--registry-ttl", str(TTL), "--log-level", "warning",
-                                 "--announce-file", str(announce)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        self.procs[name] = proc
-        deadline = time.monotonic() + START_TIMEOUT
-        while not announce.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{name} failed to start:\n{(self.tmp / f'{name}.log').read_text()[-3000:]}")
-            time.sleep(0.05)
-        self.info[name] = json.loads(announce.read_text())
+        argv = [*argv, "--redis", self.url, "--registry-ttl", str(TTL), "--log-level", "warning"]
+        self.procs[name], self.info[name] = spawn_service(self.tmp, name, name.split("-")[0], argv)
         return self.info[name]
 
     def worker(self, name: str, *extra: str) -> dict:
@@ -90,13 +71,8 @@ class Pools:
     def stop(self) -> None:
         for name in [n for n in self.procs if n.startswith("router")] + list(self.procs):
             proc = self.procs.pop(name, None)
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            if proc is not None:
+                terminate(proc)
         self.redis.terminate()
         self.redis.wait(timeout=10)
         shutil.rmtree(self.tmp, ignore_errors=True)
