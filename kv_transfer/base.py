@@ -122,13 +122,16 @@ def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, i
 
 def wait_for(transport: KVTransport, xfers: Sequence[TransferId], deadline: float,
              first_sleep: float = 0.0001, max_sleep: float = 0.005) -> None:
-    """Poll `xfers` with exponential back-off until all are DONE.
+    """Wait until all `xfers` are DONE: woken by the transport when it can say when a
+    transfer ends (`changes`/`wait_change`), else polled with exponential back-off.
 
     Raises TransferError on a FAILED/EXPIRED transfer and TransferTimeout once
     `time.monotonic()` passes `deadline`: no transfer is ever waited on forever."""
     pending = list(xfers)
     sleep = first_sleep
+    watch = getattr(transport, "wait_change", None)
     while pending:
+        seen = transport.changes() if watch else 0
         still = []
         for x in pending:
             state = transport.poll(x)
@@ -142,8 +145,11 @@ def wait_for(transport: KVTransport, xfers: Sequence[TransferId], deadline: floa
             return
         if time.monotonic() >= deadline:
             raise TransferTimeout(f"{len(pending)} transfer(s) still pending at the deadline")
-        time.sleep(sleep)
-        sleep = min(sleep * 2, max_sleep)
+        if watch:
+            watch(seen, min(max_sleep, max(0.0, deadline - time.monotonic())))
+        else:
+            time.sleep(sleep)
+            sleep = min(sleep * 2, max_sleep)
 
 
 def open_transports(choice: str, options: dict[str, dict] | None = None,

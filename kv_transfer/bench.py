@@ -7,7 +7,10 @@ disaggregation through a real local cluster.
 Payloads are KV-shaped: 32 layers x K/V x blocks of 16 tokens x 4 heads x 64 dims in
 float32, so one block across all layers is exactly 1 MiB. A writer process sends every
 block layer by layer (as prefill does) into a receiving pool in this process; the time
-runs from the first write to the last completion. Medians over --repeats.
+runs from the first write to the last completion. The machine's memory bandwidth drifts
+by tens of percent from minute to minute, so each round first times an in-process copy
+of the same bytes in the writer, and the ratio reported is the median of the per-round
+ratios (over --repeats rounds after one warm-up).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,26 +41,53 @@ def _options(backend: str, tcp_streams: int) -> dict:
     return {"streams": tcp_streams} if backend == "tcp" else {}
 
 
+def _timed_copy(dst: torch.Tensor, src: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    return time.perf_counter() - t0
+
+
 def _writer(backend: str, blocks: int, meta: bytes, compat: str, repeats: int, tcp_streams: int, q) -> None:
+    """Each round times an in-process copy of the same bytes, then the transfer, so
+    every transfer has a baseline taken a moment before it on the same core."""
     torch.set_num_threads(1)
     local = KVPoolMemory.allocate(layout(blocks))
     local.tensor.uniform_()
+    scratch = torch.empty_like(local.tensor)
     t = create_transport(backend, **_options(backend, tcp_streams))
     t.register(local, compat)
     peer = t.connect(meta, compat)
     ids = list(range(blocks))
-    times = []
+    rounds = []
     for _ in range(repeats + 1):                         # the first round warms the link up
+        copy = _timed_copy(scratch, local.tensor)
         t0 = time.perf_counter()
         xfers = [t.write(peer, ids, ids, range(layer, layer + 1)) for layer in range(local.layout.num_layers)]
         wait_for(t, xfers, time.monotonic() + 120)
-        times.append(time.perf_counter() - t0)
-    q.put((times[1:], float(local.tensor.sum())))
+        rounds.append((time.perf_counter() - t0, copy))
+    q.put((rounds[1:], float(local.tensor.sum())))
     t.shutdown()
 
 
-def transfer(backend: str, size_mib: int, repeats: int, tcp_streams: int = 2) -> float:
-    """Median seconds to move `size_mib` MiB from another process into this one."""
+@dataclass
+class Paired:
+    """Medians of `rounds` (transfer seconds, copy seconds) pairs."""
+    seconds: float
+    memcpy_seconds: float
+    ratio: float                       # median of the per-round copy / transfer ratios
+
+    @classmethod
+    def of(cls, rounds: list[tuple[float, float]]) -> "Paired":
+        return cls(statistics.median(x for x, _ in rounds), statistics.median(c for _, c in rounds),
+                   statistics.median(c / x for x, c in rounds))
+
+    def row(self, nbytes: int) -> dict:
+        return {"seconds": self.seconds, "gbps": nbytes / self.seconds / 1e9,
+                "memcpy_gbps": nbytes / self.memcpy_seconds / 1e9, "ratio_to_memcpy": self.ratio}
+
+
+def transfer(backend: str, size_mib: int, repeats: int, tcp_streams: int = 2) -> Paired:
+    """Move `size_mib` MiB from another process into this one, `repeats` times."""
     lay = layout(size_mib)
     pool = KVPoolMemory.allocate(lay, shared=backend == "shm")
     t = create_transport(backend)
@@ -67,11 +98,11 @@ def transfer(backend: str, size_mib: int, repeats: int, tcp_streams: int = 2) ->
         q = ctx.Queue()
         p = ctx.Process(target=_writer, args=(backend, size_mib, meta, compat, repeats, tcp_streams, q))
         p.start()
-        times, checksum = q.get(timeout=600)
+        rounds, checksum = q.get(timeout=600)
         p.join(60)
         if abs(float(pool.tensor.sum()) - checksum) > 1e-3 * max(1.0, abs(checksum)):
             raise RuntimeError(f"{backend}: received bytes differ from the sent ones")
-        return statistics.median(times)
+        return Paired.of(rounds)
     finally:
         t.shutdown()
         pool.close()
@@ -81,12 +112,7 @@ def memcpy(size_mib: int, repeats: int) -> float:
     src = torch.rand(size_mib * MIB // 4)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(_timed_copy(dst, src) for _ in range(repeats))
 
 
 def _raw_receiver(nbytes: int, repeats: int, q) -> None:
@@ -102,7 +128,7 @@ def _raw_receiver(nbytes: int, repeats: int, q) -> None:
         conn.sendall(b"k")
 
 
-def raw_tcp(size_mib: int, repeats: int) -> float:
+def raw_tcp(size_mib: int, repeats: int) -> Paired:
     """The kernel's loopback ceiling: one plain socket stream between two processes."""
     import socket
     nbytes = size_mib * MIB
@@ -111,16 +137,19 @@ def raw_tcp(size_mib: int, repeats: int) -> float:
     p = ctx.Process(target=_raw_receiver, args=(nbytes, repeats, q))
     p.start()
     sock = socket.create_connection(("127.0.0.1", q.get(timeout=60)))
-    data = memoryview(bytearray(nbytes))
-    times = []
+    src = torch.rand(nbytes // 4)
+    scratch = torch.empty_like(src)
+    data = memoryview(src.view(torch.uint8).numpy())
+    rounds = []
     for _ in range(repeats + 1):
+        copy = _timed_copy(scratch, src)
         t0 = time.perf_counter()
         sock.sendall(data)
         sock.recv(1)
-        times.append(time.perf_counter() - t0)
+        rounds.append((time.perf_counter() - t0, copy))
     sock.close()
     p.join(60)
-    return statistics.median(times[1:])
+    return Paired.of(rounds[1:])
 
 
 def available_backends() -> list[str]:
@@ -136,23 +165,23 @@ def available_backends() -> list[str]:
 
 def bandwidth(sizes: list[int], repeats: int, tcp_streams: int = 2) -> dict:
     torch.set_num_threads(1)
-    result: dict = {"memcpy": {}, "backends": {}}
+    result: dict = {"memcpy": {}, "backends": {}, "raw_tcp_socket": {}}
     backends = available_backends()
-    print(f"{'backend':<8} {'MiB':>5} {'GB/s':>8} {'x memcpy':>9}")
+    print(f"{'backend':<8} {'MiB':>5} {'GB/s':>8} {'memcpy GB/s':>12} {'x memcpy':>9}")
+
+    def show(name: str, size: int, row: dict, note: str = "") -> None:
+        print(f"{name:<8} {size:>5} {row['gbps']:>8.2f} {row['memcpy_gbps']:>12.2f} {row['ratio_to_memcpy']:>9.2f}{note}")
     for size in sizes:
         base = memcpy(size, repeats)
         result["memcpy"][str(size)] = {"seconds": base, "gbps": size * MIB / base / 1e9}
-        print(f"{'memcpy':<8} {size:>5} {size * MIB / base / 1e9:>8.2f} {1.0:>9.2f}")
-        raw = raw_tcp(size, repeats)
-        result.setdefault("raw_tcp_socket", {})[str(size)] = {
-            "seconds": raw, "gbps": size * MIB / raw / 1e9, "ratio_to_memcpy": base / raw}
-        print(f"{'raw-tcp':<8} {size:>5} {size * MIB / raw / 1e9:>8.2f} {base / raw:>9.2f}  (plain socket, reference)")
+        print(f"{'memcpy':<8} {size:>5} {size * MIB / base / 1e9:>8.2f} {size * MIB / base / 1e9:>12.2f} {1.0:>9.2f}")
+        row = raw_tcp(size, repeats).row(size * MIB)
+        result["raw_tcp_socket"][str(size)] = row
+        show("raw-tcp", size, row, "  (plain socket, reference)")
         for name in backends:
-            secs = transfer(name, size, repeats, tcp_streams)
-            gbps = size * MIB / secs / 1e9
-            result["backends"].setdefault(name, {})[str(size)] = {
-                "seconds": secs, "gbps": gbps, "ratio_to_memcpy": base / secs}
-            print(f"{name:<8} {size:>5} {gbps:>8.2f} {base / secs:>9.2f}")
+            row = transfer(name, size, repeats, tcp_streams).row(size * MIB)
+            result["backends"].setdefault(name, {})[str(size)] = row
+            show(name, size, row)
     return result
 
 

@@ -1,12 +1,12 @@
 """KV transfer over plain TCP, for hosts without NIXL.
 
 The receiving side (decode worker) listens; each writer connection is served by one
-thread that reads frames straight into the pool tensor (`recv_into` on the block
-slices: no staging copy) and acknowledges each frame once its bytes are in memory.
+thread that reads frames straight into the pool tensor (no staging copy) and acknowledges each frame once its bytes are in memory.
 The writing side keeps a few connections ("streams") per peer, each with a sender thread
 (so `write` returns at once and the transfer overlaps the next layer's compute) and an
-ack reader thread. One loopback stream is bound by a single core's copy into and out of
-the kernel; layers spread over two streams move about twice the bytes per second here.
+ack reader thread. A frame goes out in one `sendmsg` of all its pieces and is scattered
+straight into the blocks by `recvmsg_into`. Writers wait on a condition the ack reader
+signals, not on a polling loop.
 
 Frame: header (magic, xfer id, first layer, layer count, run count), then the runs
 (dst start block, block count), then for each layer, K then V, each run's bytes.
@@ -37,7 +37,7 @@ HEADER = struct.Struct("!IQHHI")         # magic, xfer id, first layer, layer co
 RUN = struct.Struct("!II")               # dst start block, block count
 ACK = struct.Struct("!QB")               # xfer id, ok
 HELLO = struct.Struct("!I32s")           # magic, shared token
-SOCK_BUF = 8 * 1024 * 1024
+_IOV_MAX = 512                           # buffers per sendmsg/recvmsg call (Linux allows 1024)
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
@@ -53,9 +53,36 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         view = view[n:]
 
 
+def _send_all(sock: socket.socket, views: list[memoryview]) -> None:
+    """Send `views` back to back with as few system calls as the kernel allows."""
+    views = [v for v in views if v.nbytes]
+    while views:
+        sent = sock.sendmsg(views[:_IOV_MAX])
+        while views and sent >= views[0].nbytes:
+            sent -= views[0].nbytes
+            views.pop(0)
+        if sent:
+            views[0] = views[0][sent:]
+
+
+def _recv_all(sock: socket.socket, views: list[memoryview]) -> None:
+    """Fill `views` in order from the stream, scattering each read across them."""
+    views = [v for v in views if v.nbytes]
+    while views:
+        got = sock.recvmsg_into(views[:_IOV_MAX])[0]
+        if got == 0:
+            raise ConnectionError("peer closed the connection mid-frame")
+        while views and got >= views[0].nbytes:
+            got -= views[0].nbytes
+            views.pop(0)
+        if got:
+            views[0] = views[0][got:]
+
+
 def _tune(sock: socket.socket, send_timeout: float | None = None) -> None:
     """Blocking socket; sends (not receives) time out, so an idle link is fine but a
-    peer that stops reading fails the transfer."""
+    peer that stops reading fails the transfer. Buffer sizes are left to the kernel's
+    autotuning: a fixed SO_SNDBUF/SO_RCVBUF turns it off and was slower here."""
     sock.settimeout(None)
     if send_timeout:
         sec = int(send_timeout)
@@ -63,8 +90,6 @@ def _tune(sock: socket.socket, send_timeout: float | None = None) -> None:
                         struct.pack("ll", sec, int((send_timeout - sec) * 1e6)))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUF)
 
 
 @dataclass
@@ -99,6 +124,8 @@ class TcpTransport:
         self._peers: dict[str, _Peer] = {}
         self._states: dict[int, TransferState] = {}
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._version = 0                   # bumped whenever a transfer leaves PENDING
         self._next = 0
         self._closed = False
 
@@ -151,15 +178,13 @@ class TcpTransport:
         t = self._local.tensor
         nblocks = t.shape[2]
         valid = first + count <= t.shape[0] and all(d + n <= nblocks for d, n in runs)
-        block_bytes = t[0, 0, 0].numel() * t.element_size()
-        for layer in range(first, first + count):
-            for kv in (0, 1):
-                for d, n in runs:
-                    if valid:
-                        _recv_exact(conn, _bytes_view(t[layer, kv, d:d + n]))
-                    else:                        # read and drop: the frame is out of bounds
-                        _recv_exact(conn, memoryview(bytearray(n * block_bytes)))
-        return valid
+        if not valid:                            # read and drop: the frame is out of bounds
+            block_bytes = t[0, 0, 0].numel() * t.element_size()
+            _recv_all(conn, [memoryview(bytearray(2 * count * sum(n for _, n in runs) * block_bytes))])
+            return False
+        _recv_all(conn, [_bytes_view(t[layer, kv, d:d + n])
+                         for layer in range(first, first + count) for kv in (0, 1) for d, n in runs])
+        return True
 
     # ---- writing side ----
     def connect(self, peer: bytes, compat_hash: str) -> PeerHandle:
@@ -226,11 +251,8 @@ class TcpTransport:
                 t = self._local.tensor              # write() only queues jobs once registered
                 head = HEADER.pack(MAGIC, xfer, layers.start, len(layers), len(runs))
                 head += b"".join(RUN.pack(d, n) for _, d, n in runs)
-                st.sock.sendall(head)
-                for layer in layers:
-                    for kv in (0, 1):
-                        for s, _, n in runs:
-                            st.sock.sendall(_bytes_view(t[layer, kv, s:s + n]))
+                _send_all(st.sock, [memoryview(head)] + [_bytes_view(t[layer, kv, s:s + n])
+                                                         for layer in layers for kv in (0, 1) for s, _, n in runs])
         except (OSError, ValueError) as exc:            # ValueError: socket closed under us
             self._kill(p, f"send failed: {exc}")
 
@@ -255,6 +277,7 @@ class TcpTransport:
                     del p.pending[xfer]
                     if self._states.get(xfer) is TransferState.PENDING:
                         self._states[xfer] = TransferState.DONE
+                    self._bump()
         except (ConnectionError, OSError) as exc:
             self._kill(p, f"connection lost: {exc}")
 
@@ -268,6 +291,7 @@ class TcpTransport:
                 if self._states.get(x) is TransferState.PENDING:
                     self._states[x] = TransferState.FAILED
             p.pending.clear()
+            self._bump()
         if not self._closed:
             log.warning("KV connection failed (%s); its pending transfers are FAILED", why)
         for st in p.streams:
@@ -281,6 +305,20 @@ class TcpTransport:
     def _close_socks(p: _Peer) -> None:
         for st in p.streams:
             st.sock.close()
+
+    def _bump(self) -> None:
+        """Call with the lock held."""
+        self._version += 1
+        self._changed.notify_all()
+
+    def changes(self) -> int:
+        with self._lock:
+            return self._version
+
+    def wait_change(self, seen: int, timeout: float) -> None:
+        """Block until some transfer has ended since `changes()` returned `seen`."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._version != seen, timeout)
 
     def poll(self, xfer: TransferId) -> TransferState:
         with self._lock:

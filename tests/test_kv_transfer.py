@@ -55,6 +55,27 @@ def test_backend_moves_bit_identical_blocks_between_processes(backend, dtype):
         assert not path.exists() and path not in live_segments()
 
 
+def test_tcp_frame_with_more_pieces_than_one_system_call_takes():
+    """A frame of scattered blocks needs more buffers than one sendmsg/recvmsg accepts
+    (IOV_MAX): it is split across calls and still lands byte for byte."""
+    layout = KVLayout(num_layers=2, num_blocks=600, block_size=1, num_kv_heads=1, head_dim=4, dtype="float32")
+    compat = compat_hash("m", layout)
+    receiver, sender = create_transport("tcp"), create_transport("tcp", streams=1)
+    pool, local = KVPoolMemory.allocate(layout), KVPoolMemory.allocate(layout)
+    local.tensor.copy_(torch.randn(local.tensor.shape))
+    try:
+        peer = sender.connect(receiver.register(pool, compat), compat)
+        sender.register(local, compat)
+        src = list(range(0, 600, 2))                 # 300 runs of one block, in both layers, K and V
+        dst = list(range(599, 0, -2))
+        wait_for(sender, [sender.write(peer, src, dst)], time.monotonic() + 30)
+        assert torch.equal(pool.tensor[:, :, dst], local.tensor[:, :, src])
+        assert torch.count_nonzero(pool.tensor[:, :, list(range(0, 600, 2))]) == 0
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
+
+
 def test_tcp_write_to_a_dead_peer_fails_instead_of_hanging():
     pool = KVPoolMemory.allocate(LAYOUT)
     receiver = create_transport("tcp")
