@@ -1,8 +1,8 @@
 """KV transfer over plain TCP, for hosts without NIXL.
 
 The receiving side (decode worker) listens; each writer connection is served by one
-thread that reads frames straight into the pool tensor (no staging copy) and acknowledges each frame once its bytes are in memory.
-The writing side keeps a few connections ("streams") per peer, each with a sender thread
+thread that reads frames straight into the pool tensor (no staging copy) and
+acknowledges each frame once its bytes are in memory. The writing side keeps a few connections ("streams") per peer, each with a sender thread
 (so `write` returns at once and the transfer overlaps the next layer's compute) and an
 ack reader thread. A frame goes out in one `sendmsg` of all its pieces and is scattered
 straight into the blocks by `recvmsg_into`. Writers wait on a condition the ack reader
