@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import subprocess
 import sys
@@ -251,6 +252,10 @@ def ttft_overhead(prompt_lens: list[int], repeats: int, transport: str, up_args:
             time.sleep(0.1)
         cluster = json.loads(announce.read_text())
         url = cluster["http"]
+        # The in-process prefill runs on the core(s) the prefill worker is pinned to:
+        # the two cores of these machines are not equally fast at every moment.
+        worker_cores = os.sched_getaffinity(cluster["prefill"]["pid"])
+        own_cores = os.sched_getaffinity(0)
         metrics_url = f"http://127.0.0.1:{cluster['prefill']['metrics_port']}/metrics"
         print(f"{'prompt':>7} {'in-process ms':>14} {'cluster ms':>11} {'overhead':>9} "
               f"{'added outside the forward pass':>31}  transport")
@@ -258,9 +263,11 @@ def ttft_overhead(prompt_lens: list[int], repeats: int, transport: str, up_args:
             prompt = [(i * 7919) % 40000 + 100 for i in range(n)]
             local, remote, added = [], [], []
             for _ in range(repeats + 1):
+                os.sched_setaffinity(0, worker_cores)
                 t0 = time.perf_counter()
                 runner.prefill(pool, prompt, list(range(-(-n // 16))))
                 local.append(time.perf_counter() - t0)
+                os.sched_setaffinity(0, own_cores)
                 before = _worker_compute_seconds(metrics_url)
                 seconds = _first_token_seconds(url, prompt)
                 remote.append(seconds)
