@@ -14,7 +14,7 @@ import time
 from typing import Callable
 
 from services.common.grpc_server import ServiceHost
-from services.common.lifecycle import announce, set_torch_threads, stop_event_on_signals
+from services.common.lifecycle import announce, keep_freed_memory, set_torch_threads, stop_event_on_signals
 from services.common.metrics import WorkerMetrics
 from services.common.registry import Heartbeat, RedisRegistry
 from services.common.settings import WorkerSettings
@@ -70,6 +70,7 @@ async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]
                      stop: asyncio.Event | None = None) -> None:
     """Serve until `stop` is set (default: SIGTERM/SIGINT), then drain and stop."""
     set_torch_threads(settings.threads)
+    keep_freed_memory()
     model_dir = resolve_model(settings.model)
     runner = ModelRunner(model_dir, settings.dtype, settings.device)
     metrics = WorkerMetrics(settings.role)
