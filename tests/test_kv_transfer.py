@@ -158,3 +158,20 @@ def test_shared_pool_larger_than_dev_shm_is_refused_up_front(monkeypatch):
     with pytest.raises(MemoryError, match="/dev/shm"):
         KVPoolMemory.allocate(LAYOUT, shared=True)
     assert live_segments() == before
+
+
+def test_bandwidth_bench_pairs_every_transfer_with_a_copy(tmp_path):
+    """`python -m kv_transfer.bench` (bandwidth part, 1 MiB, 2 rounds) writes, per
+    backend, its GB/s, the memcpy it was paired with and the median ratio."""
+    import subprocess
+    import sys
+    out = tmp_path / "kv.json"
+    proc = subprocess.run([sys.executable, "-m", "kv_transfer.bench", "--no-ttft", "--sizes", "1", "--repeats", "2",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())["bandwidth"]
+    assert {"shm", "tcp"} <= set(result["backends"])
+    for rows in [*result["backends"].values(), result["raw_tcp_socket"]]:
+        row = rows["1"]
+        assert row["gbps"] > 0 and row["memcpy_gbps"] > 0 and 0 < row["ratio_to_memcpy"] < 10
+    assert "x memcpy" in proc.stdout

@@ -30,11 +30,34 @@ class PagedBatch:
     # prefill (one sequence): slots of every token attended to, cached prefix included
     context_slots: torch.Tensor | None = None
     prefix_len: int = 0
-    # decode (one new token per sequence)
-    block_table: torch.Tensor | None = None     # [batch, max blocks]
-    context_mask: torch.Tensor | None = None    # [batch, max blocks * block_size]: True = attend
+    # decode (one new token per sequence): rows sorted by context length and cut into
+    # groups of similar length, each gathering only as many blocks as its longest
+    groups: "list[DecodeGroup] | None" = None
     workspace: "Workspace | None" = None
     on_layer: Callable[[int], None] | None = None
+
+
+@dataclass
+class DecodeGroup:
+    """Rows start:stop of a decode batch, with block table and mask [rows, width * block
+    size] (True = attend) cut to the group's own width."""
+    start: int
+    stop: int
+    block_table: torch.Tensor                   # [rows, blocks]
+    context_mask: torch.Tensor
+
+
+def length_groups(widths: list[int], min_width: int = 8) -> list[tuple[int, int]]:
+    """Cut ascending block counts into runs whose longest is at most twice the first
+    (or at most `min_width` blocks): a short sequence batched with a long one then
+    gathers at most twice its own context instead of the longest one's. Returns
+    [start, stop) ranges."""
+    cuts, first = [0], widths[0] if widths else 0
+    for i, w in enumerate(widths):
+        if w > max(2 * first, min_width):
+            cuts.append(i)
+            first = w
+    return list(zip(cuts, cuts[1:] + [len(widths)]))
 
 
 class Workspace:
@@ -93,7 +116,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     b = pdserve_batch
     layer = module.layer_idx
     kv = b.kv
-    if b.block_table is None:                                   # prefill, one sequence
+    if b.groups is None:                                        # prefill, one sequence
         _write(kv, layer, b.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
         if b.prefix_len == 0:
             out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
@@ -106,7 +129,9 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
             out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
     else:                                                       # decode, one token per sequence
         _write(kv, layer, b.slots, key[:, :, 0], value[:, :, 0])
-        out = _decode_attention(query, kv[layer], b.block_table, b.context_mask, scaling, b.workspace)
+        outs = [_decode_attention(query[g.start:g.stop], kv[layer], g.block_table, g.context_mask, scaling,
+                                  b.workspace) for g in b.groups]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
     if b.on_layer is not None:
         b.on_layer(layer)
     return out.transpose(1, 2).contiguous(), None
@@ -180,16 +205,30 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, pool: KVPoolMemory, last_tokens: list[int], positions: list[int],
                block_tables: list[list[int]]) -> torch.Tensor:
-        """One token per sequence at `positions`; returns logits [batch, vocab] in float32."""
+        """One token per sequence at `positions`; returns logits [batch, vocab] in float32.
+
+        The rows run in order of context length, cut into groups of similar length
+        (`length_groups`), so one long sequence does not make every other sequence in
+        the batch gather its context length; the logits come back in the caller's order."""
         bs = pool.layout.block_size
-        width = max(len(t) for t in block_tables)
-        table = torch.zeros(len(block_tables), width, dtype=torch.long)
-        for i, t in enumerate(block_tables):
-            table[i, :len(t)] = torch.tensor(t, dtype=torch.long)
-        pos = torch.tensor(positions, dtype=torch.long)
-        slots = table[torch.arange(len(positions)), pos // bs] * bs + pos % bs
-        mask = torch.arange(width * bs)[None, :] <= pos[:, None]
-        batch = PagedBatch(kv=pool.tensor, slots=slots.to(self.device), block_table=table.to(self.device),
-                           context_mask=mask.to(self.device), workspace=self.workspace)
-        ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device).unsqueeze(1)
-        return self._forward(ids, pos.to(self.device).unsqueeze(1), batch, None)
+        order = sorted(range(len(positions)), key=lambda i: positions[i])
+        tables = [block_tables[i] for i in order]
+        pos = torch.tensor([positions[i] for i in order], dtype=torch.long)
+        widths = [p // bs + 1 for p in pos.tolist()]            # blocks holding positions 0..p
+        table = torch.zeros(len(tables), widths[-1], dtype=torch.long)
+        for i, t in enumerate(tables):
+            table[i, :widths[i]] = torch.tensor(t[:widths[i]], dtype=torch.long)
+        slots = table[torch.arange(len(tables)), pos // bs] * bs + pos % bs
+        groups = []
+        for start, stop in length_groups(widths):
+            width = widths[stop - 1]
+            mask = torch.arange(width * bs)[None, :] <= pos[start:stop, None]
+            groups.append(DecodeGroup(start, stop, table[start:stop, :width].to(self.device), mask.to(self.device)))
+        batch = PagedBatch(kv=pool.tensor, slots=slots.to(self.device), groups=groups, workspace=self.workspace)
+        ids = torch.tensor([last_tokens[i] for i in order], dtype=torch.long, device=self.device).unsqueeze(1)
+        logits = self._forward(ids, pos.to(self.device).unsqueeze(1), batch, None)
+        if order == sorted(order):
+            return logits
+        back = torch.empty(len(order), dtype=torch.long)
+        back[torch.tensor(order)] = torch.arange(len(order))
+        return logits[back.to(self.device)]
