@@ -171,7 +171,8 @@ def bandwidth(sizes: list[int], repeats: int, tcp_streams: int = 2) -> dict:
     print(f"{'backend':<8} {'MiB':>5} {'GB/s':>8} {'memcpy GB/s':>12} {'x memcpy':>9}")
 
     def show(name: str, size: int, row: dict, note: str = "") -> None:
-        print(f"{name:<8} {size:>5} {row['gbps']:>8.2f} {row['memcpy_gbps']:>12.2f} {row['ratio_to_memcpy']:>9.2f}{note}")
+        print(f"{name:<8} {size:>5} {row['gbps']:>8.2f} {row['memcpy_gbps']:>12.2f} "
+              f"{row['ratio_to_memcpy']:>9.2f}{note}")
     for size in sizes:
         base = memcpy(size, repeats)
         result["memcpy"][str(size)] = {"seconds": base, "gbps": size * MIB / base / 1e9}

@@ -2,11 +2,12 @@
 
 The receiving side (decode worker) listens; each writer connection is served by one
 thread that reads frames straight into the pool tensor (no staging copy) and
-acknowledges each frame once its bytes are in memory. The writing side keeps a few connections ("streams") per peer, each with a sender thread
-(so `write` returns at once and the transfer overlaps the next layer's compute) and an
-ack reader thread. A frame goes out in one `sendmsg` of all its pieces and is scattered
-straight into the blocks by `recvmsg_into`. Writers wait on a condition the ack reader
-signals, not on a polling loop.
+acknowledges each frame once its bytes are in memory. The writing side keeps a few
+connections ("streams") per peer, each with a sender thread (so `write` returns at once
+and the transfer overlaps the next layer's compute) and an ack reader thread. A frame
+goes out in one `sendmsg` of all its pieces and is scattered straight into the blocks
+by `recvmsg_into`. Writers wait on a condition the ack reader signals, not on a
+polling loop.
 
 Frame: header (magic, xfer id, first layer, layer count, run count), then the runs
 (dst start block, block count), then for each layer, K then V, each run's bytes.
@@ -179,8 +180,12 @@ class TcpTransport:
         nblocks = t.shape[2]
         valid = first + count <= t.shape[0] and all(d + n <= nblocks for d, n in runs)
         if not valid:                            # read and drop: the frame is out of bounds
-            block_bytes = t[0, 0, 0].numel() * t.element_size()
-            _recv_all(conn, [memoryview(bytearray(2 * count * sum(n for _, n in runs) * block_bytes))])
+            left = 2 * count * sum(n for _, n in runs) * t[0, 0, 0].numel() * t.element_size()
+            sink = memoryview(bytearray(min(left, 1 << 20)))
+            while left:
+                chunk = min(left, len(sink))
+                _recv_exact(conn, sink[:chunk])
+                left -= chunk
             return False
         _recv_all(conn, [_bytes_view(t[layer, kv, d:d + n])
                          for layer in range(first, first + count) for kv in (0, 1) for d, n in runs])

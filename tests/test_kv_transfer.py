@@ -8,7 +8,8 @@ import torch
 
 import time
 
-from kv_transfer.base import IncompatiblePeer, TransferState, block_runs, create_transport, wait_for
+from kv_transfer.base import (IncompatiblePeer, TransferError, TransferState, block_runs, create_transport,
+                              wait_for)
 from kv_transfer.fake import FakeFabric, FakeTransport
 from kv_transfer.memory import KVLayout, KVPoolMemory, compat_hash, live_segments
 
@@ -71,6 +72,28 @@ def test_tcp_frame_with_more_pieces_than_one_system_call_takes():
         wait_for(sender, [sender.write(peer, src, dst)], time.monotonic() + 30)
         assert torch.equal(pool.tensor[:, :, dst], local.tensor[:, :, src])
         assert torch.count_nonzero(pool.tensor[:, :, list(range(0, 600, 2))]) == 0
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
+
+
+def test_tcp_frame_outside_the_pool_is_drained_refused_and_the_link_kept():
+    """A frame naming blocks past the receiver's pool fails that transfer (its bytes are
+    read and dropped, nothing is written) and the next frame on the link lands."""
+    big = KVLayout(num_layers=2, num_blocks=64, block_size=4, num_kv_heads=1, head_dim=8, dtype="float32")
+    small = KVLayout(**{**big.__dict__, "num_blocks": 8})
+    compat = compat_hash("m", small)
+    receiver, sender = create_transport("tcp"), create_transport("tcp", streams=1)
+    pool, local = KVPoolMemory.allocate(small), KVPoolMemory.allocate(big)
+    local.tensor.copy_(torch.randn(local.tensor.shape))
+    try:
+        peer = sender.connect(receiver.register(pool, compat), compat)
+        sender.register(local, compat)
+        with pytest.raises(TransferError, match="failed"):
+            wait_for(sender, [sender.write(peer, list(range(40)), list(range(20, 60)))], time.monotonic() + 10)
+        assert torch.count_nonzero(pool.tensor) == 0
+        wait_for(sender, [sender.write(peer, [1, 2], [3, 4])], time.monotonic() + 10)
+        assert torch.equal(pool.tensor[:, :, [3, 4]], local.tensor[:, :, [1, 2]])
     finally:
         sender.shutdown()
         receiver.shutdown()

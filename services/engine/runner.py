@@ -227,7 +227,7 @@ class ModelRunner:
         batch = PagedBatch(kv=pool.tensor, slots=slots.to(self.device), groups=groups, workspace=self.workspace)
         ids = torch.tensor([last_tokens[i] for i in order], dtype=torch.long, device=self.device).unsqueeze(1)
         logits = self._forward(ids, pos.to(self.device).unsqueeze(1), batch, None)
-        if order == sorted(order):
+        if order == list(range(len(order))):
             return logits
         back = torch.empty(len(order), dtype=torch.long)
         back[torch.tensor(order)] = torch.arange(len(order))
