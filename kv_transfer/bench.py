@@ -253,8 +253,8 @@ def ttft_overhead(prompt_lens: list[int], repeats: int, transport: str, up_args:
             time.sleep(0.1)
         cluster = json.loads(announce.read_text())
         url = cluster["http"]
-        # The in-process prefill runs on the core(s) the prefill worker is pinned to:
-        # the two cores of these machines are not equally fast at every moment.
+        # The in-process prefill runs on the core(s) the prefill worker is pinned to, so
+        # the two passes it compares differ only in where they run, not on which core.
         worker_cores = os.sched_getaffinity(cluster["prefill"]["pid"])
         own_cores = os.sched_getaffinity(0)
         metrics_url = f"http://127.0.0.1:{cluster['prefill']['metrics_port']}/metrics"
