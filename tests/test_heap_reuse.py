@@ -1,7 +1,9 @@
 """Workers keep freed heap memory (`keep_freed_memory`): a prefill run again in a worker
 thread reuses the memory of the last one instead of faulting in fresh pages. With
-glibc's defaults a 1,024-token prefill in a thread takes ~84,000 page faults every
-time (shorter ones stay under the threshold where this starts)."""
+glibc's defaults a 1,024-token prefill in a thread takes ~60,000-85,000 page faults on
+every pass. This machine's kernel also pages out idle memory on its own (a DAMON
+`pageout` scheme), which can add faults to any single pass, so each mode is judged by
+its best of three passes."""
 import subprocess
 import sys
 
@@ -21,11 +23,14 @@ pool = KVPoolMemory.allocate(runner.layout(72, 16))
 prompt = [(i * 7919) % 40000 + 100 for i in range(1024)]
 
 def passes():
-    for _ in range(3):                   # the arena reaches its steady working set
+    for _ in range(2):                   # the arena reaches its working set
         runner.prefill(pool, prompt, list(range(64)))
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    runner.prefill(pool, prompt, list(range(64)))
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    faults = []
+    for _ in range(3):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        runner.prefill(pool, prompt, list(range(64)))
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    print(min(faults))
 
 t = threading.Thread(target=passes)      # as a worker runs its model: in an executor thread
 t.start()
@@ -33,7 +38,7 @@ t.join()
 """
 
 
-def _faults(model_dir, mode: str) -> int:
+def _fewest_faults(model_dir, mode: str) -> int:
     out = subprocess.run([sys.executable, "-c", PROBE, str(model_dir), mode], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -42,5 +47,5 @@ def _faults(model_dir, mode: str) -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning is Linux-only")
 def test_a_repeated_prefill_in_a_worker_thread_reuses_its_memory(model_dir):
-    default, kept = _faults(model_dir, "default"), _faults(model_dir, "keep")
-    assert kept < default / 3, (default, kept)
+    default, kept = _fewest_faults(model_dir, "default"), _fewest_faults(model_dir, "keep")
+    assert kept < default / 4, (default, kept)
