@@ -46,24 +46,19 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    while view:
-        n = sock.recv_into(view)
-        if n == 0:
-            raise ConnectionError("peer closed the connection mid-frame")
-        view = view[n:]
+def _consume(views: list[memoryview], n: int) -> None:
+    """Drop the first `n` bytes of `views`, in place."""
+    while views and n >= views[0].nbytes:
+        n -= views.pop(0).nbytes
+    if n:
+        views[0] = views[0][n:]
 
 
 def _send_all(sock: socket.socket, views: list[memoryview]) -> None:
     """Send `views` back to back with as few system calls as the kernel allows."""
     views = [v for v in views if v.nbytes]
     while views:
-        sent = sock.sendmsg(views[:_IOV_MAX])
-        while views and sent >= views[0].nbytes:
-            sent -= views[0].nbytes
-            views.pop(0)
-        if sent:
-            views[0] = views[0][sent:]
+        _consume(views, sock.sendmsg(views[:_IOV_MAX]))
 
 
 def _recv_all(sock: socket.socket, views: list[memoryview]) -> None:
@@ -73,11 +68,7 @@ def _recv_all(sock: socket.socket, views: list[memoryview]) -> None:
         got = sock.recvmsg_into(views[:_IOV_MAX])[0]
         if got == 0:
             raise ConnectionError("peer closed the connection mid-frame")
-        while views and got >= views[0].nbytes:
-            got -= views[0].nbytes
-            views.pop(0)
-        if got:
-            views[0] = views[0][got:]
+        _consume(views, got)
 
 
 def _tune(sock: socket.socket, send_timeout: float | None = None) -> None:
@@ -153,18 +144,18 @@ class TcpTransport:
     def _serve(self, conn: socket.socket) -> None:
         try:
             hello = bytearray(HELLO.size)
-            _recv_exact(conn, memoryview(hello))
+            _recv_all(conn, [memoryview(hello)])
             magic, token = HELLO.unpack(hello)
             if magic != MAGIC or not secrets.compare_digest(token, self._token):
                 raise ConnectionError("bad hello from a KV writer")
             header = bytearray(HEADER.size)
             while True:
-                _recv_exact(conn, memoryview(header))
+                _recv_all(conn, [memoryview(header)])
                 magic, xfer, first, count, nruns = HEADER.unpack(header)
                 if magic != MAGIC:
                     raise ConnectionError("bad frame magic")
                 raw = bytearray(RUN.size * nruns)
-                _recv_exact(conn, memoryview(raw))
+                _recv_all(conn, [memoryview(raw)])
                 runs = [RUN.unpack_from(raw, i * RUN.size) for i in range(nruns)]
                 ok = self._receive(conn, first, count, runs)
                 conn.sendall(ACK.pack(xfer, 1 if ok else 0))
@@ -184,7 +175,7 @@ class TcpTransport:
             sink = memoryview(bytearray(min(left, 1 << 20)))
             while left:
                 chunk = min(left, len(sink))
-                _recv_exact(conn, sink[:chunk])
+                _recv_all(conn, [sink[:chunk]])
                 left -= chunk
             return False
         _recv_all(conn, [_bytes_view(t[layer, kv, d:d + n])
@@ -265,7 +256,7 @@ class TcpTransport:
         buf = bytearray(ACK.size)
         try:
             while True:
-                _recv_exact(st.sock, memoryview(buf))
+                _recv_all(st.sock, [memoryview(buf)])
                 xfer, ok = ACK.unpack(buf)
                 with self._lock:
                     left = p.pending.get(xfer)
