@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 from services.engine.model_store import ensure_default_model
+from services.local_cluster import start_private_redis
 from services.rpc import worker_pb2, worker_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,25 +94,12 @@ def start_cluster(*extra: str, dtype: str = "float32") -> RunningCluster:
     cmd = [sys.executable, "-m", "services.cli", "up", "--http-port", "0", "--grpc-port", "0", "--dtype", dtype,
            "--kv-cache-tokens", "16384", "--announce-file", str(announce), "--log-level", "warning",
            "--local-prefill-max-tokens", "0", *extra]
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + START_TIMEOUT
-    while not announce.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"cluster failed to start:\n{log_path.read_text()[-4000:]}")
-        time.sleep(0.1)
-    return RunningCluster(proc, json.loads(announce.read_text()), log_path)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+    return RunningCluster(proc, wait_announced(proc, announce, log_path, "cluster"), log_path)
 
 
 def stop_cluster(c: RunningCluster, sig: int = signal.SIGINT, timeout: float = 30.0) -> int:
-    if c.proc.poll() is None:
-        c.proc.send_signal(sig)
-    try:
-        return c.proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        c.proc.kill()
-        return c.proc.wait()
+    return terminate(c.proc, timeout, sig)
 
 
 @pytest.fixture(scope="session")
@@ -136,32 +124,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_service(tmp: Path, name: str, role: str, argv: list[str]) -> tuple[subprocess.Popen, dict]:
-    """`pdserve <role> argv` logging to tmp/<name>.log; returns once it has announced
-    its ports: (process, announcement)."""
-    announce = tmp / f"{name}.json"
-    announce.unlink(missing_ok=True)
-    log = open(tmp / f"{name}.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", role, *argv, "--announce-file", str(announce)],
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+def wait_announced(proc: subprocess.Popen, announce: Path, log_path: Path, name: str) -> dict:
+    """The announcement `proc` writes once it serves; kills it and raises with the tail
+    of its log if it exits or takes longer than START_TIMEOUT."""
     deadline = time.monotonic() + START_TIMEOUT
     while not announce.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            raise RuntimeError(f"{name} failed to start:\n{(tmp / f'{name}.log').read_text()[-3000:]}")
+            raise RuntimeError(f"{name} failed to start:\n{log_path.read_text()[-4000:]}")
         time.sleep(0.05)
-    return proc, json.loads(announce.read_text())
+    return json.loads(announce.read_text())
 
 
-def terminate(proc: subprocess.Popen, timeout: float = 20.0) -> None:
-    """SIGTERM (the service drains), then SIGKILL if it outlives `timeout`."""
+def spawn_service(tmp: Path, name: str, role: str, argv: list[str]) -> tuple[subprocess.Popen, dict]:
+    """`pdserve <role> argv` logging to tmp/<name>.log; returns once it has announced
+    its ports: (process, announcement)."""
+    announce, log_path = tmp / f"{name}.json", tmp / f"{name}.log"
+    announce.unlink(missing_ok=True)
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", role, *argv, "--announce-file", str(announce)],
+                            cwd=ROOT, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
+    return proc, wait_announced(proc, announce, log_path, name)
+
+
+def terminate(proc: subprocess.Popen, timeout: float = 20.0, sig: int = signal.SIGTERM) -> int:
+    """`sig` (SIGTERM: the service drains), then SIGKILL if it outlives `timeout`;
+    returns the exit code."""
     if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        proc.send_signal(sig)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
 
 
 class Services:
@@ -236,14 +230,10 @@ class Services:
 def redis_url():
     """A private redis-server on a unix socket, for one test."""
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-redis-"))
-    sock = tmp / "redis.sock"
-    proc = subprocess.Popen(["redis-server", "--port", "0", "--unixsocket", str(sock), "--save", "",
-                             "--appendonly", "no", "--dir", str(tmp)], stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while not sock.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
-        time.sleep(0.05)
-    yield f"unix://{sock}"
+    started = start_private_redis(tmp)
+    assert started is not None, "redis-server is not installed (make test installs it)"
+    proc, url = started
+    yield url
     proc.terminate()
     proc.wait(timeout=10)
     shutil.rmtree(tmp, ignore_errors=True)

@@ -1,5 +1,6 @@
 """KV bytes crossing a real process boundary through the shm backend, and the
 compatibility handshake."""
+import contextlib
 import json
 import multiprocessing as mp
 
@@ -56,25 +57,33 @@ def test_backend_moves_bit_identical_blocks_between_processes(backend, dtype):
         assert not path.exists() and path not in live_segments()
 
 
-def test_tcp_frame_with_more_pieces_than_one_system_call_takes():
-    """A frame of scattered blocks needs more buffers than one sendmsg/recvmsg accepts
-    (IOV_MAX): it is split across calls and still lands byte for byte."""
-    layout = KVLayout(num_layers=2, num_blocks=600, block_size=1, num_kv_heads=1, head_dim=4, dtype="float32")
-    compat = compat_hash("m", layout)
+@contextlib.contextmanager
+def tcp_link(receiving: KVLayout, sending: KVLayout):
+    """A tcp receiver holding a zeroed `receiving` pool and a one-stream sender paired
+    with it, whose own `sending` pool is random: (sender, peer, pool, local)."""
+    compat = compat_hash("m", receiving)
     receiver, sender = create_transport("tcp"), create_transport("tcp", streams=1)
-    pool, local = KVPoolMemory.allocate(layout), KVPoolMemory.allocate(layout)
+    pool, local = KVPoolMemory.allocate(receiving), KVPoolMemory.allocate(sending)
     local.tensor.copy_(torch.randn(local.tensor.shape))
     try:
         peer = sender.connect(receiver.register(pool, compat), compat)
         sender.register(local, compat)
+        yield sender, peer, pool, local
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
+
+
+def test_tcp_frame_with_more_pieces_than_one_system_call_takes():
+    """A frame of scattered blocks needs more buffers than one sendmsg/recvmsg accepts
+    (IOV_MAX): it is split across calls and still lands byte for byte."""
+    layout = KVLayout(num_layers=2, num_blocks=600, block_size=1, num_kv_heads=1, head_dim=4, dtype="float32")
+    with tcp_link(layout, layout) as (sender, peer, pool, local):
         src = list(range(0, 600, 2))                 # 300 runs of one block, in both layers, K and V
         dst = list(range(599, 0, -2))
         wait_for(sender, [sender.write(peer, src, dst)], time.monotonic() + 30)
         assert torch.equal(pool.tensor[:, :, dst], local.tensor[:, :, src])
         assert torch.count_nonzero(pool.tensor[:, :, list(range(0, 600, 2))]) == 0
-    finally:
-        sender.shutdown()
-        receiver.shutdown()
 
 
 def test_tcp_frame_outside_the_pool_is_drained_refused_and_the_link_kept():
@@ -82,21 +91,12 @@ def test_tcp_frame_outside_the_pool_is_drained_refused_and_the_link_kept():
     read and dropped, nothing is written) and the next frame on the link lands."""
     big = KVLayout(num_layers=2, num_blocks=64, block_size=4, num_kv_heads=1, head_dim=8, dtype="float32")
     small = KVLayout(**{**big.__dict__, "num_blocks": 8})
-    compat = compat_hash("m", small)
-    receiver, sender = create_transport("tcp"), create_transport("tcp", streams=1)
-    pool, local = KVPoolMemory.allocate(small), KVPoolMemory.allocate(big)
-    local.tensor.copy_(torch.randn(local.tensor.shape))
-    try:
-        peer = sender.connect(receiver.register(pool, compat), compat)
-        sender.register(local, compat)
+    with tcp_link(small, big) as (sender, peer, pool, local):
         with pytest.raises(TransferError, match="failed"):
             wait_for(sender, [sender.write(peer, list(range(40)), list(range(20, 60)))], time.monotonic() + 10)
         assert torch.count_nonzero(pool.tensor) == 0
         wait_for(sender, [sender.write(peer, [1, 2], [3, 4])], time.monotonic() + 10)
         assert torch.equal(pool.tensor[:, :, [3, 4]], local.tensor[:, :, [1, 2]])
-    finally:
-        sender.shutdown()
-        receiver.shutdown()
 
 
 def test_tcp_write_to_a_dead_peer_fails_instead_of_hanging():
