@@ -175,8 +175,9 @@ def bandwidth(sizes: list[int], repeats: int, tcp_streams: int = 2) -> dict:
               f"{row['ratio_to_memcpy']:>9.2f}{note}")
     for size in sizes:
         base = memcpy(size, repeats)
-        result["memcpy"][str(size)] = {"seconds": base, "gbps": size * MIB / base / 1e9}
-        print(f"{'memcpy':<8} {size:>5} {size * MIB / base / 1e9:>8.2f} {size * MIB / base / 1e9:>12.2f} {1.0:>9.2f}")
+        gbps = size * MIB / base / 1e9
+        result["memcpy"][str(size)] = {"seconds": base, "gbps": gbps}
+        show("memcpy", size, {"gbps": gbps, "memcpy_gbps": gbps, "ratio_to_memcpy": 1.0})
         row = raw_tcp(size, repeats).row(size * MIB)
         result["raw_tcp_socket"][str(size)] = row
         show("raw-tcp", size, row, "  (plain socket, reference)")
