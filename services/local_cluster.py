@@ -238,7 +238,8 @@ class LocalCluster:
         pins = (plan_cpus(["decode"] * num_decode + ["prefill"] * num_prefill, cores)
                 if a.pin_cpus and not aggregated and not self.autoscaling else [None] * workers)
         common = ["--dtype", a.dtype, "--log-level", a.log_level, "--device", a.device,
-                  "--kv-transport", a.kv_transport, "--block-size", str(a.block_size), "--threads", str(self._threads)]
+                  "--kv-transport", a.kv_transport, "--block-size", str(a.block_size), "--threads", str(self._threads),
+                  "--attention-kernel", a.attention_kernel]
         if a.model:
             common += ["--model", a.model]
         chunk = a.prefill_chunk_tokens if a.prefill_chunk_tokens is not None else (256 if aggregated else 0)

@@ -394,7 +394,8 @@ class RayCluster:
     def _worker_template(self, redis: str) -> WorkerSettings:
         a = self.args
         return WorkerSettings(role="decode", model=a.model, dtype=a.dtype, device=a.device, block_size=a.block_size,
-                              threads=a.threads or max(1, (os.cpu_count() or 2) // 2), kv_transport=a.kv_transport,
+                              threads=a.threads or max(1, (os.cpu_count() or 2) // 2),
+                              attention_kernel=a.attention_kernel, kv_transport=a.kv_transport,
                               kv_cache_tokens=a.kv_cache_tokens, max_batch=a.max_batch,
                               prefill_chunk_tokens=a.prefill_chunk_tokens or 0,
                               prefix_cache_tokens=a.prefix_cache_tokens, redis=redis, log_level=a.log_level)

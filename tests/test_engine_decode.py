@@ -1,6 +1,7 @@
 """The decode step over the paged cache, in one process, float32: a batch of sequences
-of very different lengths (run as length groups, in sorted order) gives each sequence
-the logits it gets when decoded alone, in the caller's order."""
+of very different lengths gives each sequence the logits it gets when decoded alone,
+in the caller's order, through the native kernel and through the torch path (length
+groups in sorted order)."""
 import pytest
 import torch
 
@@ -10,10 +11,10 @@ from services.engine.runner import ModelRunner, length_groups
 BLOCK = 16
 
 
-@pytest.fixture(scope="module")
-def runner(model_dir):
+@pytest.fixture(scope="module", params=["native", "torch"])
+def runner(model_dir, request):
     torch.set_num_threads(1)
-    return ModelRunner(model_dir, "float32", "cpu")
+    return ModelRunner(model_dir, "float32", "cpu", attention=request.param)
 
 
 def test_length_groups_bound_the_padding():

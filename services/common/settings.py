@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 DTYPES = ("bfloat16", "float32", "float16")
 KV_TRANSPORTS = ("auto", "shm", "nixl", "tcp")
+ATTENTION_KERNELS = ("auto", "native", "torch")
 
 
 def env_defaults(parser: argparse.ArgumentParser, environ=os.environ) -> None:
@@ -50,6 +51,7 @@ class WorkerSettings:
     max_batch: int = 64
     prefill_chunk_tokens: int = 0       # decode worker's local prefill: tokens per step (0: whole prompt)
     threads: int = 0                    # torch threads; 0 = torch's default
+    attention_kernel: str = "auto"      # decode attention: native C kernel, torch, or auto
     host: str = "127.0.0.1"
     grpc_port: int = 0
     metrics_port: int = 0
@@ -71,6 +73,8 @@ class WorkerSettings:
             raise ValueError(f"role must be prefill or decode, not {self.role!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"--attention-kernel must be one of {', '.join(ATTENTION_KERNELS)}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("--block-size must be a power of two")
         if self.kv_cache_tokens < self.block_size:

@@ -72,7 +72,7 @@ async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]
     set_torch_threads(settings.threads)
     keep_freed_memory()
     model_dir = resolve_model(settings.model)
-    runner = ModelRunner(model_dir, settings.dtype, settings.device)
+    runner = ModelRunner(model_dir, settings.dtype, settings.device, attention=settings.attention_kernel)
     metrics = WorkerMetrics(settings.role)
     parts = build(settings, runner, eos_token_ids(model_dir), metrics)
     host = ServiceHost([parts.service_name])

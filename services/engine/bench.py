@@ -4,6 +4,7 @@ through pdserve's engine and through plain transformers forward calls with a
 
     python -m services.engine.bench --json out.json [--batches 1,8,32] [--context 256]
                                     [--prefill 512] [--threads 1] [--dtype bfloat16]
+                                    [--attention auto|native|torch]
 
 Decode: every sequence has `--context` tokens of KV already cached (random values: the
 cost does not depend on them); one step feeds one token per sequence. The transformers
@@ -106,6 +107,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds; the median round is reported")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--attention", default="auto", help="pdserve's decode attention: auto, native or torch")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     from services.engine.model_store import resolve_model
@@ -113,7 +115,7 @@ def main() -> None:
 
     torch.set_num_threads(a.threads)
     model_dir = resolve_model(a.model)
-    runner = ModelRunner(model_dir, a.dtype, "cpu")
+    runner = ModelRunner(model_dir, a.dtype, "cpu", attention=a.attention)
     hf = _hf_model(model_dir, a.dtype)
     batches = [int(b) for b in a.batches.split(",")]
     rows: dict[str, dict] = {}

@@ -4,6 +4,10 @@ The model's own modelling code does all the math; pdserve swaps in one attention
 function (registered with transformers' AttentionInterface) that writes each layer's
 new K/V into the block pool and attends over the blocks. No transformers cache object
 exists, so nothing is concatenated or reallocated per step.
+
+Decode attention on CPU runs in a native kernel that reads the blocks in place
+(`services/engine/native`); elsewhere, or where it cannot be built, it gathers each
+sequence's blocks and uses two batched matmuls (`_decode_attention`).
 """
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from kv_transfer.memory import KVLayout, KVPoolMemory, compat_hash
+from services.common.settings import ATTENTION_KERNELS
+from services.engine.native import NativeBuildError, PagedDecodeKernel, load_paged_decode
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +40,17 @@ class PagedBatch:
     # groups of similar length, each gathering only as many blocks as its longest
     groups: "list[DecodeGroup] | None" = None
     workspace: "Workspace | None" = None
+    # decode through the native kernel: every row's block ids and context length
+    native: "NativeDecode | None" = None
     on_layer: Callable[[int], None] | None = None
+
+
+@dataclass
+class NativeDecode:
+    kernel: PagedDecodeKernel
+    block_table: torch.Tensor                   # int64 [rows, widest row's blocks]
+    context_lens: torch.Tensor                  # int32 [rows]
+    threads: int
 
 
 @dataclass
@@ -116,7 +132,12 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     b = pdserve_batch
     layer = module.layer_idx
     kv = b.kv
-    if b.groups is None:                                        # prefill, one sequence
+    if b.native is not None:                                    # decode, native kernel
+        _write(kv, layer, b.slots, key[:, :, 0], value[:, :, 0])
+        n = b.native
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = n.kernel(query[:, :, 0], kv[layer], n.block_table, n.context_lens, scale, n.threads).unsqueeze(2)
+    elif b.groups is None:                                      # prefill, one sequence
         _write(kv, layer, b.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
         if b.prefix_len == 0:
             out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
@@ -151,7 +172,8 @@ def pick_device(requested: str | None = None) -> torch.device:
 class ModelRunner:
     """Loads the model once; runs prefill and decode passes over a given KV pool."""
 
-    def __init__(self, model_dir: Path, dtype: str = "bfloat16", device: str | None = None) -> None:
+    def __init__(self, model_dir: Path, dtype: str = "bfloat16", device: str | None = None,
+                 attention: str = "auto", kernel_cache: Path | None = None) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
         _register_attention()
         self.device = pick_device(device)
@@ -167,6 +189,30 @@ class ModelRunner:
         self.max_model_len = int(getattr(config, "max_position_embeddings", 2048))
         self.vocab_size = config.vocab_size
         self.workspace = Workspace()
+        self.decode_kernel = self._decode_kernel(attention, kernel_cache)
+
+    def _decode_kernel(self, attention: str, kernel_cache: Path | None) -> PagedDecodeKernel | None:
+        """The native decode kernel for `attention` "native" (required) or "auto" (where
+        it applies and builds), else None: the torch path."""
+        if attention not in ATTENTION_KERNELS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_KERNELS)}, not {attention!r}")
+        if attention == "torch":
+            return None
+        if not PagedDecodeKernel.supports(self.model.dtype, self.device):
+            if attention == "native":
+                raise ValueError(f"the native decode kernel runs on CPU in float32 or bfloat16, "
+                                 f"not {self.device} {self.dtype_name}")
+            return None
+        if kernel_cache is None:
+            from services.engine.model_store import cache_dir
+            kernel_cache = cache_dir()
+        try:
+            return load_paged_decode(kernel_cache)
+        except NativeBuildError as e:
+            if attention == "native":
+                raise
+            log.warning("decode attention stays on the torch path: %s", e)
+            return None
 
     def layout(self, num_blocks: int, block_size: int) -> KVLayout:
         return KVLayout(self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim, self.dtype_name)
@@ -211,6 +257,8 @@ class ModelRunner:
         (`length_groups`), so one long sequence does not make every other sequence in
         the batch gather its context length; the logits come back in the caller's order."""
         bs = pool.layout.block_size
+        if self.decode_kernel is not None:
+            return self._decode_native(pool, last_tokens, positions, block_tables)
         order = sorted(range(len(positions)), key=lambda i: positions[i])
         tables = [block_tables[i] for i in order]
         pos = torch.tensor([positions[i] for i in order], dtype=torch.long)
@@ -232,3 +280,18 @@ class ModelRunner:
         back = torch.empty(len(order), dtype=torch.long)
         back[torch.tensor(order)] = torch.arange(len(order))
         return logits[back.to(self.device)]
+
+    def _decode_native(self, pool: KVPoolMemory, last_tokens: list[int], positions: list[int],
+                       block_tables: list[list[int]]) -> torch.Tensor:
+        """decode() through the native kernel: each row reads only its own blocks, so
+        rows need no sorting or grouping."""
+        bs = pool.layout.block_size
+        widths = [p // bs + 1 for p in positions]
+        width = max(widths)
+        table = torch.tensor([list(t[:w]) + [0] * (width - w) for t, w in zip(block_tables, widths)], dtype=torch.long)
+        pos = torch.tensor(positions, dtype=torch.long)
+        slots = table[torch.arange(len(positions)), pos // bs] * bs + pos % bs
+        native = NativeDecode(self.decode_kernel, table, (pos + 1).to(torch.int32), torch.get_num_threads())
+        batch = PagedBatch(kv=pool.tensor, slots=slots, native=native)
+        ids = torch.tensor(last_tokens, dtype=torch.long).unsqueeze(1)
+        return self._forward(ids, pos.unsqueeze(1), batch, None)

@@ -1,0 +1,125 @@
+"""The native decode-attention kernel (services/engine/native), built here with the
+machine's C compiler: its output against a float64 reference over scattered blocks, in
+float32 and bfloat16, for several head layouts and thread counts; its refusals; the
+engine's fallback to the torch path where no compiler exists; and one decode step of
+the real model through both paths."""
+import logging
+
+import pytest
+import torch
+
+from kv_transfer.memory import KVPoolMemory
+from services.engine import native
+from services.engine.runner import ModelRunner
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    return native.load_paged_decode(tmp_path_factory.mktemp("cache"))
+
+
+def reference(q, cache, table, lens, scale):
+    """softmax(q k^T * scale) v per sequence and head, in float64, from a gather."""
+    batch, q_heads, dim = q.shape
+    kv_heads = cache.shape[3]
+    out = torch.zeros(batch, q_heads, dim, dtype=torch.float64)
+    for b in range(batch):
+        n = int(lens[b])
+        k = cache[0][table[b]].reshape(-1, kv_heads, dim)[:n].double()
+        v = cache[1][table[b]].reshape(-1, kv_heads, dim)[:n].double()
+        for head in range(q_heads):
+            kv_head = head // (q_heads // kv_heads)
+            p = torch.softmax(k[:, kv_head] @ q[b, head].double() * scale, 0)
+            out[b, head] = p @ v[:, kv_head]
+    return out
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("q_heads,kv_heads,dim", [(9, 3, 64), (8, 8, 128), (4, 1, 48), (6, 2, 32)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_matches_float64_reference(kernel, dtype, tol, q_heads, kv_heads, dim, threads):
+    torch.manual_seed(q_heads * 1000 + dim)
+    block_size, width = 16, 20
+    lens = torch.tensor([1, 16, 17, 200, 320, 45], dtype=torch.int32)
+    blocks = len(lens) * width + 7
+    cache = torch.randn(2, blocks, block_size, kv_heads, dim).to(dtype)
+    table = torch.randperm(blocks)[:len(lens) * width].view(len(lens), width).contiguous()
+    q = torch.randn(len(lens), q_heads, dim).to(dtype)
+    scale = dim ** -0.5
+    out = kernel(q, cache, table, lens, scale, threads)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.double(), reference(q, cache, table, lens, scale), atol=tol, rtol=tol)
+
+
+def test_kernel_reads_only_the_blocks_it_is_given(kernel):
+    """Blocks outside a row's table, and slots past its length, do not change its output."""
+    torch.manual_seed(1)
+    cache = torch.randn(2, 12, 16, 3, 64)
+    table = torch.tensor([[3, 7, 0], [5, 1, 0]])
+    lens = torch.tensor([20, 9], dtype=torch.int32)
+    q = torch.randn(2, 9, 64)
+    before = kernel(q, cache, table, lens, 0.125)
+    cache[:, [0, 2, 4, 6, 8, 9, 10, 11]] = float("nan")
+    cache[:, 7, 4:] = float("nan")                  # row 0 uses 4 slots of its second block
+    cache[:, 5, 9:] = float("nan")
+    assert torch.equal(kernel(q, cache, table, lens, 0.125), before)
+
+
+def test_kernel_refuses_what_it_cannot_run(kernel):
+    cache = torch.randn(2, 4, 16, 3, 64)
+    table = torch.zeros(1, 1, dtype=torch.long)
+    lens = torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="refused"):
+        kernel(torch.randn(1, 8, 64), cache, table, lens, 0.125)          # 8 query heads over 3 KV heads
+    with pytest.raises(ValueError, match="dtype"):
+        kernel(torch.randn(1, 9, 64).bfloat16(), cache, table, lens, 0.125)
+
+
+def test_build_is_cached_per_machine_and_source(tmp_path):
+    first = native._build(native.SOURCE, tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert native._build(native.SOURCE, tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]       # no temporary files left
+
+
+def test_without_a_compiler_auto_falls_back_and_native_refuses(model_dir, tmp_path, monkeypatch, caplog):
+    """A machine with no C compiler (an empty PATH here): `auto` keeps the torch path and
+    says why; `native` fails at start instead of serving slower than asked."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        runner = ModelRunner(model_dir, "float32", "cpu", attention="auto", kernel_cache=tmp_path)
+    assert runner.decode_kernel is None
+    assert "no C compiler" in caplog.text
+    with pytest.raises(native.NativeBuildError, match="no C compiler"):
+        ModelRunner(model_dir, "float32", "cpu", attention="native", kernel_cache=tmp_path)
+
+
+def test_native_is_cpu_float32_and_bfloat16_only(model_dir, tmp_path):
+    assert ModelRunner(model_dir, "float16", "cpu", kernel_cache=tmp_path).decode_kernel is None
+    with pytest.raises(ValueError, match="runs on CPU in float32 or bfloat16"):
+        ModelRunner(model_dir, "float16", "cpu", attention="native", kernel_cache=tmp_path)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        ModelRunner(model_dir, "float32", "cpu", attention="fast", kernel_cache=tmp_path)
+
+
+def test_decode_step_agrees_with_the_torch_path(model_dir, tmp_path):
+    """The real model, float32: one decode step over prefilled prompts of different
+    lengths gives the same logits (to float32 rounding) and the same greedy tokens."""
+    torch.set_num_threads(1)
+    fast = ModelRunner(model_dir, "float32", "cpu", attention="native", kernel_cache=tmp_path)
+    slow = ModelRunner(model_dir, "float32", "cpu", attention="torch")
+    lengths, tables, cursor = [40, 3, 130], [], 0
+    for n in lengths:
+        tables.append(list(range(cursor, cursor + n // 16 + 1)))
+        cursor += n // 16 + 1
+    pool = KVPoolMemory.allocate(fast.layout(cursor, 16))
+    torch.manual_seed(0)
+    firsts = [int(fast.prefill(pool, torch.randint(100, 20000, (n,)).tolist(), t).argmax())
+              for n, t in zip(lengths, tables)]
+    snapshot = pool.tensor.clone()
+    a = fast.decode(pool, firsts, lengths, tables)
+    pool.tensor.copy_(snapshot)
+    b = slow.decode(pool, firsts, lengths, tables)
+    pool.close()
+    torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-4)
+    assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
