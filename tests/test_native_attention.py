@@ -1,12 +1,14 @@
-"""The native decode-attention kernel (services/engine/native), built here with the
-machine's C compiler: its output against a float64 reference over scattered blocks, in
-float32 and bfloat16, for several head layouts and thread counts; its refusals; the
-engine's fallback to the torch path where no compiler exists; and one decode step of
-the real model through both paths."""
+"""The native attention kernels (services/engine/native), built here with the machine's
+C compiler. Decode: its output against a float64 reference over scattered blocks, in
+float32 and bfloat16, for several head layouts and thread counts. Prefill (bfloat16,
+AVX512-BF16): causal attention against a float64 reference, with and without a cached
+prefix. Their refusals; the engine's fallback to the torch path where no compiler
+exists; and the real model's decode step and prefill through both paths."""
 import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kv_transfer.memory import KVPoolMemory
 from services.engine import native
@@ -15,7 +17,7 @@ from services.engine.runner import ModelRunner
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
-    return native.load_paged_decode(tmp_path_factory.mktemp("cache"))
+    return native.load_attention(tmp_path_factory.mktemp("cache"))
 
 
 def reference(q, cache, table, lens, scale):
@@ -46,7 +48,7 @@ def test_kernel_matches_float64_reference(kernel, dtype, tol, q_heads, kv_heads,
     table = torch.randperm(blocks)[:len(lens) * width].view(len(lens), width).contiguous()
     q = torch.randn(len(lens), q_heads, dim).to(dtype)
     scale = dim ** -0.5
-    out = kernel(q, cache, table, lens, scale, threads)
+    out = kernel.decode(q, cache, table, lens, scale, threads)
     assert out.dtype == dtype and out.shape == q.shape
     torch.testing.assert_close(out.double(), reference(q, cache, table, lens, scale), atol=tol, rtol=tol)
 
@@ -58,11 +60,11 @@ def test_kernel_reads_only_the_blocks_it_is_given(kernel):
     table = torch.tensor([[3, 7, 0], [5, 1, 0]])
     lens = torch.tensor([20, 9], dtype=torch.int32)
     q = torch.randn(2, 9, 64)
-    before = kernel(q, cache, table, lens, 0.125)
+    before = kernel.decode(q, cache, table, lens, 0.125)
     cache[:, [0, 2, 4, 6, 8, 9, 10, 11]] = float("nan")
     cache[:, 7, 4:] = float("nan")                  # row 0 uses 4 slots of its second block
     cache[:, 5, 9:] = float("nan")
-    assert torch.equal(kernel(q, cache, table, lens, 0.125), before)
+    assert torch.equal(kernel.decode(q, cache, table, lens, 0.125), before)
 
 
 def test_kernel_refuses_what_it_cannot_run(kernel):
@@ -70,9 +72,9 @@ def test_kernel_refuses_what_it_cannot_run(kernel):
     table = torch.zeros(1, 1, dtype=torch.long)
     lens = torch.ones(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="refused"):
-        kernel(torch.randn(1, 8, 64), cache, table, lens, 0.125)          # 8 query heads over 3 KV heads
+        kernel.decode(torch.randn(1, 8, 64), cache, table, lens, 0.125)          # 8 query heads over 3 KV heads
     with pytest.raises(ValueError, match="dtype"):
-        kernel(torch.randn(1, 9, 64).bfloat16(), cache, table, lens, 0.125)
+        kernel.decode(torch.randn(1, 9, 64).bfloat16(), cache, table, lens, 0.125)
 
 
 def test_build_is_cached_per_machine_and_source(tmp_path):
@@ -88,14 +90,14 @@ def test_without_a_compiler_auto_falls_back_and_native_refuses(model_dir, tmp_pa
     monkeypatch.setenv("PATH", str(tmp_path))
     with caplog.at_level(logging.WARNING):
         runner = ModelRunner(model_dir, "float32", "cpu", attention="auto", kernel_cache=tmp_path)
-    assert runner.decode_kernel is None
+    assert runner.native is None
     assert "no C compiler" in caplog.text
     with pytest.raises(native.NativeBuildError, match="no C compiler"):
         ModelRunner(model_dir, "float32", "cpu", attention="native", kernel_cache=tmp_path)
 
 
 def test_native_is_cpu_float32_and_bfloat16_only(model_dir, tmp_path):
-    assert ModelRunner(model_dir, "float16", "cpu", kernel_cache=tmp_path).decode_kernel is None
+    assert ModelRunner(model_dir, "float16", "cpu", kernel_cache=tmp_path).native is None
     with pytest.raises(ValueError, match="runs on CPU in float32 or bfloat16"):
         ModelRunner(model_dir, "float16", "cpu", attention="native", kernel_cache=tmp_path)
     with pytest.raises(ValueError, match="attention must be one of"):
@@ -123,3 +125,63 @@ def test_decode_step_agrees_with_the_torch_path(model_dir, tmp_path):
     pool.close()
     torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-4)
     assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
+
+
+def prefill_reference(q, k, v, offset, scale):
+    """q [q_len, q_heads, dim], k/v [k_len, kv_heads, dim]: causal SDPA in float64."""
+    mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).tril(diagonal=offset)
+    out = F.scaled_dot_product_attention(q.double().transpose(0, 1), k.double().transpose(0, 1),
+                                         v.double().transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("q_len,offset", [(1, 0), (7, 0), (16, 0), (130, 0), (300, 0), (65, 200), (1, 77)])
+@pytest.mark.parametrize("q_heads,kv_heads,dim", [(9, 3, 64), (8, 8, 128), (4, 1, 64), (6, 2, 32)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_kernel_matches_float64_reference(kernel, q_len, offset, q_heads, kv_heads, dim, threads):
+    if not kernel.prefills:
+        pytest.skip("this CPU has no AVX512-BF16: prefill keeps torch's SDPA")
+    torch.manual_seed(q_len * 7 + offset + dim)
+    q = torch.randn(q_len, q_heads, dim).bfloat16()
+    # keys as the paged path hands them over: [tokens, kv_heads, dim] rows; and as the
+    # model's projections do, head-major, through a transposed view
+    k = torch.randn(kv_heads, q_len + offset, dim).bfloat16().transpose(0, 1)
+    v = torch.randn(q_len + offset, kv_heads, dim).bfloat16()
+    out = kernel.prefill(q, k, v, offset, dim ** -0.5, threads)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), prefill_reference(q, k, v, offset, dim ** -0.5), atol=2e-2, rtol=2e-2)
+
+
+def test_prefill_kernel_refuses_what_it_cannot_run(kernel):
+    if not kernel.prefills:
+        pytest.skip("this CPU has no AVX512-BF16")
+    q, k = torch.randn(10, 9, 64).bfloat16(), torch.randn(10, 3, 64).bfloat16()
+    with pytest.raises(ValueError, match="bfloat16"):
+        kernel.prefill(q.float(), k.float(), k.float(), 0, 0.125)
+    with pytest.raises(ValueError, match="refused"):
+        kernel.prefill(q, k, k, 5, 0.125)                     # 10 queries after 5 cached need 15 keys
+    with pytest.raises(ValueError, match="refused"):
+        kernel.prefill(torch.randn(10, 8, 64).bfloat16(), k, k, 0, 0.125)
+
+
+def test_bfloat16_prefill_agrees_with_sdpa_whole_and_in_chunks(model_dir, tmp_path):
+    """The real model in bfloat16: a prompt's last logits through the native prefill
+    against torch's SDPA, and the same prompt in two chunks (the second attending to
+    the first's cached blocks) against one pass."""
+    torch.set_num_threads(1)
+    fast = ModelRunner(model_dir, "bfloat16", "cpu", attention="native", kernel_cache=tmp_path)
+    if not fast.native_prefill:
+        pytest.skip("this CPU has no AVX512-BF16")
+    slow = ModelRunner(model_dir, "bfloat16", "cpu", attention="torch")
+    torch.manual_seed(3)
+    prompt = torch.randint(100, 20000, (150,)).tolist()
+    blocks = list(range(10))
+    pool = KVPoolMemory.allocate(fast.layout(10, 16))
+    whole = fast.prefill(pool, prompt, blocks)
+    reference = slow.prefill(pool, prompt, blocks)
+    fast.prefill(pool, prompt[:100], blocks)
+    chunked = fast.prefill(pool, prompt[100:], blocks, start=100)
+    pool.close()
+    for got in (whole, chunked):
+        assert F.cosine_similarity(got, reference, dim=0) > 0.999
+        assert int(got.argmax()) == int(reference.argmax())

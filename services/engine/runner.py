@@ -5,9 +5,10 @@ function (registered with transformers' AttentionInterface) that writes each lay
 new K/V into the block pool and attends over the blocks. No transformers cache object
 exists, so nothing is concatenated or reallocated per step.
 
-Decode attention on CPU runs in a native kernel that reads the blocks in place
-(`services/engine/native`); elsewhere, or where it cannot be built, it gathers each
-sequence's blocks and uses two batched matmuls (`_decode_attention`).
+On CPU, attention runs in native kernels (`services/engine/native`): decode reads the
+blocks in place, and bfloat16 prefill is a flash-style kernel on CPUs with AVX512-BF16.
+Elsewhere, or where they cannot be built, decode gathers each sequence's blocks and
+uses two batched matmuls (`_decode_attention`), and prefill uses torch's SDPA.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 from kv_transfer.memory import KVLayout, KVPoolMemory, compat_hash
 from services.common.settings import ATTENTION_KERNELS
-from services.engine.native import NativeBuildError, PagedDecodeKernel, load_paged_decode
+from services.engine.native import NativeAttention, NativeBuildError, load_attention
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +43,16 @@ class PagedBatch:
     workspace: "Workspace | None" = None
     # decode through the native kernel: every row's block ids and context length
     native: "NativeDecode | None" = None
+    prefill_kernel: NativeAttention | None = None   # prefill through the native kernel
+    threads: int = 1                            # the native kernels' threads
     on_layer: Callable[[int], None] | None = None
 
 
 @dataclass
 class NativeDecode:
-    kernel: PagedDecodeKernel
+    kernel: NativeAttention
     block_table: torch.Tensor                   # int64 [rows, widest row's blocks]
     context_lens: torch.Tensor                  # int32 [rows]
-    threads: int
 
 
 @dataclass
@@ -136,10 +138,20 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         _write(kv, layer, b.slots, key[:, :, 0], value[:, :, 0])
         n = b.native
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = n.kernel(query[:, :, 0], kv[layer], n.block_table, n.context_lens, scale, n.threads).unsqueeze(2)
+        out = n.kernel.decode(query[:, :, 0], kv[layer], n.block_table, n.context_lens, scale, b.threads).unsqueeze(2)
     elif b.groups is None:                                      # prefill, one sequence
         _write(kv, layer, b.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
-        if b.prefix_len == 0:
+        if b.prefill_kernel is not None:
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            if b.prefix_len == 0:
+                k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
+            else:
+                heads, dim = kv.shape[-2:]
+                k = kv[layer, 0].view(-1, heads, dim).index_select(0, b.context_slots)
+                v = kv[layer, 1].view(-1, heads, dim).index_select(0, b.context_slots)
+            out = b.prefill_kernel.prefill(query[0].transpose(0, 1), k, v, b.prefix_len, scale, b.threads)
+            out = out.unsqueeze(0).transpose(1, 2)               # [1, heads, q_len, dim], a view
+        elif b.prefix_len == 0:
             out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
         else:
             heads, dim = kv.shape[-2:]
@@ -189,16 +201,17 @@ class ModelRunner:
         self.max_model_len = int(getattr(config, "max_position_embeddings", 2048))
         self.vocab_size = config.vocab_size
         self.workspace = Workspace()
-        self.decode_kernel = self._decode_kernel(attention, kernel_cache)
+        self.native = self._native(attention, kernel_cache)
+        self.native_prefill = self.native is not None and self.native.prefills and self.model.dtype == torch.bfloat16
 
-    def _decode_kernel(self, attention: str, kernel_cache: Path | None) -> PagedDecodeKernel | None:
-        """The native decode kernel for `attention` "native" (required) or "auto" (where
-        it applies and builds), else None: the torch path."""
+    def _native(self, attention: str, kernel_cache: Path | None) -> NativeAttention | None:
+        """The native kernels for `attention` "native" (required) or "auto" (where they
+        apply and build), else None: the torch path."""
         if attention not in ATTENTION_KERNELS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_KERNELS)}, not {attention!r}")
         if attention == "torch":
             return None
-        if not PagedDecodeKernel.supports(self.model.dtype, self.device):
+        if not NativeAttention.supports(self.model.dtype, self.device):
             if attention == "native":
                 raise ValueError(f"the native decode kernel runs on CPU in float32 or bfloat16, "
                                  f"not {self.device} {self.dtype_name}")
@@ -207,7 +220,7 @@ class ModelRunner:
             from services.engine.model_store import cache_dir
             kernel_cache = cache_dir()
         try:
-            return load_paged_decode(kernel_cache)
+            return load_attention(kernel_cache)
         except NativeBuildError as e:
             if attention == "native":
                 raise
@@ -241,7 +254,8 @@ class ModelRunner:
         bs = pool.layout.block_size
         end = start + len(token_ids)
         batch = PagedBatch(kv=pool.tensor, slots=self._slots(block_ids, start, end, bs), prefix_len=start,
-                           on_layer=on_layer)
+                           on_layer=on_layer, prefill_kernel=self.native if self.native_prefill else None,
+                           threads=torch.get_num_threads())
         if start:
             batch.context_slots = self._slots(block_ids, 0, end, bs)
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
@@ -257,7 +271,7 @@ class ModelRunner:
         (`length_groups`), so one long sequence does not make every other sequence in
         the batch gather its context length; the logits come back in the caller's order."""
         bs = pool.layout.block_size
-        if self.decode_kernel is not None:
+        if self.native is not None:
             return self._decode_native(pool, last_tokens, positions, block_tables)
         order = sorted(range(len(positions)), key=lambda i: positions[i])
         tables = [block_tables[i] for i in order]
@@ -291,7 +305,7 @@ class ModelRunner:
         table = torch.tensor([list(t[:w]) + [0] * (width - w) for t, w in zip(block_tables, widths)], dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
         slots = table[torch.arange(len(positions)), pos // bs] * bs + pos % bs
-        native = NativeDecode(self.decode_kernel, table, (pos + 1).to(torch.int32), torch.get_num_threads())
-        batch = PagedBatch(kv=pool.tensor, slots=slots, native=native)
+        native = NativeDecode(self.native, table, (pos + 1).to(torch.int32))
+        batch = PagedBatch(kv=pool.tensor, slots=slots, native=native, threads=torch.get_num_threads())
         ids = torch.tensor(last_tokens, dtype=torch.long).unsqueeze(1)
         return self._forward(ids, pos.unsqueeze(1), batch, None)

@@ -1,7 +1,7 @@
 """Native CPU kernels, built on first use with the machine's C compiler.
 
-`paged_attention.c` runs decode attention straight from the paged KV cache. It is
-compiled for the CPU it runs on (-march=native) into the cache directory, under a name
+`attention.c` runs decode attention straight from the paged KV cache, and causal
+prefill attention in bfloat16 on CPUs with AVX512-BF16. It is compiled for the CPU it runs on (-march=native) into the cache directory, under a name
 keyed by its source, flags, compiler and CPU, so a cache shared between machines never
 hands one machine another's build; building takes about a second. Where there is no
 compiler (or the build fails) `load_paged_decode` raises `NativeBuildError` and the
@@ -23,7 +23,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention.c")
+SOURCE = Path(__file__).with_name("attention.c")
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC"]
 # Linked without -ffast-math: linking with it would add crtfastmath.o, which turns on
 # flush-to-zero for the whole process when the library loads.
@@ -75,26 +75,49 @@ def _build(source: Path, out_dir: Path) -> Path:
     return target
 
 
-class PagedDecodeKernel:
-    """One query token per sequence, attending over that sequence's cached blocks."""
+class NativeAttention:
+    """The kernels of one loaded library: `decode` (one query token per sequence over
+    its cached blocks) and, where `prefills` is true, `prefill` (causal, bfloat16)."""
 
     def __init__(self, library: Path) -> None:
         try:
             lib = ctypes.CDLL(str(library))
         except OSError as e:
             raise NativeBuildError(f"cannot load {library}: {e}") from e
-        fn = lib.pdserve_paged_decode_attention
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        fn.argtypes = [p, p, p, p, p, i64, p, i32, i32, i32, i32, i32, i64, i64, ctypes.c_float, i32, i32]
-        fn.restype = ctypes.c_int
-        self._fn = fn
+        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        self._decode = lib.pdserve_paged_decode_attention
+        self._decode.argtypes = [p, p, p, p, p, i64, p, i32, i32, i32, i32, i32, i64, i64, f32, i32, i32]
+        self._decode.restype = i32
+        self._prefill = lib.pdserve_prefill_attention
+        self._prefill.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64, p, i32, i32, i32, i32, i32, i32, f32, i32]
+        self._prefill.restype = i32
+        self.prefills = bool(lib.pdserve_prefill_supported())
         self._lib = lib
 
     @staticmethod
     def supports(dtype: torch.dtype, device: torch.device) -> bool:
         return device.type == "cpu" and dtype in DTYPES
 
-    def __call__(self, query: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
+    def prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, offset: int, scale: float,
+                threads: int = 1) -> torch.Tensor:
+        """Causal attention for one sequence, bfloat16: query [q_len, q_heads, dim], key
+        and value [k_len, kv_heads, dim] (any token and head strides, last dimension
+        contiguous); query i sees keys 0 .. i + offset. Returns [q_len, q_heads, dim]."""
+        q_len, q_heads, dim = query.shape
+        k_len, kv_heads, _ = key.shape
+        if not self.prefills or {query.dtype, key.dtype, value.dtype} != {torch.bfloat16}:
+            raise ValueError("native prefill attention takes bfloat16 on CPUs with AVX512-BF16")
+        if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
+            raise ValueError("the last dimension must be contiguous")
+        out = torch.empty(q_len, q_heads, dim, dtype=query.dtype)
+        rc = self._prefill(query.data_ptr(), query.stride(0), query.stride(1), key.data_ptr(), key.stride(0),
+                           key.stride(1), value.data_ptr(), value.stride(0), value.stride(1), out.data_ptr(),
+                           q_len, k_len, offset, q_heads, kv_heads, dim, scale, threads)
+        if rc:
+            raise ValueError(f"prefill attention refused its arguments (code {rc})")
+        return out
+
+    def decode(self, query: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
                  scale: float, threads: int = 1) -> torch.Tensor:
         """query [batch, q_heads, dim]; cache: one layer, [2, blocks, block_size, kv_heads,
         dim], contiguous; table int64 [batch, width] (block ids, row-major); lens int32
@@ -106,7 +129,7 @@ class PagedDecodeKernel:
         if cache.dtype != query.dtype or not cache.is_contiguous():
             raise ValueError("the cache must be contiguous and in the query's dtype")
         out = torch.empty_like(query)
-        rc = self._fn(query.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(), out.data_ptr(),
+        rc = self._decode(query.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(), out.data_ptr(),
                       table.data_ptr(), table.stride(0), lens.data_ptr(), batch, q_heads, kv_heads, dim,
                       block_size, cache.stride(1), cache.stride(2), scale, DTYPES[query.dtype], threads)
         if rc:
@@ -122,10 +145,10 @@ def _writable(directory: Path) -> bool:
     return os.access(directory, os.W_OK)
 
 
-def load_paged_decode(cache_root: Path) -> PagedDecodeKernel:
+def load_attention(cache_root: Path) -> NativeAttention:
     """Build (once per machine and source) and load the kernel under `cache_root`/kernels,
     or under the temp directory where that is read-only (a container's baked-in cache)."""
     out_dir = cache_root / "kernels"
     if not _writable(out_dir):
         out_dir = Path(tempfile.gettempdir()) / "pdserve-kernels"
-    return PagedDecodeKernel(_build(SOURCE, out_dir))
+    return NativeAttention(_build(SOURCE, out_dir))

@@ -1,0 +1,511 @@
+/* pdserve's native attention kernels for CPU.
+ *
+ * 1. Decode attention straight from the paged KV cache: one query token per sequence.
+ *
+ * For every sequence the kernel walks its blocks once for K and once for V. Each
+ * token's K (then V) for all KV heads is one contiguous row of the block, scored
+ * against every query head that shares it (grouped-query attention); the softmax runs
+ * in float32. Nothing is gathered or transposed first, so a decode step reads every
+ * cached byte once, in order, instead of copying it twice before the math. The next
+ * rows are prefetched while the current one is used: the blocks of a sequence are
+ * scattered over the pool, which the hardware prefetcher cannot follow.
+ *
+ * Layout of one layer's cache (K or V): [blocks, block_size, kv_heads, dim], float32
+ * or bfloat16; the query and output are [batch, q_heads, dim] in the same dtype.
+ * Rows are split over `threads` POSIX threads.
+ *
+ * 2. Causal prefill attention for one sequence in bfloat16 (CPUs with AVX512-BF16), the
+ * flash-attention way: query tiles against key tiles with an online softmax, so the
+ * score matrix never exists whole. K and V are first rearranged per head into bf16
+ * pairs (VNNI order), so that both products, Q.K^T and P.V, run as vdpbf16ps over 16
+ * outputs at a time with no horizontal sums; scores and the softmax are float32.
+ */
+#include <float.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_DPBF16 1
+#endif
+
+#define MAX_DIM 256
+#define MAX_HEADS 64
+#define PREFETCH_AHEAD 4        /* tokens */
+
+typedef struct {
+    const void *q, *k, *v;
+    void *out;
+    const int64_t *table;
+    const int32_t *lens;
+    int64_t table_stride, block_stride, token_stride;
+    int q_heads, kv_heads, dim, block_size, bf16;
+    float scale;
+    int first, last;        /* rows [first, last) */
+    float *scores;          /* q_heads * max_len floats */
+} Job;
+
+static inline void load_row(const void *base, int64_t offset, int n, int bf16, float *dst) {
+    if (bf16) {
+        const uint16_t *src = (const uint16_t *)base + offset;
+#pragma omp simd
+        for (int d = 0; d < n; d++) {
+            uint32_t bits = (uint32_t)src[d] << 16;
+            float f;
+            memcpy(&f, &bits, sizeof f);
+            dst[d] = f;
+        }
+    } else {
+        memcpy(dst, (const float *)base + offset, (size_t)n * sizeof(float));
+    }
+}
+
+static inline void store_row(void *base, int64_t offset, int n, int bf16, const float *src) {
+    if (bf16) {
+        uint16_t *dst = (uint16_t *)base + offset;
+        for (int d = 0; d < n; d++) {
+            uint32_t bits;
+            memcpy(&bits, &src[d], sizeof bits);
+            if ((bits & 0x7fffffffu) > 0x7f800000u)
+                dst[d] = (uint16_t)((bits >> 16) | 0x40);             /* quiet NaN */
+            else
+                dst[d] = (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);  /* round to nearest even */
+        }
+    } else {
+        memcpy((float *)base + offset, src, (size_t)n * sizeof(float));
+    }
+}
+
+static inline int64_t token_offset(const Job *j, const int64_t *blocks, int t) {
+    return blocks[t / j->block_size] * j->block_stride + (int64_t)(t % j->block_size) * j->token_stride;
+}
+
+static inline void prefetch_row(const void *base, int64_t offset, int bytes, int elem) {
+    const char *p = (const char *)base + offset * elem;
+    for (int i = 0; i < bytes; i += 64)
+        __builtin_prefetch(p + i, 0, 0);
+}
+
+#ifdef HAVE_DPBF16
+/* The K pass for bfloat16 with AVX512-BF16: the dot products run on pairs of bf16
+ * straight from the cache (vdpbf16ps accumulates in float32), no conversion first.
+ * Writes scaled scores; the caller takes their maximum. */
+static inline __attribute__((always_inline)) void score_bf16(const Job *j, const int64_t *blocks, int len,
+                                                             int64_t q_at, const int kv_heads, const int group,
+                                                             const int dim) {
+    const int chunks = dim / 32, q_heads = kv_heads * group;
+    const uint16_t *q = (const uint16_t *)j->q + q_at, *k = (const uint16_t *)j->k;
+    __m512bh qv[MAX_HEADS * MAX_DIM / 32];
+    for (int i = 0; i < q_heads * chunks; i++)
+        qv[i] = (__m512bh)_mm512_loadu_si512(q + 32 * i);
+    for (int t = 0; t < len; t++) {
+        if (t + PREFETCH_AHEAD < len)
+            prefetch_row(j->k, token_offset(j, blocks, t + PREFETCH_AHEAD), kv_heads * dim * 2, 2);
+        const uint16_t *row = k + token_offset(j, blocks, t);
+        for (int h = 0; h < kv_heads; h++) {
+            __m512bh kc[MAX_DIM / 32];
+            for (int c = 0; c < chunks; c++)
+                kc[c] = (__m512bh)_mm512_loadu_si512(row + h * dim + 32 * c);
+            for (int g = 0; g < group; g++) {
+                const int head = h * group + g;
+                __m512 acc = _mm512_setzero_ps();
+                for (int c = 0; c < chunks; c++)
+                    acc = _mm512_dpbf16_ps(acc, qv[head * chunks + c], kc[c]);
+                j->scores[(int64_t)head * len + t] = _mm512_reduce_add_ps(acc) * j->scale;
+            }
+        }
+    }
+}
+#endif
+
+/* The work of one thread. Inlined with constant `bf16`, `kv_heads`, `group` and `dim`
+ * for the common shapes (run() below), so the compiler unrolls and vectorizes the inner
+ * loops fully. */
+static inline __attribute__((always_inline)) void attend(const Job *j, const int bf16, const int kv_heads,
+                                                         const int group, const int dim) {
+    const int q_heads = kv_heads * group, width = kv_heads * dim, elem = bf16 ? 2 : 4;
+    const int row_bytes = width * elem;
+    static __thread float qf[MAX_HEADS * MAX_DIM], acc[MAX_HEADS * MAX_DIM], row[MAX_HEADS * MAX_DIM];
+    for (int b = j->first; b < j->last; b++) {
+        const int len = j->lens[b];
+        const int64_t *blocks = j->table + (int64_t)b * j->table_stride;
+        const int64_t q_at = (int64_t)b * q_heads * dim;
+        if (len <= 0) {                                 /* nothing to attend to */
+            memset(acc, 0, (size_t)q_heads * dim * sizeof(float));
+            store_row(j->out, q_at, q_heads * dim, bf16, acc);
+            continue;
+        }
+        load_row(j->q, q_at, q_heads * dim, bf16, qf);
+        for (int i = 0; i < q_heads * dim; i++)
+            qf[i] *= j->scale;
+        float best[MAX_HEADS];
+        for (int g = 0; g < q_heads; g++)
+            best[g] = -FLT_MAX;
+        /* scores[head][t] = q_head . k_t */
+#ifdef HAVE_DPBF16
+        if (bf16 && dim % 32 == 0) {
+            score_bf16(j, blocks, len, q_at, kv_heads, group, dim);
+        } else
+#endif
+        for (int t = 0; t < len; t++) {
+            if (t + PREFETCH_AHEAD < len)
+                prefetch_row(j->k, token_offset(j, blocks, t + PREFETCH_AHEAD), row_bytes, elem);
+            load_row(j->k, token_offset(j, blocks, t), width, bf16, row);
+            for (int h = 0; h < kv_heads; h++)
+                for (int g = 0; g < group; g++) {
+                    const float *qh = qf + (h * group + g) * dim, *kh = row + h * dim;
+                    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                    for (int d = 0; d < dim; d++)
+                        s += qh[d] * kh[d];
+                    j->scores[(int64_t)(h * group + g) * len + t] = s;
+                    if (s > best[h * group + g])
+                        best[h * group + g] = s;
+                }
+        }
+        float total[MAX_HEADS];
+        for (int g = 0; g < q_heads; g++) {
+            float *s = j->scores + (int64_t)g * len, sum = 0.0f, m = best[g];
+#ifdef HAVE_DPBF16
+            if (bf16 && dim % 32 == 0) {
+#pragma omp simd reduction(max : m)
+                for (int t = 0; t < len; t++)
+                    m = s[t] > m ? s[t] : m;
+            }
+#endif
+#pragma omp simd reduction(+ : sum)
+            for (int t = 0; t < len; t++) {
+                s[t] = expf(s[t] - m);
+                sum += s[t];
+            }
+            total[g] = sum;
+        }
+        memset(acc, 0, (size_t)q_heads * dim * sizeof(float));
+        /* out_head = sum_t p[head][t] v_t / sum */
+        for (int t = 0; t < len; t++) {
+            if (t + PREFETCH_AHEAD < len)
+                prefetch_row(j->v, token_offset(j, blocks, t + PREFETCH_AHEAD), row_bytes, elem);
+            load_row(j->v, token_offset(j, blocks, t), width, bf16, row);
+            for (int h = 0; h < kv_heads; h++)
+                for (int g = 0; g < group; g++) {
+                    const float p = j->scores[(int64_t)(h * group + g) * len + t];
+                    float *ah = acc + (h * group + g) * dim;
+                    const float *vh = row + h * dim;
+#pragma omp simd
+                    for (int d = 0; d < dim; d++)
+                        ah[d] += p * vh[d];
+                }
+        }
+        for (int g = 0; g < q_heads; g++) {
+            const float inv = 1.0f / total[g];
+            for (int d = 0; d < dim; d++)
+                acc[g * dim + d] *= inv;
+        }
+        store_row(j->out, q_at, q_heads * dim, bf16, acc);
+    }
+}
+
+static void run(const Job *j) {
+    const int group = j->q_heads / j->kv_heads;
+    if (j->dim == 64 && j->kv_heads == 3 && group == 3 && j->bf16)       /* SmolLM2-135M */
+        attend(j, 1, 3, 3, 64);
+    else if (j->dim == 64 && j->kv_heads == 3 && group == 3)
+        attend(j, 0, 3, 3, 64);
+    else if (j->dim == 64 && j->bf16)
+        attend(j, 1, j->kv_heads, group, 64);
+    else if (j->dim == 128 && j->bf16)
+        attend(j, 1, j->kv_heads, group, 128);
+    else
+        attend(j, j->bf16, j->kv_heads, group, j->dim);
+}
+
+static void *run_thread(void *arg) {
+    run((const Job *)arg);
+    return NULL;
+}
+
+/* Returns 0, or a negative code for arguments the kernel does not take. */
+int pdserve_paged_decode_attention(const void *q, const void *k, const void *v, void *out,
+                                   const int64_t *table, int64_t table_stride, const int32_t *lens,
+                                   int batch, int q_heads, int kv_heads, int dim, int block_size,
+                                   int64_t block_stride, int64_t token_stride, float scale, int bf16,
+                                   int threads) {
+    if (dim < 1 || dim > MAX_DIM || kv_heads < 1 || q_heads > MAX_HEADS || q_heads % kv_heads ||
+        token_stride < (int64_t)kv_heads * dim)
+        return -1;
+    int max_len = 1;
+    for (int b = 0; b < batch; b++)
+        if (lens[b] > max_len)
+            max_len = lens[b];
+    if (threads > batch)
+        threads = batch;
+    if (threads > 64)
+        threads = 64;
+    if (threads < 1)
+        threads = 1;
+    float *scores = malloc((size_t)threads * q_heads * max_len * sizeof(float));
+    if (!scores)
+        return -2;
+    Job jobs[64];
+    pthread_t tids[64];
+    for (int i = 0; i < threads; i++)
+        jobs[i] = (Job){q, k, v, out, table, lens, table_stride, block_stride, token_stride, q_heads, kv_heads,
+                        dim, block_size, bf16, scale, (int)((int64_t)batch * i / threads),
+                        (int)((int64_t)batch * (i + 1) / threads), scores + (size_t)i * q_heads * max_len};
+    int started = 1;
+    for (int i = 1; i < threads; i++, started++)
+        if (pthread_create(&tids[i], NULL, run_thread, &jobs[i]) != 0)
+            break;
+    for (int i = started; i < threads; i++)          /* threads that could not start: run here */
+        run(&jobs[i]);
+    run(&jobs[0]);
+    for (int i = 1; i < started; i++)
+        pthread_join(tids[i], NULL);
+    free(scores);
+    return 0;
+}
+
+
+/* ---- 2. causal prefill attention, bfloat16 ---------------------------------------- */
+
+int pdserve_prefill_supported(void) {
+#ifdef HAVE_DPBF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef HAVE_DPBF16
+#define QT 16           /* query positions per tile */
+#define KT 64           /* keys per tile */
+#define MASKED (-1e30f)
+
+typedef struct {
+    const uint16_t *q;
+    int64_t q_tok, q_head;
+    const uint32_t *kp, *vp;    /* per KV head: K as [dim/2][keys] pairs, V as [keys/2][dim] pairs */
+    int64_t keys_pad;
+    uint16_t *out;              /* [queries, q_heads, dim] */
+    int lq, lk, offset, q_heads, kv_heads, dim;
+    float scale;
+    int thread, threads;
+    int status;                 /* set by the thread: 0, or -2 when out of memory */
+} PrefillJob;
+
+static inline uint32_t bf16_pair(uint16_t lo, uint16_t hi) {
+    return (uint32_t)lo | ((uint32_t)hi << 16);
+}
+
+/* One (KV head, query tile): rows are (position, query head of the group) pairs, padded
+ * to a multiple of 4 with zero queries whose outputs are dropped. */
+static inline __attribute__((always_inline)) void tile(const PrefillJob *j, int h, int p0, float *S, uint32_t *P,
+                                                       float *O, float *m, float *l, uint32_t *qrows, const int dim) {
+    const int group = j->q_heads / j->kv_heads, pairs = dim / 2, dvec = dim / 16;
+    const int p1 = p0 + QT < j->lq ? p0 + QT : j->lq;
+    const int rows = (p1 - p0) * group, rows4 = (rows + 3) & ~3;
+    for (int r = 0; r < rows4; r++) {
+        uint32_t *dst = qrows + (int64_t)r * pairs;
+        if (r < rows) {
+            const int p = p0 + r / group, head = h * group + r % group;
+            const uint16_t *src = j->q + p * j->q_tok + head * j->q_head;
+            for (int i = 0; i < pairs; i++)
+                dst[i] = bf16_pair(src[2 * i], src[2 * i + 1]);
+        } else {
+            memset(dst, 0, (size_t)pairs * 4);
+        }
+        m[r] = MASKED;
+        l[r] = 0.0f;
+        memset(O + (int64_t)r * dim, 0, (size_t)dim * 4);
+    }
+    const uint32_t *kp = j->kp + (int64_t)h * pairs * j->keys_pad;
+    const uint32_t *vp = j->vp + (int64_t)h * (j->keys_pad / 2) * dim;
+    const int key_end = p1 - 1 + j->offset + 1 < j->lk ? p1 - 1 + j->offset + 1 : j->lk;
+    for (int k0 = 0; k0 < key_end; k0 += KT) {
+        const int n = key_end - k0 < KT ? key_end - k0 : KT;
+        /* S = Q K^T * scale, 4 rows x 64 keys per block */
+        for (int r = 0; r < rows4; r += 4) {
+            __m512 acc[4][4];
+            for (int a = 0; a < 4; a++)
+                for (int b = 0; b < 4; b++)
+                    acc[a][b] = _mm512_setzero_ps();
+            for (int i = 0; i < pairs; i++) {
+                const uint32_t *krow = kp + (int64_t)i * j->keys_pad + k0;
+                __m512bh kv[4];
+                for (int b = 0; b < 4; b++)
+                    kv[b] = (__m512bh)_mm512_loadu_si512(krow + 16 * b);
+                for (int a = 0; a < 4; a++) {
+                    const __m512bh qa = (__m512bh)_mm512_set1_epi32((int)qrows[(int64_t)(r + a) * pairs + i]);
+                    for (int b = 0; b < 4; b++)
+                        acc[a][b] = _mm512_dpbf16_ps(acc[a][b], qa, kv[b]);
+                }
+            }
+            const __m512 sc = _mm512_set1_ps(j->scale);
+            for (int a = 0; a < 4; a++)
+                for (int b = 0; b < 4; b++)
+                    _mm512_storeu_ps(S + (r + a) * KT + 16 * b, _mm512_mul_ps(acc[a][b], sc));
+        }
+        /* causal mask, online softmax, P in bf16 pairs */
+        for (int r = 0; r < rows4; r++) {
+            float *s = S + r * KT;
+            /* keys of this tile the row sees: up to its own position + offset, and n */
+            int seen = r < rows ? p0 + r / group + j->offset - k0 + 1 : 0;
+            seen = seen < n ? (seen > 0 ? seen : 0) : n;
+            for (int c = seen; c < KT; c++)
+                s[c] = MASKED;
+            float mx = MASKED;
+#pragma omp simd reduction(max : mx)
+            for (int c = 0; c < KT; c++)
+                mx = s[c] > mx ? s[c] : mx;
+            const float m_new = mx > m[r] ? mx : m[r], corr = expf(m[r] - m_new);
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int c = 0; c < KT; c++) {
+                s[c] = expf(s[c] - m_new);
+                sum += s[c];
+            }
+            l[r] = l[r] * corr + sum;
+            m[r] = m_new;
+            float *o = O + (int64_t)r * dim;
+            for (int d = 0; d < dim; d++)
+                o[d] *= corr;
+            for (int c = 0; c < KT; c += 32) {
+                __m512bh pb = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + c + 16), _mm512_loadu_ps(s + c));
+                _mm512_storeu_si512(P + r * (KT / 2) + c / 2, (__m512i)pb);
+            }
+        }
+        /* O += P V, 4 rows x dim per block */
+        const uint32_t *vt = vp + (int64_t)(k0 / 2) * dim;
+        for (int r = 0; r < rows4; r += 4) {
+            for (int d0 = 0; d0 < dvec; d0 += 4) {
+                const int nd = dvec - d0 < 4 ? dvec - d0 : 4;
+                __m512 acc[4][4];
+                for (int a = 0; a < 4; a++)
+                    for (int b = 0; b < nd; b++)
+                        acc[a][b] = _mm512_loadu_ps(O + (int64_t)(r + a) * dim + 16 * (d0 + b));
+                for (int c = 0; c < (n + 1) / 2; c++) {
+                    __m512bh vv[4];
+                    for (int b = 0; b < nd; b++)
+                        vv[b] = (__m512bh)_mm512_loadu_si512(vt + (int64_t)c * dim + 16 * (d0 + b));
+                    for (int a = 0; a < 4; a++) {
+                        const __m512bh pa = (__m512bh)_mm512_set1_epi32((int)P[(r + a) * (KT / 2) + c]);
+                        for (int b = 0; b < nd; b++)
+                            acc[a][b] = _mm512_dpbf16_ps(acc[a][b], pa, vv[b]);
+                    }
+                }
+                for (int a = 0; a < 4; a++)
+                    for (int b = 0; b < nd; b++)
+                        _mm512_storeu_ps(O + (int64_t)(r + a) * dim + 16 * (d0 + b), acc[a][b]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        const int p = p0 + r / group, head = h * group + r % group;
+        float *o = O + (int64_t)r * dim;
+        const float inv = 1.0f / l[r];
+        for (int d = 0; d < dim; d++)
+            o[d] *= inv;
+        store_row(j->out, ((int64_t)p * j->q_heads + head) * dim, dim, 1, o);
+    }
+}
+
+static void prefill_tile(const PrefillJob *j, int h, int p0, float *S, uint32_t *P, float *O, float *m, float *l,
+                         uint32_t *qrows) {
+    if (j->dim == 64)                   /* constant head sizes unroll the P.V blocks fully */
+        tile(j, h, p0, S, P, O, m, l, qrows, 64);
+    else if (j->dim == 128)
+        tile(j, h, p0, S, P, O, m, l, qrows, 128);
+    else
+        tile(j, h, p0, S, P, O, m, l, qrows, j->dim);
+}
+
+static void *prefill_thread(void *arg) {
+    PrefillJob *j = arg;
+    const int group = j->q_heads / j->kv_heads, rows4 = (QT * group + 3) & ~3;
+    float *S = malloc(sizeof(float) * rows4 * KT), *O = malloc(sizeof(float) * rows4 * j->dim);
+    float *m = malloc(sizeof(float) * rows4), *l = malloc(sizeof(float) * rows4);
+    uint32_t *P = malloc(sizeof(uint32_t) * rows4 * KT / 2), *qrows = malloc(sizeof(uint32_t) * rows4 * j->dim / 2);
+    if (S && O && m && l && P && qrows) {
+        const int tiles = (j->lq + QT - 1) / QT, items = tiles * j->kv_heads;
+        /* longest tiles first, dealt round robin: the causal triangle makes later tiles dearer */
+        for (int item = j->thread; item < items; item += j->threads) {
+            const int tile = tiles - 1 - item / j->kv_heads;
+            prefill_tile(j, item % j->kv_heads, tile * QT, S, P, O, m, l, qrows);
+        }
+    } else {
+        j->status = -2;
+    }
+    free(S);
+    free(O);
+    free(m);
+    free(l);
+    free(P);
+    free(qrows);
+    return NULL;
+}
+#endif
+
+/* q: [lq, q_heads, dim] and k, v: [lk, kv_heads, dim] in bfloat16 with the given token
+ * and head strides (elements; the last dimension contiguous); out: [lq, q_heads, dim]
+ * contiguous. Query i sees keys 0 .. i + offset. Returns 0, or negative when refused. */
+int pdserve_prefill_attention(const void *q, int64_t q_tok, int64_t q_head, const void *k, int64_t k_tok,
+                              int64_t k_head, const void *v, int64_t v_tok, int64_t v_head, void *out, int lq,
+                              int lk, int offset, int q_heads, int kv_heads, int dim, float scale, int threads) {
+#ifdef HAVE_DPBF16
+    if (dim % 32 || dim > MAX_DIM || kv_heads < 1 || q_heads % kv_heads || q_heads / kv_heads > 16 || lq < 1 ||
+        offset < 0 || lk < lq + offset)
+        return -1;
+    const int pairs = dim / 2;
+    const int64_t keys_pad = ((int64_t)lk + KT - 1) / KT * KT;
+    uint32_t *kp = calloc((size_t)kv_heads * pairs * keys_pad, 4), *vp = calloc((size_t)kv_heads * keys_pad * pairs, 4);
+    if (!kp || !vp) {
+        free(kp);
+        free(vp);
+        return -2;
+    }
+    const uint16_t *ks = k, *vs = v;
+    for (int h = 0; h < kv_heads; h++) {
+        uint32_t *kh = kp + (int64_t)h * pairs * keys_pad, *vh = vp + (int64_t)h * (keys_pad / 2) * dim;
+        for (int t = 0; t < lk; t++) {
+            const uint16_t *kr = ks + t * k_tok + h * k_head;
+            for (int i = 0; i < pairs; i++)
+                kh[(int64_t)i * keys_pad + t] = bf16_pair(kr[2 * i], kr[2 * i + 1]);
+            const uint16_t *vr = vs + t * v_tok + h * v_head;
+            uint16_t *vdst = (uint16_t *)(vh + (int64_t)(t / 2) * dim) + (t & 1);
+            for (int d = 0; d < dim; d++)
+                vdst[2 * d] = vr[d];
+        }
+    }
+    if (threads < 1)
+        threads = 1;
+    if (threads > 64)
+        threads = 64;
+    PrefillJob jobs[64];
+    pthread_t tids[64];
+    for (int i = 0; i < threads; i++)
+        jobs[i] = (PrefillJob){q, q_tok, q_head, kp, vp, keys_pad, out, lq, lk, offset, q_heads, kv_heads, dim,
+                               scale, i, threads, 0};
+    int started = 1;
+    for (int i = 1; i < threads; i++, started++)
+        if (pthread_create(&tids[i], NULL, prefill_thread, &jobs[i]) != 0)
+            break;
+    for (int i = started; i < threads; i++)
+        prefill_thread(&jobs[i]);
+    prefill_thread(&jobs[0]);
+    int status = 0;
+    for (int i = 1; i < started; i++)
+        pthread_join(tids[i], NULL);
+    for (int i = 0; i < threads; i++)
+        status = jobs[i].status ? jobs[i].status : status;
+    free(kp);
+    free(vp);
+    return status;
+#else
+    (void)q; (void)q_tok; (void)q_head; (void)k; (void)k_tok; (void)k_head; (void)v; (void)v_tok; (void)v_head;
+    (void)out; (void)lq; (void)lk; (void)offset; (void)q_heads; (void)kv_heads; (void)dim; (void)scale; (void)threads;
+    return -3;
+#endif
+}
