@@ -98,7 +98,7 @@ def test_without_a_compiler_auto_falls_back_and_native_refuses(model_dir, tmp_pa
 
 def test_native_is_cpu_float32_and_bfloat16_only(model_dir, tmp_path):
     assert ModelRunner(model_dir, "float16", "cpu", kernel_cache=tmp_path).native is None
-    with pytest.raises(ValueError, match="runs on CPU in float32 or bfloat16"):
+    with pytest.raises(ValueError, match="run on CPU in float32 or bfloat16"):
         ModelRunner(model_dir, "float16", "cpu", attention="native", kernel_cache=tmp_path)
     with pytest.raises(ValueError, match="attention must be one of"):
         ModelRunner(model_dir, "float32", "cpu", attention="fast", kernel_cache=tmp_path)
@@ -185,3 +185,15 @@ def test_bfloat16_prefill_agrees_with_sdpa_whole_and_in_chunks(model_dir, tmp_pa
     for got in (whole, chunked):
         assert F.cosine_similarity(got, reference, dim=0) > 0.999
         assert int(got.argmax()) == int(reference.argmax())
+
+
+def test_decode_refuses_block_tables_the_kernel_would_misread(model_dir, tmp_path):
+    """The kernel trusts its block ids, so the runner checks them first: an id outside
+    the pool, or a table too short for the position, is a ValueError, not a stray read."""
+    runner = ModelRunner(model_dir, "float32", "cpu", attention="native", kernel_cache=tmp_path)
+    pool = KVPoolMemory.allocate(runner.layout(4, 16))
+    with pytest.raises(ValueError, match="block ids must lie in"):
+        runner.decode(pool, [5], [20], [[0, 4]])
+    with pytest.raises(ValueError, match="cannot hold position"):
+        runner.decode(pool, [5], [40], [[0, 1]])
+    pool.close()

@@ -134,15 +134,14 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     b = pdserve_batch
     layer = module.layer_idx
     kv = b.kv
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if b.native is not None:                                    # decode, native kernel
         _write(kv, layer, b.slots, key[:, :, 0], value[:, :, 0])
         n = b.native
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         out = n.kernel.decode(query[:, :, 0], kv[layer], n.block_table, n.context_lens, scale, b.threads).unsqueeze(2)
     elif b.groups is None:                                      # prefill, one sequence
         _write(kv, layer, b.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
         if b.prefill_kernel is not None:
-            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             if b.prefix_len == 0:
                 k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
             else:
@@ -213,7 +212,7 @@ class ModelRunner:
             return None
         if not NativeAttention.supports(self.model.dtype, self.device):
             if attention == "native":
-                raise ValueError(f"the native decode kernel runs on CPU in float32 or bfloat16, "
+                raise ValueError(f"the native attention kernels run on CPU in float32 or bfloat16, "
                                  f"not {self.device} {self.dtype_name}")
             return None
         if kernel_cache is None:
@@ -224,7 +223,7 @@ class ModelRunner:
         except NativeBuildError as e:
             if attention == "native":
                 raise
-            log.warning("decode attention stays on the torch path: %s", e)
+            log.warning("attention stays on torch's own ops: %s", e)
             return None
 
     def layout(self, num_blocks: int, block_size: int) -> KVLayout:
@@ -302,7 +301,14 @@ class ModelRunner:
         bs = pool.layout.block_size
         widths = [p // bs + 1 for p in positions]
         width = max(widths)
-        table = torch.tensor([list(t[:w]) + [0] * (width - w) for t, w in zip(block_tables, widths)], dtype=torch.long)
+        rows = []
+        for t, w in zip(block_tables, widths):
+            if len(t) < w:
+                raise ValueError(f"a block table of {len(t)} blocks cannot hold position {(w - 1) * bs}")
+            rows.append(list(t[:w]) + [0] * (width - w))
+        table = torch.tensor(rows, dtype=torch.long)
+        if int(table.min()) < 0 or int(table.max()) >= pool.layout.num_blocks:   # the kernel trusts its ids
+            raise ValueError(f"block ids must lie in [0, {pool.layout.num_blocks})")
         pos = torch.tensor(positions, dtype=torch.long)
         slots = table[torch.arange(len(positions)), pos // bs] * bs + pos % bs
         native = NativeDecode(self.native, table, (pos + 1).to(torch.int32))

@@ -121,6 +121,68 @@ static inline __attribute__((always_inline)) void score_bf16(const Job *j, const
 }
 #endif
 
+#ifdef HAVE_DPBF16
+static inline uint32_t bf16_bits(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;      /* finite, non-negative weights */
+}
+
+/* The V pass for bfloat16 with AVX512-BF16, one KV head at a time (its accumulators
+ * stay in registers; the sequence's rows come back from L2 for the next head). Two
+ * tokens per step: their V rows interleaved into bf16 pairs, weighed by their two
+ * softmax weights in one vdpbf16ps. The interleave works within 128-bit lanes, so the
+ * accumulators hold dims in the order (0-3, 8-11, ...) and (4-7, 12-15, ...); they are
+ * put back in order once at the end. The weights are rounded to bf16, as the torch path
+ * rounds its probabilities before its matmul. */
+static inline __attribute__((always_inline)) void weigh_bf16(const Job *j, const int64_t *blocks, int len,
+                                                             const int kv_heads, const int group, const int dim,
+                                                             float *out) {
+    const int chunks = dim / 32;
+    const uint16_t *v = (const uint16_t *)j->v;
+    for (int h = 0; h < kv_heads; h++) {
+        __m512 acc[4][MAX_DIM / 32][2];
+        for (int g = 0; g < group; g++)
+            for (int c = 0; c < chunks; c++)
+                acc[g][c][0] = acc[g][c][1] = _mm512_setzero_ps();
+        const float *sc = j->scores + (int64_t)h * group * len;
+        for (int t = 0; t < len; t += 2) {
+            const int two = t + 1 < len;
+            if (t + PREFETCH_AHEAD < len)
+                prefetch_row(v, token_offset(j, blocks, t + PREFETCH_AHEAD) + h * dim, dim * 2, 2);
+            const uint16_t *r0 = v + token_offset(j, blocks, t) + h * dim;
+            const uint16_t *r1 = two ? v + token_offset(j, blocks, t + 1) + h * dim : r0;
+            __m512bh w[4];
+            for (int g = 0; g < group; g++) {
+                const uint32_t p0 = bf16_bits(sc[(int64_t)g * len + t]);
+                const uint32_t p1 = two ? bf16_bits(sc[(int64_t)g * len + t + 1]) : 0;
+                w[g] = (__m512bh)_mm512_set1_epi32((int)(p0 | (p1 << 16)));
+            }
+            for (int c = 0; c < chunks; c++) {
+                const __m512i x0 = _mm512_loadu_si512(r0 + 32 * c), x1 = _mm512_loadu_si512(r1 + 32 * c);
+                const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
+                const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+                for (int g = 0; g < group; g++) {
+                    acc[g][c][0] = _mm512_dpbf16_ps(acc[g][c][0], w[g], lo);
+                    acc[g][c][1] = _mm512_dpbf16_ps(acc[g][c][1], w[g], hi);
+                }
+            }
+        }
+        for (int g = 0; g < group; g++)
+            for (int c = 0; c < chunks; c++) {
+                float part[2][16];
+                _mm512_storeu_ps(part[0], acc[g][c][0]);
+                _mm512_storeu_ps(part[1], acc[g][c][1]);
+                float *o = out + (int64_t)(h * group + g) * dim + 32 * c;
+                for (int i = 0; i < 16; i++) {
+                    o[(i / 4) * 8 + i % 4] = part[0][i];
+                    o[(i / 4) * 8 + 4 + i % 4] = part[1][i];
+                }
+            }
+    }
+}
+#endif
+
 /* The work of one thread. Inlined with constant `bf16`, `kv_heads`, `group` and `dim`
  * for the common shapes (run() below), so the compiler unrolls and vectorizes the inner
  * loops fully. */
@@ -185,6 +247,11 @@ static inline __attribute__((always_inline)) void attend(const Job *j, const int
         }
         memset(acc, 0, (size_t)q_heads * dim * sizeof(float));
         /* out_head = sum_t p[head][t] v_t / sum */
+#ifdef HAVE_DPBF16
+        if (bf16 && dim % 32 == 0 && group <= 4) {
+            weigh_bf16(j, blocks, len, kv_heads, group, dim, acc);
+        } else
+#endif
         for (int t = 0; t < len; t++) {
             if (t + PREFETCH_AHEAD < len)
                 prefetch_row(j->v, token_offset(j, blocks, t + PREFETCH_AHEAD), row_bytes, elem);
