@@ -5,6 +5,8 @@ AVX512-BF16): causal attention against a float64 reference, with and without a c
 prefix. Their refusals; the engine's fallback to the torch path where no compiler
 exists; and the real model's decode step and prefill through both paths."""
 import logging
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +18,14 @@ from services.engine.runner import ModelRunner
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    return native.load_attention(tmp_path_factory.mktemp("cache"))
+def kernel_cache(tmp_path_factory):
+    """One build for the module's runners and kernel (a build takes a few seconds)."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def kernel(kernel_cache):
+    return native.load_attention(kernel_cache)
 
 
 def reference(q, cache, table, lens, scale):
@@ -84,6 +92,15 @@ def test_build_is_cached_per_machine_and_source(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [first.name]       # no temporary files left
 
 
+def test_a_read_only_cache_builds_in_the_temp_directory(tmp_path):
+    """A container's baked-in cache is read-only: the kernel is built under the temp
+    directory instead (here the cache root is a file, so nothing can be made in it)."""
+    blocked = tmp_path / "cache"
+    blocked.write_text("")
+    loaded = native.load_attention(blocked)
+    assert loaded.library.parent == Path(tempfile.gettempdir()) / "pdserve-kernels"
+
+
 def test_without_a_compiler_auto_falls_back_and_native_refuses(model_dir, tmp_path, monkeypatch, caplog):
     """A machine with no C compiler (an empty PATH here): `auto` keeps the torch path and
     says why; `native` fails at start instead of serving slower than asked."""
@@ -96,19 +113,19 @@ def test_without_a_compiler_auto_falls_back_and_native_refuses(model_dir, tmp_pa
         ModelRunner(model_dir, "float32", "cpu", attention="native", kernel_cache=tmp_path)
 
 
-def test_native_is_cpu_float32_and_bfloat16_only(model_dir, tmp_path):
-    assert ModelRunner(model_dir, "float16", "cpu", kernel_cache=tmp_path).native is None
+def test_native_is_cpu_float32_and_bfloat16_only(model_dir, kernel_cache):
+    assert ModelRunner(model_dir, "float16", "cpu", kernel_cache=kernel_cache).native is None
     with pytest.raises(ValueError, match="run on CPU in float32 or bfloat16"):
-        ModelRunner(model_dir, "float16", "cpu", attention="native", kernel_cache=tmp_path)
+        ModelRunner(model_dir, "float16", "cpu", attention="native", kernel_cache=kernel_cache)
     with pytest.raises(ValueError, match="attention must be one of"):
-        ModelRunner(model_dir, "float32", "cpu", attention="fast", kernel_cache=tmp_path)
+        ModelRunner(model_dir, "float32", "cpu", attention="fast", kernel_cache=kernel_cache)
 
 
-def test_decode_step_agrees_with_the_torch_path(model_dir, tmp_path):
+def test_decode_step_agrees_with_the_torch_path(model_dir, kernel_cache):
     """The real model, float32: one decode step over prefilled prompts of different
     lengths gives the same logits (to float32 rounding) and the same greedy tokens."""
     torch.set_num_threads(1)
-    fast = ModelRunner(model_dir, "float32", "cpu", attention="native", kernel_cache=tmp_path)
+    fast = ModelRunner(model_dir, "float32", "cpu", attention="native", kernel_cache=kernel_cache)
     slow = ModelRunner(model_dir, "float32", "cpu", attention="torch")
     lengths, tables, cursor = [40, 3, 130], [], 0
     for n in lengths:
@@ -164,12 +181,12 @@ def test_prefill_kernel_refuses_what_it_cannot_run(kernel):
         kernel.prefill(torch.randn(10, 8, 64).bfloat16(), k, k, 0, 0.125)
 
 
-def test_bfloat16_prefill_agrees_with_sdpa_whole_and_in_chunks(model_dir, tmp_path):
+def test_bfloat16_prefill_agrees_with_sdpa_whole_and_in_chunks(model_dir, kernel_cache):
     """The real model in bfloat16: a prompt's last logits through the native prefill
     against torch's SDPA, and the same prompt in two chunks (the second attending to
     the first's cached blocks) against one pass."""
     torch.set_num_threads(1)
-    fast = ModelRunner(model_dir, "bfloat16", "cpu", attention="native", kernel_cache=tmp_path)
+    fast = ModelRunner(model_dir, "bfloat16", "cpu", attention="native", kernel_cache=kernel_cache)
     if not fast.native_prefill:
         pytest.skip("this CPU has no AVX512-BF16")
     slow = ModelRunner(model_dir, "bfloat16", "cpu", attention="torch")
@@ -187,10 +204,10 @@ def test_bfloat16_prefill_agrees_with_sdpa_whole_and_in_chunks(model_dir, tmp_pa
         assert int(got.argmax()) == int(reference.argmax())
 
 
-def test_decode_refuses_block_tables_the_kernel_would_misread(model_dir, tmp_path):
+def test_decode_refuses_block_tables_the_kernel_would_misread(model_dir, kernel_cache):
     """The kernel trusts its block ids, so the runner checks them first: an id outside
     the pool, or a table too short for the position, is a ValueError, not a stray read."""
-    runner = ModelRunner(model_dir, "float32", "cpu", attention="native", kernel_cache=tmp_path)
+    runner = ModelRunner(model_dir, "float32", "cpu", attention="native", kernel_cache=kernel_cache)
     pool = KVPoolMemory.allocate(runner.layout(4, 16))
     with pytest.raises(ValueError, match="block ids must lie in"):
         runner.decode(pool, [5], [20], [[0, 4]])

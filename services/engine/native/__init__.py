@@ -1,11 +1,12 @@
 """Native CPU kernels, built on first use with the machine's C compiler.
 
 `attention.c` runs decode attention straight from the paged KV cache, and causal
-prefill attention in bfloat16 on CPUs with AVX512-BF16. It is compiled for the CPU it runs on (-march=native) into the cache directory, under a name
-keyed by its source, flags, compiler and CPU, so a cache shared between machines never
-hands one machine another's build; building takes about a second. Where there is no
-compiler (or the build fails) `load_paged_decode` raises `NativeBuildError` and the
-engine keeps its torch path.
+prefill attention in bfloat16 on CPUs with AVX512-BF16. It is compiled for the CPU it
+runs on (-march=native) into the cache directory, under a name keyed by its source,
+flags, compiler and CPU, so a cache shared between machines never hands one machine
+another's build; building takes about a second. Where there is no compiler (or the
+build fails) `load_attention` raises `NativeBuildError` and the engine keeps torch's
+own ops.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC"
 # Linked without -ffast-math: linking with it would add crtfastmath.o, which turns on
 # flush-to-zero for the whole process when the library loads.
 LINK_LIBS = (["-lmvec", "-lm", "-lpthread"], ["-lm", "-lpthread"])
+BUILD_TIMEOUT_S = 120
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -45,24 +47,34 @@ def _cpu_signature() -> str:
     return platform.processor()
 
 
+def _run(argv: list[str]) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise NativeBuildError(f"{argv[0]}: {e}") from e
+
+
 def _build(source: Path, out_dir: Path) -> Path:
     cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise NativeBuildError("no C compiler (cc, gcc or clang) on PATH")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    version = _run([cc, "--version"]).stdout
     key = hashlib.sha256("\0".join([source.read_text(), " ".join(COMPILE_FLAGS), version, platform.machine(),
                                     _cpu_signature()]).encode()).hexdigest()[:16]
     target = out_dir / f"{source.stem}-{key}.so"
     if target.exists():
         return target
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise NativeBuildError(f"cannot create {out_dir}: {e}") from e
     obj, tmp = out_dir / f".{key}.{os.getpid()}.o", out_dir / f".{key}.{os.getpid()}.so"
     try:
-        result = subprocess.run([cc, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)],
-                                capture_output=True, text=True)
+        result = _run([cc, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)])
         if result.returncode:
             raise NativeBuildError(f"{cc} failed on {source.name}: {result.stderr.strip()[-2000:]}")
         for libs in LINK_LIBS:
-            result = subprocess.run([cc, "-shared", str(obj), "-o", str(tmp), *libs], capture_output=True, text=True)
+            result = _run([cc, "-shared", str(obj), "-o", str(tmp), *libs])
             if result.returncode == 0:
                 break
         else:
@@ -92,6 +104,7 @@ class NativeAttention:
         self._prefill.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64, p, i32, i32, i32, i32, i32, i32, f32, i32]
         self._prefill.restype = i32
         self.prefills = bool(lib.pdserve_prefill_supported())
+        self.library = library
         self._lib = lib
 
     @staticmethod
