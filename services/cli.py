@@ -7,8 +7,8 @@ import asyncio
 import sys
 
 from services.bench.command import add_arguments as bench_arguments
-from services.common.settings import (ATTENTION_KERNELS, DTYPES, KV_TRANSPORTS, AutoscalerSettings, RouterSettings, WorkerSettings,
-                                      env_defaults)
+from services.common.settings import (ATTENTION_KERNELS, DTYPES, KV_TRANSPORTS, AutoscalerSettings,
+                                      RouterSettings, WorkerSettings, env_defaults)
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -26,8 +26,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: automatic)")
     p.add_argument("--attention-kernel", default="auto", choices=ATTENTION_KERNELS,
-                   help="decode attention: native (a C kernel built on first use, CPU), torch, or auto "
-                        "(native where it applies and builds)")
+                   help="attention: native (C kernels built on first use; CPU), torch (torch's own ops), "
+                        "or auto (native where it applies and builds)")
 
 
 def _worker_args(p: argparse.ArgumentParser, decode: bool) -> None:
@@ -209,7 +209,8 @@ def _worker_settings(role: str, a) -> WorkerSettings:
               "prefill_chunk_tokens": a.prefill_chunk_tokens} if role == "decode"
              else {"prefix_cache_tokens": a.prefix_cache_tokens})
     return WorkerSettings(role=role, model=a.model, dtype=a.dtype, device=a.device, block_size=a.block_size,
-                          threads=a.threads, attention_kernel=a.attention_kernel, host=a.host, grpc_port=a.port, metrics_port=a.metrics_port,
+                          threads=a.threads, attention_kernel=a.attention_kernel, host=a.host, grpc_port=a.port,
+                          metrics_port=a.metrics_port,
                           kv_transport=a.kv_transport, advertise=a.advertise,
                           fault_drop_transfers=a.fault_drop_transfers, announce_file=a.announce_file,
                           log_level=a.log_level, redis=a.redis, registry_ttl=a.registry_ttl,

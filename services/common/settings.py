@@ -51,7 +51,7 @@ class WorkerSettings:
     max_batch: int = 64
     prefill_chunk_tokens: int = 0       # decode worker's local prefill: tokens per step (0: whole prompt)
     threads: int = 0                    # torch threads; 0 = torch's default
-    attention_kernel: str = "auto"      # decode attention: native C kernel, torch, or auto
+    attention_kernel: str = "auto"      # attention: native C kernels, torch's ops, or auto
     host: str = "127.0.0.1"
     grpc_port: int = 0
     metrics_port: int = 0
