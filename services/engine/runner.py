@@ -135,35 +135,36 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     layer = module.layer_idx
     kv = b.kv
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if b.native is not None:                                    # decode, native kernel
-        _write(kv, layer, b.slots, key[:, :, 0], value[:, :, 0])
-        n = b.native
-        out = n.kernel.decode(query[:, :, 0], kv[layer], n.block_table, n.context_lens, scale, b.threads).unsqueeze(2)
-    elif b.groups is None:                                      # prefill, one sequence
+    if b.groups is None and b.native is None:                   # prefill, one sequence
         _write(kv, layer, b.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
-        if b.prefill_kernel is not None:
-            if b.prefix_len == 0:
+        if b.prefix_len == 0 and b.prefill_kernel is None:
+            out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+        else:
+            if b.prefix_len == 0:                               # [tokens, kv_heads, dim] views
                 k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
-            else:
+            else:                                               # the cached prefix and the new tokens
                 heads, dim = kv.shape[-2:]
                 k = kv[layer, 0].view(-1, heads, dim).index_select(0, b.context_slots)
                 v = kv[layer, 1].view(-1, heads, dim).index_select(0, b.context_slots)
-            out = b.prefill_kernel.prefill(query[0].transpose(0, 1), k, v, b.prefix_len, scale, b.threads)
-            out = out.unsqueeze(0).transpose(1, 2)               # [1, heads, q_len, dim], a view
-        elif b.prefix_len == 0:
-            out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
-        else:
-            heads, dim = kv.shape[-2:]
-            k = kv[layer, 0].view(-1, heads, dim).index_select(0, b.context_slots).transpose(0, 1).unsqueeze(0)
-            v = kv[layer, 1].view(-1, heads, dim).index_select(0, b.context_slots).transpose(0, 1).unsqueeze(0)
-            q_len, kv_len = query.shape[2], k.shape[2]
-            mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(diagonal=b.prefix_len)
-            out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+            if b.prefill_kernel is not None:
+                out = b.prefill_kernel.prefill(query[0].transpose(0, 1), k, v, b.prefix_len, scale, b.threads)
+                out = out.unsqueeze(0).transpose(1, 2)           # [1, heads, q_len, dim], a view
+            else:
+                q_len, kv_len = query.shape[2], k.shape[0]
+                mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(diagonal=b.prefix_len)
+                out = F.scaled_dot_product_attention(query, k.transpose(0, 1).unsqueeze(0),
+                                                     v.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scaling,
+                                                     enable_gqa=True)
     else:                                                       # decode, one token per sequence
         _write(kv, layer, b.slots, key[:, :, 0], value[:, :, 0])
-        outs = [_decode_attention(query[g.start:g.stop], kv[layer], g.block_table, g.context_mask, scaling,
-                                  b.workspace) for g in b.groups]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if b.native is not None:
+            n = b.native
+            out = n.kernel.decode(query[:, :, 0], kv[layer], n.block_table, n.context_lens, scale,
+                                  b.threads).unsqueeze(2)
+        else:
+            outs = [_decode_attention(query[g.start:g.stop], kv[layer], g.block_table, g.context_mask, scaling,
+                                      b.workspace) for g in b.groups]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
     if b.on_layer is not None:
         b.on_layer(layer)
     return out.transpose(1, 2).contiguous(), None

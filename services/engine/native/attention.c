@@ -183,13 +183,21 @@ static inline __attribute__((always_inline)) void weigh_bf16(const Job *j, const
 }
 #endif
 
+/* Token t's row of `width` elements (all KV heads) as float32, prefetching the row a few
+ * tokens ahead. */
+static inline void fetch_row(const Job *j, const void *base, const int64_t *blocks, int t, int len, int width,
+                             int bf16, float *row) {
+    if (t + PREFETCH_AHEAD < len)
+        prefetch_row(base, token_offset(j, blocks, t + PREFETCH_AHEAD), width * (bf16 ? 2 : 4), bf16 ? 2 : 4);
+    load_row(base, token_offset(j, blocks, t), width, bf16, row);
+}
+
 /* The work of one thread. Inlined with constant `bf16`, `kv_heads`, `group` and `dim`
  * for the common shapes (run() below), so the compiler unrolls and vectorizes the inner
  * loops fully. */
 static inline __attribute__((always_inline)) void attend(const Job *j, const int bf16, const int kv_heads,
                                                          const int group, const int dim) {
-    const int q_heads = kv_heads * group, width = kv_heads * dim, elem = bf16 ? 2 : 4;
-    const int row_bytes = width * elem;
+    const int q_heads = kv_heads * group, width = kv_heads * dim;
     static __thread float qf[MAX_HEADS * MAX_DIM], acc[MAX_HEADS * MAX_DIM], row[MAX_HEADS * MAX_DIM];
     for (int b = j->first; b < j->last; b++) {
         const int len = j->lens[b];
@@ -200,44 +208,35 @@ static inline __attribute__((always_inline)) void attend(const Job *j, const int
             store_row(j->out, q_at, q_heads * dim, bf16, acc);
             continue;
         }
-        load_row(j->q, q_at, q_heads * dim, bf16, qf);
-        for (int i = 0; i < q_heads * dim; i++)
-            qf[i] *= j->scale;
-        float best[MAX_HEADS];
-        for (int g = 0; g < q_heads; g++)
-            best[g] = -FLT_MAX;
         /* scores[head][t] = q_head . k_t */
 #ifdef HAVE_DPBF16
         if (bf16 && dim % 32 == 0) {
             score_bf16(j, blocks, len, q_at, kv_heads, group, dim);
         } else
 #endif
-        for (int t = 0; t < len; t++) {
-            if (t + PREFETCH_AHEAD < len)
-                prefetch_row(j->k, token_offset(j, blocks, t + PREFETCH_AHEAD), row_bytes, elem);
-            load_row(j->k, token_offset(j, blocks, t), width, bf16, row);
-            for (int h = 0; h < kv_heads; h++)
-                for (int g = 0; g < group; g++) {
-                    const float *qh = qf + (h * group + g) * dim, *kh = row + h * dim;
-                    float s = 0.0f;
+        {
+            load_row(j->q, q_at, q_heads * dim, bf16, qf);
+            for (int i = 0; i < q_heads * dim; i++)
+                qf[i] *= j->scale;
+            for (int t = 0; t < len; t++) {
+                fetch_row(j, j->k, blocks, t, len, width, bf16, row);
+                for (int h = 0; h < kv_heads; h++)
+                    for (int g = 0; g < group; g++) {
+                        const float *qh = qf + (h * group + g) * dim, *kh = row + h * dim;
+                        float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-                    for (int d = 0; d < dim; d++)
-                        s += qh[d] * kh[d];
-                    j->scores[(int64_t)(h * group + g) * len + t] = s;
-                    if (s > best[h * group + g])
-                        best[h * group + g] = s;
-                }
+                        for (int d = 0; d < dim; d++)
+                            s += qh[d] * kh[d];
+                        j->scores[(int64_t)(h * group + g) * len + t] = s;
+                    }
+            }
         }
         float total[MAX_HEADS];
         for (int g = 0; g < q_heads; g++) {
-            float *s = j->scores + (int64_t)g * len, sum = 0.0f, m = best[g];
-#ifdef HAVE_DPBF16
-            if (bf16 && dim % 32 == 0) {
+            float *s = j->scores + (int64_t)g * len, sum = 0.0f, m = -FLT_MAX;
 #pragma omp simd reduction(max : m)
-                for (int t = 0; t < len; t++)
-                    m = s[t] > m ? s[t] : m;
-            }
-#endif
+            for (int t = 0; t < len; t++)
+                m = s[t] > m ? s[t] : m;
 #pragma omp simd reduction(+ : sum)
             for (int t = 0; t < len; t++) {
                 s[t] = expf(s[t] - m);
@@ -253,9 +252,7 @@ static inline __attribute__((always_inline)) void attend(const Job *j, const int
         } else
 #endif
         for (int t = 0; t < len; t++) {
-            if (t + PREFETCH_AHEAD < len)
-                prefetch_row(j->v, token_offset(j, blocks, t + PREFETCH_AHEAD), row_bytes, elem);
-            load_row(j->v, token_offset(j, blocks, t), width, bf16, row);
+            fetch_row(j, j->v, blocks, t, len, width, bf16, row);
             for (int h = 0; h < kv_heads; h++)
                 for (int g = 0; g < group; g++) {
                     const float p = j->scores[(int64_t)(h * group + g) * len + t];
