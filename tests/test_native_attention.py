@@ -83,6 +83,10 @@ def test_kernel_refuses_what_it_cannot_run(kernel):
         kernel.decode(torch.randn(1, 8, 64), cache, table, lens, 0.125)          # 8 query heads over 3 KV heads
     with pytest.raises(ValueError, match="dtype"):
         kernel.decode(torch.randn(1, 9, 64).bfloat16(), cache, table, lens, 0.125)
+    with pytest.raises(ValueError, match="block table"):
+        kernel.decode(torch.randn(1, 9, 64), cache, table.int(), lens, 0.125)
+    with pytest.raises(ValueError, match="block table"):
+        kernel.decode(torch.randn(1, 9, 64), cache, table, lens.long(), 0.125)
 
 
 def test_build_is_cached_per_machine_and_source(tmp_path):

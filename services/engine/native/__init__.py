@@ -131,7 +131,7 @@ class NativeAttention:
         return out
 
     def decode(self, query: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
-                 scale: float, threads: int = 1) -> torch.Tensor:
+               scale: float, threads: int = 1) -> torch.Tensor:
         """query [batch, q_heads, dim]; cache: one layer, [2, blocks, block_size, kv_heads,
         dim], contiguous; table int64 [batch, width] (block ids, row-major); lens int32
         [batch] (tokens to attend to, at most width * block_size). Returns [batch, q_heads,
@@ -141,10 +141,12 @@ class NativeAttention:
         _, _, block_size, kv_heads, _ = cache.shape
         if cache.dtype != query.dtype or not cache.is_contiguous():
             raise ValueError("the cache must be contiguous and in the query's dtype")
+        if table.dtype != torch.int64 or table.stride(1) != 1 or lens.dtype != torch.int32 or not lens.is_contiguous():
+            raise ValueError("the block table must be int64 rows and the lengths contiguous int32")
         out = torch.empty_like(query)
         rc = self._decode(query.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(), out.data_ptr(),
-                      table.data_ptr(), table.stride(0), lens.data_ptr(), batch, q_heads, kv_heads, dim,
-                      block_size, cache.stride(1), cache.stride(2), scale, DTYPES[query.dtype], threads)
+                          table.data_ptr(), table.stride(0), lens.data_ptr(), batch, q_heads, kv_heads, dim,
+                          block_size, cache.stride(1), cache.stride(2), scale, DTYPES[query.dtype], threads)
         if rc:
             raise ValueError(f"paged decode attention refused its arguments (code {rc})")
         return out
