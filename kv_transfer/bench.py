@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 
-from kv_transfer.base import PREFERENCE, create_transport, wait_for
-from kv_transfer.memory import KVLayout, KVPoolMemory, compat_hash
+from kv_transfer.backends import PREFERENCE, create_transport
+from kv_transfer.base import wait_for
+from services.engine.kv_cache import KVLayout, KVPoolMemory, compat_hash
 
 MIB = 1 << 20
 

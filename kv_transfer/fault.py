@@ -1,13 +1,17 @@
 """Fault injection for tests of failed transfers: wraps a real backend and makes a
-seeded fraction of requests' transfers fail midway (after half of their writes went
-through), exactly as a dropped link would look to the writer."""
+seeded fraction of writes fail midway, exactly as a dropped link looks to the writer.
+
+A write is known by its peer and destination blocks: the layer-by-layer writes of one
+request's chunk share them. Its fate is drawn when its first layer is written; a doomed
+one's writes from the middle layer on go through but poll as FAILED, so half its
+layers landed, as when a link drops mid-transfer."""
 from __future__ import annotations
 
 import random
 from typing import Sequence
 
 from kv_transfer.base import KVTransport, PeerHandle, TransferId, TransferState
-from kv_transfer.memory import KVPoolMemory
+from services.engine.kv_cache import KVPoolMemory
 
 
 class DroppingTransport:
@@ -16,8 +20,9 @@ class DroppingTransport:
         self.name = inner.name
         self.rate = rate
         self._rng = random.Random(seed)
+        self._doomed: dict[tuple[str, tuple[int, ...]], bool] = {}
         self._dropped: set[TransferId] = set()
-        self._drop_layers_from: int | None = None
+        self._num_layers = 0
 
     def register(self, pool: KVPoolMemory, compat_hash: str) -> bytes:
         self._num_layers = pool.layout.num_layers
@@ -29,11 +34,15 @@ class DroppingTransport:
     def write(self, peer: PeerHandle, src: Sequence[int], dst: Sequence[int],
               layers: range | None = None) -> TransferId:
         start = layers.start if layers is not None else 0
-        if start == 0:                        # a new request begins: decide its fate
-            self._drop_layers_from = self._num_layers // 2 if self._rng.random() < self.rate else None
+        stop = layers.stop if layers is not None else self._num_layers
+        key = (peer.peer_id, tuple(dst))
+        if start == 0 or key not in self._doomed:
+            self._doomed[key] = self._rng.random() < self.rate
         xfer = self.inner.write(peer, src, dst, layers)
-        if self._drop_layers_from is not None and start >= self._drop_layers_from:
+        if self._doomed[key] and stop > self._num_layers // 2:
             self._dropped.add(xfer)
+        if stop >= self._num_layers:                  # the write's last layer: forget it
+            self._doomed.pop(key, None)
         return xfer
 
     def poll(self, xfer: TransferId) -> TransferState:

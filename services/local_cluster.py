@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
-from services.common.settings import AutoscalerSettings
+from services.common.settings import AutoscalerSettings, ClusterSettings, WorkerSettings, to_argv
 
 START_TIMEOUT = 600.0
 STOP_TIMEOUT = 45.0                 # workers drain up to --drain-timeout (30 s)
@@ -97,14 +97,14 @@ class Child:
 
 
 class LocalCluster:
-    def __init__(self, args, autoscaling: AutoscalerSettings | None = None) -> None:
-        self.args = args
+    def __init__(self, settings: ClusterSettings, autoscaling: AutoscalerSettings | None = None) -> None:
+        self.settings = settings
         self.autoscaling = autoscaling
         self.workdir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
         self.children: list[Child] = []
         self.pools: dict[str, list[Child]] = {"prefill": [], "decode": []}
         self.draining_children: list[Child] = []
-        self._worker_argv: dict[str, list[str]] = {}
+        self._workers: dict[str, WorkerSettings] = {}
         self._serial = {"prefill": itertools.count(), "decode": itertools.count()}
         self._threads = 1
         self._lock = threading.Lock()           # the autoscaler thread resizes the pools
@@ -112,12 +112,12 @@ class LocalCluster:
         self._scaler: threading.Thread | None = None
         self._scaler_stop = threading.Event()
 
-    def _spawn(self, name: str, argv: list[str], threads: int, cpus: set[int] | None = None) -> Child:
+    def _spawn(self, name: str, command: str, settings, threads: int, cpus: set[int] | None = None) -> Child:
         announce = self.workdir / f"{name}.json"
         env = dict(os.environ)
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
-        cmd = [sys.executable, "-m", "services.cli", *argv, "--announce-file", str(announce)]
+        cmd = [sys.executable, "-m", "services.cli", command, *to_argv(replace(settings, announce_file=str(announce)))]
         proc = subprocess.Popen(cmd, env=env, preexec_fn=_child_setup(cpus))
         child = Child(name, proc, announce)
         self.children.append(child)
@@ -125,7 +125,7 @@ class LocalCluster:
 
     # ---- pools (the autoscaler's LocalActuator calls these from its thread) ----
     def _spawn_worker(self, role: str, cpus: set[int] | None = None) -> Child:
-        child = self._spawn(f"{role}-{next(self._serial[role])}", self._worker_argv[role], self._threads, cpus)
+        child = self._spawn(f"{role}-{next(self._serial[role])}", role, self._workers[role], self._threads, cpus)
         self.pools[role].append(child)
         return child
 
@@ -189,9 +189,9 @@ class LocalCluster:
 
     def _registry(self) -> str | None:
         """The registry URL the services share, or None for static addresses."""
-        if self.args.redis:
-            print(f"pdserve: registry: {self.args.redis}", flush=True)
-            return self.args.redis
+        if self.settings.redis:
+            print(f"pdserve: registry: {self.settings.redis}", flush=True)
+            return self.settings.redis
         started = start_private_redis(self.workdir)
         if started is None:
             print("pdserve: registry: none (redis-server is not installed); "
@@ -218,12 +218,11 @@ class LocalCluster:
             time.sleep(0.05)
 
     def run(self) -> int:
-        a = self.args
+        s = self.settings
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
-        aggregated = a.mode == "aggregated"
-        num_prefill = 0 if aggregated else a.num_prefill
-        num_decode = a.num_decode
+        num_prefill = 0 if s.aggregated else s.num_prefill
+        num_decode = s.num_decode
         if self.autoscaling:                    # start inside the bounds
             limits = self.autoscaling.limits
             num_decode = min(max(num_decode, limits.decode.min), limits.decode.max)
@@ -231,55 +230,30 @@ class LocalCluster:
         cores = sorted(os.sched_getaffinity(0))
         workers = num_prefill + num_decode
         # Disaggregated: a core and one torch thread per worker when they fit. Aggregated:
-        # each worker shares the cores (two threads here) and chunks its prefills. Pools
-        # that grow and shrink are not pinned: cores are planned once, at start.
-        self._threads = a.threads or (max(1, len(cores) // workers) if aggregated else
+        # each worker shares the cores. Pools that grow and shrink are not pinned: cores
+        # are planned once, at start.
+        self._threads = s.threads or (max(1, len(cores) // workers) if s.aggregated else
                                       max(1, len(cores) // max(2, workers)))
         pins = (plan_cpus(["decode"] * num_decode + ["prefill"] * num_prefill, cores)
-                if a.pin_cpus and not aggregated and not self.autoscaling else [None] * workers)
-        common = ["--dtype", a.dtype, "--log-level", a.log_level, "--device", a.device,
-                  "--kv-transport", a.kv_transport, "--block-size", str(a.block_size), "--threads", str(self._threads),
-                  "--attention-kernel", a.attention_kernel]
-        if a.model:
-            common += ["--model", a.model]
-        chunk = a.prefill_chunk_tokens if a.prefill_chunk_tokens is not None else (256 if aggregated else 0)
+                if s.pin_cpus and not s.aggregated and not self.autoscaling else [None] * workers)
         try:
-            if self.autoscaling and aggregated:
+            if self.autoscaling and s.aggregated:
                 raise RuntimeError("--autoscale scales the prefill and decode pools: not with --mode aggregated")
-            if num_decode < 1 or (num_prefill < 1 and not aggregated):
+            if num_decode < 1 or (num_prefill < 1 and not s.aggregated):
                 raise RuntimeError("--prefill and --decode need at least one worker each")
             redis = self._registry()
             if self.autoscaling and not redis:
                 raise RuntimeError("--autoscale needs the Redis registry: install redis-server or pass --redis")
-            if redis:
-                common += ["--redis", redis]
-            self._worker_argv = {
-                "decode": ["decode", *common, "--kv-cache-tokens", str(a.kv_cache_tokens), "--max-batch",
-                           str(a.max_batch), "--prefill-chunk-tokens", str(chunk)],
-                "prefill": ["prefill", *common, "--prefix-cache-tokens", str(a.prefix_cache_tokens)]}
+            self._workers = {role: s.worker(role, threads=self._threads, redis=redis) for role in ("decode", "prefill")}
             decodes = [self._spawn_worker("decode", pins[i]) for i in range(num_decode)]
             prefills = [self._spawn_worker("prefill", pins[num_decode + i]) for i in range(num_prefill)]
-            print(f"pdserve: {a.mode}: {num_decode} decode + {num_prefill} prefill worker(s), {self._threads} torch "
-                  f"thread(s) each" + (", one core each" if pins[0] else "")
-                  + (f", local prefill in chunks of {chunk} tokens" if chunk else ""), flush=True)
+            print(f"pdserve: {s.mode}: {num_decode} decode + {num_prefill} prefill worker(s), {self._threads} torch "
+                  f"thread(s) each" + (", one core each" if pins[0] else ""), flush=True)
             ports = self._wait_ready(decodes + prefills)
             dports, pports = ports[:len(decodes)], ports[len(decodes):]
-            router_argv = ["router", "--host", a.host, "--http-port", str(a.http_port), "--grpc-port",
-                           str(a.grpc_port), "--log-level", a.log_level, "--max-pending", str(a.max_pending),
-                           "--local-prefill-max-tokens", str(a.local_prefill_max_tokens)]
-            if aggregated:
-                router_argv.append("--aggregated")
-            if redis:
-                router_argv += ["--redis", redis]
-            else:
-                for role, group in (("--decode", dports), ("--prefill", pports)):
-                    for w in group:
-                        router_argv += [role, f"127.0.0.1:{w['grpc_port']}"]
-            if a.model:
-                router_argv += ["--model", a.model]
-            if a.served_model_name:
-                router_argv += ["--served-model-name", a.served_model_name]
-            router = self._spawn("router", router_argv, 1)
+            static = {} if redis else {"decode": [f"127.0.0.1:{w['grpc_port']}" for w in dports],
+                                       "prefill": [f"127.0.0.1:{w['grpc_port']}" for w in pports]}
+            router = self._spawn("router", "router", s.router(redis=redis, **static), 1)
             (rports,) = self._wait_ready([router])
             self._banner(rports, pports, dports, redis)
             if self.autoscaling:
@@ -296,14 +270,14 @@ class LocalCluster:
             return 0
         except KeyboardInterrupt:
             return 0
-        except RuntimeError as exc:
+        except (RuntimeError, ValueError) as exc:
             print(f"pdserve: {exc}", file=sys.stderr, flush=True)
             return 1
         finally:
             self.shutdown()
 
     def _banner(self, r: dict, prefills: list[dict], decodes: list[dict], redis: str | None) -> None:
-        host = self.args.host
+        host = self.settings.host
         summary = {"http": f"http://{host}:{r['http_port']}", "grpc": f"{host}:{r['grpc_port']}",
                    "router_pid": r["pid"], "prefill": prefills[0] if prefills else None, "decode": decodes[0],
                    "prefills": prefills, "decodes": decodes, "redis": redis,
@@ -313,10 +287,10 @@ class LocalCluster:
         print(f"pdserve is up: OpenAI-compatible HTTP on http://{host}:{r['http_port']}/v1, "
               f"gRPC on {host}:{r['grpc_port']}\n  " + "\n  ".join(workers) + "\n  Ctrl-C stops everything.",
               flush=True)
-        if self.args.announce_file:
-            tmp = Path(self.args.announce_file + ".tmp")
+        if self.settings.announce_file:
+            tmp = Path(self.settings.announce_file + ".tmp")
             tmp.write_text(json.dumps(summary))
-            tmp.replace(self.args.announce_file)
+            tmp.replace(self.settings.announce_file)
 
     def _on_signal(self, signum, frame) -> None:
         self._stop = True

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from services.common.lifecycle import announce, setup_logging
-from services.common.settings import RouterSettings, WorkerSettings
+from services.common.settings import ClusterSettings, RouterSettings, WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ async def _service(settings: WorkerSettings | RouterSettings, stop: StopRequest)
         from services.router.server import serve
         await serve(settings, stop.attach())
         return
-    from services.common.worker_main import run_worker
+    from services.worker.main import run_worker
     if settings.role == "decode":
         from services.decode.worker import build
     else:
@@ -325,11 +325,11 @@ def _interrupt(signum, frame) -> None:
 class RayCluster:
     """`pdserve up --ray`: start everything, keep running, stop everything."""
 
-    def __init__(self, args) -> None:
-        self.args = args
+    def __init__(self, settings: ClusterSettings) -> None:
+        self.settings = settings
         self.workdir = Path(tempfile.mkdtemp(prefix="pdserve-ray-"))
         self.ray = None
-        self.started_ray = args.address is None
+        self.started_ray = settings.address is None
         self.owns_actors = False
         self.router = None
         self.redis = None                       # a private redis-server this process started
@@ -337,7 +337,7 @@ class RayCluster:
         self.ray_pids: set[int] = set()
 
     def run(self) -> int:
-        a = self.args
+        a = self.settings
         try:
             if a.num_prefill < 1 or a.num_decode < 1:
                 raise RuntimeError("--prefill and --decode need at least one worker each")
@@ -378,9 +378,9 @@ class RayCluster:
             self.ray_pids |= {p.pid for p in psutil.Process().children(recursive=True)}
 
     def _registry(self) -> str:
-        if self.args.redis:
-            print(f"pdserve: registry: {self.args.redis}", flush=True)
-            return self.args.redis
+        if self.settings.redis:
+            print(f"pdserve: registry: {self.settings.redis}", flush=True)
+            return self.settings.redis
         if sum(node["Alive"] for node in self.ray.nodes()) > 1:
             raise RuntimeError("a Ray cluster of several nodes needs --redis URL, a Redis every node reaches")
         from services.local_cluster import start_private_redis
@@ -392,21 +392,12 @@ class RayCluster:
         return url
 
     def _worker_template(self, redis: str) -> WorkerSettings:
-        a = self.args
-        return WorkerSettings(role="decode", model=a.model, dtype=a.dtype, device=a.device, block_size=a.block_size,
-                              threads=a.threads or max(1, (os.cpu_count() or 2) // 2),
-                              attention_kernel=a.attention_kernel, kv_transport=a.kv_transport,
-                              kv_cache_tokens=a.kv_cache_tokens, max_batch=a.max_batch,
-                              prefill_chunk_tokens=a.prefill_chunk_tokens or 0,
-                              prefix_cache_tokens=a.prefix_cache_tokens, redis=redis, log_level=a.log_level)
+        a = self.settings
+        return a.worker("decode", threads=a.threads or max(1, (os.cpu_count() or 2) // 2), redis=redis)
 
     def _start_router(self, redis: str):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-        a = self.args
-        settings = RouterSettings(model=a.model, served_model_name=a.served_model_name, host=a.host,
-                                  http_port=a.http_port, grpc_port=a.grpc_port, redis=redis,
-                                  max_pending=a.max_pending, local_prefill_max_tokens=a.local_prefill_max_tokens,
-                                  log_level=a.log_level)
+        settings = self.settings.router(redis=redis)
         here = NodeAffinitySchedulingStrategy(self.ray.get_runtime_context().get_node_id(), soft=False)
         actor = self.ray.remote(ServiceActor).options(name=ROUTER, num_cpus=0, scheduling_strategy=here,
                                                       **ACTOR_OPTIONS)
@@ -416,7 +407,7 @@ class RayCluster:
     def _wait_routable(self, router: dict) -> None:
         """The router started beside the workers: wait until its registry refresh has seen them."""
         import httpx
-        host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(self.args.host, self.args.host)
+        host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(self.settings.host, self.settings.host)
         url = f"http://{host}:{router['http_port']}/ready"
         deadline = time.monotonic() + ROUTABLE_TIMEOUT
         while time.monotonic() < deadline:
@@ -429,7 +420,7 @@ class RayCluster:
         raise RuntimeError(f"the router did not see the workers in {ROUTABLE_TIMEOUT:.0f} s")
 
     def _banner(self, router: dict, workers: list[dict]) -> None:
-        host, address = self.args.host, self.ray.get_runtime_context().gcs_address
+        host, address = self.settings.host, self.ray.get_runtime_context().gcs_address
         for w in workers:
             w["address"] = f"{w['node_ip']}:{w['grpc_port']}"
         by_role = {role: [w for w in workers if w["name"].startswith(f"pdserve-{role}-")] for role in ROLES}
@@ -439,7 +430,7 @@ class RayCluster:
               f"gRPC on {host}:{router['grpc_port']}\n  " + "\n  ".join(lines) +
               f"\n  `pdserve scale --address {address} decode=N prefill=N` resizes the pools; "
               "Ctrl-C stops everything.", flush=True)
-        announce(self.args.announce_file, http=f"http://{host}:{router['http_port']}",
+        announce(self.settings.announce_file, http=f"http://{host}:{router['http_port']}",
                  grpc=f"{host}:{router['grpc_port']}", router_pid=router["pid"], ray_address=address,
                  ray_started=self.started_ray, redis=self.registry_url, prefills=by_role["prefill"],
                  decodes=by_role["decode"])

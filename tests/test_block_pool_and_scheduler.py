@@ -1,9 +1,10 @@
-"""Pure-Python engine parts: block pool and continuous-batching scheduler."""
+"""Pure-Python engine parts: block pool and the token-budget scheduler."""
 import pytest
 
+from services.engine.block_manager import BlockManager
 from services.engine.block_pool import BlockPool, NoFreeBlocks
 from services.engine.sampling import SamplingParams
-from services.engine.scheduler import Scheduler, Sequence, SeqStatus
+from services.engine.scheduler import Scheduler, SchedulerConfig, Sequence, SeqStatus
 
 EOS = frozenset({2})
 
@@ -11,6 +12,23 @@ EOS = frozenset({2})
 def seq(rid, prompt_len=5, max_tokens=10, first=None, **kw):
     tokens = list(range(10, 10 + prompt_len)) + ([first] if first is not None else [])
     return Sequence(rid, tokens, prompt_len, SamplingParams(max_tokens=max_tokens, temperature=0, **kw), EOS)
+
+
+def scheduler(blocks=8, block_size=4, **config) -> Scheduler:
+    config.setdefault("max_num_seqs", min(8, config.get("max_num_batched_tokens", 8)))
+    return Scheduler(BlockManager(BlockPool(blocks, block_size)), SchedulerConfig(**config))
+
+
+def prefilled(s: Scheduler, q: Sequence) -> Sequence:
+    """`q`'s prompt KV arrived through a handoff into blocks reserved for it."""
+    q.block_ids = s.blocks.allocate(s.blocks.blocks_for(q.prompt_len))
+    s.add_prefilled(q)
+    return q
+
+
+def step(s: Scheduler, token: int = 7):
+    plan = s.schedule()
+    return plan, s.update(plan, [token] * len(plan.sampling()))
 
 
 def test_pool_allocates_frees_and_catches_double_free():
@@ -26,110 +44,133 @@ def test_pool_allocates_frees_and_catches_double_free():
     assert pool.blocks_for(16) == 1 and pool.blocks_for(17) == 2
 
 
+def test_config_budget_must_cover_a_decode_token_per_sequence():
+    with pytest.raises(ValueError):
+        SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=32)
+
+
 def test_prefilled_sequence_decodes_and_frees_blocks_on_length():
-    pool = BlockPool(8, 4)
-    s = Scheduler(pool)
-    q = seq("a", prompt_len=5, max_tokens=3, first=7)
-    q.block_ids = pool.allocate(2)
-    assert s.add_prefilled(q) is None
-    plan = s.schedule()
-    assert plan.decode == [q] and plan.prefill is None
-    assert s.on_decoded([q], [8]) == [(q, None)]
-    s.schedule()
-    assert s.on_decoded([q], [9]) == [(q, "length")]
-    assert q.status is SeqStatus.FINISHED and pool.num_free == 8 and len(s) == 0
+    s = scheduler()
+    q = prefilled(s, seq("a", prompt_len=5, max_tokens=3, first=7))
+    plan, updates = step(s, 8)
+    assert [c.seq for c in plan.decode] == [q] and not plan.prefill and plan.decode[0].start == 5
+    assert [(u.token_id, u.finish_reason) for u in updates] == [(8, None)]
+    _, updates = step(s, 9)
+    assert updates[0].finish_reason == "length"
+    assert q.status is SeqStatus.FINISHED and s.blocks.num_available == 8 and len(s) == 0
 
 
 def test_first_token_eos_finishes_at_admission():
-    pool = BlockPool(8, 4)
-    s = Scheduler(pool)
+    s = scheduler()
     q = seq("a", first=2)
-    q.block_ids = pool.allocate(2)
+    q.block_ids = s.blocks.allocate(2)
     assert s.add_prefilled(q) == "stop"
-    assert pool.num_free == 8
+    assert s.blocks.num_available == 8
 
 
 def test_min_tokens_and_ignore_eos_keep_going_past_eos():
-    q = seq("a", first=2, min_tokens=2)
-    assert q.check_finished() is None
-    q2 = seq("b", first=2, ignore_eos=True)
-    assert q2.check_finished() is None
+    assert seq("a", first=2, min_tokens=2).check_finished() is None
+    assert seq("b", first=2, ignore_eos=True).check_finished() is None
 
 
-def test_local_prefill_then_join_running_batch():
-    pool = BlockPool(8, 4)
-    s = Scheduler(pool)
-    running = seq("r", prompt_len=4, first=5)
-    running.block_ids = pool.allocate(1)
-    s.add_prefilled(running)
-    local = seq("l", prompt_len=6)
-    s.add_waiting(local)
+def test_one_step_holds_decode_tokens_and_several_prompts_under_the_budget():
+    s = scheduler(blocks=16, max_num_batched_tokens=20)
+    running = prefilled(s, seq("r", prompt_len=4, first=5))
+    a, b, c = seq("a", prompt_len=6), seq("b", prompt_len=8), seq("c", prompt_len=9)
+    for q in (a, b, c):
+        s.add(q)
     plan = s.schedule()
-    assert plan.prefill is local and plan.decode == [running]
-    assert local.tokens_to_prefill() == local.token_ids
-    assert plan.prefill_len == 6
-    assert s.on_prefilled(local, 6, 42) is None
-    assert s.schedule().decode == [running, local]
+    assert [x.seq for x in plan.decode] == [running]
+    # 1 decode token + 6 + 8 = 15; c gets the 5 tokens left of the budget
+    assert [(x.seq, x.start, x.num_tokens) for x in plan.prefill] == [(a, 0, 6), (b, 0, 8), (c, 0, 5)]
+    assert plan.num_tokens == 20
+    assert [x.seq for x in plan.sampling()] == [running, a, b]      # c's chunk does not end its prompt
+    updates = s.update(plan, [11, 12, 13])
+    assert [(u.seq, u.token_id) for u in updates] == [(running, 11), (a, 12), (b, 13)]
+    assert c.num_computed == 5 and c.token_ids == list(range(10, 19))
+    plan = s.schedule()                       # c goes on before anything new; the others decode
+    assert [(x.seq, x.start, x.num_tokens) for x in plan.prefill] == [(c, 5, 4)]
+    assert {x.seq for x in plan.decode} == {running, a, b}
 
 
-def test_out_of_blocks_preempts_newest_and_recomputes():
-    pool = BlockPool(3, 2)
-    s = Scheduler(pool)
-    a, b = seq("a", prompt_len=2, first=1, max_tokens=50), seq("b", prompt_len=2, first=1, max_tokens=50)
-    for q in (a, b):
-        q.block_ids = pool.allocate(1)
-        s.add_prefilled(q)
-    plan = s.schedule()                       # each needs a 2nd block: 1 free -> b is preempted
-    assert plan.decode == [a] and b.status is SeqStatus.WAITING and b.block_ids == []
+def test_long_prompts_are_chunked_fifo_and_never_starved():
+    s = scheduler(blocks=32, max_num_batched_tokens=8, max_num_seqs=4)
+    running = prefilled(s, seq("r", prompt_len=4, first=5, max_tokens=50))
+    long, short = seq("long", prompt_len=20), seq("short", prompt_len=3)
+    s.add(long)
+    s.add(short)
+    chunks = []
+    while long.num_generated == 0:
+        plan, _ = step(s)
+        assert running in [c.seq for c in plan.decode]   # decoding never waits for a whole prompt
+        chunks += [(c.seq.request_id, c.num_tokens) for c in plan.chunks if c.seq is not running]
+    # the long prompt holds the budget's remainder each step; the short one starts only
+    # once the long one has its last chunk in (a one-token chunk runs as a decode row)
+    assert chunks == [("long", 7), ("long", 7), ("short", 1), ("long", 6)]
+
+
+def test_prefill_chunk_caps_one_prompt_per_step():
+    s = scheduler(blocks=16, max_num_batched_tokens=16, max_prefill_chunk=4)
+    a, b = seq("a", prompt_len=10), seq("b", prompt_len=6)
+    s.add(a)
+    s.add(b)
+    plan = s.schedule()
+    assert [(c.seq, c.num_tokens) for c in plan.prefill] == [(a, 4), (b, 4)]
+
+
+def test_out_of_blocks_preempts_newest_and_recomputes_its_tokens():
+    s = scheduler(blocks=3, block_size=2)
+    a = prefilled(s, seq("a", prompt_len=2, first=1, max_tokens=50))
+    b = prefilled(s, seq("b", prompt_len=2, first=1, max_tokens=50))
+    plan, _ = step(s, 3)                      # each needs a 2nd block: 1 free -> b is preempted
+    assert [c.seq for c in plan.decode] == [a] and b.status is SeqStatus.WAITING and b.block_ids == []
     assert s.num_preemptions == 1
-    s.on_decoded([a], [3])
     s.abort("a")
-    plan = s.schedule()
-    assert plan.prefill is b and b.tokens_to_prefill() == b.token_ids[:-1]
-    assert s.on_prefilled(b, plan.prefill_len, None) is None and b.num_computed == 2
+    plan = s.schedule()                       # b recomputes prompt and first token, then samples
+    assert [(c.seq, c.start, c.num_tokens, c.samples) for c in plan.prefill] == [(b, 0, 3, True)]
+    updates = s.update(plan, [4])
+    assert b.token_ids[-2:] == [1, 4] and updates[0].seq is b and b.num_computed == 3
 
 
 def test_abort_frees_blocks_in_any_state():
-    pool = BlockPool(8, 4)
-    s = Scheduler(pool, max_batch=1)
-    a, b = seq("a", first=1), seq("b", first=1)
-    for q in (a, b):
-        q.block_ids = pool.allocate(2)
-        s.add_prefilled(q)
+    s = scheduler(max_num_seqs=1, max_num_batched_tokens=8)
+    a = prefilled(s, seq("a", first=1))
+    b = prefilled(s, seq("b", first=1))
     s.schedule()
     assert a.status is SeqStatus.RUNNING and b.status is SeqStatus.READY
-    s.abort("b")
-    s.abort("a")
-    s.abort("missing")
-    assert pool.num_free == 8 and len(s) == 0
+    c = seq("c", prompt_len=3)
+    s.add(c)
+    for rid in ("b", "a", "c", "missing"):
+        s.abort(rid)
+    assert s.blocks.num_available == 8 and len(s) == 0 and not s.has_work()
 
 
-def test_chunked_prefill_interleaves_with_decoding_and_can_be_aborted():
-    pool = BlockPool(16, 4)
-    s = Scheduler(pool, prefill_chunk=4)
-    running = seq("r", prompt_len=4, first=5, max_tokens=50)
-    running.block_ids = pool.allocate(2)
-    s.add_prefilled(running)
-    long = seq("long", prompt_len=10)
-    s.add_waiting(long)
-    chunks = []
-    while True:
-        plan = s.schedule()
-        assert running in plan.decode                  # the running sequence never waits a whole prompt
-        s.on_decoded(plan.decode, [7] * len(plan.decode))
-        chunks.append(plan.prefill_len)
-        if s.on_prefilled(long, plan.prefill_len, 9 if long.num_computed + plan.prefill_len == 10 else None):
-            break
-        if long.status is SeqStatus.RUNNING:
-            break
-    assert chunks == [4, 4, 2] and long.num_computed == 10 and long.token_ids[-1] == 9
-    assert s.prefilling is None and long in s.running
-    other = seq("other", prompt_len=12)
-    s.add_waiting(other)
+def test_prefill_only_ends_at_the_first_token_and_holds_blocks_until_released():
+    s = scheduler(blocks=8, prefill_only=True, retain_finished=True)
+    q = seq("p", prompt_len=6)
+    s.add(q)
+    _, updates = step(s, 42)
+    assert [(u.token_id, u.finish_reason) for u in updates] == [(42, "prefilled")]
+    assert s.blocks.num_available == 6 and "p" in s.retained       # its transfers may still read them
+    s.release("p")
+    assert s.blocks.num_available == 8 and not s.retained
+
+
+def test_prefix_cache_hit_skips_cached_blocks():
+    s = Scheduler(BlockManager(BlockPool(8, 4), prefix_caching=True),
+                  SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64))
+    first = seq("one", prompt_len=10, max_tokens=1)
+    s.add(first)
+    step(s)
+    again = seq("two", prompt_len=10, max_tokens=1)
+    s.add(again)
     plan = s.schedule()
-    assert plan.prefill is other and plan.prefill_len == 4
-    s.on_prefilled(other, 4, None)
-    assert s.schedule().prefill is other               # the next chunk of the same prompt
-    free = pool.num_free
-    s.abort("other")
-    assert s.prefilling is None and pool.num_free == free + 3
+    assert [(c.start, c.num_tokens) for c in plan.prefill] == [(8, 2)] and again.num_cached == 8
+
+
+def test_admission_keeps_a_watermark_while_others_run():
+    s = scheduler(blocks=200, block_size=4, max_num_batched_tokens=1024)
+    prefilled(s, seq("r", prompt_len=4, first=5))
+    big = seq("big", prompt_len=4 * 198)      # would leave 1 block: under the 2-block watermark
+    s.add(big)
+    assert not s.schedule().prefill and big.status is SeqStatus.WAITING

@@ -5,7 +5,7 @@ groups in sorted order)."""
 import pytest
 import torch
 
-from kv_transfer.memory import KVPoolMemory
+from services.engine.kv_cache import KVPoolMemory
 from services.engine.runner import ModelRunner, length_groups
 
 BLOCK = 16

@@ -12,7 +12,7 @@ import pytest
 PROBE = r"""
 import resource, sys, threading
 import torch
-from kv_transfer.memory import KVPoolMemory
+from services.engine.kv_cache import KVPoolMemory
 from services.common.lifecycle import keep_freed_memory
 from services.engine.runner import ModelRunner
 torch.set_num_threads(1)

@@ -9,10 +9,10 @@ import torch
 
 import time
 
-from kv_transfer.base import (IncompatiblePeer, TransferError, TransferState, block_runs, create_transport,
-                              wait_for)
+from kv_transfer.backends import create_transport
+from kv_transfer.base import IncompatiblePeer, TransferError, TransferState, block_runs, wait_for
 from kv_transfer.fake import FakeFabric, FakeTransport
-from kv_transfer.memory import KVLayout, KVPoolMemory, compat_hash, live_segments
+from services.engine.kv_cache import KVLayout, KVPoolMemory, compat_hash, live_segments
 
 LAYOUT = KVLayout(num_layers=3, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 
@@ -151,7 +151,7 @@ def test_block_runs_merge_consecutive_pairs():
 
 
 def test_pairing_prefers_the_fastest_backend_and_falls_back_loudly():
-    from kv_transfer.base import pair
+    from kv_transfer.backends import pair
     pool = KVPoolMemory.allocate(LAYOUT, shared=True)
     try:
         shm, tcp = create_transport("shm"), create_transport("tcp")
@@ -175,7 +175,7 @@ def test_pairing_prefers_the_fastest_backend_and_falls_back_loudly():
 
 
 def test_shared_pool_larger_than_dev_shm_is_refused_up_front(monkeypatch):
-    import kv_transfer.memory as memory
+    import services.engine.kv_cache as memory
     monkeypatch.setattr(memory, "shm_free_bytes", lambda: 1024)
     before = live_segments()
     with pytest.raises(MemoryError, match="/dev/shm"):

@@ -1,10 +1,16 @@
-"""The prefix cache on its own: chained keys, reuse, reference counts, LRU eviction."""
+"""The block manager's prefix cache on its own: chained keys, reuse, reference counts, LRU eviction."""
 import pytest
 
+from services.engine.block_manager import BlockManager
 from services.engine.block_pool import BlockPool, NoFreeBlocks
-from services.engine.prefix_cache import PrefixCache, block_hashes, cached_prefix_blocks
+from services.engine.prefix_cache import block_hashes, cached_prefix_blocks
 
 BS = 4
+
+
+def done(cache, hit, computed=True):
+    """A request ends: its blocks go back, computed full blocks cached."""
+    cache.release(hit.block_ids, hit.keys, len(hit.block_ids) * BS if computed else 0)
 
 
 def test_keys_are_chained_and_stable():
@@ -18,41 +24,41 @@ def test_keys_are_chained_and_stable():
 
 def test_second_request_reuses_the_prefix_and_computes_the_rest():
     pool = BlockPool(16, BS)
-    cache = PrefixCache(pool)
+    cache = BlockManager(pool, prefix_caching=True)
     first = cache.acquire(list(range(10)))          # 2 full blocks + 2 tokens
     assert first.cached_tokens == 0 and len(first.block_ids) == 3
-    cache.release(first, computed=True)
+    done(cache, first, True)
     assert cache.num_cached == 2 and pool.num_free == 14
 
     second = cache.acquire(list(range(8)) + [50, 51, 52])
     assert second.cached_tokens == 8 and second.block_ids[:2] == first.block_ids[:2]
-    cache.release(second, computed=True)
+    done(cache, second, True)
     assert cache.hits == 1 and cache.queries == 2
 
 
 def test_the_last_token_is_always_computed():
-    cache = PrefixCache(BlockPool(8, BS))
-    cache.release(cache.acquire(list(range(8))), computed=True)
+    cache = BlockManager(BlockPool(8, BS), prefix_caching=True)
+    done(cache, cache.acquire(list(range(8))))
     again = cache.acquire(list(range(8)))           # fully cached prompt: its last block is recomputed
     assert again.cached_tokens == 4
-    cache.release(again, computed=True)
+    done(cache, again, True)
 
 
 def test_failed_prefill_caches_nothing_and_leaks_nothing():
     pool = BlockPool(8, BS)
-    cache = PrefixCache(pool)
+    cache = BlockManager(pool, prefix_caching=True)
     hit = cache.acquire(list(range(9)))
-    cache.release(hit, computed=False)
+    done(cache, hit, False)
     assert cache.num_cached == 0 and pool.num_free == 8
 
 
 def test_blocks_in_use_are_never_evicted_and_idle_ones_go_lru_first():
     pool = BlockPool(4, BS)
-    cache = PrefixCache(pool)
+    cache = BlockManager(pool, prefix_caching=True)
     a = cache.acquire(list(range(0, 9)))            # 3 blocks: keys a0, a1
-    cache.release(a, computed=True)                 # a0, a1 cached, idle; 2 free
+    done(cache, a, True)                 # a0, a1 cached, idle; 2 free
     b = cache.acquire(list(range(100, 105)))        # 2 blocks, fits in the free ones
-    cache.release(b, computed=True)                 # b0 cached; 3 free of 4 counting idle
+    done(cache, b, True)                 # b0 cached; 3 free of 4 counting idle
     assert cache.num_cached == 3 and cache.num_available == 4
     held = cache.acquire(list(range(0, 5)))         # a0 in use again, plus the last free block
     assert held.cached_tokens == 4 and cache.num_available == 2
@@ -63,15 +69,15 @@ def test_blocks_in_use_are_never_evicted_and_idle_ones_go_lru_first():
     keys = set(cache.keys_newest_first(10))
     a0, a1 = block_hashes(list(range(8)), BS)
     assert a1 not in keys and {a0, block_hashes(list(range(100, 104)), BS)[0]} <= keys
-    cache.release(held, computed=True)
+    done(cache, held, True)
     assert cache.acquire(list(range(0, 5))).cached_tokens == 4       # a0 survived: it was in use
 
 
 def test_disabled_cache_is_plain_allocation():
     pool = BlockPool(8, BS)
-    cache = PrefixCache(pool, enabled=False)
+    cache = BlockManager(pool)
     for _ in range(2):
         hit = cache.acquire(list(range(9)))
         assert hit.cached_tokens == 0 and len(hit.block_ids) == 3
-        cache.release(hit, computed=True)
+        done(cache, hit, True)
     assert cache.num_cached == 0 and pool.num_free == 8

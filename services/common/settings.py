@@ -1,76 +1,210 @@
 """One settings object per service, built once from the command line and validated.
 
-Environment variables are read here and nowhere else: `PDSERVE_<FLAG>` is any flag's default.
+Each setting is a dataclass field that carries its own help text, choices and flags
+(`setting(...)`), so a field is declared once and everything else is generated from it:
+
+  add_arguments(parser, cls)   the argparse flags (`kv_cache_tokens` -> --kv-cache-tokens;
+                               a bool -> --pin-cpus / --no-pin-cpus)
+  env_defaults(parser)         PDSERVE_<FIELD> sets any flag's default: the field name upper
+                               cased (PDSERVE_KV_CACHE_TOKENS=4096, PDSERVE_PIN_CPUS=0); the
+                               command line still wins
+  from_args(cls, namespace)    the settings object
+  to_argv(settings)            the one rendering of a settings object as flags: what
+                               `pdserve up` starts its services with
+
+Environment variables are read here and nowhere else.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import typing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Iterable
 
 if TYPE_CHECKING:
     from services.autoscaler.core import Limits, Policy
 
-DTYPES = ("bfloat16", "float32", "float16")
+DTYPES = ("auto", "bfloat16", "float32", "float16")
 KV_TRANSPORTS = ("auto", "shm", "nixl", "tcp")
 ATTENTION_KERNELS = ("auto", "native", "torch")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+MODES = ("disaggregated", "aggregated")
+ENV_PREFIX = "PDSERVE_"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def setting(default: Any = dataclasses.MISSING, help: str = "", *, flags: tuple[str, ...] = (),
+            choices: Iterable | None = None, metavar: str | None = None, roles: tuple[str, ...] = (),
+            factory=None):
+    """A field that is also a command-line flag. `flags`: its option strings (default
+    --field-name); `roles`: the worker roles it applies to (default all)."""
+    metadata = {"help": help, "flags": flags, "choices": tuple(choices) if choices else None,
+                "metavar": metavar, "roles": roles}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def _settings_fields(cls, role: str | None = None) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if "flags" in f.metadata
+            and (role is None or not f.metadata["roles"] or role in f.metadata["roles"])]
+
+
+def _flags(f: dataclasses.Field) -> list[str]:
+    return list(f.metadata["flags"]) or ["--" + f.name.replace("_", "-")]
+
+
+def _base_type(tp) -> tuple[type, bool]:
+    """(element type, is a list) of an annotation such as int, str | None or list[str]."""
+    if typing.get_origin(tp) is list:
+        return typing.get_args(tp)[0], True
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return (args[0] if args else tp), False
+
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls, *, role: str | None = None,
+                  only: Iterable[str] | None = None, skip: Iterable[str] = ()) -> None:
+    """Flags for the settings fields of `cls` (those of `role` only, if given)."""
+    hints = typing.get_type_hints(cls)
+    only = set(only) if only is not None else None
+    for f in _settings_fields(cls, role):
+        if f.name in skip or (only is not None and f.name not in only):
+            continue
+        md = f.metadata
+        kind, is_list = _base_type(hints[f.name])
+        kwargs: dict[str, Any] = {"dest": f.name, "help": md["help"] or None, "default": _default(f)}
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = kind
+            if md["choices"]:
+                kwargs["choices"] = md["choices"]
+            if md["metavar"]:
+                kwargs["metavar"] = md["metavar"]
+            if is_list:
+                kwargs["action"] = "append"
+                kwargs["default"] = None            # argparse appends to a given default
+        parser.add_argument(*_flags(f), **kwargs)
 
 
 def env_defaults(parser: argparse.ArgumentParser, environ=os.environ) -> None:
-    """Let `PDSERVE_<FLAG>` set any flag's default (`--kv-cache-tokens` reads
-    PDSERVE_KV_CACHE_TOKENS): what container specs set. The command line still wins;
-    values go through the flag's type conversion, and settings validate them."""
+    """Let PDSERVE_<DEST> set any flag's default, in every subcommand. Values go through
+    the flag's type conversion; settings validate them. A boolean also reads
+    PDSERVE_NO_<DEST>=1 as false."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
                 env_defaults(sub, environ)
             continue
-        if not action.option_strings or action.dest == "help":
+        if not action.option_strings or action.dest in ("help", argparse.SUPPRESS):
             continue
-        value = environ.get("PDSERVE_" + action.option_strings[-1].lstrip("-").upper().replace("-", "_"))
-        if value is None:
+        name = env_name(action.dest)
+        value = environ.get(name)
+        if isinstance(action, argparse.BooleanOptionalAction):
+            negated = environ.get(ENV_PREFIX + "NO_" + action.dest.upper())
+            if value is None and negated is not None:
+                value, name = ("0" if _parse_bool(negated, name) else "1"), ENV_PREFIX + "NO_" + action.dest.upper()
+            if value is not None:
+                action.default = _parse_bool(value, name)
+        elif value is None:
             continue
-        if isinstance(action, argparse._StoreTrueAction):
-            action.default = value.strip().lower() in ("1", "true", "yes", "on")
         elif isinstance(action, argparse._AppendAction):
             action.default = [v.strip() for v in value.split(",") if v.strip()]
+        elif isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            action.default = _parse_bool(value, name) ^ isinstance(action, argparse._StoreFalseAction)
         else:
             action.default = value
 
 
-@dataclass
-class WorkerSettings:
-    role: str                           # "prefill" or "decode"
-    model: str | None = None            # None = the default model
-    dtype: str = "bfloat16"
-    device: str = "auto"
-    block_size: int = 16
-    kv_cache_tokens: int = 65536        # decode pool size in tokens
-    prefix_cache_tokens: int = 16384    # prefill: tokens of prompt KV kept for reuse (0: off)
-    max_batch: int = 64
-    prefill_chunk_tokens: int = 0       # decode worker's local prefill: tokens per step (0: whole prompt)
-    threads: int = 0                    # torch threads; 0 = torch's default
-    attention_kernel: str = "auto"      # attention: native C kernels, torch's ops, or auto
-    host: str = "127.0.0.1"
-    grpc_port: int = 0
-    metrics_port: int = 0
-    kv_transport: str = "auto"
-    advertise: str | None = None        # HOST or HOST:PORT peers use to reach this worker
-    redis: str | None = None            # registry URL; None: a router is given this address
-    registry_ttl: float = 3.0           # seconds a registry record outlives its last heartbeat
-    drain_timeout: float = 30.0         # on SIGTERM: how long accepted requests may still run
-    fault_drop_transfers: float = 0.0   # tests only: fraction of KV transfers dropped midway
-    announce_file: str | None = None
-    log_level: str = "info"
+def _parse_bool(value: str, name: str) -> bool:
+    v = value.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ValueError(f"{name}={value!r}: expected one of {', '.join(_TRUE + _FALSE[:-1])}")
+
+
+def from_args(cls, namespace: argparse.Namespace, **overrides):
+    """A settings object from parsed flags (fields the namespace lacks keep defaults)."""
+    kwargs = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)
+              if f.init and hasattr(namespace, f.name)}
+    for f in dataclasses.fields(cls):                   # an append flag given no value
+        if kwargs.get(f.name, 0) is None and f.default_factory is list:
+            kwargs[f.name] = []
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def to_argv(settings, skip: Iterable[str] = ()) -> list[str]:
+    """`settings` as the flags that build it again: every setting of its role, so the
+    child sees exactly these values whatever its own environment says."""
+    skip = set(skip)
+    out: list[str] = []
+    for f in _settings_fields(type(settings), getattr(settings, "role", None)):
+        value = getattr(settings, f.name)
+        if f.name in skip or value is None:
+            continue
+        flag = _flags(f)[0]
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                out.append(f"{flag}={v}")
+        else:
+            out.append(f"{flag}={value}")
+    return out
+
+
+def copy_fields(source, cls, **overrides):
+    """A `cls` settings object taking every field `source` also has."""
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    kwargs = {f.name: getattr(source, f.name) for f in dataclasses.fields(source) if f.name in names}
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+# ---- the settings objects ----
+
+@dataclass(kw_only=True)
+class EngineSettings:
+    """What every worker's engine is built from; `pdserve up` takes the same flags."""
+    model: str | None = setting(None, "a local Hugging Face model folder (default: SmolLM2-135M-Instruct, "
+                                      "converted once)")
+    dtype: str = setting("auto", "weights and KV cache dtype; auto: bfloat16 on GPUs and on CPUs that "
+                                 "compute it natively (AVX512-BF16, AMX), float32 on other CPUs", choices=DTYPES)
+    device: str = setting("auto", "cpu, cuda, cuda:N or auto")
+    block_size: int = setting(16, "tokens per KV block")
+    threads: int = setting(0, "torch threads per worker (0: automatic)")
+    attention_kernel: str = setting("auto", "attention: native (C kernels built on first use; CPU), torch "
+                                            "(torch's own ops), or auto (native where it is faster)",
+                                    choices=ATTENTION_KERNELS)
+    kv_cache_tokens: int = setting(65536, "decode workers' KV pool size in tokens", roles=("decode",))
+    max_batch: int = setting(64, "most sequences in a decode worker's running batch", roles=("decode",))
+    max_num_batched_tokens: int = setting(
+        0, "tokens one forward pass may hold: decode tokens plus prompt chunks (0: 4096 on prefill "
+           "workers, 512 on decode workers)")
+    prefill_chunk_tokens: int = setting(0, "most tokens of one prompt in a forward pass (0: as many as the "
+                                           "token budget leaves)")
+    prefix_cache_tokens: int = setting(16384, "prefill workers: prompt KV kept for reuse by later prompts with "
+                                              "the same prefix (0: off)", roles=("prefill",))
+    kv_transport: str = setting("auto", "KV transfer backend; auto offers/uses the fastest that works for each "
+                                        "pair", choices=KV_TRANSPORTS)
+    log_level: str = setting("info", "", choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
         if self.kv_transport not in KV_TRANSPORTS:
             raise ValueError(f"--kv-transport must be one of {', '.join(KV_TRANSPORTS)}")
-        if not 0.0 <= self.fault_drop_transfers <= 1.0:
-            raise ValueError("--fault-drop-transfers must be in [0, 1]")
-        if self.role not in ("prefill", "decode"):
-            raise ValueError(f"role must be prefill or decode, not {self.role!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}")
         if self.attention_kernel not in ATTENTION_KERNELS:
@@ -80,11 +214,42 @@ class WorkerSettings:
         if self.kv_cache_tokens < self.block_size:
             raise ValueError("--kv-cache-tokens must hold at least one block")
         if self.prefill_chunk_tokens < 0:
-            raise ValueError("--prefill-chunk-tokens must be 0 (whole prompts) or more")
+            raise ValueError("--prefill-chunk-tokens must be 0 (as the budget allows) or more")
         if self.prefix_cache_tokens < 0:
             raise ValueError("--prefix-cache-tokens must be 0 (off) or more")
         if self.max_batch < 1:
             raise ValueError("--max-batch must be at least 1")
+        if self.threads < 0:
+            raise ValueError("--threads must be 0 (automatic) or more")
+        if self.max_num_batched_tokens and self.max_num_batched_tokens < self.max_batch:
+            raise ValueError(f"--max-num-batched-tokens {self.max_num_batched_tokens} cannot hold a decode token "
+                             f"for each of --max-batch {self.max_batch} sequences")
+
+
+@dataclass(kw_only=True)
+class WorkerSettings(EngineSettings):
+    """`pdserve prefill` and `pdserve decode`."""
+    role: str                           # "prefill" or "decode": the subcommand, not a flag
+    host: str = setting("127.0.0.1", "address every listener of this worker binds")
+    grpc_port: int = setting(0, "gRPC port (0: any free port)", flags=("--port",))
+    metrics_port: int = setting(0, "Prometheus /metrics port (0: any free port)")
+    advertise: str | None = setting(None, "address routers and peers use to reach this worker (default: --host "
+                                          "and the bound port)", metavar="HOST[:PORT]")
+    redis: str | None = setting(None, "Redis registry (redis://host:6379/0): workers announce themselves, routers "
+                                      "discover them", metavar="URL")
+    registry_ttl: float = setting(3.0, "seconds a worker stays routable after its last heartbeat")
+    drain_timeout: float = setting(30.0, "on SIGTERM, seconds accepted requests may still run before the worker "
+                                         "stops")
+    fault_drop_transfers: float = setting(0.0, "fault testing: fraction of KV transfers to drop midway",
+                                          roles=("prefill",))
+    announce_file: str | None = setting(None, argparse.SUPPRESS)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.fault_drop_transfers <= 1.0:
+            raise ValueError("--fault-drop-transfers must be in [0, 1]")
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, not {self.role!r}")
         if self.registry_ttl <= 0:
             raise ValueError("--registry-ttl must be positive")
 
@@ -108,34 +273,101 @@ class WorkerSettings:
         return {"tcp": {"host": self.host, "advertise": self.advertise_host}, "nixl": nixl}
 
 
-@dataclass
-class RouterSettings:
-    model: str | None = None
-    served_model_name: str | None = None
-    host: str = "127.0.0.1"
-    http_port: int = 8000
-    grpc_port: int = 50051
-    prefill: list[str] = field(default_factory=list)
-    decode: list[str] = field(default_factory=list)
-    redis: str | None = None            # discover workers here instead of --prefill/--decode
-    registry_ttl: float = 3.0
-    local_prefill_max_tokens: int = 256 # prompts up to this may prefill on the decode worker
-    aggregated: bool = False            # no prefill pool: decode workers prefill everything
-    max_pending: int = 512              # admitted requests beyond this get 429
-    request_timeout: float = 600.0
-    prefill_timeout: float = 120.0      # also the KV write lease a reservation asks for
-    max_body_bytes: int = 8 * 1024 * 1024
-    announce_file: str | None = None
-    log_level: str = "info"
+@dataclass(kw_only=True)
+class RoutingSettings:
+    """How a router admits and places requests; `pdserve up` takes the same flags."""
+    max_pending: int = setting(512, "requests admitted at once; beyond it new ones get 429 / RESOURCE_EXHAUSTED")
+    local_prefill_max_tokens: int = setting(
+        256, "prompts up to this size may prefill on the decode worker when the cost model says it is "
+             "faster (0: always use a prefill worker)")
+    served_model_name: str | None = setting(None, "the model name clients send (default: the model folder's name)")
 
     def __post_init__(self) -> None:
-        if not self.redis and (not self.decode or not (self.prefill or self.aggregated)):
-            raise ValueError("the router needs --redis, or at least one --decode and one --prefill address "
-                             "(or --aggregated)")
         if self.local_prefill_max_tokens < 0:
             raise ValueError("--local-prefill-max-tokens must be 0 (always disaggregate) or more")
         if self.max_pending < 1:
             raise ValueError("--max-pending must be at least 1")
+
+
+@dataclass(kw_only=True)
+class RouterSettings(RoutingSettings):
+    """`pdserve router`."""
+    model: str | None = setting(None, "a local Hugging Face model folder (its tokenizer and chat template; "
+                                      "default: SmolLM2-135M-Instruct)")
+    host: str = setting("127.0.0.1", "address the HTTP and gRPC listeners bind")
+    http_port: int = setting(8000, "OpenAI-compatible HTTP port")
+    grpc_port: int = setting(50051, "gRPC Generate API port")
+    prefill: list[str] = setting(help="a prefill worker's address (repeat for several; or use --redis)",
+                                 metavar="HOST:PORT", factory=list)
+    decode: list[str] = setting(help="a decode worker's address (repeat for several; or use --redis)",
+                                metavar="HOST:PORT", factory=list)
+    redis: str | None = setting(None, "discover workers in this Redis registry instead of --prefill/--decode",
+                                metavar="URL")
+    registry_ttl: float = setting(3.0, "seconds a worker stays routable after its last heartbeat")
+    aggregated: bool = setting(False, "no prefill pool: decode workers prefill every prompt themselves")
+    request_timeout: float = setting(600.0, "seconds a request may take end to end")
+    prefill_timeout: float = setting(120.0, "seconds a remote prefill may take; also the KV write lease a "
+                                            "reservation asks for")
+    max_body_bytes: int = setting(8 * 1024 * 1024, "largest HTTP request body accepted")
+    announce_file: str | None = setting(None, argparse.SUPPRESS)
+    log_level: str = setting("info", "", choices=LOG_LEVELS)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.redis and (not self.decode or not (self.prefill or self.aggregated)):
+            raise ValueError("the router needs --redis, or at least one --decode and one --prefill address "
+                             "(or --aggregated)")
+
+
+@dataclass(kw_only=True)
+class ClusterSettings(RoutingSettings, EngineSettings):
+    """`pdserve up`: the shape of the local (or Ray) cluster, plus the engine and routing
+    settings its services are started with."""
+    mode: str = setting("disaggregated", "disaggregated: prefill and decode workers, one core each when they "
+                                         "fit; aggregated: decode workers that also prefill, sharing the cores",
+                        choices=MODES)
+    num_prefill: int = setting(1, "prefill workers", flags=("--prefill",), metavar="N")
+    num_decode: int = setting(1, "decode workers", flags=("--decode",), metavar="M")
+    host: str = setting("127.0.0.1", "address the router's listeners bind")
+    http_port: int = setting(8000, "OpenAI-compatible HTTP port")
+    grpc_port: int = setting(50051, "gRPC Generate API port")
+    pin_cpus: bool = setting(True, "pin each disaggregated worker to a core of its own when they fit")
+    redis: str | None = setting(None, "registry to use; default: start a private redis-server if one is "
+                                      "installed, else give the router the workers' addresses", metavar="URL")
+    announce_file: str | None = setting(None, "write the cluster's addresses here as JSON")
+    autoscale: bool = setting(False, "grow and shrink each pool on its own signal within --min/--max-prefill/"
+                                     "decode (needs the Redis registry); --prefill/--decode are the starting sizes")
+    ray: bool = setting(False, "run the services as Ray actors (see --address)")
+    address: str | None = setting(None, "with --ray: the Ray cluster to join (default: start a Ray instance on "
+                                        "this machine)", metavar="ADDR")
+
+    def __post_init__(self) -> None:
+        EngineSettings.__post_init__(self)
+        RoutingSettings.__post_init__(self)
+        if self.mode not in MODES:
+            raise ValueError(f"--mode must be one of {', '.join(MODES)}")
+        if self.address and not self.ray:
+            raise ValueError("--address is the Ray cluster to join: it needs --ray")
+
+    @property
+    def aggregated(self) -> bool:
+        return self.mode == "aggregated"
+
+    def worker(self, role: str, **overrides) -> WorkerSettings:
+        """A worker's settings: this cluster's engine settings, listening on loopback."""
+        base = {f.name for f in dataclasses.fields(EngineSettings)}
+        kwargs = {name: getattr(self, name) for name in base}
+        kwargs.update(role=role, host="127.0.0.1")
+        kwargs.update(overrides)
+        return WorkerSettings(**kwargs)
+
+    def router(self, **overrides) -> RouterSettings:
+        routing = {f.name for f in dataclasses.fields(RoutingSettings)}
+        kwargs = {name: getattr(self, name) for name in routing}
+        kwargs.update(model=self.model, host=self.host, http_port=self.http_port, grpc_port=self.grpc_port,
+                      aggregated=self.aggregated, log_level=self.log_level)
+        kwargs.update(overrides)
+        return RouterSettings(**kwargs)
 
 
 @dataclass

@@ -3,45 +3,44 @@
 A request's life here, as queues:
   Reserve   -> blocks taken from the pool, handoff RESERVED with a write lease
   (the prefill worker writes the prompt's KV straight into those blocks)
-  Decode    -> handoff COMPLETE -> DECODING; the sequence joins the scheduler's ready
+  Decode    -> handoff COMPLETE -> DECODING; the sequence joins the engine's ready
                queue, then the running batch at the next step, and streams tokens
+  Decode with local_prefill -> the engine prefills the prompt here, in chunks that
+               share each forward pass with the running batch's decode tokens
   finish / cancel / failure -> blocks back to the pool, handoff RELEASED
   no Decode before the lease ends -> handoff EXPIRED, blocks back to the pool
 
-One engine thread owns the model; it takes `self._lock` only while scheduling and
-post-processing, never during a forward pass. Aborts are queued and applied between
-steps, so no block is freed while a forward pass may still write into it.
+The engine core (`services/engine/engine.py`) owns scheduling, blocks and the model;
+this service adds the handoff table, leases and the token streams.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
-import time
 import uuid
-from typing import Callable
 
 import grpc
 
-from kv_transfer.base import open_transports
+from kv_transfer.backends import open_transports
 from kv_transfer.handoff import HandoffError, HandoffState, HandoffTable
-from kv_transfer.memory import KVPoolMemory, sweep_stale_segments
 from services.common.metrics import WorkerMetrics
 from services.common.settings import WorkerSettings
-from services.common.worker_main import EngineStatus, WorkerParts
-from services.common.wire import sampling_from_proto
+from services.engine.block_manager import BlockManager
 from services.engine.block_pool import BlockPool, NoFreeBlocks
+from services.engine.engine import EngineLoop, LLMEngine, StepStats
+from services.engine.kv_cache import KVPoolMemory, sweep_stale_segments
 from services.engine.runner import ModelRunner
-from services.engine.sampler import sample
-from services.engine.scheduler import Scheduler, Sequence, StepPlan
+from services.engine.scheduler import Scheduler, Sequence
 from services.rpc import worker_pb2, worker_pb2_grpc
+from services.worker.main import EngineStatus, WorkerParts, scheduler_config
+from services.worker.wire import sampling_from_proto
 
 log = logging.getLogger(__name__)
 
 
-class DecodeEngine:
-    """The engine thread and the state it owns; no gRPC in here."""
+class DecodeWorker:
+    """The engine, its KV pool and the handoffs into it; no gRPC in here."""
 
     def __init__(self, settings: WorkerSettings, runner: ModelRunner, eos_token_ids: frozenset[int],
                  metrics: WorkerMetrics) -> None:
@@ -63,17 +62,13 @@ class DecodeEngine:
         self.offers = [worker_pb2.TransportOffer(backend=name, meta=t.register(self.memory, self.compat_hash))
                        for name, t in self.transports.items()]
         log.info("decode worker offers KV transports: %s", ", ".join(self.transports))
-        self.pool = BlockPool(num_blocks, settings.block_size)
-        self.scheduler = Scheduler(self.pool, settings.max_batch, settings.prefill_chunk_tokens)
+        self.blocks = BlockManager(BlockPool(num_blocks, settings.block_size))
+        self.engine = LLMEngine(runner, self.memory, Scheduler(self.blocks, scheduler_config(settings)))
+        self.loop = EngineLoop(self.engine, tick=self._tick, on_step=self._on_step, name="decode-engine")
         self.handoffs = HandoffTable(self.epoch)
-        self.prompt_tokens_computed = 0
         self.kv_bytes_received = 0
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self._sinks: dict[str, Callable[[list[int], str], None]] = {}
-        self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="decode-engine", daemon=True)
+        self._lock = threading.Lock()           # the handoff table: RPC threads and the engine thread
+        self._preemptions_seen = 0
         metrics.blocks_total.set(num_blocks)
 
     def _allocate_pool(self, settings: WorkerSettings, device: str) -> KVPoolMemory:
@@ -95,174 +90,105 @@ class DecodeEngine:
         if num_tokens > self.runner.max_model_len:
             raise ValueError(f"{num_tokens} tokens exceed the model's context of {self.runner.max_model_len}")
         with self._lock:
-            blocks = self.pool.allocate(self.pool.blocks_for(num_tokens))
+            blocks = self.blocks.allocate(self.blocks.blocks_for(num_tokens))
             try:
                 return self.handoffs.reserve(request_id, blocks, num_tokens, lease_seconds)
             except HandoffError:
-                self.pool.free(blocks)
+                self.blocks.release(blocks)
                 raise
 
     def release(self, request_id: str, epoch: str, reason: str) -> bool:
         with self._lock:
             h = self.handoffs.get(request_id, epoch)
             if h.state is HandoffState.DECODING:
-                self._aborts.put(request_id)
-                self._wake.set()
+                self.loop.abort(request_id)
                 return True
             self.handoffs.pop(request_id, HandoffState.FAILED if reason else HandoffState.RELEASED)
-            self.pool.free(h.block_ids)
+            self.blocks.release(h.block_ids)
+        self.loop.wake()                        # a waiting prompt may fit now
         self.metrics.handoffs.labels("released_before_decode").inc()
         log.info("request %s: reservation released (%s)", request_id, reason or "no reason given")
         return True
 
-    def admit(self, seq: Sequence, epoch: str | None, sink, kv_bytes: int, backend: str) -> str | None:
+    def admit(self, seq: Sequence, epoch: str | None, sink, kv_bytes: int, backend: str) -> None:
         """Start decoding `seq`; `sink(token_ids, finish_reason)` receives its output from
         the engine thread. With an epoch the prompt KV came through a handoff."""
+        def deliver(token_ids: list[int], reason: str) -> None:
+            if reason:
+                self._retire(seq.request_id, reason)
+            sink(token_ids, reason)
+
+        if epoch is None:
+            self.loop.submit(seq, deliver)
+            return
         with self._lock:
-            if epoch is not None:
-                h = self.handoffs.get(seq.request_id, epoch)
-                if len(seq.token_ids) - 1 != h.num_tokens:
-                    raise HandoffError(f"handle covers {h.num_tokens} tokens, request has {len(seq.token_ids) - 1}")
-                self.handoffs.advance(h, HandoffState.COMPLETE)
-                self.handoffs.advance(h, HandoffState.DECODING)
-                seq.block_ids = list(h.block_ids)
-                self.kv_bytes_received += kv_bytes
-                self.metrics.kv_bytes.labels("received", backend).inc(kv_bytes)
-                reason = self.scheduler.add_prefilled(seq)
-                if reason:
-                    self.handoffs.pop(seq.request_id, HandoffState.RELEASED)
-                    self.metrics.handoffs.labels("released").inc()
-                    return reason
-            else:
-                self.scheduler.add_waiting(seq)
-            self._sinks[seq.request_id] = sink
-        self._wake.set()
-        return None
+            h = self.handoffs.get(seq.request_id, epoch)
+            if len(seq.token_ids) - 1 != h.num_tokens:
+                raise HandoffError(f"handle covers {h.num_tokens} tokens, request has {len(seq.token_ids) - 1}")
+            self.handoffs.advance(h, HandoffState.COMPLETE)
+            self.handoffs.advance(h, HandoffState.DECODING)
+            seq.block_ids = list(h.block_ids)           # the sequence owns them from here
+        self.kv_bytes_received += kv_bytes
+        self.metrics.kv_bytes.labels("received", backend).inc(kv_bytes)
+        self.loop.submit(seq, deliver, prefilled=True)
 
     def abort(self, request_id: str) -> None:
-        self._aborts.put(request_id)
-        self._wake.set()
+        self.loop.abort(request_id)
 
     def start(self) -> None:
-        self._thread.start()
+        self.loop.start()
 
     def stop(self) -> None:
-        self._stopping = True
-        self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=10)
+        self.loop.stop()
         for t in self.transports.values():
             t.shutdown()
         self.memory.close()
 
     # ---- engine thread ----
-    def _loop(self) -> None:
-        while not self._stopping:
-            with self._lock:
-                self._apply_aborts()
-                for h in self.handoffs.expire():
-                    self.pool.free(h.block_ids)
-                    self.metrics.handoffs.labels("expired").inc()
-                plan = self.scheduler.schedule()
-                self._update_gauges()
-            if not plan:
-                self._wake.wait(timeout=0.1)
-                self._wake.clear()
-                continue
-            try:
-                self.step(plan)
-            except Exception:                       # a failed step must not kill the worker
-                log.exception("engine step failed; aborting its sequences")
-                with self._lock:
-                    for seq in ([plan.prefill] if plan.prefill else []) + plan.decode:
-                        self._end(seq.request_id, "error")
-
-    def step(self, plan: StepPlan) -> None:
-        if plan.prefill is not None:
-            self._prefill(plan.prefill, plan.prefill_len)
-        if plan.decode:
-            self._decode(plan.decode)
-
-    def _prefill(self, seq: Sequence, n: int) -> None:
-        t0 = time.perf_counter()
-        todo = seq.tokens_to_prefill()
-        tokens = todo[:n]
-        logits = self.runner.prefill(self.memory, tokens, seq.block_ids, start=seq.num_computed)
-        first = None
-        if seq.num_generated == 0 and n == len(todo):          # the prompt's last chunk
-            first = sample(logits[None], [seq.params], [0], self.eos)[0]
-        self.prompt_tokens_computed += len(tokens)
-        self.metrics.prompt_tokens_computed.inc(len(tokens))
-        self.metrics.step_seconds.labels("prefill").observe(time.perf_counter() - t0)
+    def _tick(self) -> None:
         with self._lock:
-            reason = self.scheduler.on_prefilled(seq, len(tokens), first)
-            if first is not None:
-                self._emit(seq, [first], reason)
+            expired = self.handoffs.expire()
+            for h in expired:
+                self.blocks.release(h.block_ids)
+        for _ in expired:
+            self.metrics.handoffs.labels("expired").inc()
+        sch = self.engine.scheduler
+        self.metrics.blocks_free.set(self.blocks.num_available)
+        self.metrics.running.set(len(sch.running))
+        self.metrics.waiting.set(sch.num_waiting)
 
-    def _decode(self, seqs: list[Sequence]) -> None:
-        t0 = time.perf_counter()
-        logits = self.runner.decode(self.memory, [s.last_token for s in seqs],
-                                    [len(s.token_ids) - 1 for s in seqs], [s.block_ids for s in seqs])
-        tokens = sample(logits, [s.params for s in seqs], [s.num_generated for s in seqs], self.eos)
-        self.metrics.step_seconds.labels("decode").observe(time.perf_counter() - t0)
-        self.metrics.generated_tokens.inc(len(tokens))
-        with self._lock:
-            for seq, reason in self.scheduler.on_decoded(seqs, tokens):
-                self._emit(seq, [seq.last_token], reason)
-
-    def _emit(self, seq: Sequence, token_ids: list[int], reason: str | None) -> None:
-        sink = self._sinks.get(seq.request_id)
-        if sink is not None:
-            sink(token_ids, reason or "")
-        if reason:
-            self._retire(seq.request_id, reason)
-
-    def _apply_aborts(self) -> None:
-        while True:
-            try:
-                request_id = self._aborts.get_nowait()
-            except queue.Empty:
-                return
-            self._end(request_id, "abort")
-
-    def _end(self, request_id: str, reason: str) -> None:
-        seq = self.scheduler.abort(request_id)
-        if seq is None and request_id not in self._sinks:
-            return
-        sink = self._sinks.get(request_id)
-        if sink is not None and reason == "error":
-            sink([], "error")
-        self._retire(request_id, reason)
+    def _on_step(self, stats: StepStats) -> None:
+        kind = "mixed" if stats.prefill_tokens and stats.decode_tokens else "prefill" if stats.prefill_tokens \
+            else "decode"
+        self.metrics.step_seconds.labels(kind).observe(stats.seconds)
+        self.metrics.prompt_tokens_computed.inc(stats.prefill_tokens)
+        self.metrics.generated_tokens.inc(stats.decode_tokens)
+        self.metrics.preemptions.inc(self.engine.scheduler.num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = self.engine.scheduler.num_preemptions
 
     def _retire(self, request_id: str, reason: str) -> None:
-        self._sinks.pop(request_id, None)
-        if self.handoffs.pop(request_id, HandoffState.RELEASED) is not None:
+        with self._lock:
+            h = self.handoffs.pop(request_id, HandoffState.RELEASED)
+        if h is not None:
             self.metrics.handoffs.labels("released").inc()
         self.metrics.requests.labels(reason).inc()
 
-    def _update_gauges(self) -> None:
-        self.metrics.blocks_free.set(self.pool.num_free)
-        self.metrics.running.set(len(self.scheduler.running))
-        self.metrics.waiting.set(len(self.scheduler.waiting) + len(self.scheduler.ready))
-
     def stats(self) -> worker_pb2.WorkerStats:
-        return worker_pb2.WorkerStats(info=self.info(), prompt_tokens_computed=self.prompt_tokens_computed,
+        return worker_pb2.WorkerStats(info=self.info(), prompt_tokens_computed=self.engine.prompt_tokens_computed,
                                       kv_bytes_received=self.kv_bytes_received, active_handoffs=len(self.handoffs))
 
     def busy(self) -> bool:
         """Anything accepted and not yet finished: sequences or reservations."""
-        sch = self.scheduler
-        return bool(sch.running or sch.ready or sch.waiting or sch.prefilling or len(self.handoffs))
+        return bool(self.loop.num_requests or len(self.handoffs))
 
     def info(self) -> worker_pb2.WorkerInfo:
-        with self._lock:
-            return worker_pb2.WorkerInfo(
-                role="decode", epoch=self.epoch, compat_hash=self.compat_hash,
-                model_name=self.runner.model_dir.name, block_size=self.layout.block_size,
-                num_blocks=self.pool.num_blocks, free_blocks=self.pool.num_free,
-                running=len(self.scheduler.running),
-                waiting=len(self.scheduler.waiting) + len(self.scheduler.ready),
-                max_model_len=self.runner.max_model_len, kv_transports=list(self.transports))
+        sch = self.engine.scheduler
+        return worker_pb2.WorkerInfo(
+            role="decode", epoch=self.epoch, compat_hash=self.compat_hash,
+            model_name=self.runner.model_dir.name, block_size=self.layout.block_size,
+            num_blocks=self.blocks.num_blocks, free_blocks=self.blocks.num_available,
+            running=len(sch.running), waiting=sch.num_waiting,
+            max_model_len=self.runner.max_model_len, kv_transports=list(self.transports))
 
 
 class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
@@ -306,13 +232,10 @@ class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
         tokens = prompt if request.local_prefill else prompt + [request.first_token_id]
         seq = Sequence(request.request_id, tokens, len(prompt), params, e.eos)
         try:
-            reason = e.admit(seq, None if request.local_prefill else request.epoch, sink, request.kv_bytes,
-                             request.transport)
-        except HandoffError as exc:
+            e.admit(seq, None if request.local_prefill else request.epoch, sink, request.kv_bytes,
+                    request.transport)
+        except (HandoffError, ValueError) as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        if reason:
-            yield worker_pb2.DecodeChunk(finish_reason=reason)
-            return
         finished = False
         try:
             while True:
@@ -329,7 +252,7 @@ class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
 
 
 def build(settings: WorkerSettings, runner: ModelRunner, eos: frozenset[int], metrics: WorkerMetrics):
-    engine = DecodeEngine(settings, runner, eos, metrics)
-    engine.start()
+    worker = DecodeWorker(settings, runner, eos, metrics)
+    worker.start()
     return WorkerParts("pdserve.v1.DecodeWorker",
-                       DecodeService(engine), worker_pb2_grpc.add_DecodeWorkerServicer_to_server, engine.stop)
+                       DecodeService(worker), worker_pb2_grpc.add_DecodeWorkerServicer_to_server, worker.stop)

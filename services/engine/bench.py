@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kv_transfer.memory import KVPoolMemory
+from services.engine.kv_cache import KVPoolMemory
 
 BLOCK = 16
 

@@ -1,7 +1,7 @@
 """A fixed pool of KV block ids: allocation, release and leak accounting.
 
 Plain Python, no torch: the tensors that hold the blocks live elsewhere
-(`kv_transfer.memory.KVPoolMemory`); this only decides which ids are in use.
+(`services.engine.kv_cache.KVPoolMemory`); this only decides which ids are in use.
 """
 from __future__ import annotations
 

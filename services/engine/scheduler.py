@@ -1,15 +1,29 @@
-"""Continuous-batching scheduler of a decode worker. Plain Python: no torch, no I/O.
+"""The engine's scheduler: which tokens of which sequences the next forward pass runs.
+Plain Python: no torch, no I/O.
+
+Each step fills a token budget (`max_num_batched_tokens`) the way vLLM v1 does: first
+every running sequence's next token (decode, or the next chunk of a prompt already
+started), then new prompts from the waiting queue, oldest first. A prompt started in an
+earlier step goes on before a new one starts, so long prompts are never starved, and
+several short prompts share one forward pass with the decode tokens: the whole plan
+runs as one forward over a ragged batch.
 
 A sequence's life here:
-  remote prefill:  add_prefilled() -> ready -> running -> finished
-  local prefill:   add_waiting()   -> waiting -> (prefill step) -> running -> finished
-  out of blocks:   running -> preempted -> waiting (its KV is recomputed locally)
+  add()            -> waiting -> blocks for its prompt (a cached prefix is reused)
+                   -> running: prompt chunks until computed, then a token per step
+  add_prefilled()  -> ready (its prompt's KV is already in its blocks and its first
+                      token was sampled elsewhere) -> running
+  out of blocks    -> the newest running sequence is preempted: its blocks go back
+                      (computed full prompt blocks stay cached) and it waits to be
+                      recomputed
+  finish / abort   -> its blocks go back; with `retain_finished` (the prefill worker,
+                      whose transfers may still read them) they are held until
+                      `release()`
 
-Each engine step asks `schedule()` for at most one prefill chunk and every running
-sequence's next decode token; blocks for the new tokens are taken from the pool here,
-so the runner never allocates. Sequences join and leave the running batch at any step.
-With `prefill_chunk` set, a long local prompt is computed a chunk per step, so the
-running sequences keep getting tokens while it fills (chunked prefill).
+A step samples a token for every chunk that reaches the end of its sequence's tokens:
+a prompt's last chunk samples the first token, a decode step the next one, and the
+recompute of a preempted sequence the token after its last. The scheduler owns every
+block a sequence uses; the runner never allocates.
 """
 from __future__ import annotations
 
@@ -17,8 +31,13 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.engine.block_pool import BlockPool
+from services.engine.block_manager import BlockManager
+from services.engine.block_pool import NoFreeBlocks
 from services.engine.sampling import SamplingParams
+
+# Blocks kept free when a new prompt is admitted, as a share of the pool, so that the
+# running sequences can grow without preempting the newcomer at once (vLLM's watermark).
+WATERMARK = 0.01
 
 
 class SeqStatus(enum.Enum):
@@ -36,7 +55,9 @@ class Sequence:
     params: SamplingParams
     eos_token_ids: frozenset[int]
     block_ids: list[int] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)   # prefix keys of its first admission's full blocks
     num_computed: int = 0               # leading tokens whose KV is in block_ids
+    num_cached: int = 0                 # prompt tokens found in the prefix cache
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
@@ -48,14 +69,6 @@ class Sequence:
     @property
     def last_token(self) -> int:
         return self.token_ids[-1]
-
-    def tokens_to_prefill(self) -> list[int]:
-        """Tokens whose KV is missing before decoding can go on.
-
-        With no generated token yet the whole prompt runs and its last logits are
-        sampled; after a preemption everything but the last token is recomputed."""
-        end = len(self.token_ids) if self.num_generated == 0 else len(self.token_ids) - 1
-        return self.token_ids[self.num_computed:end]
 
     def check_finished(self) -> str | None:
         """The finish reason after the newest token, or None."""
@@ -69,27 +82,89 @@ class Sequence:
         return None
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens start .. start + num_tokens of one sequence, computed in this step."""
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.num_tokens == len(self.seq.token_ids)
+
+
 @dataclass
 class StepPlan:
-    prefill: Sequence | None
-    decode: list[Sequence]
-    prefill_len: int = 0                # tokens of `prefill` to compute in this step
+    """One forward pass: single-token chunks (decode) first, then longer ones (prefill)."""
+    decode: list[Chunk] = field(default_factory=list)
+    prefill: list[Chunk] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return self.prefill is not None or bool(self.decode)
+        return bool(self.decode or self.prefill)
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        return self.decode + self.prefill
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(c.num_tokens for c in self.prefill)
+
+    def sampling(self) -> list[Chunk]:
+        """The chunks that sample a token, in the order of their rows."""
+        return [c for c in self.chunks if c.samples]
+
+    def _add(self, chunk: Chunk) -> None:
+        (self.decode if chunk.num_tokens == 1 else self.prefill).append(chunk)
+
+    def _drop(self, seq: Sequence) -> int:
+        """Take `seq` out of the plan (it was preempted); returns the tokens it had."""
+        for chunks in (self.decode, self.prefill):
+            for i, c in enumerate(chunks):
+                if c.seq is seq:
+                    del chunks[i]
+                    return c.num_tokens
+        return 0
+
+
+@dataclass(frozen=True)
+class SeqUpdate:
+    """A sequence's new token after a step, and its finish reason if it ended."""
+    seq: Sequence
+    token_id: int
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64              # sequences running at once
+    max_num_batched_tokens: int = 2048  # tokens in one forward pass
+    max_prefill_chunk: int = 0          # most tokens of one prompt in a step (0: the budget)
+    prefill_only: bool = False          # each sequence ends with its first token (prefill worker)
+    retain_finished: bool = False       # finished sequences keep their blocks until release()
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"the token budget ({self.max_num_batched_tokens}) must cover one decode token "
+                             f"of each of the {self.max_num_seqs} running sequences")
+        if self.max_prefill_chunk < 0:
+            raise ValueError("max_prefill_chunk must be 0 (the budget) or more")
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_batch: int = 64, prefill_chunk: int = 0) -> None:
-        self.pool = pool
-        self.max_batch = max_batch
-        self.prefill_chunk = prefill_chunk  # 0: a whole prompt per step
-        self.prefilling: Sequence | None = None
+    def __init__(self, blocks: BlockManager, config: SchedulerConfig = SchedulerConfig()) -> None:
+        self.blocks = blocks
+        self.config = config
         self.waiting: deque[Sequence] = deque()
         self.ready: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.retained: dict[str, Sequence] = {}
         self._by_id: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self._watermark = int(WATERMARK * blocks.num_blocks)
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -97,22 +172,36 @@ class Scheduler:
     def get(self, request_id: str) -> Sequence | None:
         return self._by_id.get(request_id)
 
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.ready)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.ready or self.waiting)
+
+    def add(self, seq: Sequence) -> None:
+        """Admit a sequence whose prompt is computed here."""
+        self._register(seq)
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
     def add_prefilled(self, seq: Sequence) -> str | None:
         """Admit a sequence whose prompt KV already fills `seq.block_ids` and whose first
         token was sampled elsewhere. Returns a finish reason if that token already ends it."""
+        self._register(seq)
         seq.num_computed = seq.prompt_len
-        self._by_id[seq.request_id] = seq
-        reason = self._finish_if_done(seq)
-        if reason is None:
-            seq.status = SeqStatus.READY
-            self.ready.append(seq)
-        return reason
+        reason = seq.check_finished()
+        if reason:
+            self._finish(seq, reason)
+            return reason
+        seq.status = SeqStatus.READY
+        self.ready.append(seq)
+        return None
 
-    def add_waiting(self, seq: Sequence) -> None:
-        """Admit a sequence whose prompt must be prefilled on this worker."""
-        seq.status = SeqStatus.WAITING
+    def _register(self, seq: Sequence) -> None:
+        if seq.request_id in self._by_id or seq.request_id in self.retained:
+            raise ValueError(f"request {seq.request_id} is already in the engine")
         self._by_id[seq.request_id] = seq
-        self.waiting.append(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
         seq = self._by_id.get(request_id)
@@ -120,89 +209,109 @@ class Scheduler:
             self._finish(seq, "abort")
         return seq
 
+    def release(self, request_id: str) -> None:
+        """Give back the blocks of a finished sequence kept by `retain_finished`."""
+        seq = self.retained.pop(request_id, None)
+        if seq is not None:
+            self._free_blocks(seq)
+
+    # ---- one step ----
     def schedule(self) -> StepPlan:
-        while self.ready and len(self.running) < self.max_batch:
+        plan = StepPlan()
+        budget = self.config.max_num_batched_tokens
+        while self.ready and len(self.running) < self.config.max_num_seqs:
             seq = self.ready.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-        decode = [seq for seq in list(self.running) if self._grow(seq)]
-        seq = self._pick_prefill()
-        if seq is None:
-            return StepPlan(None, decode)
-        todo = len(seq.tokens_to_prefill())
-        return StepPlan(seq, decode, min(todo, self.prefill_chunk) if self.prefill_chunk else todo)
+        preempted = False
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:        # preempted earlier in this pass
+                continue
+            n = self._chunk_len(seq, budget)
+            freed = self._make_room(seq, seq.num_computed + n, plan)
+            preempted = preempted or freed is not None
+            budget += freed or 0
+            if seq.status is SeqStatus.RUNNING:
+                plan._add(Chunk(seq, seq.num_computed, n))
+                budget -= n
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._admit(seq):
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            n = self._chunk_len(seq, budget)
+            plan._add(Chunk(seq, seq.num_computed, n))
+            budget -= n
+        return plan
 
-    def _grow(self, seq: Sequence) -> bool:
-        """Give `seq` a slot for its next token, preempting newer sequences if needed."""
-        if seq.status is not SeqStatus.RUNNING:       # preempted earlier in this pass
+    def _chunk_len(self, seq: Sequence, budget: int) -> int:
+        n = min(len(seq.token_ids) - seq.num_computed, budget)
+        if self.config.max_prefill_chunk and n > 1:
+            n = min(n, self.config.max_prefill_chunk)
+        return n
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Blocks for a waiting sequence's tokens, a cached prefix reused; False if the
+        pool cannot hold it now (it stays first in line)."""
+        need = self.blocks.blocks_for(len(seq.token_ids))
+        if self.running and self.blocks.num_available - need < self._watermark:
             return False
-        need = self.pool.blocks_for(len(seq.token_ids)) - len(seq.block_ids)
-        while need > self.pool.num_free:
+        try:
+            hit = self.blocks.acquire(seq.token_ids)
+        except NoFreeBlocks:
+            return False
+        seq.block_ids, seq.keys, seq.num_computed = hit.block_ids, hit.keys, hit.cached_tokens
+        if seq.num_generated == 0:
+            seq.num_cached = hit.cached_tokens
+        return True
+
+    def _make_room(self, seq: Sequence, num_tokens: int, plan: StepPlan) -> int | None:
+        """Blocks for `seq`'s first `num_tokens` tokens, preempting the newest running
+        sequences while the pool is short (`seq` itself, if it is the newest). Returns
+        the planned tokens the preemptions took back, or None when none happened."""
+        need = self.blocks.blocks_for(num_tokens) - len(seq.block_ids)
+        freed = None
+        while need > self.blocks.num_available:
             victim = self.running[-1]
+            freed = (freed or 0) + plan._drop(victim)
             self._preempt(victim)
             if victim is seq:
-                return False
+                return freed
         if need > 0:
-            seq.block_ids.extend(self.pool.allocate(need))
-        return seq.status is SeqStatus.RUNNING
+            seq.block_ids.extend(self.blocks.allocate(need))
+        return freed
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.pool.free(seq.block_ids)
-        seq.block_ids = []
+        self._free_blocks(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _pick_prefill(self) -> Sequence | None:
-        if self.prefilling is not None:                 # the next chunk of a started prompt
-            return self.prefilling
-        if not self.waiting or len(self.running) >= self.max_batch:
-            return None
-        seq = self.waiting[0]
-        need = self.pool.blocks_for(len(seq.token_ids)) - len(seq.block_ids)
-        if need > self.pool.num_free:
-            return None
-        self.waiting.popleft()
-        seq.block_ids.extend(self.pool.allocate(need))
-        self.prefilling = seq
-        return seq
-
-    def on_prefilled(self, seq: Sequence, computed: int, sampled: int | None) -> str | None:
-        """After a local prefill step over `computed` tokens; `sampled` is the first
-        token if the prompt is complete and one was drawn. None while chunks remain."""
-        if seq.status is SeqStatus.FINISHED:
-            return seq.finish_reason
-        seq.num_computed += computed
-        if seq.tokens_to_prefill():
-            return None
-        self.prefilling = None
-        if sampled is not None:
-            seq.token_ids.append(sampled)
-        reason = self._finish_if_done(seq)
-        if reason is None:
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-        return reason
-
-    def on_decoded(self, seqs: list[Sequence], tokens: list[int]) -> list[tuple[Sequence, str | None]]:
-        """Append each sequence's new token; returns (sequence, finish reason or None)."""
-        out = []
-        for seq, tok in zip(seqs, tokens):
-            if seq.status is not SeqStatus.RUNNING:   # aborted during the step
+    def update(self, plan: StepPlan, sampled: list[int]) -> list[SeqUpdate]:
+        """Record a step's results: `sampled` holds one token per `plan.sampling()` chunk."""
+        out: list[SeqUpdate] = []
+        tokens = iter(sampled)
+        for c in plan.chunks:
+            token = next(tokens) if c.samples else None
+            seq = c.seq
+            if seq.status is not SeqStatus.RUNNING:
                 continue
-            seq.num_computed = len(seq.token_ids)
-            seq.token_ids.append(tok)
-            out.append((seq, self._finish_if_done(seq)))
+            seq.num_computed = c.start + c.num_tokens
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            reason = seq.check_finished() or ("prefilled" if self.config.prefill_only else None)
+            if reason:
+                self._finish(seq, reason)
+            out.append(SeqUpdate(seq, token, reason))
         return out
-
-    def _finish_if_done(self, seq: Sequence) -> str | None:
-        reason = seq.check_finished()
-        if reason:
-            self._finish(seq, reason)
-        return reason
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is SeqStatus.FINISHED:
@@ -211,13 +320,17 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SeqStatus.READY:
             self.ready.remove(seq)
-        elif seq.status is SeqStatus.WAITING and seq in self.waiting:
+        elif seq in self.waiting:
             self.waiting.remove(seq)
-        if self.prefilling is seq:
-            self.prefilling = None
-        if seq.block_ids:
-            self.pool.free(seq.block_ids)
-            seq.block_ids = []
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         self._by_id.pop(seq.request_id, None)
+        if self.config.retain_finished and seq.block_ids:
+            self.retained[seq.request_id] = seq
+        else:
+            self._free_blocks(seq)
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        if seq.block_ids:
+            self.blocks.release(seq.block_ids, seq.keys, seq.num_computed)
+        seq.block_ids, seq.keys = [], []

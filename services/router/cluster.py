@@ -26,7 +26,7 @@ from services.common.grpc_server import channel
 from services.common.metrics import RouterMetrics
 from services.common.registry import RedisRegistry
 from services.common.settings import RouterSettings
-from services.common.wire import sampling_to_proto
+from services.worker.wire import sampling_to_proto
 from services.engine.prefix_cache import block_hashes
 from services.engine.sampling import SamplingParams
 from services.engine.tokenizer import IncrementalDetokenizer, StopMatcher

@@ -172,13 +172,16 @@ async def stream_events(running: RunningRequest, req: CommonRequest, base: dict,
         return sse({**base, "choices": [choice], **extra})
 
     try:
-        if chat:
-            yield chunk(None, None, role=True)
         first = True
         async for d in running.deltas():
             ids = d.token_ids if req.return_token_ids else None
-            if ids is not None and first:
-                yield sse({**base, "choices": [], "prompt_token_ids": gen.prompt_ids, **extra})
+            if first:
+                # The role chunk goes out with the first token, as vLLM's and OpenAI's do:
+                # clients time the first token from the first chunk.
+                if ids is not None:
+                    yield sse({**base, "choices": [], "prompt_token_ids": gen.prompt_ids, **extra})
+                if chat:
+                    yield chunk(None, None, role=True)
             first = False
             if d.text or ids:
                 yield chunk(d.text, None, ids)

@@ -20,11 +20,25 @@ from services.common.registry import Heartbeat, RedisRegistry
 from services.common.settings import WorkerSettings
 from services.engine.model_store import resolve_model
 from services.engine.runner import ModelRunner
+from services.engine.scheduler import SchedulerConfig
 from services.engine.tokenizer import eos_token_ids
 
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_SECONDS = 5.0
+# Tokens in one forward pass when --max-num-batched-tokens is 0. A prefill worker runs
+# only prompts: big passes use the matmul units best. A decode worker's pass holds the
+# running batch's decode tokens, and a prompt chunk in it delays every one of them.
+PREFILL_TOKEN_BUDGET = 4096
+DECODE_TOKEN_BUDGET = 512
+
+
+def scheduler_config(settings: WorkerSettings) -> SchedulerConfig:
+    prefill = settings.role == "prefill"
+    budget = settings.max_num_batched_tokens or (PREFILL_TOKEN_BUDGET if prefill else DECODE_TOKEN_BUDGET)
+    return SchedulerConfig(max_num_seqs=min(settings.max_batch, budget), max_num_batched_tokens=budget,
+                           max_prefill_chunk=settings.prefill_chunk_tokens, prefill_only=prefill,
+                           retain_finished=prefill)
 
 
 class EngineStatus:
@@ -83,8 +97,8 @@ async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]
         stop = stop_event_on_signals(asyncio.get_running_loop())
     await host.server.start()
     await host.set_status(True)
-    log.info("%s worker serving gRPC on %s:%d, metrics on :%d (model %s, %s)", settings.role, settings.host,
-             port, metrics_port, model_dir.name, settings.dtype)
+    log.info("%s worker serving gRPC on %s:%d, metrics on :%d; model %s in %s", settings.role, settings.host,
+             port, metrics_port, model_dir.name, runner.describe())
     heartbeat = None
     if settings.redis:
         address = settings.advertise_address(port)

@@ -1,0 +1,234 @@
+"""The engine core every worker drives: `add`, `step`, `abort`.
+
+    step():  apply queued adds/aborts -> schedule -> pack -> one forward -> sample -> update
+
+The decode worker, the prefill worker and aggregated mode all run this one core; a
+worker adds only what its role needs around it (RPC, KV handoffs and leases, token
+streaming). `add`, `add_prefilled`, `abort` and `release` may be called from any thread:
+they are queued and applied at the start of the next step, so nothing a forward pass
+uses changes under it. `step` runs on one thread, the engine thread (`EngineLoop`).
+
+A step that raises fails only the sequences it ran: each gets an "error" output and
+its blocks go back; the engine keeps serving.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from services.engine.kv_cache import KVPoolMemory
+from services.engine.runner import ForwardBatch, ModelRunner, PrefillSegment
+from services.engine.sampler import sample
+from services.engine.scheduler import Scheduler, Sequence, StepPlan
+
+log = logging.getLogger(__name__)
+
+# Called after each layer's KV is written, with the step's plan: where KV export hooks in.
+LayerHook = Callable[[int, StepPlan], None]
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    request_id: str
+    token_ids: list[int]                # new tokens (empty for a finish without one)
+    finish_reason: str | None           # None while the sequence goes on; "error" if a step failed it
+
+
+@dataclass(frozen=True)
+class StepStats:
+    prefill_tokens: int                 # prompt tokens computed (chunks of more than one token)
+    decode_tokens: int                  # single-token rows
+    sequences: int
+    seconds: float
+
+
+class LLMEngine:
+    def __init__(self, runner: ModelRunner, memory: KVPoolMemory, scheduler: Scheduler,
+                 layer_hook: LayerHook | None = None) -> None:
+        self.runner = runner
+        self.memory = memory
+        self.scheduler = scheduler
+        self.layer_hook = layer_hook
+        # (request id, action): applied by the engine thread at the start of a step
+        self._inbox: queue.SimpleQueue[tuple[str, Callable[[], list[EngineOutput]]]] = queue.SimpleQueue()
+        self.last_step: StepStats | None = None
+        self.prompt_tokens_computed = 0
+        self.generated_tokens = 0
+        self.busy_seconds = 0.0
+
+    # ---- any thread ----
+    def add(self, seq: Sequence) -> None:
+        """A sequence whose prompt is computed here."""
+        self._inbox.put((seq.request_id, lambda: self.scheduler.add(seq) or []))
+
+    def add_prefilled(self, seq: Sequence) -> None:
+        """A sequence whose prompt KV is already in `seq.block_ids` and whose first token
+        (last in `seq.token_ids`) was sampled elsewhere."""
+        def admit() -> list[EngineOutput]:
+            reason = self.scheduler.add_prefilled(seq)
+            return [EngineOutput(seq.request_id, [], reason)] if reason else []
+        self._inbox.put((seq.request_id, admit))
+
+    def abort(self, request_id: str) -> None:
+        def end() -> list[EngineOutput]:
+            seq = self.scheduler.abort(request_id)
+            return [EngineOutput(request_id, [], "abort")] if seq is not None else []
+        self._inbox.put((request_id, end))
+
+    def release(self, request_id: str) -> None:
+        """Blocks of a finished sequence that `retain_finished` kept (prefill worker)."""
+        self._inbox.put((request_id, lambda: self.scheduler.release(request_id) or []))
+
+    def has_work(self) -> bool:
+        return not self._inbox.empty() or self.scheduler.has_work()
+
+    # ---- the engine thread ----
+    def step(self) -> list[EngineOutput]:
+        outputs = self._apply_inbox()
+        plan = self.scheduler.schedule()
+        if not plan:
+            return outputs
+        t0 = time.perf_counter()
+        try:
+            tokens = self._run(plan)
+        except Exception:
+            log.exception("engine step over %d sequences failed; failing them", len(plan.chunks))
+            return outputs + self._fail(plan)
+        for u in self.scheduler.update(plan, tokens):
+            outputs.append(EngineOutput(u.seq.request_id, [u.token_id], u.finish_reason))
+        seconds = time.perf_counter() - t0
+        prefill = sum(c.num_tokens for c in plan.prefill)
+        self.last_step = StepStats(prefill, len(plan.decode), len(plan.chunks), seconds)
+        self.prompt_tokens_computed += sum(min(c.num_tokens, max(0, c.seq.prompt_len - c.start))
+                                           for c in plan.chunks)
+        self.generated_tokens += len(tokens)
+        self.busy_seconds += seconds
+        return outputs
+
+    def _apply_inbox(self) -> list[EngineOutput]:
+        outputs: list[EngineOutput] = []
+        while True:
+            try:
+                request_id, action = self._inbox.get_nowait()
+            except queue.Empty:
+                return outputs
+            try:
+                outputs.extend(action())
+            except Exception:                       # a bad request fails alone
+                log.exception("request %s could not be applied to the engine", request_id)
+                outputs.append(EngineOutput(request_id, [], "error"))
+
+    def _run(self, plan: StepPlan) -> list[int]:
+        batch = pack(plan)
+        hook = None if self.layer_hook is None else (lambda layer: self.layer_hook(layer, plan))
+        logits = self.runner.execute(self.memory, batch, hook)
+        rows = plan.sampling()
+        return sample(logits, [c.seq.params for c in rows], [c.seq.num_generated for c in rows],
+                      rows[0].seq.eos_token_ids if rows else frozenset())
+
+    def _fail(self, plan: StepPlan) -> list[EngineOutput]:
+        outputs = []
+        for c in plan.chunks:
+            if self.scheduler.abort(c.seq.request_id) is not None:
+                outputs.append(EngineOutput(c.seq.request_id, [], "error"))
+        return outputs
+
+
+def pack(plan: StepPlan) -> ForwardBatch:
+    """The forward pass for `plan`: single-token rows first, then prompt chunks."""
+    b = ForwardBatch()
+    for c in plan.decode:
+        b.decode_tokens.append(c.seq.token_ids[c.start])
+        b.decode_positions.append(c.start)
+        b.decode_tables.append(c.seq.block_ids)
+    row = 0
+    for c in plan.decode:
+        if c.samples:
+            b.sample_rows.append(row)
+        row += 1
+    for c in plan.prefill:
+        b.prefill_tokens.extend(c.seq.token_ids[c.start:c.start + c.num_tokens])
+        b.segments.append(PrefillSegment(c.start, c.num_tokens, c.seq.block_ids))
+        row += c.num_tokens
+        if c.samples:
+            b.sample_rows.append(row - 1)
+    return b
+
+
+# What a worker hands the loop to receive a request's output: (new token ids, finish
+# reason or ""), called on the engine thread.
+Sink = Callable[[list[int], str], None]
+
+
+class EngineLoop:
+    """The engine thread: steps while there is work and sleeps until woken otherwise,
+    delivering each request's output to the sink it was submitted with. `tick` runs
+    before every step (a worker's lease expiry, gauges); `on_step` after each one that
+    ran a forward pass."""
+
+    def __init__(self, engine: LLMEngine, tick: Callable[[], None] | None = None,
+                 on_step: Callable[[StepStats], None] | None = None, name: str = "engine") -> None:
+        self.engine = engine
+        self.tick = tick
+        self.on_step = on_step
+        self._sinks: dict[str, Sink] = {}
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def submit(self, seq: Sequence, sink: Sink, prefilled: bool = False) -> None:
+        self._sinks[seq.request_id] = sink
+        (self.engine.add_prefilled if prefilled else self.engine.add)(seq)
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self._wake.set()
+
+    def release(self, request_id: str) -> None:
+        self.engine.release(request_id)
+        self._wake.set()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._sinks)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stopping:
+            if self.tick is not None:
+                self.tick()
+            if not self.engine.has_work():
+                self._wake.wait(timeout=0.1)
+                self._wake.clear()
+                continue
+            before = self.engine.last_step
+            try:
+                outputs = self.engine.step()
+            except Exception:                   # never lose the thread
+                log.exception("engine step failed")
+                continue
+            if self.on_step is not None and self.engine.last_step is not before:
+                self.on_step(self.engine.last_step)
+            self._deliver(outputs)
+
+    def _deliver(self, outputs: list[EngineOutput]) -> None:
+        for o in outputs:
+            sink = self._sinks.pop(o.request_id, None) if o.finish_reason else self._sinks.get(o.request_id)
+            if sink is not None:
+                sink(o.token_ids, o.finish_reason or "")
