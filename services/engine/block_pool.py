@@ -5,8 +5,6 @@ Plain Python, no torch: the tensors that hold the blocks live elsewhere
 """
 from __future__ import annotations
 
-from collections import deque
-
 
 class NoFreeBlocks(Exception):
     """The pool cannot satisfy an allocation right now."""
@@ -18,7 +16,7 @@ class BlockPool:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))     # block 0 on top
         self._used = bytearray(num_blocks)
 
     @property
@@ -35,7 +33,7 @@ class BlockPool:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise NoFreeBlocks(f"need {n} blocks, {len(self._free)} free")
-        ids = [self._free.popleft() for _ in range(n)]
+        ids = [self._free.pop() for _ in range(n)]
         for i in ids:
             self._used[i] = 1
         return ids

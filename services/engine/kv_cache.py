@@ -83,10 +83,19 @@ class KVPoolMemory:
         path = SHM_DIR / f"{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, nbytes)
-        finally:
+            # Every page taken now, not on first write: a later shortage of /dev/shm then
+            # fails here, at start, instead of as SIGBUS mid-request.
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as exc:
             os.close(fd)
-        return cls(layout, cls._map(path, layout), path, owner=True)
+            path.unlink(missing_ok=True)
+            raise MemoryError(f"cannot reserve {nbytes / 2**20:.0f} MiB in {SHM_DIR}: {exc}") from None
+        os.close(fd)
+        memory = cls(layout, cls._map(path, layout), path, owner=True)
+        # tmpfs zeroes a reserved page on its first touch; touch them all now, so no
+        # writer (a prefill worker mid-transfer) pays for that.
+        memory.tensor.zero_()
+        return memory
 
     @classmethod
     def attach(cls, path: Path, layout: KVLayout) -> "KVPoolMemory":

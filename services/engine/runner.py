@@ -1,20 +1,19 @@
 """Runs a Hugging Face causal LM over pdserve's paged KV cache, one ragged batch a pass.
 
-The model's own modelling code does all the math; pdserve swaps in one attention
-function (registered with transformers' AttentionInterface) that writes each layer's
-new K/V into the block pool and attends over the blocks. No transformers cache object
-exists, so nothing is concatenated or reallocated per step.
+The model's own modelling code does the math; pdserve swaps in one attention function
+(registered with transformers' AttentionInterface, `attention.paged_attention`) that
+writes each layer's new K/V into the block pool and attends over the blocks, and
+faster equivalents of known layers (`fusion`). No transformers cache object exists, so
+nothing is concatenated or reallocated per step.
 
 A forward pass runs every token of a step as one packed sequence [1, tokens]: the
-linear layers see one tall matrix, whatever mix of sequences it holds. Rows come in
-two kinds: single tokens over a cached context (decode), first, then chunks of prompts
-(prefill), each attending causally to its own cached prefix and itself.
+linear layers see one tall matrix, whatever mix of sequences it holds: single tokens
+over a cached context (decode) first, then chunks of prompts (prefill).
 
 On CPU, attention runs in native kernels (`services/engine/native`) where they win:
 decode reads the blocks in place; bfloat16 prefill has a flash-style kernel for CPUs
 with AVX512-BF16 and no AMX (with AMX, torch's SDPA is faster and is used). Elsewhere,
-or where they cannot be built, decode gathers each sequence's blocks and uses two
-batched matmuls (`_decode_attention`), and prefill uses torch's SDPA.
+or where they cannot be built, torch's ops.
 """
 from __future__ import annotations
 
@@ -24,12 +23,14 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from services.common.settings import ATTENTION_KERNELS
 from services.engine.hardware import has_amx, pick_dtype
 from services.engine.kv_cache import KVLayout, KVPoolMemory, compat_hash
-from services.engine.native import NativeAttention, NativeBuildError, load_attention
+from services.engine import fusion
+from services.engine.attention import (DecodeGroup, NativeDecode, PagedBatch, Segment, Workspace, length_groups,
+                                       paged_attention)
+from services.engine.native import NativeAttention, NativeBuildError, NativeLayers, load_attention, load_layers
 
 log = logging.getLogger(__name__)
 
@@ -59,159 +60,6 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return len(self.decode_tokens) + len(self.prefill_tokens)
-
-
-@dataclass
-class Segment:
-    """A prefill segment as the attention function sees it."""
-    row: int                            # first row in the packed batch
-    num_tokens: int
-    prefix_len: int
-    context_slots: torch.Tensor | None  # slots of every token attended to, when prefix_len > 0
-
-
-@dataclass
-class NativeDecode:
-    kernel: NativeAttention
-    block_table: torch.Tensor                   # int64 [rows, widest row's blocks]
-    context_lens: torch.Tensor                  # int32 [rows]
-
-
-@dataclass
-class DecodeGroup:
-    """Decode rows `rows` (similar context lengths), with block table and mask [rows,
-    width * block size] (True = attend) cut to the group's own width."""
-    rows: torch.Tensor
-    block_table: torch.Tensor
-    context_mask: torch.Tensor
-
-
-@dataclass
-class PagedBatch:
-    """What the attention function needs for one forward pass."""
-    kv: torch.Tensor                    # [layers, 2, blocks, block_size, kv_heads, dim]
-    slots: torch.Tensor                 # [tokens] flat slot of each new token's K/V
-    num_decode: int = 0
-    native: NativeDecode | None = None          # decode rows through the native kernel
-    groups: list[DecodeGroup] | None = None     # decode rows through torch's ops
-    segments: list[Segment] = field(default_factory=list)
-    prefill_kernel: NativeAttention | None = None
-    workspace: "Workspace | None" = None
-    threads: int = 1
-    on_layer: Callable[[int], None] | None = None
-
-
-def length_groups(widths: list[int], min_width: int = 8) -> list[tuple[int, int]]:
-    """Cut ascending block counts into runs whose longest is at most twice the first
-    (or at most `min_width` blocks): a short sequence batched with a long one then
-    gathers at most twice its own context instead of the longest one's. Returns
-    [start, stop) ranges."""
-    cuts, first = [0], widths[0] if widths else 0
-    for i, w in enumerate(widths):
-        if w > max(2 * first, min_width):
-            cuts.append(i)
-            first = w
-    return list(zip(cuts, cuts[1:] + [len(widths)]))
-
-
-class Workspace:
-    """Scratch memory reused by every layer and step: decode gathers each layer's
-    context into it instead of allocating (a fresh multi-MiB tensor per layer costs
-    page faults on every touch once the allocator hands the memory back)."""
-
-    def __init__(self) -> None:
-        self._bufs: dict[str, torch.Tensor] = {}
-
-    def take(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        n = 1
-        for d in shape:
-            n *= d
-        buf = self._bufs.get(name)
-        if buf is None or buf.numel() < n or buf.dtype != like.dtype or buf.device != like.device:
-            buf = torch.empty(n, dtype=like.dtype, device=like.device)
-            self._bufs[name] = buf
-        return buf[:n].view(shape)
-
-
-def _write(kv: torch.Tensor, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-    """key/value: [tokens, kv_heads, dim]."""
-    heads, dim = kv.shape[-2:]
-    kv[layer, 0].view(-1, heads, dim).index_copy_(0, slots, key)
-    kv[layer, 1].view(-1, heads, dim).index_copy_(0, slots, value)
-
-
-def _decode_attention(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, mask: torch.Tensor,
-                      scale: float, ws: Workspace) -> torch.Tensor:
-    """One query token per sequence over its blocks; query [batch, q_heads, dim], kv
-    [2, blocks, block_size, kv_heads, dim] (one layer). The blocks are gathered with one
-    row copy per block (index_select, not advanced indexing) into [2, batch, kv_heads,
-    ctx, dim], and attention is two batched matmuls per KV head group: at one query
-    token that beats the fused CPU kernels, whose blocking is built for long queries.
-    Softmax runs in float32. Returns [batch, q_heads, dim]."""
-    batch, q_heads, dim = query.shape
-    _, blocks, block_size, kv_heads, _ = kv.shape
-    ctx = block_table.shape[1] * block_size
-    rows = kv.view(2, blocks, -1)
-    gathered = ws.take("gather", (2, block_table.numel(), rows.shape[2]), kv)
-    torch.index_select(rows, 1, block_table.flatten(), out=gathered)
-    kv_ctx = ws.take("context", (2, batch, kv_heads, ctx, dim), kv)
-    kv_ctx.copy_(gathered.view(2, batch, ctx, kv_heads, dim).transpose(2, 3))
-    k, v = kv_ctx
-    q = query.reshape(batch, kv_heads, q_heads // kv_heads, dim)
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale            # [batch, kv_heads, group, ctx]
-    scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).view(batch, q_heads, dim)
-
-
-def _prefill_attention(b: PagedBatch, s: Segment, layer: int, query: torch.Tensor, key: torch.Tensor,
-                       value: torch.Tensor, scale: float) -> torch.Tensor:
-    """One chunk's causal attention; query [1, heads, n, dim], key/value [1, kv_heads,
-    n, dim] (its own new tokens). Returns [n, heads, dim]."""
-    if s.prefix_len == 0 and b.prefill_kernel is None:
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=True)
-        return out[0].transpose(0, 1)
-    if s.prefix_len == 0:                                   # [tokens, kv_heads, dim] views
-        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
-    else:                                                   # the cached prefix and the new tokens
-        heads, dim = b.kv.shape[-2:]
-        k = b.kv[layer, 0].view(-1, heads, dim).index_select(0, s.context_slots)
-        v = b.kv[layer, 1].view(-1, heads, dim).index_select(0, s.context_slots)
-    if b.prefill_kernel is not None:
-        return b.prefill_kernel.prefill(query[0].transpose(0, 1), k, v, s.prefix_len, scale, b.threads)
-    q_len, kv_len = query.shape[2], k.shape[0]
-    mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(diagonal=s.prefix_len)
-    out = F.scaled_dot_product_attention(query, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-                                         attn_mask=mask, scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1)
-
-
-def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                    pdserve_batch: PagedBatch | None = None, **_):
-    """query: [1, heads, tokens, dim]; key/value: [1, kv_heads, tokens, dim] (new tokens
-    only). Returns [1, tokens, heads, dim]."""
-    b = pdserve_batch
-    layer = module.layer_idx
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    _write(b.kv, layer, b.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    _, heads, tokens, dim = query.shape
-    out = query.new_empty(1, tokens, heads, dim)
-    d = b.num_decode
-    if d:
-        q = query[0, :, :d].transpose(0, 1)                # [rows, heads, dim]
-        if b.native is not None:
-            n = b.native
-            out[0, :d] = n.kernel.decode(q, b.kv[layer], n.block_table, n.context_lens, scale, b.threads)
-        else:
-            for g in b.groups:
-                out[0].index_copy_(0, g.rows, _decode_attention(q.index_select(0, g.rows), b.kv[layer],
-                                                                g.block_table, g.context_mask, scale, b.workspace))
-    for s in b.segments:
-        rows = slice(s.row, s.row + s.num_tokens)
-        out[0, rows] = _prefill_attention(b, s, layer, query[:, :, rows], key[:, :, rows], value[:, :, rows], scale)
-    if b.on_layer is not None:
-        b.on_layer(layer)
-    return out, None
 
 
 def _register_attention() -> None:
@@ -247,7 +95,11 @@ class ModelRunner:
         self.max_model_len = int(getattr(config, "max_position_embeddings", 2048))
         self.vocab_size = config.vocab_size
         self.workspace = Workspace()
+        if kernel_cache is None:
+            from services.engine.model_store import cache_dir
+            kernel_cache = cache_dir()
         self.native = self._native(attention, kernel_cache)
+        self.fusions = fusion.apply(self.model, self._layer_kernels(attention, kernel_cache))
         # With AMX, torch's SDPA (oneDNN on AMX tiles) beats the vdpbf16ps kernel: measured
         # 2.3 ms against ~7 ms a layer at 512 tokens on a Sapphire Rapids core.
         self.native_prefill = (self.native is not None and self.native.prefills
@@ -265,9 +117,6 @@ class ModelRunner:
                 raise ValueError(f"the native attention kernels run on CPU in float32 or bfloat16, "
                                  f"not {self.device} {self.dtype_name}")
             return None
-        if kernel_cache is None:
-            from services.engine.model_store import cache_dir
-            kernel_cache = cache_dir()
         try:
             return load_attention(kernel_cache)
         except NativeBuildError as e:
@@ -276,11 +125,22 @@ class ModelRunner:
             log.warning("attention stays on torch's own ops: %s", e)
             return None
 
+    def _layer_kernels(self, attention: str, kernel_cache: Path) -> NativeLayers | None:
+        if attention == "torch" or not NativeAttention.supports(self.model.dtype, self.device):
+            return None
+        try:
+            return load_layers(kernel_cache)
+        except NativeBuildError as e:
+            if attention == "native":
+                raise
+            log.warning("norms and activations stay on torch's own ops: %s", e)
+            return None
+
     def describe(self) -> str:
         decode = "native" if self.native is not None else "torch"
         prefill = "native" if self.native_prefill else "torch SDPA"
         return (f"{self.dtype_name} ({self.dtype_reason}) on {self.device}; attention: decode {decode}, "
-                f"prefill {prefill}")
+                f"prefill {prefill}; fused: {', '.join(self.fusions) or 'nothing'}")
 
     def layout(self, num_blocks: int, block_size: int) -> KVLayout:
         return KVLayout(self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim, self.dtype_name)

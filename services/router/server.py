@@ -8,7 +8,7 @@ import socket
 import uvicorn
 
 from services.common.grpc_server import ServiceHost
-from services.common.lifecycle import announce, stop_event_on_signals
+from services.common.lifecycle import announce, settle_garbage_collector, stop_event_on_signals
 from services.common.metrics import RouterMetrics
 from services.common.settings import RouterSettings
 from services.engine.model_store import resolve_model
@@ -57,6 +57,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     http_task = asyncio.create_task(http.serve(sockets=[sock]))
     while not http.started and not http_task.done():
         await asyncio.sleep(0.01)
+    settle_garbage_collector()
     log.info("router serving HTTP on http://%s:%d and gRPC on %s:%d (model %s)", settings.host, http_port,
              settings.host, grpc_port, fe.served_model_name)
     announce(settings.announce_file, http_port=http_port, grpc_port=grpc_port)

@@ -14,7 +14,8 @@ import time
 from typing import Callable
 
 from services.common.grpc_server import ServiceHost
-from services.common.lifecycle import announce, keep_freed_memory, set_torch_threads, stop_event_on_signals
+from services.common.lifecycle import (announce, keep_freed_memory, set_torch_threads, settle_garbage_collector,
+                                       stop_event_on_signals)
 from services.common.metrics import WorkerMetrics
 from services.common.registry import Heartbeat, RedisRegistry
 from services.common.settings import WorkerSettings
@@ -29,7 +30,7 @@ SHUTDOWN_GRACE_SECONDS = 5.0
 # Tokens in one forward pass when --max-num-batched-tokens is 0. A prefill worker runs
 # only prompts: big passes use the matmul units best. A decode worker's pass holds the
 # running batch's decode tokens, and a prompt chunk in it delays every one of them.
-PREFILL_TOKEN_BUDGET = 4096
+PREFILL_TOKEN_BUDGET = 1024
 DECODE_TOKEN_BUDGET = 512
 
 
@@ -83,6 +84,8 @@ async def _drain(engine, timeout: float) -> None:
 async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts],
                      stop: asyncio.Event | None = None) -> None:
     """Serve until `stop` is set (default: SIGTERM/SIGINT), then drain and stop."""
+    import sys
+    sys.setswitchinterval(0.0005)
     set_torch_threads(settings.threads)
     keep_freed_memory()
     model_dir = resolve_model(settings.model)
@@ -96,6 +99,7 @@ async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]
     if stop is None:
         stop = stop_event_on_signals(asyncio.get_running_loop())
     await host.server.start()
+    settle_garbage_collector()
     await host.set_status(True)
     log.info("%s worker serving gRPC on %s:%d, metrics on :%d; model %s in %s", settings.role, settings.host,
              port, metrics_port, model_dir.name, runner.describe())

@@ -1,12 +1,13 @@
 """Native CPU kernels, built on first use with the machine's C compiler.
 
 `attention.c` runs decode attention straight from the paged KV cache, and causal
-prefill attention in bfloat16 on CPUs with AVX512-BF16. It is compiled for the CPU it
-runs on (-march=native) into the cache directory, under a name keyed by its source,
-flags, compiler and CPU, so a cache shared between machines never hands one machine
-another's build; building takes about a second. Where there is no compiler (or the
-build fails) `load_attention` raises `NativeBuildError` and the engine keeps torch's
-own ops.
+prefill attention in bfloat16 on CPUs with AVX512-BF16; `layers.c` the element-wise
+work around the matmuls (RMSNorm, SiLU-and-multiply) in one pass each. Each is
+compiled for the CPU it runs on (-march=native) into the cache directory, under a name
+keyed by its source, flags, compiler and CPU, so a cache shared between machines never
+hands one machine another's build; building takes about a second. Where there is no
+compiler (or the build fails) the loaders raise `NativeBuildError` and the engine
+keeps torch's own ops.
 """
 from __future__ import annotations
 
@@ -25,10 +26,13 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("attention.c")
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC"]
+LAYERS_SOURCE = Path(__file__).with_name("layers.c")
+COMPILE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC"]
 # Linked without -ffast-math: linking with it would add crtfastmath.o, which turns on
-# flush-to-zero for the whole process when the library loads.
-LINK_LIBS = (["-lmvec", "-lm", "-lpthread"], ["-lm", "-lpthread"])
+# flush-to-zero for the whole process when the library loads. -fopenmp links libgomp.so.1,
+# which resolves to the copy torch already loaded: one OpenMP thread team for torch's ops
+# and these kernels (two teams would spin against each other on the same cores).
+LINK_LIBS = (["-fopenmp", "-lmvec", "-lm"], ["-fopenmp", "-lm"])
 BUILD_TIMEOUT_S = 120
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -160,10 +164,81 @@ def _writable(directory: Path) -> bool:
     return os.access(directory, os.W_OK)
 
 
-def load_attention(cache_root: Path) -> NativeAttention:
-    """Build (once per machine and source) and load the kernel under `cache_root`/kernels,
-    or under the temp directory where that is read-only (a container's baked-in cache)."""
+class NativeLayers:
+    """The per-token layer kernels of one loaded library (float32 or bfloat16, CPU)."""
+
+    def __init__(self, library: Path) -> None:
+        try:
+            lib = ctypes.CDLL(str(library))
+        except OSError as e:
+            raise NativeBuildError(f"cannot load {library}: {e}") from e
+        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        self._norm = lib.pdserve_rms_norm
+        self._norm.argtypes = [p, i64, p, p, i64, i32, i32, f32, i32, i32]
+        self._norm.restype = i32
+        self._silu = lib.pdserve_silu_mul
+        self._silu.argtypes = [p, i64, p, i64, i32, i32, i32, i32]
+        self._silu.restype = i32
+        self._rotary = lib.pdserve_rotary
+        self._rotary.argtypes = [p, i64, i64, p, p, i64, i32, i32, i32, i32, i32]
+        self._rotary.restype = i32
+        self._lib = lib
+
+    @staticmethod
+    def _rows(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in DTYPES or x.device.type != "cpu":
+            raise ValueError("the native layer kernels take float32 or bfloat16 CPU tensors")
+        x = x.reshape(-1, x.shape[-1])
+        return x if x.stride(-1) == 1 else x.contiguous()
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, threads: int = 1) -> torch.Tensor:
+        """x / sqrt(mean(x^2) + eps) * weight over the last dimension, in x's dtype."""
+        rows = self._rows(x)
+        weight = weight.to(x.dtype).contiguous()
+        out = torch.empty(rows.shape, dtype=x.dtype)
+        rc = self._norm(rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0),
+                        rows.shape[0], rows.shape[1], eps, DTYPES[x.dtype], threads)
+        if rc:
+            raise ValueError(f"rms_norm refused its arguments (code {rc})")
+        return out.view(x.shape)
+
+    def silu_mul(self, gate_up: torch.Tensor, threads: int = 1) -> torch.Tensor:
+        """silu(gate) * up, where gate_up's last dimension is gate then up."""
+        rows = self._rows(gate_up)
+        inter = rows.shape[1] // 2
+        out = torch.empty(rows.shape[0], inter, dtype=gate_up.dtype)
+        rc = self._silu(rows.data_ptr(), rows.stride(0), out.data_ptr(), out.stride(0), rows.shape[0], inter,
+                        DTYPES[gate_up.dtype], threads)
+        if rc:
+            raise ValueError(f"silu_mul refused its arguments (code {rc})")
+        return out.view(*gate_up.shape[:-1], inter)
+
+
+    def rotary_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, threads: int = 1) -> None:
+        """Rotate x [tokens, heads, dim] in place ("rotate half" layout) by cos and sin
+        [tokens, dim]; x's heads and tokens may be strided, its last dimension not."""
+        if x.dtype not in DTYPES or x.stride(-1) != 1 or cos.shape != sin.shape or cos.shape[0] != x.shape[0]:
+            raise ValueError("rotary takes x [tokens, heads, dim] (last dimension contiguous) and cos/sin "
+                             "[tokens, dim] of one dtype")
+        cos, sin = cos.to(x.dtype).contiguous(), sin.to(x.dtype).contiguous()
+        rc = self._rotary(x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+                          x.shape[0], x.shape[1], x.shape[2], DTYPES[x.dtype], threads)
+        if rc:
+            raise ValueError(f"rotary refused its arguments (code {rc})")
+
+
+def _kernel_dir(cache_root: Path) -> Path:
+    """`cache_root`/kernels, or the temp directory where that is read-only (a
+    container's baked-in cache)."""
     out_dir = cache_root / "kernels"
-    if not _writable(out_dir):
-        out_dir = Path(tempfile.gettempdir()) / "pdserve-kernels"
-    return NativeAttention(_build(SOURCE, out_dir))
+    return out_dir if _writable(out_dir) else Path(tempfile.gettempdir()) / "pdserve-kernels"
+
+
+def load_attention(cache_root: Path) -> NativeAttention:
+    """Build (once per machine and source) and load the attention kernels."""
+    return NativeAttention(_build(SOURCE, _kernel_dir(cache_root)))
+
+
+def load_layers(cache_root: Path) -> NativeLayers:
+    """Build (once per machine and source) and load the layer kernels."""
+    return NativeLayers(_build(LAYERS_SOURCE, _kernel_dir(cache_root)))

@@ -12,7 +12,8 @@
  *
  * Layout of one layer's cache (K or V): [blocks, block_size, kv_heads, dim], float32
  * or bfloat16; the query and output are [batch, q_heads, dim] in the same dtype.
- * Rows are split over `threads` POSIX threads.
+ * Rows are split over `threads` OpenMP threads: torch's own team (the library binds to
+ * the libgomp torch loaded), so the kernels and torch's ops never fight over cores.
  *
  * 2. Causal prefill attention for one sequence in bfloat16 (CPUs with AVX512-BF16), the
  * flash-attention way: query tiles against key tiles with an online softmax, so the
@@ -22,7 +23,7 @@
  */
 #include <float.h>
 #include <math.h>
-#include <pthread.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,7 +35,7 @@
 
 #define MAX_DIM 256
 #define MAX_HEADS 64
-#define PREFETCH_AHEAD 4        /* tokens */
+#define PREFETCH_AHEAD 16        /* tokens */
 
 typedef struct {
     const void *q, *k, *v;
@@ -46,6 +47,7 @@ typedef struct {
     float scale;
     int first, last;        /* rows [first, last) */
     float *scores;          /* q_heads * max_len floats */
+    int64_t *offsets;       /* max_len: the current sequence's token rows, element offsets */
 } Job;
 
 static inline void load_row(const void *base, int64_t offset, int n, int bf16, float *dst) {
@@ -79,14 +81,25 @@ static inline void store_row(void *base, int64_t offset, int n, int bf16, const 
     }
 }
 
+/* Where each of a sequence's first `len` tokens lies, walking its blocks in order: the
+ * passes below then look rows up instead of dividing by the block size per token. */
+static inline void token_offsets(const Job *j, const int64_t *blocks, int len) {
+    for (int b = 0, t = 0; t < len; b++) {
+        const int64_t base = blocks[b] * j->block_stride;
+        for (int i = 0; i < j->block_size && t < len; i++, t++)
+            j->offsets[t] = base + (int64_t)i * j->token_stride;
+    }
+}
+
 static inline int64_t token_offset(const Job *j, const int64_t *blocks, int t) {
-    return blocks[t / j->block_size] * j->block_stride + (int64_t)(t % j->block_size) * j->token_stride;
+    (void)blocks;
+    return j->offsets[t];
 }
 
 static inline void prefetch_row(const void *base, int64_t offset, int bytes, int elem) {
     const char *p = (const char *)base + offset * elem;
     for (int i = 0; i < bytes; i += 64)
-        __builtin_prefetch(p + i, 0, 0);
+        __builtin_prefetch(p + i, 0, 3);
 }
 
 #ifdef HAVE_DPBF16
@@ -102,8 +115,10 @@ static inline __attribute__((always_inline)) void score_bf16(const Job *j, const
     for (int i = 0; i < q_heads * chunks; i++)
         qv[i] = (__m512bh)_mm512_loadu_si512(q + 32 * i);
     for (int t = 0; t < len; t++) {
-        if (t + PREFETCH_AHEAD < len)
+        if (t + PREFETCH_AHEAD < len) {     /* V too: the V pass then finds it in cache */
             prefetch_row(j->k, token_offset(j, blocks, t + PREFETCH_AHEAD), kv_heads * dim * 2, 2);
+            prefetch_row(j->v, token_offset(j, blocks, t + PREFETCH_AHEAD), kv_heads * dim * 2, 2);
+        }
         const uint16_t *row = k + token_offset(j, blocks, t);
         for (int h = 0; h < kv_heads; h++) {
             __m512bh kc[MAX_DIM / 32];
@@ -148,8 +163,6 @@ static inline __attribute__((always_inline)) void weigh_bf16(const Job *j, const
         const float *sc = j->scores + (int64_t)h * group * len;
         for (int t = 0; t < len; t += 2) {
             const int two = t + 1 < len;
-            if (t + PREFETCH_AHEAD < len)
-                prefetch_row(v, token_offset(j, blocks, t + PREFETCH_AHEAD) + h * dim, dim * 2, 2);
             const uint16_t *r0 = v + token_offset(j, blocks, t) + h * dim;
             const uint16_t *r1 = two ? v + token_offset(j, blocks, t + 1) + h * dim : r0;
             __m512bh w[4];
@@ -208,6 +221,7 @@ static inline __attribute__((always_inline)) void attend(const Job *j, const int
             store_row(j->out, q_at, q_heads * dim, bf16, acc);
             continue;
         }
+        token_offsets(j, blocks, len);
         /* scores[head][t] = q_head . k_t */
 #ifdef HAVE_DPBF16
         if (bf16 && dim % 32 == 0) {
@@ -230,6 +244,12 @@ static inline __attribute__((always_inline)) void attend(const Job *j, const int
                         j->scores[(int64_t)(h * group + g) * len + t] = s;
                     }
             }
+        }
+        if (b + 1 < j->last && j->lens[b + 1] > 0) {    /* the next sequence's first block, meanwhile */
+            const int64_t next = j->table[(int64_t)(b + 1) * j->table_stride] * j->block_stride;
+            const int bytes = j->block_size * (int)j->token_stride * (bf16 ? 2 : 4);
+            prefetch_row(j->k, next, bytes, bf16 ? 2 : 4);
+            prefetch_row(j->v, next, bytes, bf16 ? 2 : 4);
         }
         float total[MAX_HEADS];
         for (int g = 0; g < q_heads; g++) {
@@ -286,11 +306,6 @@ static void run(const Job *j) {
         attend(j, j->bf16, j->kv_heads, group, j->dim);
 }
 
-static void *run_thread(void *arg) {
-    run((const Job *)arg);
-    return NULL;
-}
-
 /* Returns 0, or a negative code for arguments the kernel does not take. */
 int pdserve_paged_decode_attention(const void *q, const void *k, const void *v, void *out,
                                    const int64_t *table, int64_t table_stride, const int32_t *lens,
@@ -311,24 +326,23 @@ int pdserve_paged_decode_attention(const void *q, const void *k, const void *v, 
     if (threads < 1)
         threads = 1;
     float *scores = malloc((size_t)threads * q_heads * max_len * sizeof(float));
-    if (!scores)
+    int64_t *offsets = malloc((size_t)threads * max_len * sizeof(int64_t));
+    if (!scores || !offsets) {
+        free(scores);
+        free(offsets);
         return -2;
+    }
     Job jobs[64];
-    pthread_t tids[64];
     for (int i = 0; i < threads; i++)
         jobs[i] = (Job){q, k, v, out, table, lens, table_stride, block_stride, token_stride, q_heads, kv_heads,
                         dim, block_size, bf16, scale, (int)((int64_t)batch * i / threads),
-                        (int)((int64_t)batch * (i + 1) / threads), scores + (size_t)i * q_heads * max_len};
-    int started = 1;
-    for (int i = 1; i < threads; i++, started++)
-        if (pthread_create(&tids[i], NULL, run_thread, &jobs[i]) != 0)
-            break;
-    for (int i = started; i < threads; i++)          /* threads that could not start: run here */
+                        (int)((int64_t)batch * (i + 1) / threads), scores + (size_t)i * q_heads * max_len,
+                        offsets + (size_t)i * max_len};
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int i = 0; i < threads; i++)
         run(&jobs[i]);
-    run(&jobs[0]);
-    for (int i = 1; i < started; i++)
-        pthread_join(tids[i], NULL);
     free(scores);
+    free(offsets);
     return 0;
 }
 
@@ -548,20 +562,13 @@ int pdserve_prefill_attention(const void *q, int64_t q_tok, int64_t q_head, cons
     if (threads > 64)
         threads = 64;
     PrefillJob jobs[64];
-    pthread_t tids[64];
     for (int i = 0; i < threads; i++)
         jobs[i] = (PrefillJob){q, q_tok, q_head, kp, vp, keys_pad, out, lq, lk, offset, q_heads, kv_heads, dim,
                                scale, i, threads, 0};
-    int started = 1;
-    for (int i = 1; i < threads; i++, started++)
-        if (pthread_create(&tids[i], NULL, prefill_thread, &jobs[i]) != 0)
-            break;
-    for (int i = started; i < threads; i++)
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int i = 0; i < threads; i++)
         prefill_thread(&jobs[i]);
-    prefill_thread(&jobs[0]);
     int status = 0;
-    for (int i = 1; i < started; i++)
-        pthread_join(tids[i], NULL);
     for (int i = 0; i < threads; i++)
         status = jobs[i].status ? jobs[i].status : status;
     free(kp);
