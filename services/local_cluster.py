@@ -30,7 +30,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
-from services.common.settings import AutoscalerSettings, ClusterSettings, WorkerSettings, to_argv
+from services.autoscaler.settings import AutoscalerSettings
+from services.common.settings import ClusterSettings, WorkerSettings, to_argv
 
 START_TIMEOUT = 600.0
 STOP_TIMEOUT = 45.0                 # workers drain up to --drain-timeout (30 s)
@@ -222,12 +223,12 @@ class LocalCluster:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         num_prefill = 0 if s.aggregated else s.num_prefill
-        num_decode = s.num_decode
+        cores = sorted(os.sched_getaffinity(0))
+        num_decode = s.num_decode or self._default_decode_workers(len(cores))
         if self.autoscaling:                    # start inside the bounds
             limits = self.autoscaling.limits
             num_decode = min(max(num_decode, limits.decode.min), limits.decode.max)
             num_prefill = min(max(num_prefill, limits.prefill.min), limits.prefill.max)
-        cores = sorted(os.sched_getaffinity(0))
         workers = num_prefill + num_decode
         # Disaggregated: a core and one torch thread per worker when they fit. Aggregated:
         # each worker shares the cores. Pools that grow and shrink are not pinned: cores
@@ -235,7 +236,7 @@ class LocalCluster:
         self._threads = s.threads or (max(1, len(cores) // workers) if s.aggregated else
                                       max(1, len(cores) // max(2, workers)))
         pins = (plan_cpus(["decode"] * num_decode + ["prefill"] * num_prefill, cores)
-                if s.pin_cpus and not s.aggregated and not self.autoscaling else [None] * workers)
+                if s.pin_cpus and self._threads == 1 and not self.autoscaling else [None] * workers)
         try:
             if self.autoscaling and s.aggregated:
                 raise RuntimeError("--autoscale scales the prefill and decode pools: not with --mode aggregated")
@@ -275,6 +276,15 @@ class LocalCluster:
             return 1
         finally:
             self.shutdown()
+
+    def _default_decode_workers(self, cores: int) -> int:
+        """One, except aggregated on CPU: a single-threaded worker per core. Each then
+        runs its own mixed steps with no OpenMP team to keep in step: one worker with a
+        thread per core measured 220 output tok/s on 2 cores against 320 for two."""
+        from services.engine.runner import pick_device
+        if self.settings.aggregated and pick_device(self.settings.device).type == "cpu":
+            return max(1, cores)
+        return 1
 
     def _banner(self, r: dict, prefills: list[dict], decodes: list[dict], redis: str | None) -> None:
         host = self.settings.host

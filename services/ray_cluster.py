@@ -339,7 +339,7 @@ class RayCluster:
     def run(self) -> int:
         a = self.settings
         try:
-            if a.num_prefill < 1 or a.num_decode < 1:
+            if a.num_prefill < 1 or a.num_decode < 0:
                 raise RuntimeError("--prefill and --decode need at least one worker each")
             if a.mode != "disaggregated" or a.autoscale:
                 raise RuntimeError("--ray runs --mode disaggregated pools, resized with `pdserve scale` "
@@ -355,7 +355,7 @@ class RayCluster:
             self.registry_url = self._registry()
             pools = RayPools(self.ray, self._worker_template(self.registry_url))
             router_ready = self._start_router(self.registry_url)    # finds the workers in the registry
-            workers = pools.apply({"decode": a.num_decode, "prefill": a.num_prefill})
+            workers = pools.apply({"decode": a.num_decode or 1, "prefill": a.num_prefill})
             router = self.ray.get(router_ready)
             self._wait_routable(router)
             self._banner(router, workers)

@@ -17,7 +17,7 @@ def test_disaggregated_workers_get_a_core_each_when_they_fit():
 
 
 def test_aggregated_chunked_prefill_matches_generate(model_dir, expected):
-    c = start_cluster("--mode", "aggregated", "--prefill-chunk-tokens", "64")
+    c = start_cluster("--mode", "aggregated", "--decode", "1", "--prefill-chunk-tokens", "64")
     try:
         assert c.info["prefills"] == [] and len(c.info["decodes"]) == 1
 
@@ -36,3 +36,11 @@ def test_aggregated_chunked_prefill_matches_generate(model_dir, expected):
         assert c.wait_idle().info.free_blocks == s.info.num_blocks
     finally:
         stop_cluster(c)
+
+
+def test_aggregated_on_cpu_runs_a_single_threaded_worker_per_core():
+    from services.common.settings import ClusterSettings
+    from services.local_cluster import LocalCluster
+    agg = LocalCluster(ClusterSettings(mode="aggregated", device="cpu"))
+    assert agg._default_decode_workers(2) == 2 and agg._default_decode_workers(8) == 8
+    assert LocalCluster(ClusterSettings(device="cpu"))._default_decode_workers(8) == 1

@@ -29,3 +29,66 @@ def test_router_needs_a_registry_or_addresses():
     assert RouterSettings(redis="redis://x").redis
     with pytest.raises(ValueError):
         WorkerSettings(role="prefill", prefix_cache_tokens=-1)
+
+
+def test_flags_come_from_the_settings_fields_and_booleans_switch_both_ways():
+    parser = _parser()
+    assert parser.parse_args(["up"]).pin_cpus is True
+    assert parser.parse_args(["up", "--no-pin-cpus"]).pin_cpus is False
+    for env in ({"PDSERVE_PIN_CPUS": "0"}, {"PDSERVE_NO_PIN_CPUS": "1"}, {"PDSERVE_PIN_CPUS": "false"}):
+        p = _parser()
+        env_defaults(p, env)
+        assert p.parse_args(["up"]).pin_cpus is False, env
+        assert p.parse_args(["up", "--pin-cpus"]).pin_cpus is True         # the command line still wins
+    p = _parser()
+    with pytest.raises(ValueError, match="PDSERVE_PIN_CPUS"):
+        env_defaults(p, {"PDSERVE_PIN_CPUS": "maybe"})
+
+
+def test_one_name_means_one_thing_in_the_environment():
+    """`up` counts workers (PDSERVE_NUM_PREFILL); a router lists addresses (PDSERVE_PREFILL)."""
+    parser = _parser()
+    env_defaults(parser, {"PDSERVE_NUM_PREFILL": "3", "PDSERVE_PREFILL": "p:1", "PDSERVE_DECODE": "d:2"})
+    up = parser.parse_args(["up"])
+    assert up.num_prefill == 3 and up.num_decode == 0            # 0: the default count
+    router = parser.parse_args(["router"])
+    assert router.prefill == ["p:1"] and router.decode == ["d:2"]
+
+
+def test_a_settings_object_renders_to_the_flags_that_rebuild_it():
+    from services.common.settings import from_args, to_argv
+    parser = _parser()
+    w = WorkerSettings(role="prefill", dtype="float32", prefix_cache_tokens=0, redis="unix:///tmp/r.sock",
+                       max_num_batched_tokens=2048, fault_drop_transfers=0.25)
+    assert from_args(WorkerSettings, parser.parse_args(["prefill", *to_argv(w)]), role="prefill") == w
+    assert "--kv-cache-tokens" not in " ".join(to_argv(w))          # a decode worker's setting
+    r = RouterSettings(decode=["a:1", "b:2"], prefill=["c:3"], aggregated=True, max_pending=7)
+    assert from_args(RouterSettings, parser.parse_args(["router", *to_argv(r)])) == r
+
+
+def test_up_hands_its_engine_settings_to_every_worker():
+    from services.common.settings import ClusterSettings, from_args
+    c = from_args(ClusterSettings, _parser().parse_args(["up", "--dtype", "float32", "--block-size", "32",
+                                                         "--max-num-batched-tokens", "1024", "--host", "0.0.0.0"]))
+    w = c.worker("decode", threads=1, redis=None)
+    assert (w.dtype, w.block_size, w.max_num_batched_tokens, w.threads, w.host) == ("float32", 32, 1024, 1,
+                                                                                   "127.0.0.1")
+    assert c.router(redis="redis://x").host == "0.0.0.0" and not c.router(redis="redis://x").aggregated
+
+
+def test_dtype_auto_fits_the_cpu():
+    import torch
+
+    from services.engine.hardware import cpu_kind, pick_dtype
+    cpu = torch.device("cpu")
+    avx2 = frozenset({"avx", "avx2", "fma"})
+    bf16 = avx2 | {"avx512f", "avx512_bf16"}
+    assert pick_dtype("auto", cpu, avx2).name == "float32"
+    assert "no native bfloat16" in pick_dtype("auto", cpu, avx2).reason
+    assert pick_dtype("auto", cpu, bf16).name == "bfloat16"
+    assert pick_dtype("auto", cpu, bf16 | {"amx_bf16"}).name == "bfloat16"
+    assert pick_dtype("auto", torch.device("cuda"), avx2).name == "bfloat16"
+    assert pick_dtype("float32", cpu, bf16).name == "float32"
+    assert (cpu_kind(avx2), cpu_kind(bf16)) == ("avx2", "avx512-bf16")
+    with pytest.raises(ValueError):
+        pick_dtype("float8", cpu, bf16)

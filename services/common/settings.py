@@ -21,10 +21,7 @@ import dataclasses
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable
-
-if TYPE_CHECKING:
-    from services.autoscaler.core import Limits, Policy
+from typing import Any, Iterable
 
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 KV_TRANSPORTS = ("auto", "shm", "nixl", "tcp")
@@ -278,7 +275,7 @@ class RoutingSettings:
     """How a router admits and places requests; `pdserve up` takes the same flags."""
     max_pending: int = setting(512, "requests admitted at once; beyond it new ones get 429 / RESOURCE_EXHAUSTED")
     local_prefill_max_tokens: int = setting(
-        256, "prompts up to this size may prefill on the decode worker when the cost model says it is "
+        512, "prompts up to this size may prefill on the decode worker when the cost model says it is "
              "faster (0: always use a prefill worker)")
     served_model_name: str | None = setting(None, "the model name clients send (default: the model folder's name)")
 
@@ -327,7 +324,8 @@ class ClusterSettings(RoutingSettings, EngineSettings):
                                          "fit; aggregated: decode workers that also prefill, sharing the cores",
                         choices=MODES)
     num_prefill: int = setting(1, "prefill workers", flags=("--prefill",), metavar="N")
-    num_decode: int = setting(1, "decode workers", flags=("--decode",), metavar="M")
+    num_decode: int = setting(0, "decode workers (0: one; with --mode aggregated on CPU, one single-threaded "
+                                 "worker per core)", flags=("--decode",), metavar="M")
     host: str = setting("127.0.0.1", "address the router's listeners bind")
     http_port: int = setting(8000, "OpenAI-compatible HTTP port")
     grpc_port: int = setting(50051, "gRPC Generate API port")
@@ -348,6 +346,8 @@ class ClusterSettings(RoutingSettings, EngineSettings):
             raise ValueError(f"--mode must be one of {', '.join(MODES)}")
         if self.address and not self.ray:
             raise ValueError("--address is the Ray cluster to join: it needs --ray")
+        if self.num_decode < 0 or self.num_prefill < 0:
+            raise ValueError("--prefill and --decode are worker counts")
 
     @property
     def aggregated(self) -> bool:
@@ -368,30 +368,3 @@ class ClusterSettings(RoutingSettings, EngineSettings):
                       aggregated=self.aggregated, log_level=self.log_level)
         kwargs.update(overrides)
         return RouterSettings(**kwargs)
-
-
-@dataclass
-class AutoscalerSettings:
-    """`pdserve autoscaler`, and the autoscaler `pdserve up --autoscale` runs in-process."""
-    redis: str | None                   # None only until `up` has started its registry
-    policy: "Policy"
-    limits: "Limits"
-    actuator: str = "report"            # kubernetes | local | ray | report
-    interval: float = 15.0              # seconds between ticks
-    namespace: str | None = None        # kubernetes
-    prefill_deployment: str | None = None
-    decode_deployment: str | None = None
-    kubeconfig: str | None = None       # None: in-cluster credentials, else ~/.kube/config
-    host: str = "127.0.0.1"
-    metrics_port: int | None = None     # its own /metrics and /healthz; None: not served
-    log_level: str = "info"
-
-    def __post_init__(self) -> None:
-        if self.interval <= 0:
-            raise ValueError("--autoscale-interval must be positive")
-        if self.actuator == "kubernetes" and not (self.namespace and self.prefill_deployment
-                                                  and self.decode_deployment):
-            raise ValueError("--actuator kubernetes needs --namespace, --prefill-deployment and --decode-deployment")
-        if self.actuator not in ("kubernetes", "local", "report"):
-            raise ValueError("--actuator must be kubernetes or report here (local runs inside `pdserve up "
-                             "--autoscale`; the Ray actuator is handed a RayPools by whatever runs the Ray pools)")

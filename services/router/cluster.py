@@ -61,6 +61,8 @@ class Worker:
     chan: grpc.aio.Channel | None = None
     info: worker_pb2.WorkerInfo | None = None
     inflight: int = 0                   # requests this router has routed here, unfinished
+    decoding: int = 0                   # decode: of those, the ones in its batch now (or prefilling there)
+    local_tokens: int = 0               # decode: prompt tokens sent there to prefill, first token not yet back
     inflight_tokens: int = 0            # prefill: prompt tokens sent and not answered
     last_pick: float = 0.0
     suspend_seconds: float = REFRESH_SECONDS    # how long a connection failure takes it out
@@ -270,8 +272,10 @@ class Cluster:
         loads = [PrefillLoad(k, w.queued_tokens(), w.held_keys(now))
                  for k, w in live.items()]
         keys = block_hashes(gen.prompt_ids, bs)
-        plan = plan_prefill(loads, keys, len(gen.prompt_ids), bs, max(decode.info.running, decode.inflight - 1),
-                            self.cost, self.settings.local_prefill_max_tokens)
+        # What a local prefill would stall: the sequences in the decode worker's batch, not
+        # requests still waiting for a remote prefill (they do not run there yet).
+        plan = plan_prefill(loads, keys, len(gen.prompt_ids), bs, decode.decoding,
+                            self.cost, self.settings.local_prefill_max_tokens, decode.local_tokens)
         log.debug("request %s: %s", gen.request_id, plan.reason)
         return (live[plan.prefill.key] if plan.prefill else None), plan.cached_tokens, keys
 
@@ -336,29 +340,44 @@ class Cluster:
         gen.decode_worker, gen.decode_epoch = decode.address, decode.info.epoch
         self.metrics.routed.labels("decode", decode.address).inc()
         decode.inflight += 1
-        handle, writer, finished = None, None, False
+        handle, writer, finished, claimed, local_tokens = None, None, False, None, 0
         try:
             prefill, _, keys = self._plan(decode, gen)
             first = None
             if prefill is not None:
+                # The prompt counts in the prefill worker's queue from this decision on:
+                # requests planned while this one reserves blocks must see it there.
+                claimed = prefill
+                prefill.inflight_tokens += len(gen.prompt_ids)
                 handle = await self._reserve(decode, gen)
-                writer = self._start_prefill(prefill, handle, gen)
+                writer, claimed = self._start_prefill(prefill, handle, gen), None
                 first = await self._await_prefill(prefill, decode, handle, writer, gen, keys)
             if first is None:
                 handle = None                   # released by _await_prefill, or never taken
                 gen.decision = "local_fallback" if prefill is not None else "local"
                 req = self._decode_request(gen, first_token=0, local=True, epoch="")
+                local_tokens = len(gen.prompt_ids)      # in the decode worker's queue until its first token
+                decode.local_tokens += local_tokens
             else:
                 gen.decision = "remote"
                 yield [first], ""
                 req = self._decode_request(gen, first_token=first, local=False, epoch=handle.epoch)
             self.metrics.decisions.labels(gen.decision).inc()
-            async with aclosing(self._decode_stream(decode, req)) as stream:
-                async for token_ids, finish in stream:
-                    finished = bool(finish)
-                    yield token_ids, finish
+            decode.decoding += 1
+            try:
+                async with aclosing(self._decode_stream(decode, req)) as stream:
+                    async for token_ids, finish in stream:
+                        decode.local_tokens -= local_tokens
+                        local_tokens = 0
+                        finished = bool(finish)
+                        yield token_ids, finish
+            finally:
+                decode.decoding -= 1
+                decode.local_tokens -= local_tokens
         finally:
             decode.inflight -= 1
+            if claimed is not None:                 # planned there, never sent
+                claimed.inflight_tokens -= len(gen.prompt_ids)
             if handle is not None and not finished:
                 self._spawn(self._release_after(writer, decode, handle, "request ended early"))
 
@@ -396,8 +415,7 @@ class Cluster:
         gen.prefill_worker, gen.prefill_epoch = prefill.address, prefill.info.epoch
         self.metrics.routed.labels("prefill", prefill.address).inc()
         n = len(gen.prompt_ids)
-        prefill.inflight += 1
-        prefill.inflight_tokens += n
+        prefill.inflight += 1                 # its tokens were counted when it was planned
         call = asyncio.ensure_future(prefill.stub.Prefill(
             worker_pb2.PrefillRequest(request_id=gen.request_id, prompt_token_ids=gen.prompt_ids,
                                       sampling=sampling_to_proto(gen.params), handle=handle),

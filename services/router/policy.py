@@ -8,8 +8,9 @@ unit-tested on its own. The order of decisions for one request:
 2. Remote or local prefill, from a cost model of time to first token:
      remote(p) = overhead + (queued tokens at p + prompt tokens p has not cached) x c
                  + transfer tail
-     local     = prompt tokens x c, plus the stall it imposes: every sequence running
-                 on the decode worker waits that long for its next token
+     local     = (prompts already sent there to prefill + this one) x c, plus the
+                 stall it imposes: every sequence in the decode worker's batch waits
+                 that long for its next token
    Local wins only for prompts up to a size limit, when local + stall < best remote.
 3. Prefill worker: the smallest remote(p); a worker already holding the prompt's
    prefix wins unless its queue costs more than the cache saves.
@@ -81,8 +82,8 @@ class CostModel:
         return (self.remote_overhead_s + (queued_tokens + uncached_tokens) * self.prefill_s_per_token
                 + prompt_tokens * self.transfer_tail_s_per_token)
 
-    def local_ttft(self, prompt_tokens: int) -> float:
-        return prompt_tokens * self.prefill_s_per_token
+    def local_ttft(self, prompt_tokens: int, queued_tokens: int = 0) -> float:
+        return (queued_tokens + prompt_tokens) * self.prefill_s_per_token
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,8 @@ class PrefillPlan:
 
 
 def plan_prefill(prefills: Sequence[PrefillLoad], keys: Sequence[int], prompt_tokens: int, block_size: int,
-                 decode_running: int, model: CostModel, local_max_tokens: int) -> PrefillPlan:
+                 decode_running: int, model: CostModel, local_max_tokens: int,
+                 local_queued_tokens: int = 0) -> PrefillPlan:
     """Decide where the prompt is computed. `keys` are the prompt's chained block keys."""
     if not prefills:
         return PrefillPlan(None, 0, "no prefill worker")
@@ -106,8 +108,9 @@ def plan_prefill(prefills: Sequence[PrefillLoad], keys: Sequence[int], prompt_to
     scored = [(cost(p), p) for p in prefills]
     (remote, cached), best = min(scored, key=lambda s: (s[0][0], s[1].key))
     if prompt_tokens <= local_max_tokens:
-        local = model.local_ttft(prompt_tokens)
-        if local + decode_running * local < remote:
+        local = model.local_ttft(prompt_tokens, local_queued_tokens)
+        stall = decode_running * model.local_ttft(prompt_tokens)
+        if local + stall < remote:
             return PrefillPlan(None, 0, f"local {local * 1000:.0f} ms + stall of {decode_running} running "
-                                        f"< remote {remote * 1000:.0f} ms")
+                                        f"{stall * 1000:.0f} ms < remote {remote * 1000:.0f} ms")
     return PrefillPlan(best, cached, f"remote {remote * 1000:.0f} ms, {cached} cached tokens")
