@@ -7,8 +7,9 @@ import asyncio
 import sys
 
 from services.bench.command import add_arguments as bench_arguments
-from services.common.settings import (LOG_LEVELS, AutoscalerSettings, ClusterSettings, RouterSettings,
-                                      WorkerSettings, add_arguments, env_defaults, from_args)
+from services.autoscaler.settings import AutoscalerSettings
+from services.common.settings import (LOG_LEVELS, ClusterSettings, RouterSettings, WorkerSettings, add_arguments,
+                                      env_defaults, from_args)
 
 
 def _autoscaling_args(p: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from services.autoscaler.core import (ROLES, Limits, Planner, Policy, PoolBounds, PoolObservation, Reason, Role,
                                       WorkerSample, choose_victims)
-from services.autoscaler.signals import LATENCY_BOUNDS, CumulativeDeltas, histogram, quantile
+from services.common.histograms import LATENCY_BOUNDS, CumulativeDeltas, histogram, quantile
 
 P, D = Role.PREFILL, Role.DECODE
 TICK = 5.0

@@ -29,7 +29,7 @@ from services.autoscaler.actuators.kubernetes import DELETION_COST, KubernetesAc
 from services.autoscaler.core import Limits, Policy, PoolBounds, Reason, Role
 from services.autoscaler.service import Autoscaler
 from services.common.registry import RedisRegistry
-from services.common.settings import AutoscalerSettings
+from services.autoscaler.settings import AutoscalerSettings
 from services.rpc import worker_pb2
 
 NS = "serving"

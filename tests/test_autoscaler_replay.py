@@ -9,7 +9,7 @@ import pytest
 
 from services.autoscaler import replay, traces
 from services.autoscaler.core import Limits, PoolBounds, Role
-from services.autoscaler.signals import BusyFraction
+from services.common.histograms import BusyFraction
 
 
 @pytest.fixture(scope="module")

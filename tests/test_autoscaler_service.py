@@ -18,7 +18,8 @@ from services.autoscaler.core import Limits, Policy, PoolBounds, Reason, Role
 from services.autoscaler.service import Autoscaler, limits_with_overrides
 from services.common.metrics import RouterMetrics
 from services.common.registry import RedisRegistry
-from services.common.settings import AutoscalerSettings, RouterSettings
+from services.autoscaler.settings import AutoscalerSettings
+from services.common.settings import RouterSettings
 from services.router.cluster import Cluster
 from services.rpc import worker_pb2
 

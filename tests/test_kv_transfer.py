@@ -184,12 +184,12 @@ def test_shared_pool_larger_than_dev_shm_is_refused_up_front(monkeypatch):
 
 
 def test_bandwidth_bench_pairs_every_transfer_with_a_copy(tmp_path):
-    """`python -m kv_transfer.bench` (bandwidth part, 1 MiB, 2 rounds) writes, per
+    """`python -m bench.kv_transfer` (bandwidth part, 1 MiB, 2 rounds) writes, per
     backend, its GB/s, the memcpy it was paired with and the median ratio."""
     import subprocess
     import sys
     out = tmp_path / "kv.json"
-    proc = subprocess.run([sys.executable, "-m", "kv_transfer.bench", "--no-ttft", "--sizes", "1", "--repeats", "2",
+    proc = subprocess.run([sys.executable, "-m", "bench.kv_transfer", "--no-ttft", "--sizes", "1", "--repeats", "2",
                            "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())["bandwidth"]

@@ -188,7 +188,11 @@ def run(s: PeersSettings) -> int:
         if time.monotonic() - t0 > 5:
             sh.say(f"{peer}: ready after {time.monotonic() - t0:.0f} s")
     model = prepare_model(s, sh) if any(x.peer for x in s.systems) else None
-    context = Context(s.peers_dir, model, sys.executable, s.ignore_eos, s.vllm_max_model_len)
+    import torch
+    from services.engine.hardware import pick_dtype
+    dtype = pick_dtype("auto", torch.device("cpu")).name
+    sh.say(f"every system computes in {dtype} (what --dtype auto picks on this CPU)")
+    context = Context(s.peers_dir, model, sys.executable, s.ignore_eos, s.vllm_max_model_len, dtype)
     if not s.dry_run:
         s.out.mkdir(parents=True, exist_ok=True)
     errors = {}

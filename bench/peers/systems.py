@@ -31,6 +31,7 @@ class Context:
     python: str                         # the project's interpreter
     ignore_eos: bool = True             # False when the bench flags say --no-ignore-eos
     vllm_max_model_len: int = 4096
+    dtype: str = "bfloat16"             # what every system computes in: --dtype auto's pick for this CPU
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,8 @@ class System:
 
 def _pdserve(mode: str) -> Callable[[Context, int, Path], Launch]:
     def launch(c: Context, port: int, workdir: Path) -> Launch:
-        return Launch([c.python, "-m", "services.cli", "up", "--mode", mode, "--host", "127.0.0.1",
+        return Launch([c.python, "-m", "services.cli", "up", "--mode", mode, "--dtype", c.dtype,
+                       "--host", "127.0.0.1",
                        "--http-port", str(port), "--grpc-port", "0", "--announce-file",
                        str(workdir / "announce.json"), "--log-level", "warning"])
     return launch
@@ -60,7 +62,7 @@ def _vllm(c: Context, port: int, workdir: Path) -> Launch:
     from bench.peers.install import vllm_venv
     env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "HF_HUB_OFFLINE": "1",
            "VLLM_CACHE_ROOT": str(c.peers_dir / "vllm-cache")}
-    argv = [vllm_venv(c.peers_dir).bin("vllm"), "serve", str(c.model_dir), "--dtype", "bfloat16",
+    argv = [vllm_venv(c.peers_dir).bin("vllm"), "serve", str(c.model_dir), "--dtype", c.dtype,
             "--max-model-len", str(c.vllm_max_model_len), "--no-enable-prefix-caching",
             "--host", "127.0.0.1", "--port", str(port)]
     return Launch(argv, env, ["--model", str(c.model_dir)], str(c.model_dir))
@@ -69,7 +71,7 @@ def _vllm(c: Context, port: int, workdir: Path) -> Launch:
 def _transformers_serve(c: Context, port: int, workdir: Path) -> Launch:
     from bench.peers.install import transformers_venv
     argv = [transformers_venv(c.peers_dir).bin("transformers"), "serve", str(c.model_dir),
-            "--continuous-batching", "--dtype", "bfloat16", "--device", "cpu",
+            "--continuous-batching", "--dtype", c.dtype, "--device", "cpu",
             "--host", "127.0.0.1", "--port", str(port)]
     bench = ["--model", str(c.model_dir)]
     if c.ignore_eos:                    # the same fixed output lengths, said its way

@@ -43,7 +43,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
-from services.autoscaler.signals import EMPTY, Histogram, merge, quantile
+from services.common.histograms import EMPTY, Histogram, merge, quantile
 
 
 class Role(str, enum.Enum):

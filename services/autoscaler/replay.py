@@ -33,7 +33,7 @@ from pathlib import Path
 
 from services.autoscaler.core import (ROLES, Decision, Limits, Planner, Policy, PoolBounds, PoolObservation, Role,
                                       WorkerSample, choose_victims)
-from services.autoscaler.signals import EMPTY, NUM_BUCKETS, bucket_of, merge, quantile
+from services.common.histograms import EMPTY, NUM_BUCKETS, bucket_of, merge, quantile
 
 BLOCK = 16                              # tokens per KV block, for the utilisation the workers report
 

@@ -31,9 +31,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from services.autoscaler.actuators import Actuator, actuator_class
 from services.autoscaler.core import ROLES, Decision, Limits, Planner, PoolBounds, PoolObservation, Role, \
     WorkerSample, choose_victims
-from services.autoscaler.signals import EMPTY, LATENCY_BOUNDS, BusyFraction, CumulativeDeltas, merge
+from services.common.histograms import EMPTY, LATENCY_BOUNDS, BusyFraction, CumulativeDeltas, merge
 from services.common.registry import RedisRegistry
-from services.common.settings import AutoscalerSettings
+from services.autoscaler.settings import AutoscalerSettings
 from services.rpc import autoscaler_pb2
 
 log = logging.getLogger(__name__)

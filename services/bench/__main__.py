@@ -1,6 +1,11 @@
 """`python -m services.bench ...`: the same as `pdserve bench ...`."""
+import argparse
 import sys
 
-from services.cli import main
+from services.bench.command import add_arguments, run
+from services.common.settings import env_defaults
 
-sys.exit(main(["bench", *sys.argv[1:]]))
+parser = argparse.ArgumentParser(prog="python -m services.bench")
+add_arguments(parser)
+env_defaults(parser)
+sys.exit(run(parser.parse_args()))

@@ -1,7 +1,7 @@
 """Latency per worker, for the autoscaler: time to first token by the prefill worker
 that computed the prompt, inter-token gaps by the decode worker that generated them.
 
-Counts are cumulative histograms over services/autoscaler/signals.LATENCY_BOUNDS,
+Counts are cumulative histograms over services/common/histograms.LATENCY_BOUNDS,
 published to the registry with each refresh; the autoscaler takes differences between
 reports, so a report lost or late costs nothing. A worker that left routing is dropped
 after one last report.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from services.autoscaler.signals import LATENCY_BOUNDS, NUM_BUCKETS, bucket_of
+from services.common.histograms import LATENCY_BOUNDS, NUM_BUCKETS, bucket_of
 from services.rpc import autoscaler_pb2
 
 

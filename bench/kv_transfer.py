@@ -2,7 +2,7 @@
 in-process torch copy of the same bytes, and the time-to-first-token overhead of
 disaggregation through a real local cluster.
 
-    python -m kv_transfer.bench --json out.json [--sizes 1,16,256] [--repeats 5] [--no-ttft]
+    python -m bench.kv_transfer --json out.json [--sizes 1,16,256] [--repeats 5] [--no-ttft]
 
 Payloads are KV-shaped: 32 layers x K/V x blocks of 16 tokens x 4 heads x 64 dims in
 float32, so one block across all layers is exactly 1 MiB. A writer process sends every

