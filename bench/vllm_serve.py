@@ -71,10 +71,13 @@ def linear_flops(config: dict, input_tokens: int, output_tokens: int) -> float:
 
 
 def bench_serve_argv(venv_bin: str, base_url: str, model: str, tokenizer: Path, workload: list[str],
-                     result: Path, extra: list[str]) -> list[str]:
+                     result: Path, extra: list[str], seed: int) -> list[str]:
+    """Run i draws its prompts with seed i: the same prompts for every system, and none a
+    system has seen in an earlier run (a prefix cache would serve a repeat from memory)."""
     return [venv_bin, "bench", "serve", "--backend", "openai-chat", "--base-url", base_url,
             "--endpoint", "/v1/chat/completions", "--model", model, "--tokenizer", str(tokenizer),
-            "--dataset-name", "random", "--ignore-eos", *workload, "--percentile-metrics", "ttft,tpot,itl,e2el",
+            "--dataset-name", "random", "--ignore-eos", "--seed", str(seed), *workload,
+            "--percentile-metrics", "ttft,tpot,itl,e2el",
             "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(result.parent),
             "--result-filename", result.name, *extra]
 
@@ -93,7 +96,7 @@ def measure(system, context: Context, args, out: Path, sh: Shell, tokenizer: Pat
         for i in range(1, args.repeats + 1):
             result = folder / f"run-{i}.json"
             sh.run(bench_serve_argv(vllm_venv(context.peers_dir).bin("vllm"), server.base_url, model, tokenizer,
-                                    WORKLOADS[args.workload], result, extra),
+                                    WORKLOADS[args.workload], result, extra, seed=i),
                    env={"HF_HUB_OFFLINE": "1"}, log=folder / f"run-{i}.txt")
             runs.append(json.loads(result.read_text()))
             r = runs[-1]

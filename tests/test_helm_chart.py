@@ -426,6 +426,24 @@ def test_served_model_name_and_extra_args_reach_the_command_line(helm):
     assert env_of(m.container("prefill"))["PDSERVE_BLOCK_SIZE"]["value"] == "32"
 
 
+def test_settings_render_as_flags_through_one_helper(helm):
+    """Every component's command line comes from its settings map, rendered in name order:
+    numbers as integers, booleans as --flag / --no-flag, lists as repeated flags; the
+    chart's own wiring (listen address, ports) cannot be overridden there."""
+    m = render(helm, "--set-json", 'decode.settings={"kv_cache_tokens": 131072, "max-batch": 128, '
+                                   '"port": 1, "pin-cpus": false}',
+               "--set-json", 'router.settings={"local-prefill-max-tokens": 0, "decode": ["a:1", "b:2"]}')
+    args = m.container("decode")["args"]
+    assert args[0] == "decode" and args[1:] == sorted(args[1:])
+    f = flags(m.container("decode"))
+    assert f["kv-cache-tokens"] == "131072" and f["max-batch"] == "128" and f["port"] == "7001"
+    assert "--no-pin-cpus" in args and f["dtype"] == "auto"
+    router = m.container("router")["args"]
+    assert "--local-prefill-max-tokens=0" in router and {"--decode=a:1", "--decode=b:2"} <= set(router)
+    bad = run_helm(helm, "template", "pdserve", str(CHART), "--set-json", 'decode.settings={"Bad Key": 1}')
+    assert bad.returncode != 0
+
+
 def test_notes_tell_how_to_reach_the_api(helm, tmp_path):
     """helm 3's `install --dry-run` needs a cluster even for NOTES.txt (helm/helm#13144),
     so the notes are rendered through `tpl` in a scratch copy of the chart."""

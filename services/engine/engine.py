@@ -223,9 +223,13 @@ class EngineLoop:
             except Exception:                   # never lose the thread
                 log.exception("engine step failed")
                 continue
-            if self.on_step is not None and self.engine.last_step is not before:
+            ran = self.engine.last_step is not before
+            if self.on_step is not None and ran:
                 self.on_step(self.engine.last_step)
             self._deliver(outputs)
+            if not ran and not outputs:         # work that cannot run yet (no free blocks): wait
+                self._wake.wait(timeout=0.01)   # for a release instead of spinning
+                self._wake.clear()
 
     def _deliver(self, outputs: list[EngineOutput]) -> None:
         for o in outputs:

@@ -167,3 +167,30 @@ spec:
     matchLabels: {{- include "pdserve.selectorLabels" . | nindent 6 }}
 {{- end }}
 {{- end }}
+
+{{/*
+A service's command line from its settings, the chart's one rendering of them: each
+setting by flag name (dashes or underscores) as --name=value, true as --name, false as
+--no-name, a list as the flag repeated; in name order, as JSON (fromJsonArray). "settings"
+are what the chart wires itself (ports, address, model); "extra", a component's
+`settings` values, adds the rest and cannot change those.
+*/}}
+{{- define "pdserve.settingsArgs" -}}
+{{- $all := dict }}
+{{- range $k, $v := (.extra | default dict) }}{{ $_ := set $all (replace "_" "-" $k) $v }}{{ end }}
+{{- range $k, $v := .settings }}{{ $_ := set $all $k $v }}{{ end }}
+{{- $args := list }}
+{{- range $k := keys $all | sortAlpha }}
+{{- $v := get $all $k }}
+{{- if kindIs "bool" $v }}
+{{- $args = append $args (ternary (printf "--%s" $k) (printf "--no-%s" $k) $v) }}
+{{- else if kindIs "slice" $v }}
+{{- range $v }}{{ $args = append $args (printf "--%s=%v" $k .) }}{{ end }}
+{{- else if and (kindIs "float64" $v) (eq $v (float64 (int64 $v))) }}
+{{- $args = append $args (printf "--%s=%d" $k (int64 $v)) }}
+{{- else }}
+{{- $args = append $args (printf "--%s=%v" $k $v) }}
+{{- end }}
+{{- end }}
+{{- toJson $args }}
+{{- end }}

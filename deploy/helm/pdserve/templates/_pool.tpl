@@ -10,10 +10,11 @@ only in what their values say:
 {{- $pool := index $root.Values $role }}
 {{- $ctx := dict "root" $root "component" $role "values" $pool }}
 {{- $grpcPort := int $pool.grpcPort }}
-{{- $args := list $role "--host=0.0.0.0" (printf "--port=%d" $grpcPort) (printf "--metrics-port=%d" (int $pool.metricsPort))
-      (printf "--advertise=$(POD_IP):%d" $grpcPort) (printf "--kv-transport=%s" $pool.kvTransport)
-      (printf "--dtype=%s" $pool.dtype) (printf "--device=%s" $pool.device) (printf "--threads=%d" (int $pool.threads)) }}
-{{- with include "pdserve.modelDir" $root }}{{ $args = append $args (printf "--model=%s" .) }}{{ end }}
+{{- $settings := dict "host" "0.0.0.0" "port" $grpcPort "metrics-port" (int $pool.metricsPort)
+      "advertise" (printf "$(POD_IP):%d" $grpcPort) "kv-transport" $pool.kvTransport "dtype" $pool.dtype
+      "device" $pool.device "threads" (int $pool.threads) }}
+{{- with include "pdserve.modelDir" $root }}{{ $_ := set $settings "model" . }}{{ end }}
+{{- $args := prepend (include "pdserve.settingsArgs" (dict "settings" $settings "extra" $pool.settings) | fromJsonArray) $role }}
 {{- $health := dict "grpc" (dict "port" $grpcPort) }}
 {{- $env := list (dict "name" "POD_IP" "valueFrom" (dict "fieldRef" (dict "fieldPath" "status.podIP"))) }}
 {{- include "pdserve.deployment" (merge (dict
