@@ -48,11 +48,15 @@ class StepStats:
 
 class LLMEngine:
     def __init__(self, runner: ModelRunner, memory: KVPoolMemory, scheduler: Scheduler,
-                 layer_hook: LayerHook | None = None) -> None:
+                 layer_hook: LayerHook | None = None,
+                 on_joined: Callable[[list[str]], None] | None = None) -> None:
         self.runner = runner
         self.memory = memory
         self.scheduler = scheduler
         self.layer_hook = layer_hook
+        # Told, before the forward pass, which prefilled sequences this step decodes first:
+        # their first token (sampled elsewhere) can go out now, one step before the second.
+        self.on_joined = on_joined
         # (request id, action): applied by the engine thread at the start of a step
         self._inbox: queue.SimpleQueue[tuple[str, Callable[[], list[EngineOutput]]]] = queue.SimpleQueue()
         self.last_step: StepStats | None = None
@@ -90,6 +94,8 @@ class LLMEngine:
     def step(self) -> list[EngineOutput]:
         outputs = self._apply_inbox()
         plan = self.scheduler.schedule()
+        if plan.joined and self.on_joined is not None:
+            self.on_joined([seq.request_id for seq in plan.joined])
         if not plan:
             return outputs
         t0 = time.perf_counter()
@@ -160,7 +166,8 @@ def pack(plan: StepPlan) -> ForwardBatch:
 
 
 # What a worker hands the loop to receive a request's output: (new token ids, finish
-# reason or ""), called on the engine thread.
+# reason or ""), called on the engine thread. A prefilled sequence's sink also hears
+# ([], "") when it joins the running batch, before that step's forward pass.
 Sink = Callable[[list[int], str], None]
 
 
@@ -179,6 +186,14 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        engine.on_joined = self._joined
+
+    def _joined(self, request_ids: list[str]) -> None:
+        """A prefilled sequence starts decoding: its sink hears ([], "") now."""
+        for request_id in request_ids:
+            sink = self._sinks.get(request_id)
+            if sink is not None:
+                sink([], "")
 
     def submit(self, seq: Sequence, sink: Sink, prefilled: bool = False) -> None:
         self._sinks[seq.request_id] = sink

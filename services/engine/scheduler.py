@@ -96,9 +96,11 @@ class Chunk:
 
 @dataclass
 class StepPlan:
-    """One forward pass: single-token chunks (decode) first, then longer ones (prefill)."""
+    """One forward pass: single-token chunks (decode) first, then longer ones (prefill).
+    `joined`: sequences prefilled elsewhere that join the running batch with this step."""
     decode: list[Chunk] = field(default_factory=list)
     prefill: list[Chunk] = field(default_factory=list)
+    joined: list[Sequence] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.decode or self.prefill)
@@ -223,6 +225,7 @@ class Scheduler:
             seq = self.ready.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            plan.joined.append(seq)
         preempted = False
         for seq in list(self.running):
             if budget == 0:

@@ -360,7 +360,6 @@ class Cluster:
                 decode.local_tokens += local_tokens
             else:
                 gen.decision = "remote"
-                yield [first], ""
                 req = self._decode_request(gen, first_token=first, local=False, epoch=handle.epoch)
             self.metrics.decisions.labels(gen.decision).inc()
             decode.decoding += 1
@@ -369,6 +368,14 @@ class Cluster:
                     async for token_ids, finish in stream:
                         decode.local_tokens -= local_tokens
                         local_tokens = 0
+                        if first is not None:
+                            # The prefill's token goes out once the decode worker has the
+                            # sequence in its batch (its first, empty, message): the second
+                            # token then follows one step later, not up to two.
+                            yield [first], ""
+                            first = None
+                        if not token_ids and not finish:
+                            continue
                         finished = bool(finish)
                         yield token_ids, finish
             finally:
