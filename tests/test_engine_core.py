@@ -69,3 +69,31 @@ def test_small_chunks_and_preemption_still_match_generate(runner, model_dir, exp
     for case in CASES:
         assert out[case.name] == expected[case.name].token_ids, case.name
     assert engine.scheduler.num_preemptions > 0
+
+
+def test_a_sequence_that_breaks_the_forward_pass_fails_alone(runner, model_dir, expected):
+    """An id past the embedding table (what a caller that skips the worker's checks
+    could send) makes the batch's forward pass raise: the engine runs the step again
+    one sequence at a time, fails only that one, and the others' output is unchanged."""
+    blocks = BlockManager(BlockPool(256, BLOCK))
+    memory = KVPoolMemory.allocate(runner.layout(256, BLOCK))
+    engine = LLMEngine(runner, memory, Scheduler(blocks, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512)))
+    eos = eos_token_ids(model_dir)
+    good = [c for c in CASES if not c.stop][:2]
+    for case in good:
+        prompt = expected[case.name].prompt_ids
+        engine.add(Sequence(case.name, list(prompt), len(prompt), SamplingParams(max_tokens=case.max_tokens,
+                                                                                  temperature=0), eos))
+    poison = [5, 6, runner.vocab_size + 5, 7]
+    engine.add(Sequence("poison", poison, len(poison), SamplingParams(max_tokens=4, temperature=0), eos))
+    out, finished = {c.name: [] for c in good}, {}
+    while engine.has_work():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+            if o.finish_reason:
+                finished[o.request_id] = o.finish_reason
+    memory.close()
+    assert finished["poison"] == "error" and out["poison"] == []
+    for case in good:
+        assert out[case.name] == expected[case.name].token_ids, case.name
+    assert blocks.num_available == 256

@@ -182,6 +182,8 @@ class EngineSettings:
                                  "compute it natively (AVX512-BF16, AMX), float32 on other CPUs", choices=DTYPES)
     device: str = setting("auto", "cpu, cuda, cuda:N or auto")
     block_size: int = setting(16, "tokens per KV block")
+    max_model_len: int = setting(0, "longest sequence (prompt and output) served, in tokens (0: the model's own "
+                                    "context length)")
     threads: int = setting(0, "torch threads per worker (0: automatic)")
     attention_kernel: str = setting("auto", "attention: native (C kernels built on first use; CPU), torch "
                                             "(torch's own ops), or auto (native where it is faster)",
@@ -216,6 +218,8 @@ class EngineSettings:
             raise ValueError("--prefix-cache-tokens must be 0 (off) or more")
         if self.max_batch < 1:
             raise ValueError("--max-batch must be at least 1")
+        if self.max_model_len < 0:
+            raise ValueError("--max-model-len must be 0 (the model's own) or more")
         if self.threads < 0:
             raise ValueError("--threads must be 0 (automatic) or more")
         if self.max_num_batched_tokens and self.max_num_batched_tokens < self.max_batch:
@@ -237,6 +241,8 @@ class WorkerSettings(EngineSettings):
     registry_ttl: float = setting(3.0, "seconds a worker stays routable after its last heartbeat")
     drain_timeout: float = setting(30.0, "on SIGTERM, seconds accepted requests may still run before the worker "
                                          "stops")
+    max_lease_seconds: float = setting(300.0, "decode workers: the longest a KV reservation may wait for its "
+                                              "writer, whatever the caller asks", roles=("decode",))
     fault_drop_transfers: float = setting(0.0, "fault testing: fraction of KV transfers to drop midway",
                                           roles=("prefill",))
     announce_file: str | None = setting(None, argparse.SUPPRESS)
@@ -249,6 +255,8 @@ class WorkerSettings(EngineSettings):
             raise ValueError(f"role must be prefill or decode, not {self.role!r}")
         if self.registry_ttl <= 0:
             raise ValueError("--registry-ttl must be positive")
+        if not self.max_lease_seconds > 0:
+            raise ValueError("--max-lease-seconds must be positive")
 
     @property
     def advertise_host(self) -> str:
@@ -301,6 +309,8 @@ class RouterSettings(RoutingSettings):
     redis: str | None = setting(None, "discover workers in this Redis registry instead of --prefill/--decode",
                                 metavar="URL")
     registry_ttl: float = setting(3.0, "seconds a worker stays routable after its last heartbeat")
+    max_model_len: int = setting(0, "longest sequence (prompt and output) admitted, in tokens (0: the model's "
+                                    "own context length)")
     aggregated: bool = setting(False, "no prefill pool: decode workers prefill every prompt themselves")
     request_timeout: float = setting(600.0, "seconds a request may take end to end")
     prefill_timeout: float = setting(120.0, "seconds a remote prefill may take; also the KV write lease a "
@@ -365,6 +375,6 @@ class ClusterSettings(RoutingSettings, EngineSettings):
         routing = {f.name for f in dataclasses.fields(RoutingSettings)}
         kwargs = {name: getattr(self, name) for name in routing}
         kwargs.update(model=self.model, host=self.host, http_port=self.http_port, grpc_port=self.grpc_port,
-                      aggregated=self.aggregated, log_level=self.log_level)
+                      aggregated=self.aggregated, log_level=self.log_level, max_model_len=self.max_model_len)
         kwargs.update(overrides)
         return RouterSettings(**kwargs)

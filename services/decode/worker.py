@@ -34,7 +34,8 @@ from services.engine.runner import ModelRunner
 from services.engine.scheduler import Scheduler, Sequence
 from services.rpc import worker_pb2, worker_pb2_grpc
 from services.worker.main import EngineStatus, WorkerParts, scheduler_config
-from services.worker.wire import sampling_from_proto
+from services.engine.sampling import SamplingParams
+from services.worker.wire import check_request_id, check_tokens, sampling_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +88,13 @@ class DecodeWorker:
 
     # ---- called from RPC handlers (any thread) ----
     def reserve(self, request_id: str, num_tokens: int, lease_seconds: float):
-        if num_tokens > self.runner.max_model_len:
-            raise ValueError(f"{num_tokens} tokens exceed the model's context of {self.runner.max_model_len}")
+        check_request_id(request_id)
+        if not 1 <= num_tokens <= self.runner.max_model_len:
+            raise ValueError(f"a reservation is for 1 to {self.runner.max_model_len} tokens, not {num_tokens}")
+        if not lease_seconds > 0:
+            raise ValueError(f"lease_seconds must be positive, not {lease_seconds}")
+        # Whatever a caller asks, a reservation lasts at most this long unless decoding starts.
+        lease_seconds = min(lease_seconds, self.settings.max_lease_seconds)
         with self._lock:
             blocks = self.blocks.allocate(self.blocks.blocks_for(num_tokens))
             try:
@@ -134,6 +140,20 @@ class DecodeWorker:
 
     def abort(self, request_id: str) -> None:
         self.loop.abort(request_id)
+
+    def check(self, request: worker_pb2.DecodeRequest) -> tuple[list[int], SamplingParams]:
+        """The prompt and sampling of a Decode call, or ValueError: nothing a worker is
+        sent runs before it is known to fit the model and its context."""
+        check_request_id(request.request_id)
+        vocab, context = self.runner.vocab_size, self.runner.max_model_len
+        prompt = check_tokens(request.prompt_token_ids, vocab)
+        if not request.local_prefill:
+            check_tokens([request.first_token_id], vocab, "first")
+        params = sampling_from_proto(request.sampling)
+        if len(prompt) + params.max_tokens > context:
+            raise ValueError(f"{len(prompt)} prompt tokens and max_tokens {params.max_tokens} exceed the model's "
+                             f"context of {context} tokens")
+        return prompt, params
 
     def start(self) -> None:
         self.loop.start()
@@ -222,11 +242,10 @@ class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
         def sink(token_ids: list[int], reason: str) -> None:
             loop.call_soon_threadsafe(out.put_nowait, (token_ids, reason))
 
-        prompt = list(request.prompt_token_ids)
         if self.draining and request.local_prefill:      # new work; a handoff in flight is finished
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this decode worker is draining")
         try:
-            params = sampling_from_proto(request.sampling)
+            prompt, params = e.check(request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         tokens = prompt if request.local_prefill else prompt + [request.first_token_id]

@@ -8,8 +8,8 @@ streaming). `add`, `add_prefilled`, `abort` and `release` may be called from any
 they are queued and applied at the start of the next step, so nothing a forward pass
 uses changes under it. `step` runs on one thread, the engine thread (`EngineLoop`).
 
-A step that raises fails only the sequences it ran: each gets an "error" output and
-its blocks go back; the engine keeps serving.
+A step that raises is run again one sequence at a time: only a sequence that fails by
+itself gets an "error" output (its blocks go back); the rest of the batch goes on.
 """
 from __future__ import annotations
 
@@ -102,8 +102,8 @@ class LLMEngine:
         try:
             tokens = self._run(plan)
         except Exception:
-            log.exception("engine step over %d sequences failed; failing them", len(plan.chunks))
-            return outputs + self._fail(plan)
+            log.exception("engine step over %d sequences failed; running them one by one", len(plan.chunks))
+            plan, tokens = self._isolate(plan, outputs)
         for u in self.scheduler.update(plan, tokens):
             outputs.append(EngineOutput(u.seq.request_id, [u.token_id], u.finish_reason))
         seconds = time.perf_counter() - t0
@@ -136,12 +136,24 @@ class LLMEngine:
         return sample(logits, [c.seq.params for c in rows], [c.seq.num_generated for c in rows],
                       rows[0].seq.eos_token_ids if rows else frozenset())
 
-    def _fail(self, plan: StepPlan) -> list[EngineOutput]:
-        outputs = []
+    def _isolate(self, plan: StepPlan, outputs: list[EngineOutput]) -> tuple[StepPlan, list[int]]:
+        """After a failed step: run each of its chunks alone, so a request that breaks the
+        forward pass or the sampler fails by itself ("error") and the rest go on. Writing
+        a chunk's KV again is harmless: the same tokens give the same bytes. Returns the
+        plan of the chunks that ran and their tokens, in `plan.sampling()` order."""
+        kept, tokens = StepPlan(), []
         for c in plan.chunks:
-            if self.scheduler.abort(c.seq.request_id) is not None:
-                outputs.append(EngineOutput(c.seq.request_id, [], "error"))
-        return outputs
+            alone = StepPlan()
+            alone._add(c)
+            try:
+                tokens += self._run(alone)
+            except Exception:
+                log.exception("request %s fails the step by itself; it ends, the others go on", c.seq.request_id)
+                if self.scheduler.abort(c.seq.request_id) is not None:
+                    outputs.append(EngineOutput(c.seq.request_id, [], "error"))
+                continue
+            kept._add(c)
+        return kept, tokens
 
 
 def pack(plan: StepPlan) -> ForwardBatch:

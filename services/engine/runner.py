@@ -77,7 +77,7 @@ class ModelRunner:
     """Loads the model once; runs forward passes over a given KV pool."""
 
     def __init__(self, model_dir: Path, dtype: str = "auto", device: str | None = None,
-                 attention: str = "auto", kernel_cache: Path | None = None) -> None:
+                 attention: str = "auto", kernel_cache: Path | None = None, max_model_len: int = 0) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
         _register_attention()
         self.device = pick_device(device)
@@ -92,7 +92,8 @@ class ModelRunner:
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.max_model_len = int(getattr(config, "max_position_embeddings", 2048))
+        context = int(getattr(config, "max_position_embeddings", 2048))
+        self.max_model_len = min(max_model_len, context) if max_model_len else context
         self.vocab_size = config.vocab_size
         self.workspace = Workspace()
         if kernel_cache is None:

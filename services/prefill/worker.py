@@ -40,7 +40,7 @@ from services.engine.runner import ModelRunner
 from services.engine.scheduler import Scheduler, Sequence, StepPlan
 from services.rpc import worker_pb2, worker_pb2_grpc
 from services.worker.main import EngineStatus, WorkerParts, scheduler_config
-from services.worker.wire import sampling_from_proto
+from services.worker.wire import check_request_id, check_tokens, sampling_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +115,8 @@ class PrefillWorker:
 
     async def prefill(self, req: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
         handle = req.handle
-        tokens = list(req.prompt_token_ids)
-        if not tokens:
-            raise ValueError("the prompt is empty")
+        check_request_id(req.request_id)
+        tokens = check_tokens(req.prompt_token_ids, self.runner.vocab_size)
         if len(tokens) > self.runner.max_model_len:
             raise ValueError(f"{len(tokens)} prompt tokens exceed the model's context of {self.runner.max_model_len}")
         if handle.num_tokens != len(tokens) or len(handle.block_ids) != self.blocks.blocks_for(len(tokens)):

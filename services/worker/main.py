@@ -89,7 +89,8 @@ async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]
     set_torch_threads(settings.threads)
     keep_freed_memory()
     model_dir = resolve_model(settings.model)
-    runner = ModelRunner(model_dir, settings.dtype, settings.device, attention=settings.attention_kernel)
+    runner = ModelRunner(model_dir, settings.dtype, settings.device, attention=settings.attention_kernel,
+                         max_model_len=settings.max_model_len)
     metrics = WorkerMetrics(settings.role)
     parts = build(settings, runner, eos_token_ids(model_dir), metrics)
     host = ServiceHost([parts.service_name])

@@ -16,3 +16,24 @@ def sampling_from_proto(m: generate_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(
         max_tokens=m.max_tokens, temperature=m.temperature, top_p=m.top_p, top_k=m.top_k,
         seed=m.seed, stop=tuple(m.stop), ignore_eos=m.ignore_eos, min_tokens=m.min_tokens)
+
+
+def check_tokens(token_ids, vocab_size: int, what: str = "prompt") -> list[int]:
+    """Token ids from the wire as a list, each one the model can embed; ValueError otherwise
+    (an id past the embedding table would fail the whole batch's forward pass)."""
+    ids = list(token_ids)
+    if not ids:
+        raise ValueError(f"the {what} is empty")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{what} token id {bad} is outside the model's vocabulary [0, {vocab_size})")
+    return ids
+
+
+def check_request_id(request_id: str) -> str:
+    if not request_id or len(request_id) > MAX_REQUEST_ID:
+        raise ValueError(f"request_id must be 1 to {MAX_REQUEST_ID} characters")
+    return request_id
+
+
+MAX_REQUEST_ID = 256
