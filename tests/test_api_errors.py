@@ -42,6 +42,9 @@ BAD_CHAT = {
     "prompt_too_long": {"messages": [{"role": "user", "content": LONG}]},
     "prompt_plus_max_tokens_too_long": {"messages": [{"role": "user", "content": "hello " * 4000}],
                                         "max_tokens": 5000},
+    "nested_10000_deep": b'{"messages": ' + b"[" * 10000 + b"]" * 10000 + b"}",
+    "lone_surrogate": b'{"messages": [{"role": "user", "content": "half a pair: \\ud800 here"}]}',
+    "text_far_past_the_context": {"messages": [{"role": "user", "content": "x" * 2_000_000}]},
 }
 
 
@@ -123,3 +126,40 @@ def test_grpc_bad_request_gets_precise_status(cluster, name):
     ok = _grpc_generate(cluster, generate_pb2.GenerateRequest(
         prompt="hi", sampling=generate_pb2.SamplingParams(max_tokens=2)))
     assert ok[-1].finish_reason in ("stop", "length")
+
+
+def test_a_lone_surrogate_is_named_without_tokenizer_internals(cluster):
+    r = _post(cluster, "/v1/chat/completions", content=BAD_CHAT["lone_surrogate"])
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "invalid_unicode" and "U+D800" in err["message"], err
+    assert "tokeniz" not in err["message"].lower() and "Traceback" not in err["message"]
+
+
+def test_a_huge_prompt_stalls_nobody(cluster):
+    """An 8 MB prompt is refused by size before any tokenizing, and one just under the
+    size check is tokenized off the event loop: /ready answers at once meanwhile."""
+    import threading
+    import time
+    results = {}
+
+    def big(name, chars):
+        t0 = time.monotonic()
+        r = _post(cluster, "/v1/completions", json={"prompt": "lorem ipsum " * (chars // 12), "max_tokens": 1})
+        results[name] = (r.status_code, r.json()["error"].get("code") if r.status_code >= 400 else None,
+                         time.monotonic() - t0)
+
+    threads = [threading.Thread(target=big, args=("8MB", 8_000_000)),
+               threading.Thread(target=big, args=("500KB", 500_000))]
+    for t in threads:
+        t.start()
+    waits = []
+    while any(t.is_alive() for t in threads):
+        t0 = time.monotonic()
+        assert httpx.get(f"{cluster.http}/ready", timeout=10).status_code == 200
+        waits.append(time.monotonic() - t0)
+        time.sleep(0.02)
+    for t in threads:
+        t.join()
+    assert results["8MB"][:2] == (400, "context_length_exceeded") and results["8MB"][2] < 5, results
+    assert results["500KB"][:2] == (400, "context_length_exceeded"), results      # ~85,000 tokens
+    assert max(waits) < 0.5, waits

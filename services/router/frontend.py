@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from services.engine.tokenizer import encode_chat, encode_prompt
@@ -18,6 +19,13 @@ from services.router.cluster import Cluster, Delta, Generation
 from services.router.protocol import APIError, bad_request
 
 log = logging.getLogger(__name__)
+
+
+# A token of any tokenizer this serves covers far fewer characters than this: text longer
+# than context x this cannot fit, and is refused before any tokenizing.
+MAX_CHARS_PER_TOKEN = 64
+# Deltas a response may hold unread before the generation waits for its client.
+STREAM_BUFFER = 256
 
 
 @dataclass
@@ -28,40 +36,81 @@ class FrontEnd:
     served_model_name: str
     max_model_len: int
     max_body_bytes: int
+    request_timeout: float = 600.0
+    # Tokenizing runs here, off the event loop: a long prompt must not stall every other
+    # request (and /ready) while it is cut into tokens.
+    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        max_workers=2, thread_name_prefix="tokenize"))
 
     def check_model(self, model: str | None) -> None:
         if model and model != self.served_model_name:
             raise APIError(404, f"The model `{model}` does not exist. Served: `{self.served_model_name}`.",
                            code="model_not_found", param="model", grpc_code="NOT_FOUND")
 
-    def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        try:
-            return encode_chat(self.tokenizer, messages)
-        except Exception as exc:                  # a template that rejects the conversation
-            raise bad_request(f"cannot apply the chat template: {exc}", param="messages") from None
+    def _check_text(self, texts: list[str], param: str) -> None:
+        chars = sum(len(t) for t in texts)
+        if chars > self.max_model_len * MAX_CHARS_PER_TOKEN:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; a prompt of "
+                                f"{chars} characters cannot fit in it.", code="context_length_exceeded", param=param)
+        for t in texts:
+            check_unicode(t, param)
 
-    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+    async def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        self._check_text([m["content"] for m in messages], "messages")
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, encode_chat, self.tokenizer,
+                                                                    messages)
+        except Exception as exc:                  # a template that rejects the conversation
+            raise bad_request(f"cannot apply the chat template: {type(exc).__name__}", param="messages") from None
+
+    async def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
             vocab = len(self.tokenizer)
             if any(not 0 <= t < vocab for t in prompt):
                 raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
             return list(prompt)
-        return encode_prompt(self.tokenizer, prompt)
+        self._check_text([prompt], "prompt")
+        return await asyncio.get_running_loop().run_in_executor(self.executor, encode_prompt, self.tokenizer,
+                                                                prompt)
 
-    def start(self, gen: Generation) -> "RunningRequest":
+    def start(self, gen: Generation, deadline: float | None = None) -> "RunningRequest":
+        """Admit and run `gen`; it must end within `deadline` seconds (default: the
+        router's --request-timeout), queueing included."""
         self.cluster.admit()
-        return RunningRequest(self.cluster, gen)
+        return RunningRequest(self.cluster, gen, min(deadline or self.request_timeout, self.request_timeout))
+
+
+def check_unicode(text: str, param: str) -> str:
+    """JSON escapes can carry a lone surrogate (\\ud800), which is no character: refuse it
+    by name instead of letting the tokenizer fail on it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"{param} holds an unpaired UTF-16 surrogate (U+{ord(text[exc.start]):04X}) at "
+                          f"character {exc.start}: not valid Unicode", param=param, code="invalid_unicode") from None
+    return text
 
 
 class RunningRequest:
-    """A generation running as a task; deltas arrive on a queue."""
+    """A generation running as a task; deltas arrive on a bounded queue, so a client that
+    stops reading holds the generation back instead of growing a buffer."""
 
-    def __init__(self, cluster: Cluster, gen: Generation) -> None:
+    def __init__(self, cluster: Cluster, gen: Generation, timeout: float) -> None:
         self.gen = gen
-        self.queue: asyncio.Queue[Delta | APIError | None] = asyncio.Queue()
+        self.timeout = timeout
+        self.queue: asyncio.Queue[Delta | APIError | None] = asyncio.Queue(maxsize=STREAM_BUFFER)
         self.task = asyncio.create_task(self._run(cluster))
 
     async def _run(self, cluster: Cluster) -> None:
+        try:
+            async with asyncio.timeout(self.timeout):
+                await self._generate(cluster)
+        except TimeoutError:
+            log.warning("request %s did not finish within %g s", self.gen.request_id, self.timeout)
+            await self.queue.put(APIError(504, f"the request did not finish within {self.timeout:g} s",
+                                          type_="timeout", code="request_timeout", grpc_code="DEADLINE_EXCEEDED"))
+
+    async def _generate(self, cluster: Cluster) -> None:
         metrics = cluster.metrics
         last = None
         try:
@@ -76,13 +125,13 @@ class RunningRequest:
                     if delta.token_ids:                      # a closing chunk without tokens is no gap
                         cluster.latency.observe_itl(self.gen.decode_epoch, now - last)
                 last = now
-                self.queue.put_nowait(delta)
-            self.queue.put_nowait(None)
+                await self.queue.put(delta)
+            await self.queue.put(None)
         except APIError as exc:
-            self.queue.put_nowait(exc)
-        except Exception as exc:                      # CancelledError (client gone) passes through
+            await self.queue.put(exc)
+        except Exception:                             # CancelledError (client gone) passes through
             log.exception("request %s failed", self.gen.request_id)
-            self.queue.put_nowait(APIError(500, f"internal error: {exc}", type_="server_error", grpc_code="INTERNAL"))
+            await self.queue.put(APIError(500, "internal error", type_="server_error", grpc_code="INTERNAL"))
         finally:
             cluster.done()
             metrics.e2e.observe(time.monotonic() - self.gen.started)

@@ -16,12 +16,12 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
     def __init__(self, fe: FrontEnd) -> None:
         self.fe = fe
 
-    def _prompt(self, request: generate_pb2.GenerateRequest) -> list[int]:
+    async def _prompt(self, request: generate_pb2.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("input")
         if kind == "prompt":
             if not request.prompt:
                 raise bad_request("prompt must not be empty", param="prompt")
-            return self.fe.tokenize_prompt(request.prompt)
+            return await self.fe.tokenize_prompt(request.prompt)
         if kind == "chat":
             msgs = request.chat.messages
             if not msgs:
@@ -29,14 +29,14 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
             for m in msgs:
                 if m.role not in _ROLES:
                     raise bad_request(f"unknown role {m.role!r}", param="messages")
-            return self.fe.tokenize_chat([{"role": m.role, "content": m.content} for m in msgs])
+            return await self.fe.tokenize_chat([{"role": m.role, "content": m.content} for m in msgs])
         if kind == "prompt_token_ids":
-            return self.fe.tokenize_prompt(list(request.prompt_token_ids.ids))
+            return await self.fe.tokenize_prompt(list(request.prompt_token_ids.ids))
         raise bad_request("one of prompt, chat or prompt_token_ids is required", param="input")
 
-    def _generation(self, request: generate_pb2.GenerateRequest) -> Generation:
+    async def _generation(self, request: generate_pb2.GenerateRequest) -> Generation:
         self.fe.check_model(request.model)
-        prompt_ids = self._prompt(request)
+        prompt_ids = await self._prompt(request)
         s = request.sampling
         opt = lambda name: getattr(s, name) if s.HasField(name) else None  # noqa: E731
         params = resolve_sampling(
@@ -47,8 +47,8 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
 
     async def Generate(self, request, context):
         try:
-            gen = self._generation(request)
-            running = self.fe.start(gen)
+            gen = await self._generation(request)
+            running = self.fe.start(gen, context.time_remaining())      # the caller's deadline, if any
         except APIError as exc:
             await context.abort(getattr(grpc.StatusCode, exc.grpc_code), exc.message)
         try:

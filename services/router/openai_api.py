@@ -9,6 +9,7 @@ import time
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
@@ -18,6 +19,9 @@ from services.router.protocol import APIError, ChatCompletionRequest, CommonRequ
 from services.router.sampling import resolve_sampling
 
 log = logging.getLogger(__name__)
+
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
 def error_response(exc: APIError) -> JSONResponse:
@@ -45,6 +49,8 @@ async def read_json(request: Request, max_bytes: int) -> dict:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise bad_request("request body nests arrays or objects too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
     return data
@@ -53,6 +59,8 @@ async def read_json(request: Request, max_bytes: int) -> dict:
 def parse(model: type[BaseModel], data: dict):
     try:
         return model.model_validate(data)
+    except RecursionError:
+        raise bad_request("request body nests arrays or objects too deeply") from None
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = ".".join(str(p) for p in err["loc"])
@@ -74,12 +82,40 @@ def usage(gen: Generation) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
+def _describe_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
+    """The routes read their JSON themselves (for precise errors), so FastAPI cannot see
+    their bodies: put the request models into /openapi.json by hand, for clients and for
+    schema-driven fuzzing."""
+    default = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = default()
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in bodies.items():
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+                schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+    app.openapi = openapi
+
+
 def create_app(fe: FrontEnd, render_metrics) -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+    _describe_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest})
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        """Unknown paths, wrong methods: the same OpenAI-style error object as the rest."""
+        return error_response(APIError(exc.status_code, str(exc.detail), code=_HTTP_CODES.get(exc.status_code),
+                                       headers=dict(exc.headers or {})))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
@@ -111,7 +147,7 @@ def create_app(fe: FrontEnd, render_metrics) -> FastAPI:
         req = parse(ChatCompletionRequest, await read_json(request, fe.max_body_bytes))
         fe.check_model(req.model)
         req.unsupported()
-        prompt_ids = fe.tokenize_chat([{"role": m.role, "content": m.text()} for m in req.messages])
+        prompt_ids = await fe.tokenize_chat([{"role": m.role, "content": m.text()} for m in req.messages])
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_for(fe, req, len(prompt_ids), max_tokens)
         gen = Generation(new_request_id("chatcmpl"), prompt_ids, params)
@@ -122,7 +158,7 @@ def create_app(fe: FrontEnd, render_metrics) -> FastAPI:
         req = parse(CompletionRequest, await read_json(request, fe.max_body_bytes))
         fe.check_model(req.model)
         req.unsupported()
-        prompt_ids = fe.tokenize_prompt(req.prompt)
+        prompt_ids = await fe.tokenize_prompt(req.prompt)
         params = sampling_for(fe, req, len(prompt_ids), req.max_tokens)
         gen = Generation(new_request_id("cmpl"), prompt_ids, params)
         return await respond(fe, req, gen, chat=False)

@@ -22,9 +22,10 @@ from services.rpc import generate_pb2_grpc
 log = logging.getLogger(__name__)
 
 
-def _max_model_len(model_dir) -> int:
+def _max_model_len(model_dir, limit: int) -> int:
     from transformers import AutoConfig
-    return int(getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", 2048))
+    context = int(getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", 2048))
+    return min(limit, context) if limit else context
 
 
 async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> None:
@@ -34,8 +35,8 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     metrics = RouterMetrics()
     cluster = Cluster(settings, tokenizer, metrics)
     await cluster.start()
-    fe = FrontEnd(cluster, tokenizer, settings.served_model_name or model_dir.name, _max_model_len(model_dir),
-                  settings.max_body_bytes)
+    fe = FrontEnd(cluster, tokenizer, settings.served_model_name or model_dir.name,
+                  _max_model_len(model_dir, settings.max_model_len), settings.max_body_bytes, settings.request_timeout)
 
     host = ServiceHost(["pdserve.v1.Generator"])
     generate_pb2_grpc.add_GeneratorServicer_to_server(GeneratorService(fe), host.server)
