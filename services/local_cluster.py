@@ -3,9 +3,10 @@
 Start order: the registry (the --redis given, else a private redis-server on a unix
 socket if one is installed, else none: the router is given the workers' addresses),
 then M decode and N prefill workers (in parallel, each announces its ports when its
-model is loaded), then the router. Stop order is the reverse. If any service dies, the
-rest are stopped and `up` exits non-zero; children also get SIGTERM if `up` itself is
-killed, so nothing is left running.
+model is loaded), then the router. Stop order is the reverse. Once up, a service that
+dies is started again, on the same ports, after a backoff (1 s, doubling to 30 s) while
+the others keep serving; a dead decode worker's shared KV memory is removed first.
+Children also get SIGTERM if `up` itself is killed, so nothing is left running.
 
 With --autoscale an autoscaler thread (services/autoscaler) resizes the pools through
 `resize`: new workers are spawned like the first ones and join through the registry;
@@ -26,15 +27,20 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from services.autoscaler.settings import AutoscalerSettings
 from services.common.settings import ClusterSettings, WorkerSettings, to_argv
+from services.engine.kv_cache import live_segments
 
 START_TIMEOUT = 600.0
 STOP_TIMEOUT = 45.0                 # workers drain up to --drain-timeout (30 s)
+# A service that dies is started again after 1, 2, 4 ... up to 30 s; one that then lives
+# this long has its count of restarts in a row cleared.
+RESTART_BACKOFF = (1.0, 30.0)
+STABLE_SECONDS = 60.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -71,6 +77,7 @@ def start_private_redis(workdir: Path) -> tuple[subprocess.Popen, str] | None:
     if server is None:
         return None
     sock = workdir / "redis.sock"
+    sock.unlink(missing_ok=True)                # left by one that was killed
     proc = subprocess.Popen([server, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700",
                              "--save", "", "--appendonly", "no", "--dir", str(workdir)],
                             stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent)
@@ -89,11 +96,16 @@ class Child:
     name: str
     proc: subprocess.Popen
     announce: Path
+    respawn: Callable[[], subprocess.Popen] | None = None    # None: not restarted when it dies
+    started: float = field(default_factory=time.monotonic)
+    restarts: int = 0                   # in a row, without a long enough life in between
+    restart_at: float | None = None     # when a dead child is started again
+    announced_pid: int | None = None
 
     def ports(self) -> dict | None:
         try:
             return json.loads(self.announce.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
+        except (OSError, ValueError):
             return None
 
 
@@ -112,15 +124,26 @@ class LocalCluster:
         self._stop = False
         self._scaler: threading.Thread | None = None
         self._scaler_stop = threading.Event()
+        self._summary: tuple[dict, str | None] | None = None     # the router's ports, the registry
 
     def _spawn(self, name: str, command: str, settings, threads: int, cpus: set[int] | None = None) -> Child:
         announce = self.workdir / f"{name}.json"
         env = dict(os.environ)
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
-        cmd = [sys.executable, "-m", "services.cli", command, *to_argv(replace(settings, announce_file=str(announce)))]
-        proc = subprocess.Popen(cmd, env=env, preexec_fn=_child_setup(cpus))
-        child = Child(name, proc, announce)
+
+        def popen(settings=settings) -> subprocess.Popen:
+            argv = to_argv(replace(settings, announce_file=str(announce)))
+            return subprocess.Popen([sys.executable, "-m", "services.cli", command, *argv], env=env,
+                                    preexec_fn=_child_setup(cpus))
+        child = Child(name, popen(), announce)
+
+        def respawn() -> subprocess.Popen:
+            # Again on the ports it had, so static addresses (and clients) stay valid.
+            bound = child.ports() or {}
+            ports = {k: bound[k] for k in ("grpc_port", "http_port", "metrics_port") if k in bound}
+            return popen(replace(settings, **{k: v for k, v in ports.items() if hasattr(settings, k)}))
+        child.respawn = respawn
         self.children.append(child)
         return child
 
@@ -199,7 +222,13 @@ class LocalCluster:
                   "the router is given the workers' addresses", flush=True)
             return None
         proc, url = started
-        self.children.append(Child("redis", proc, self.workdir / "redis.sock"))
+
+        def respawn() -> subprocess.Popen:
+            again = start_private_redis(self.workdir)    # the same socket: workers re-register there
+            if again is None:
+                raise RuntimeError("redis-server is gone")
+            return again[0]
+        self.children.append(Child("redis", proc, self.workdir / "redis.sock", respawn))
         print(f"pdserve: registry: a private redis-server at {url}", flush=True)
         return url
 
@@ -259,14 +288,10 @@ class LocalCluster:
             self._banner(rports, pports, dports, redis)
             if self.autoscaling:
                 self._start_autoscaler(redis)
+            self._summary = (rports, redis)
             while not self._stop:
                 self._reap_drained()
-                with self._lock:
-                    dead = next((c for c in self.children
-                                 if c.proc.poll() is not None and c not in self.draining_children), None)
-                if dead is not None:
-                    print(f"pdserve: {dead.name} exited with code {dead.proc.returncode}; stopping", flush=True)
-                    return 1
+                self._supervise()
                 time.sleep(0.2)
             return 0
         except KeyboardInterrupt:
@@ -277,6 +302,52 @@ class LocalCluster:
         finally:
             self.shutdown()
 
+    def _supervise(self) -> None:
+        """Start again every service that died (not one draining on purpose), with
+        backoff; the rest keep serving. A dead decode worker's shared KV memory is
+        removed first: nobody else would ever free it."""
+        now = time.monotonic()
+        with self._lock:
+            for c in self.children:
+                if c in self.draining_children or c.respawn is None:
+                    continue
+                if c.proc.poll() is None:
+                    if c.restart_at is None and now - c.started > STABLE_SECONDS:
+                        c.restarts = 0
+                    if c.announced_pid != c.proc.pid and (c.ports() or {}).get("pid") == c.proc.pid:
+                        c.announced_pid = c.proc.pid        # (re)started and serving
+                        self._rewrite_summary()
+                    continue
+                if c.restart_at is None:
+                    delay = min(RESTART_BACKOFF[0] * 2 ** c.restarts, RESTART_BACKOFF[1])
+                    c.restart_at = now + delay
+                    removed = live_segments(c.proc.pid)
+                    for path in removed:
+                        path.unlink(missing_ok=True)
+                    print(f"pdserve: {c.name} (pid {c.proc.pid}) exited with code {c.proc.returncode}; "
+                          f"starting it again in {delay:g} s"
+                          + (f" (restart {c.restarts + 1} in a row)" if c.restarts else "")
+                          + (f"; removed {len(removed)} shared-memory segment(s)" if removed else ""), flush=True)
+                elif now >= c.restart_at:
+                    c.restarts += 1
+                    try:
+                        c.proc = c.respawn()
+                    except (OSError, RuntimeError) as exc:
+                        c.restart_at = now + min(RESTART_BACKOFF[0] * 2 ** c.restarts, RESTART_BACKOFF[1])
+                        print(f"pdserve: {c.name} could not be started again ({exc}); trying later", flush=True)
+                        continue
+                    c.started, c.restart_at = now, None
+                    print(f"pdserve: {c.name} started again (pid {c.proc.pid})", flush=True)
+
+    def _rewrite_summary(self) -> None:
+        if self._summary is None:
+            return
+        rports, redis = self._summary
+        router = next((c for c in self.children if c.name == "router"), None)
+        rports = {**rports, **((router.ports() or {}) if router else {})}
+        ports = {role: [c.ports() or {} for c in pool] for role, pool in self.pools.items()}
+        self._banner(rports, ports["prefill"], ports["decode"], redis, quiet=True)
+
     def _default_decode_workers(self, cores: int) -> int:
         """One, except aggregated on CPU: a single-threaded worker per core. Each then
         runs its own mixed steps with no OpenMP team to keep in step: one worker with a
@@ -286,7 +357,8 @@ class LocalCluster:
             return max(1, cores)
         return 1
 
-    def _banner(self, r: dict, prefills: list[dict], decodes: list[dict], redis: str | None) -> None:
+    def _banner(self, r: dict, prefills: list[dict], decodes: list[dict], redis: str | None,
+                quiet: bool = False) -> None:
         host = self.settings.host
         summary = {"http": f"http://{host}:{r['http_port']}", "grpc": f"{host}:{r['grpc_port']}",
                    "router_pid": r["pid"], "prefill": prefills[0] if prefills else None, "decode": decodes[0],
@@ -294,9 +366,10 @@ class LocalCluster:
                    "redis_pid": next((c.proc.pid for c in self.children if c.name == "redis"), None)}
         workers = [f"{role} worker pid {w['pid']} (gRPC :{w['grpc_port']}, metrics :{w['metrics_port']})"
                    for role, group in (("prefill", prefills), ("decode", decodes)) for w in group]
-        print(f"pdserve is up: OpenAI-compatible HTTP on http://{host}:{r['http_port']}/v1, "
-              f"gRPC on {host}:{r['grpc_port']}\n  " + "\n  ".join(workers) + "\n  Ctrl-C stops everything.",
-              flush=True)
+        if not quiet:
+            print(f"pdserve is up: OpenAI-compatible HTTP on http://{host}:{r['http_port']}/v1, "
+                  f"gRPC on {host}:{r['grpc_port']}\n  " + "\n  ".join(workers) + "\n  Ctrl-C stops everything.",
+                  flush=True)
         if self.settings.announce_file:
             tmp = Path(self.settings.announce_file + ".tmp")
             tmp.write_text(json.dumps(summary))

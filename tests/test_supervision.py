@@ -1,0 +1,135 @@
+"""A cluster that outlives its parts, with real processes: a decode worker SIGKILLed under
+streaming load (the streams it carried end with an error event and [DONE], every other
+stream completes, `pdserve up` starts it again, and its shared memory is gone), and a
+poisoned call sent straight to a decode worker beside good requests (refused on its own;
+the batch it would have joined goes on)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import threading
+import time
+
+import grpc
+import httpx
+
+from services.engine.kv_cache import live_segments
+from services.rpc import generate_pb2, worker_pb2, worker_pb2_grpc
+from tests.conftest import pid_alive, start_cluster, stop_cluster
+
+TOKENS = 400
+
+
+def stream(http: str, i: int, out: dict) -> None:
+    """One streamed chat completion, recorded as its SSE events (JSON, or "[DONE]")."""
+    events = []
+    body = {"messages": [{"role": "user", "content": f"Tell story number {i} about a lighthouse."}],
+            "max_tokens": TOKENS, "ignore_eos": True, "temperature": 0, "stream": True}
+    try:
+        with httpx.stream("POST", f"{http}/v1/chat/completions", json=body, timeout=300) as r:
+            out[i] = {"status": r.status_code, "events": events}
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    data = line[len("data: "):]
+                    events.append(data if data == "[DONE]" else json.loads(data))
+    except httpx.HTTPError as exc:
+        out[i] = {"status": None, "events": events, "exception": repr(exc)}
+
+
+def decoded_tokens(events: list) -> int:
+    return sum(1 for e in events if isinstance(e, dict) and e.get("choices")
+               and e["choices"][0].get("delta", {}).get("content"))
+
+
+def test_one_dead_decode_worker_fails_only_its_own_streams_and_comes_back(model_dir):
+    c = start_cluster("--prefill", "1", "--decode", "2", "--local-prefill-max-tokens", "0")
+    try:
+        decodes = [w["pid"] for w in c.info["decodes"]]
+        victim = decodes[0]
+        results: dict[int, dict] = {}
+        threads = [threading.Thread(target=stream, args=(c.http, i, results)) for i in range(6)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 120
+        while sum(decoded_tokens(r["events"]) > 5 for r in results.values()) < 6:   # every stream flowing
+            assert time.monotonic() < deadline, "streams did not start"
+            time.sleep(0.1)
+        os.kill(victim, signal.SIGKILL)
+        for t in threads:
+            t.join(300)
+        failed = [r for r in results.values() if any(isinstance(e, dict) and "error" in e for e in r["events"])]
+        done = [r for r in results.values() if r not in failed]
+        assert failed and done, results                     # both workers carried streams
+        for r in results.values():
+            assert r["status"] == 200 and r["events"][-1] == "[DONE]", r
+        for r in done:                                      # the surviving worker's streams are whole
+            finish = [e["choices"][0]["finish_reason"] for e in r["events"]
+                      if isinstance(e, dict) and e.get("choices") and e["choices"][0].get("finish_reason")]
+            assert finish == ["length"] and decoded_tokens(r["events"]) >= TOKENS - 5, r["events"][-3:]
+        for r in failed:                                    # a clear error, nothing after it but [DONE]
+            err = next(e for e in r["events"] if isinstance(e, dict) and "error" in e)
+            assert "unavailable" in err["error"]["message"]
+            assert r["events"].index(err) == len(r["events"]) - 2
+        assert not pid_alive(victim) and live_segments(victim) == []
+        deadline = time.monotonic() + 120                   # `up` starts it again; it serves
+        while True:
+            info = json.loads(open(c.proc.args[c.proc.args.index("--announce-file") + 1]).read())
+            pids = [w.get("pid") for w in info["decodes"]]
+            metrics = httpx.get(f"{c.http}/metrics").text
+            if victim not in pids and 'pdserve_pool_workers{role="decode"} 2.0' in metrics:
+                break
+            assert time.monotonic() < deadline, (pids, c.log_path.read_text()[-2000:])
+            time.sleep(0.5)
+        assert "starting it again" in c.log_path.read_text()
+        assert httpx.get(f"{c.http}/ready").status_code == 200
+        ok = [httpx.post(f"{c.http}/v1/completions", timeout=120,
+                         json={"prompt": f"Count to {n}:", "max_tokens": 4}).status_code for n in range(4)]
+        assert ok == [200] * 4
+    finally:
+        stop_cluster(c)
+
+
+def _decode_call(stub, request_id: str, prompt: list[int], **sampling):
+    sampling = {"max_tokens": 4, "top_p": 1.0, **sampling}
+    req = worker_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, local_prefill=True,
+                                   sampling=generate_pb2.SamplingParams(**sampling), max_tokens=4)
+    return list(stub.Decode(req, timeout=60))
+
+
+def test_a_poisoned_call_to_a_decode_worker_fails_alone(cluster, expected):
+    """NaN temperature and an id past the vocabulary, sent straight to the decode worker
+    while good requests stream through the router next to them: INVALID_ARGUMENT for the
+    bad calls, and the good requests' output is generate's, token for token."""
+    from tests.parity_cases import CASES
+    good = [case for case in CASES if not case.stop][:3]
+    results: dict[str, list[int]] = {}
+
+    def run(case) -> None:
+        r = httpx.post(f"{cluster.http}/v1/chat/completions", timeout=300, json={
+            "messages": case.messages, "max_tokens": case.max_tokens, "temperature": 0, "return_token_ids": True})
+        results[case.name] = r.json()["choices"][0]["token_ids"] if r.status_code == 200 else [r.status_code]
+
+    threads = [threading.Thread(target=run, args=(case,)) for case in good]
+    for t in threads:
+        t.start()
+    with grpc.insecure_channel(cluster.worker_addr("decode")) as ch:
+        stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+        poisons = [("nan-temperature", [1, 2, 3], {"temperature": math.nan}),
+                   ("inf-temperature", [1, 2, 3], {"temperature": math.inf}),
+                   ("nan-top-p", [1, 2, 3], {"top_p": math.nan}),
+                   ("past-vocabulary", [1, 2, 10_000_000], {"temperature": 0})]
+        for name, prompt, sampling in poisons:
+            try:
+                _decode_call(stub, name, prompt, **sampling)
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, exc.details())
+            else:
+                raise AssertionError(f"{name} was accepted")
+    for t in threads:
+        t.join(300)
+    for case in good:
+        assert results[case.name] == expected[case.name].token_ids, case.name
+    s = cluster.wait_idle()
+    assert s.info.free_blocks == s.info.num_blocks
