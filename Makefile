@@ -37,9 +37,9 @@ test: model test-deps
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# soaks and long benchmarks (marked slow)
+# soaks, chaos and long benchmarks (marked slow), and far more fuzzing examples
 test-slow: model test-deps
-	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
+	PDSERVE_FUZZ_EXAMPLES=500 $(BIN)/python -m pytest -m "slow or fuzz" $(PYTEST_ARGS)
 
 # The Helm chart, offline: no Kubernetes API server runs here, so it is linted, rendered
 # and checked against the API's schemas (at the chart's floor, 1.27, and the newest), then
