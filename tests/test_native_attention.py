@@ -204,9 +204,11 @@ def test_bfloat16_prefill_agrees_with_sdpa_whole_and_in_chunks(model_dir, kernel
     fast.prefill(pool, prompt[:100], blocks)
     chunked = fast.prefill(pool, prompt[100:], blocks, start=100)
     pool.close()
+    step = 2.0 ** (torch.floor(torch.log2(reference.abs().max())) - 7)      # bfloat16's spacing at the top logit
     for got in (whole, chunked):
         assert F.cosine_similarity(got, reference, dim=0) > 0.999
-        assert int(got.argmax()) == int(reference.argmax())
+        # the token it would pick is the reference's, or ties with it within two bfloat16 steps
+        assert reference[int(got.argmax())] >= reference.max() - 2 * step
 
 
 def test_decode_refuses_block_tables_the_kernel_would_misread(model_dir, kernel_cache):
