@@ -150,6 +150,8 @@ def _leaked_blocks(info: dict) -> int:
     import grpc
 
     from services.rpc import worker_pb2, worker_pb2_grpc
+    from services.common.security import ClusterSecret
+    credential = ClusterSecret.from_file(info["cluster_secret_file"]).call_metadata()
     leaked = 0
     for role, stub_cls in (("decodes", worker_pb2_grpc.DecodeWorkerStub),
                            ("prefills", worker_pb2_grpc.PrefillWorkerStub)):
@@ -157,7 +159,7 @@ def _leaked_blocks(info: dict) -> int:
             with grpc.insecure_channel(f"127.0.0.1:{w['grpc_port']}") as ch:
                 deadline = time.monotonic() + 60
                 while True:
-                    s = stub_cls(ch).Stats(worker_pb2.InfoRequest(), timeout=10)
+                    s = stub_cls(ch).Stats(worker_pb2.InfoRequest(), timeout=10, metadata=credential)
                     held = s.info.num_blocks - s.info.free_blocks
                     if held == 0 or time.monotonic() > deadline:
                         break

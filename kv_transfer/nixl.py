@@ -65,6 +65,39 @@ class _Region:
         return (np.uint64(self.base) + blocks * np.uint64(self.block_bytes)).reshape(-1)
 
 
+def interfaces_of(host: str) -> list[str]:
+    """The network interfaces that own `host`'s address ([] for a wildcard or an address
+    no interface has)."""
+    import ipaddress
+    import socket
+
+    import psutil
+    try:
+        address = ipaddress.ip_address(socket.gethostbyname(host))
+    except (OSError, ValueError):
+        return []
+    if address.is_unspecified:
+        return []
+    return sorted(name for name, addrs in psutil.net_if_addrs().items()
+                  if any(a.family in (socket.AF_INET, socket.AF_INET6) and a.address.split("%")[0] == str(address)
+                         for a in addrs))
+
+
+def confine_ucx(host: str | None) -> None:
+    """UCX listens on every interface it finds unless told otherwise: a worker given
+    --host 127.0.0.1 would still accept KV connections on its external address. Confine
+    UCX's network devices to the interfaces owning `host` (nothing for a wildcard), unless
+    the operator set UCX_NET_DEVICES (RDMA devices, say). UCX reads it when the agent is
+    created, so this runs first; shared-memory transports are not network devices and
+    stay available."""
+    if not host or "UCX_NET_DEVICES" in os.environ:
+        return
+    names = interfaces_of(host)
+    if names:
+        os.environ["UCX_NET_DEVICES"] = ",".join(names)
+        log.info("UCX confined to %s (the interface of %s)", ",".join(names), host)
+
+
 @dataclass(frozen=True)
 class _Peer:
     agent: str
@@ -81,7 +114,9 @@ def _region(pool: KVPoolMemory) -> _Region:
 class NixlTransport:
     name: ClassVar[str] = "nixl"
 
-    def __init__(self, progress_interval: float = 0.01, backends: Sequence[str] = ("UCX",)) -> None:
+    def __init__(self, progress_interval: float = 0.01, backends: Sequence[str] = ("UCX",),
+                 host: str | None = None) -> None:
+        confine_ucx(host)
         self._agent_name = f"pdserve-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         # No progress thread (busy-spins), no listener (metadata goes over pdserve's channel).
         config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=list(backends))

@@ -66,7 +66,8 @@ def _autoscaler_settings(a, actuator: str, redis: str | None) -> AutoscalerSetti
                               prefill_deployment=getattr(a, "prefill_deployment", None),
                               decode_deployment=getattr(a, "decode_deployment", None),
                               kubeconfig=getattr(a, "kubeconfig", None), host=a.host,
-                              metrics_port=getattr(a, "metrics_port", None), log_level=a.log_level)
+                              metrics_port=getattr(a, "metrics_port", None), log_level=a.log_level,
+                              cluster_secret_file=getattr(a, "cluster_secret_file", None))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -88,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="default: in-cluster credentials, else ~/.kube/config")
     scaler.add_argument("--host", default="127.0.0.1", help="address of its /metrics and /healthz")
     scaler.add_argument("--metrics-port", type=int, default=None, help="serve /metrics and /healthz here")
+    scaler.add_argument("--cluster-secret-file", default=None, metavar="FILE",
+                        help="the cluster secret the workers and routers share: the registry's records are "
+                             "signed with it, and unsigned ones ignored")
     scaler.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     _autoscaling_args(scaler)
 

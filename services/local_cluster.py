@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from services.autoscaler.settings import AutoscalerSettings
+from services.common.security import ClusterSecret, new_secret_file, read_api_keys, redact_url
 from services.common.settings import ClusterSettings, WorkerSettings, to_argv
 from services.engine.kv_cache import live_segments
 
@@ -132,8 +133,13 @@ class LocalCluster:
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
 
+        # The registry URL may carry a password: it travels in the environment, which
+        # other users cannot read, not on the command line, which they can.
+        if getattr(settings, "redis", None):
+            env["PDSERVE_REDIS"] = settings.redis
+
         def popen(settings=settings) -> subprocess.Popen:
-            argv = to_argv(replace(settings, announce_file=str(announce)))
+            argv = to_argv(replace(settings, announce_file=str(announce)), skip=("redis",))
             return subprocess.Popen([sys.executable, "-m", "services.cli", command, *argv], env=env,
                                     preexec_fn=_child_setup(cpus))
         child = Child(name, popen(), announce)
@@ -187,7 +193,7 @@ class LocalCluster:
         settings = replace(self.autoscaling, redis=redis)
 
         async def run() -> None:
-            registry = RedisRegistry(redis)
+            registry = RedisRegistry(redis, secret=ClusterSecret.from_file(str(self.workdir / "cluster-secret")))
             scaler = Autoscaler(settings, registry, LocalActuator(self), announce=self._announce_change)
             try:
                 await scaler.run(self._scaler_stop)
@@ -211,10 +217,20 @@ class LocalCluster:
                 self.children.remove(c)
                 print(f"pdserve: {c.name} drained and stopped (exit code {c.proc.returncode})", flush=True)
 
+    def _api_keys(self) -> dict:
+        """The router's keys in one file only its owner reads, not in its argv."""
+        keys = read_api_keys(self.settings.api_key, self.settings.api_key_file)
+        if not keys:
+            return {}
+        path = self.workdir / "api-keys"
+        path.touch(mode=0o600)
+        path.write_text("\n".join(keys) + "\n")
+        return {"api_key": [], "api_key_file": str(path)}
+
     def _registry(self) -> str | None:
         """The registry URL the services share, or None for static addresses."""
         if self.settings.redis:
-            print(f"pdserve: registry: {self.settings.redis}", flush=True)
+            print(f"pdserve: registry: {redact_url(self.settings.redis)}", flush=True)
             return self.settings.redis
         started = start_private_redis(self.workdir)
         if started is None:
@@ -274,7 +290,9 @@ class LocalCluster:
             redis = self._registry()
             if self.autoscaling and not redis:
                 raise RuntimeError("--autoscale needs the Redis registry: install redis-server or pass --redis")
-            self._workers = {role: s.worker(role, threads=self._threads, redis=redis) for role in ("decode", "prefill")}
+            secret = str(new_secret_file(self.workdir / "cluster-secret"))
+            self._workers = {role: s.worker(role, threads=self._threads, redis=redis, cluster_secret_file=secret)
+                             for role in ("decode", "prefill")}
             decodes = [self._spawn_worker("decode", pins[i]) for i in range(num_decode)]
             prefills = [self._spawn_worker("prefill", pins[num_decode + i]) for i in range(num_prefill)]
             print(f"pdserve: {s.mode}: {num_decode} decode + {num_prefill} prefill worker(s), {self._threads} torch "
@@ -283,7 +301,8 @@ class LocalCluster:
             dports, pports = ports[:len(decodes)], ports[len(decodes):]
             static = {} if redis else {"decode": [f"127.0.0.1:{w['grpc_port']}" for w in dports],
                                        "prefill": [f"127.0.0.1:{w['grpc_port']}" for w in pports]}
-            router = self._spawn("router", "router", s.router(redis=redis, **static), 1)
+            router = self._spawn("router", "router", s.router(redis=redis, cluster_secret_file=secret,
+                                                              **self._api_keys(), **static), 1)
             (rports,) = self._wait_ready([router])
             self._banner(rports, pports, dports, redis)
             if self.autoscaling:
@@ -363,6 +382,7 @@ class LocalCluster:
         summary = {"http": f"http://{host}:{r['http_port']}", "grpc": f"{host}:{r['grpc_port']}",
                    "router_pid": r["pid"], "prefill": prefills[0] if prefills else None, "decode": decodes[0],
                    "prefills": prefills, "decodes": decodes, "redis": redis,
+                   "cluster_secret_file": str(self.workdir / "cluster-secret"),
                    "redis_pid": next((c.proc.pid for c in self.children if c.name == "redis"), None)}
         workers = [f"{role} worker pid {w['pid']} (gRPC :{w['grpc_port']}, metrics :{w['metrics_port']})"
                    for role, group in (("prefill", prefills), ("decode", decodes)) for w in group]

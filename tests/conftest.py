@@ -2,6 +2,7 @@
 processes, started once per test session in float32 for token-exact parity."""
 from __future__ import annotations
 
+import collections
 import json
 import os
 import shutil
@@ -35,10 +36,44 @@ def expected(model_dir):
     return generate_expected(model_dir)
 
 
-def worker_stats(address: str, role: str) -> worker_pb2.WorkerStats:
-    with grpc.insecure_channel(address) as ch:
-        stub = (worker_pb2_grpc.DecodeWorkerStub if role == "decode" else worker_pb2_grpc.PrefillWorkerStub)(ch)
-        return stub.Stats(worker_pb2.InfoRequest(), timeout=10)
+class _Details(collections.namedtuple("_Details", ("method", "timeout", "metadata", "credentials",
+                                                   "wait_for_ready", "compression")), grpc.ClientCallDetails):
+    pass
+
+
+class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Puts a bearer credential on every call, as the router does on its calls to workers."""
+
+    def __init__(self, metadata) -> None:
+        self.metadata = tuple(metadata)
+
+    def _details(self, d):
+        return _Details(d.method, d.timeout, (*(d.metadata or ()), *self.metadata), d.credentials,
+                        d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+
+def worker_channel(address: str, secret_file: str | None = None) -> grpc.Channel:
+    """A channel to a worker carrying the cluster's credential (none: a stranger's)."""
+    ch = grpc.insecure_channel(address)
+    if secret_file is None:
+        return ch
+    from services.common.security import ClusterSecret
+    return grpc.intercept_channel(ch, _Bearer(ClusterSecret.from_file(secret_file).call_metadata()))
+
+
+def worker_stub(ch: grpc.Channel, role: str):
+    return (worker_pb2_grpc.DecodeWorkerStub if role == "decode" else worker_pb2_grpc.PrefillWorkerStub)(ch)
+
+
+def worker_stats(address: str, role: str, secret_file: str | None = None) -> worker_pb2.WorkerStats:
+    with worker_channel(address, secret_file) as ch:
+        return worker_stub(ch, role).Stats(worker_pb2.InfoRequest(), timeout=10)
 
 
 def wait_decode_idle(stats, timeout: float) -> worker_pb2.WorkerStats:
@@ -70,11 +105,18 @@ class RunningCluster:
     def worker_addr(self, role: str) -> str:
         return f"127.0.0.1:{self.info[role]['grpc_port']}"
 
+    @property
+    def secret_file(self) -> str:
+        return self.info["cluster_secret_file"]
+
+    def worker_channel(self, role: str) -> grpc.Channel:
+        return worker_channel(self.worker_addr(role), self.secret_file)
+
     def metrics_url(self, role: str) -> str:
         return f"http://127.0.0.1:{self.info[role]['metrics_port']}/metrics"
 
     def stats(self, role: str) -> worker_pb2.WorkerStats:
-        return worker_stats(self.worker_addr(role), role)
+        return worker_stats(self.worker_addr(role), role, self.secret_file)
 
     def wait_idle(self, timeout: float = 30.0) -> worker_pb2.WorkerStats:
         return wait_decode_idle(self.stats, timeout)
@@ -163,8 +205,11 @@ class Services:
     any of them (on the same port, as a supervisor would)."""
 
     def __init__(self, dtype: str = "float32", transport: str = "auto") -> None:
+        from services.common.security import new_secret_file
         self.tmp = Path(tempfile.mkdtemp(prefix="pdserve-svc-"))
-        self.common = ["--dtype", dtype, "--threads", "1", "--kv-transport", transport, "--log-level", "warning"]
+        self.secret_file = str(new_secret_file(self.tmp / "cluster-secret"))
+        self.common = ["--dtype", dtype, "--threads", "1", "--kv-transport", transport, "--log-level", "warning",
+                       "--cluster-secret-file", self.secret_file]
         self.ports = {"decode": free_port(), "prefill": free_port()}
         self.procs: dict[str, subprocess.Popen] = {}
         self.info: dict[str, dict] = {}
@@ -181,6 +226,7 @@ class Services:
 
     def start_router(self, *extra: str) -> dict:
         return self._spawn("router", ["--http-port", "0", "--grpc-port", "0", "--log-level", "warning",
+                                      "--cluster-secret-file", self.secret_file,
                                       "--local-prefill-max-tokens", "0", "--decode", self.addr("decode"),
                                       "--prefill", self.addr("prefill"), *extra])
 
@@ -203,7 +249,10 @@ class Services:
         proc.wait(timeout=30)
 
     def stats(self, role: str) -> worker_pb2.WorkerStats:
-        return worker_stats(self.addr(role), role)
+        return worker_stats(self.addr(role), role, self.secret_file)
+
+    def channel(self, role: str) -> grpc.Channel:
+        return worker_channel(self.addr(role), self.secret_file)
 
     def wait_idle(self, timeout: float = 30.0) -> worker_pb2.WorkerStats:
         return wait_decode_idle(self.stats, timeout)

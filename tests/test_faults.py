@@ -97,7 +97,7 @@ def test_dropped_transfers_fall_back_and_answers_stay_correct(svc):
 
 
 def test_a_lapsed_lease_returns_the_blocks(svc):
-    with grpc.insecure_channel(svc.addr("decode")) as ch:
+    with svc.channel("decode") as ch:
         stub = worker_pb2_grpc.DecodeWorkerStub(ch)
         total = stub.Info(worker_pb2.InfoRequest()).num_blocks
         h = stub.Reserve(worker_pb2.ReserveRequest(request_id="orphan", num_prompt_tokens=100, lease_seconds=0.5))
@@ -144,12 +144,12 @@ def test_killing_the_decode_worker_mid_stream_ends_the_stream_with_an_error(svc)
 
 
 def test_a_handle_from_before_a_restart_is_refused(svc):
-    with grpc.insecure_channel(svc.addr("decode")) as ch:
+    with svc.channel("decode") as ch:
         old = worker_pb2_grpc.DecodeWorkerStub(ch).Reserve(
             worker_pb2.ReserveRequest(request_id="stale", num_prompt_tokens=40, lease_seconds=60))
     svc.kill("decode")
     svc.start_worker("decode")
-    with grpc.insecure_channel(svc.addr("decode")) as ch:
+    with svc.channel("decode") as ch:
         stub = worker_pb2_grpc.DecodeWorkerStub(ch)
         info = stub.Info(worker_pb2.InfoRequest())
         assert info.epoch != old.epoch
@@ -160,7 +160,7 @@ def test_a_handle_from_before_a_restart_is_refused(svc):
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "stale" in e.value.details()
         assert not stub.Release(worker_pb2.ReleaseRequest(request_id="stale", epoch=old.epoch)).released
     # a prefill worker handed the old handle cannot reach the old memory: a clear error, no write
-    with grpc.insecure_channel(svc.addr("prefill")) as ch:
+    with svc.channel("prefill") as ch:
         with pytest.raises(grpc.RpcError) as e:
             worker_pb2_grpc.PrefillWorkerStub(ch).Prefill(worker_pb2.PrefillRequest(
                 request_id="stale", prompt_token_ids=[1] * 40, sampling=_sampling(), handle=old), timeout=30)

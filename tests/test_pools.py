@@ -17,8 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from services.common.security import ClusterSecret, new_secret_file
 from services.local_cluster import start_private_redis
-from tests.conftest import spawn_service, terminate, worker_stats
+from tests.conftest import free_port, spawn_service, terminate, worker_stats
 from tests.parity_cases import CASES
 
 TTL = 2.0
@@ -34,11 +35,13 @@ class Pools:
     def __init__(self) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="pdserve-pools-"))
         self.redis, self.url = start_private_redis(self.tmp)
+        self.secret_file = str(new_secret_file(self.tmp / "cluster-secret"))
         self.procs: dict[str, subprocess.Popen] = {}
         self.info: dict[str, dict] = {}
 
     def spawn(self, name: str, *argv: str) -> dict:
-        argv = [*argv, "--redis", self.url, "--registry-ttl", str(TTL), "--log-level", "warning"]
+        argv = [*argv, "--redis", self.url, "--registry-ttl", str(TTL), "--log-level", "warning",
+                "--cluster-secret-file", self.secret_file]
         self.procs[name], self.info[name] = spawn_service(self.tmp, name, name.split("-")[0], argv)
         return self.info[name]
 
@@ -61,7 +64,11 @@ class Pools:
         return f"127.0.0.1:{self.info[name]['grpc_port']}"
 
     def stats(self, name: str):
-        return worker_stats(self.addr(name), name.split("-")[0])
+        return worker_stats(self.addr(name), name.split("-")[0], self.secret_file)
+
+    def id(self, name: str) -> str:
+        """How responses name the worker: role-epoch (addresses stay in logs and metrics)."""
+        return f"{name.split('-')[0]}-{self.stats(name).info.epoch}"
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs.pop(name)
@@ -108,7 +115,8 @@ def test_workers_register_with_epoch_address_and_capacity(pools):
     from services.rpc import worker_pb2
     keys = sorted(k.decode() for k in r.keys("pdserve:worker:*"))
     assert len(keys) == 4 and sum(":decode:" in k for k in keys) == 2
-    records = [worker_pb2.WorkerInfo.FromString(r.get(k)) for k in keys]
+    secret = ClusterSecret.from_file(pools.secret_file)
+    records = [worker_pb2.WorkerInfo.FromString(secret.open(r.get(k))) for k in keys]
     assert {x.address for x in records} == {pools.addr(n) for n in ("decode-0", "decode-1", "prefill-0", "prefill-1")}
     assert all(x.epoch in k for x, k in zip(records, keys))
     assert all(x.num_blocks > 0 and x.compat_hash for x in records)
@@ -133,7 +141,7 @@ def test_parity_across_two_prefill_and_two_decode_workers(pools, expected):
         assert r.json()["choices"][0]["token_ids"] == exp.token_ids, case.name
         assert route(r)["decision"] == "remote"
         used.add(route(r)["decode"])
-    assert used == {pools.addr("decode-0"), pools.addr("decode-1")}
+    assert used == {pools.id("decode-0"), pools.id("decode-1")}
     wait_pools_idle(pools, ("decode-0", "decode-1"))
 
 
@@ -152,7 +160,8 @@ def test_shared_prefix_goes_to_the_worker_holding_it(pools):
     on_holder = [x for x in later if x["prefill"] == holder and int(x["cached_tokens"]) == 1024]
     assert len(on_holder) >= 0.9 * len(later), routes
     metrics = httpx.get(f"{pools.http}/metrics").text
-    assert f'pdserve_routed_requests_total{{role="prefill",worker="{holder}"}}' in metrics
+    holder_addr = next(pools.addr(n) for n in ("prefill-0", "prefill-1") if pools.id(n) == holder)
+    assert f'pdserve_routed_requests_total{{role="prefill",worker="{holder_addr}"}}' in metrics
     assert "pdserve_prefix_cached_tokens_total" in metrics
     computed = sum(pools.stats(n).prompt_tokens_computed - before[n] for n in before)
     assert computed <= 1088 + 10 * 64 + 64, computed          # the prefix ran (about) once
@@ -181,7 +190,7 @@ def test_sigterm_drains_a_decode_worker_without_failing_its_requests(pools):
     pools.worker("decode-2")
     r = redis.Redis.from_url(pools.url)
     deadline = time.monotonic() + 10
-    while pools.addr("decode-2") not in {
+    while pools.id("decode-2") not in {
             route(httpx.post(f"{pools.http}/v1/completions", json={"prompt": "x", "max_tokens": 1}))["decode"]
             for _ in range(3)}:
         assert time.monotonic() < deadline, "the third decode worker never got traffic"
@@ -218,7 +227,7 @@ def test_sigterm_drains_a_decode_worker_without_failing_its_requests(pools):
 
 def test_killed_decode_worker_leaves_and_its_restart_rejoins(pools):
     victim = "decode-1"
-    old_addr = pools.addr(victim)
+    old_id = pools.id(victim)
 
     async def stream(client, i):
         body = {"prompt": f"Write a long list of animals, number {i}:", "max_tokens": 60, "ignore_eos": True,
@@ -250,15 +259,15 @@ def test_killed_decode_worker_leaves_and_its_restart_rejoins(pools):
     for i in range(6):
         r = httpx.post(f"{pools.http}/v1/completions", timeout=120, json={"prompt": f"Hello {i}", "max_tokens": 4})
         assert r.status_code == 200, r.text
-        assert route(r)["decode"] != old_addr
+        assert route(r)["decode"] != old_id
     assert time.monotonic() - t0 < 60
 
     info = pools.worker(victim)                         # a new process: a new epoch
-    new_addr = pools.addr(victim)
+    new_id = pools.id(victim)
     deadline = time.monotonic() + 10 * TTL
     seen = set()
-    while new_addr not in seen:
-        assert time.monotonic() < deadline, f"restarted worker {new_addr} got no traffic: {seen}"
+    while new_id not in seen:
+        assert time.monotonic() < deadline, f"restarted worker {new_id} got no traffic: {seen}"
         rs = [httpx.post(f"{pools.http}/v1/completions", timeout=120,
                          json={"prompt": f"Hi {i}", "max_tokens": 2}) for i in range(3)]
         assert all(r.status_code == 200 for r in rs)
@@ -267,3 +276,45 @@ def test_killed_decode_worker_leaves_and_its_restart_rejoins(pools):
     wait_pools_idle(pools, ("decode-0", "decode-1"))
     metrics = httpx.get(f"{pools.http}/metrics").text
     assert 'pdserve_pool_workers{role="decode"} 2.0' in metrics
+
+
+def _pool_size(url: str, role: str) -> float:
+    line = next(x for x in httpx.get(f"{url}/metrics").text.splitlines()
+                if x.startswith(f'pdserve_pool_workers{{role="{role}"}}'))
+    return float(line.split()[-1])
+
+
+def test_a_rogue_registration_is_never_routed(pools):
+    """Records written straight to Redis for a 'decode worker' at an address of the
+    writer's choosing, unsigned and signed with another secret, copying a real worker's
+    record with a pool of free blocks that would win every pick: the router ignores both,
+    and every request goes to the real workers. The same record signed with the
+    cluster's secret does join (the check, not the record, keeps it out)."""
+    import redis
+    r = redis.Redis.from_url(pools.url)
+    real = {pools.id("decode-0"), pools.id("decode-1")}
+    info = pools.stats("decode-0").info
+    info.epoch, info.address = "rogue", f"127.0.0.1:{free_port()}"
+    info.num_blocks = info.free_blocks = 1 << 30
+    info.running = info.waiting = 0
+    payload = info.SerializeToString()
+    forged = {"pdserve:worker:decode:rogue-unsigned": payload,
+              "pdserve:worker:decode:rogue-other-secret": ClusterSecret.from_bytes(b"not the cluster's" * 2).sign(payload)}
+    for key, value in forged.items():
+        r.set(key, value, px=int(60_000))
+    time.sleep(3 * TTL)                                   # several refreshes
+    assert _pool_size(pools.http, "decode") == 2
+    for i in range(4):
+        resp = httpx.post(f"{pools.http}/v1/completions", timeout=120, json={"prompt": f"Hi {i}", "max_tokens": 2})
+        assert resp.status_code == 200 and route(resp)["decode"] in real, resp.text
+    r.delete(*forged)
+
+    r.set("pdserve:worker:decode:rogue", ClusterSecret.from_file(pools.secret_file).sign(payload), px=60_000)
+    deadline = time.monotonic() + 10 * TTL
+    while _pool_size(pools.http, "decode") != 3:
+        assert time.monotonic() < deadline, "a record signed with the cluster's secret never joined"
+        time.sleep(0.2)
+    r.delete("pdserve:worker:decode:rogue")
+    while _pool_size(pools.http, "decode") != 2:
+        assert time.monotonic() < deadline + 10 * TTL, "the deleted record never left"
+        time.sleep(0.2)

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from services.ray_cluster import parse_counts, placement
-from tests.conftest import ROOT
+from tests.conftest import ROOT, worker_stats
 from tests.parity_cases import CASES
 
 START_TIMEOUT = 240
@@ -103,6 +103,11 @@ async def _burst(http: str, n: int) -> list[httpx.Response]:
             "prompt": f"Tell me about the number {i}.", "max_tokens": 8, "ignore_eos": True}) for i in range(n)))
 
 
+def _decode_id(worker: dict) -> str:
+    """How responses name a decode worker: by id (role-epoch), not by address."""
+    return f"decode-{worker_stats(worker['address'], 'decode').info.epoch}"
+
+
 @needs_redis
 def test_actors_serve_with_greedy_parity(expected, ray_up):
     assert ray_up.info["ray_started"] and ray_up.info["ray_address"].startswith("127.0.0.1:")
@@ -118,7 +123,7 @@ def test_actors_serve_with_greedy_parity(expected, ray_up):
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == expected[case.name].token_ids, case.name
         assert route(r)["decision"] == "remote"
-        assert route(r)["decode"] == ray_up.info["decodes"][0]["address"]
+        assert route(r)["decode"] == _decode_id(ray_up.info["decodes"][0])
 
 
 @needs_redis
@@ -132,7 +137,7 @@ def test_scale_decode_out_and_back_in_without_failed_requests(ray_up):
             seen.add(route(r)["decode"])
         if len(seen) == 2:
             break
-    assert len(seen) == 2 and ray_up.info["decodes"][0]["address"] in seen, seen
+    assert len(seen) == 2 and _decode_id(ray_up.info["decodes"][0]) in seen, seen
 
     codes, done = [], threading.Event()
 
@@ -157,7 +162,7 @@ def test_scale_decode_out_and_back_in_without_failed_requests(ray_up):
     assert codes and set(codes) == {200}, codes
     assert ray_up.registered("decode") == 1
     after = [route(r)["decode"] for r in asyncio.run(_burst(ray_up.http, 3))]
-    assert set(after) == {ray_up.info["decodes"][0]["address"]}
+    assert set(after) == {_decode_id(ray_up.info["decodes"][0])}
 
 
 @needs_redis

@@ -114,7 +114,7 @@ def test_a_poisoned_call_to_a_decode_worker_fails_alone(cluster, expected):
     threads = [threading.Thread(target=run, args=(case,)) for case in good]
     for t in threads:
         t.start()
-    with grpc.insecure_channel(cluster.worker_addr("decode")) as ch:
+    with cluster.worker_channel("decode") as ch:
         stub = worker_pb2_grpc.DecodeWorkerStub(ch)
         poisons = [("nan-temperature", [1, 2, 3], {"temperature": math.nan}),
                    ("inf-temperature", [1, 2, 3], {"temperature": math.inf}),

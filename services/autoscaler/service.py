@@ -33,6 +33,7 @@ from services.autoscaler.core import ROLES, Decision, Limits, Planner, PoolBound
     WorkerSample, choose_victims
 from services.common.histograms import EMPTY, LATENCY_BOUNDS, BusyFraction, CumulativeDeltas, merge
 from services.common.registry import RedisRegistry
+from services.common.security import ClusterSecret
 from services.autoscaler.settings import AutoscalerSettings
 from services.rpc import autoscaler_pb2
 
@@ -158,7 +159,7 @@ class Autoscaler:
         try:
             await self.registry.publish_autoscaler(status, ttl=3 * self.settings.interval + 10)
         except Exception as exc:
-            log.warning("cannot publish the autoscaler's status to %s: %s", self.settings.redis, exc)
+            log.warning("cannot publish the autoscaler's status to %s: %s", self.registry.where, exc)
 
     def healthy(self) -> bool:
         return time.monotonic() - self.last_tick < 3 * self.settings.interval + 30
@@ -227,7 +228,7 @@ def build_actuator(settings: AutoscalerSettings) -> Actuator:
 async def serve(settings: AutoscalerSettings) -> None:
     """`pdserve autoscaler`: until SIGTERM or SIGINT."""
     from services.common.lifecycle import stop_event_on_signals
-    registry = RedisRegistry(settings.redis)
+    registry = RedisRegistry(settings.redis, secret=ClusterSecret.from_file(settings.cluster_secret_file))
     autoscaler = Autoscaler(settings, registry, build_actuator(settings))
     server = None
     if settings.metrics_port is not None:

@@ -21,6 +21,7 @@ class AutoscalerSettings:
     kubeconfig: str | None = None       # None: in-cluster credentials, else ~/.kube/config
     host: str = "127.0.0.1"
     metrics_port: int | None = None     # its own /metrics and /healthz; None: not served
+    cluster_secret_file: str | None = None  # registry records are signed with it, and checked
     log_level: str = "info"
 
     def __post_init__(self) -> None:

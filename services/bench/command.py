@@ -6,7 +6,7 @@ import asyncio
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -49,6 +49,7 @@ class BenchSettings:
     slo_ttft_ms: float | None = None
     slo_itl_ms: float | None = None
     request_timeout: float = 600.0
+    api_key: str | None = field(default=None, repr=False)   # sent as a bearer token; never written out
     label: str | None = None
     json: str | None = None
     plot: str | None = None
@@ -129,6 +130,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a JSON object merged into every request body, for a server's own options")
     e.add_argument("--temperature", type=float, default=d.temperature)
     e.add_argument("--request-timeout", type=float, default=d.request_timeout, help="seconds per request")
+    e.add_argument("--api-key", default=None, metavar="KEY",
+                   help="sent as Authorization: Bearer KEY (or set PDSERVE_API_KEY)")
 
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default=d.workload, choices=WORKLOADS,
@@ -184,7 +187,8 @@ async def _measure(s: BenchSettings, requests: list[BenchRequest], warm: list[Be
     limits = httpx.Limits(max_connections=slots, max_keepalive_connections=slots)
     timeout = httpx.Timeout(s.request_timeout, connect=30.0, pool=None)
     base = normalize_base_url(s.base_url)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else None
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
         model = s.model or await first_model(client, base)
         endpoint = Endpoint(base, model, s.endpoint, s.ignore_eos, s.temperature, s.request_timeout,
                             s.extra_body_fields())
@@ -233,7 +237,7 @@ def bench(s: BenchSettings) -> int:
             f"({model}, {s.endpoint})"
     print(format_summary(summary, title, s.slo_note()))
     if s.json:
-        config = {**asdict(s), "model": model, "tokenizer": str(s.tokenizer or _default_model_name()),
+        config = {**{k: v for k, v in asdict(s).items() if k != "api_key"}, "model": model, "tokenizer": str(s.tokenizer or _default_model_name()),
                   "request_rate": "inf" if math.isinf(s.request_rate) else s.request_rate,
                   "workload_description": str(workload), "load_description": str(s.load_shape()),
                   "slo_description": s.slo_note(), "started_at": started_at}

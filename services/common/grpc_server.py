@@ -1,4 +1,5 @@
-"""A gRPC aio server with what every pdserve service serves: health and reflection."""
+"""A gRPC aio server with what every pdserve service serves: health and reflection; and
+the channel every internal client dials with (credentials in services/common/security.py)."""
 from __future__ import annotations
 
 import grpc
@@ -15,16 +16,20 @@ CHANNEL_OPTIONS = [
 class ServiceHost:
     """Builds the server; `serving()` flips health to SERVING once the service is ready."""
 
-    def __init__(self, service_names: list[str]) -> None:
-        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    def __init__(self, service_names: list[str], interceptors: list | None = None) -> None:
+        self.server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors or None)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._names = service_names
         reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME],
                                             self.server)
 
-    def bind(self, host: str, port: int) -> int:
-        bound = self.server.add_insecure_port(f"{host}:{port}")
+    def bind(self, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> int:
+        address = f"{host}:{port}"
+        if credentials is None:
+            bound = self.server.add_insecure_port(address)
+        else:
+            bound = self.server.add_secure_port(address, credentials)
         if bound == 0:
             raise OSError(f"cannot bind gRPC on {host}:{port}")
         return bound
@@ -35,5 +40,11 @@ class ServiceHost:
             await self.health.set(name, status)
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def channel(address: str, credentials: grpc.ChannelCredentials | None = None, server_name: str | None = None,
+            interceptors: list | None = None) -> grpc.aio.Channel:
+    """A channel to `address`: plaintext, or TLS with `credentials` (`server_name`: the
+    name the peer's certificate carries, when it is dialled by IP)."""
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
+    options = CHANNEL_OPTIONS + ([("grpc.ssl_target_name_override", server_name)] if server_name else [])
+    return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)

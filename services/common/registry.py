@@ -13,6 +13,11 @@ stops heartbeating (killed, hung, cut off) drops out of every router within the 
 The key carries the epoch, which changes on every start: a restarted worker is a new
 record, never a stale one reused. Graceful shutdown deletes the record first, before
 the worker stops taking requests. Routers read all records each refresh.
+
+With a cluster secret (services/common/security.py) every record is signed and a reader
+drops, with a warning, any record that is unsigned or signed with another secret: being
+able to write to Redis is not enough to be routed users' prompts. The operators' bounds
+hash is the exception (written by hand with redis-cli); Redis's own password guards it.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from typing import Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from services.common.security import ClusterSecret, redact_url
 from services.rpc import autoscaler_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -32,19 +38,31 @@ DEFAULT_TTL = 3.0
 
 
 class RedisRegistry:
-    def __init__(self, url: str, namespace: str = "pdserve", ttl: float = DEFAULT_TTL) -> None:
+    def __init__(self, url: str, namespace: str = "pdserve", ttl: float = DEFAULT_TTL,
+                 secret: ClusterSecret | None = None) -> None:
         if ttl <= 0:
             raise ValueError("the registry TTL must be positive")
         self.url = url
         self.namespace = namespace
         self.ttl = ttl
+        self.secret = secret
+        self._refused: set[bytes] = set()           # keys already warned about
         self._redis = aioredis.from_url(url, socket_timeout=max(1.0, ttl / 2), socket_connect_timeout=2.0)
+
+    @property
+    def where(self) -> str:
+        """The registry's address without its credentials, for logs."""
+        return redact_url(self.url)
+
+    def _seal(self, message) -> bytes:
+        payload = message.SerializeToString()
+        return self.secret.sign(payload) if self.secret else payload
 
     def _key(self, role: str, epoch: str) -> str:
         return f"{self.namespace}:worker:{role}:{epoch}"
 
     async def announce(self, info: worker_pb2.WorkerInfo) -> None:
-        await self._redis.set(self._key(info.role, info.epoch), info.SerializeToString(), px=int(self.ttl * 1000))
+        await self._redis.set(self._key(info.role, info.epoch), self._seal(info), px=int(self.ttl * 1000))
 
     async def withdraw(self, role: str, epoch: str) -> None:
         await self._redis.delete(self._key(role, epoch))
@@ -54,8 +72,7 @@ class RedisRegistry:
 
     # ---- routers <-> autoscaler ----
     async def publish_latency(self, report: autoscaler_pb2.LatencyReport, ttl: float) -> None:
-        await self._redis.set(f"{self.namespace}:latency:{report.router_id}", report.SerializeToString(),
-                              px=int(ttl * 1000))
+        await self._redis.set(f"{self.namespace}:latency:{report.router_id}", self._seal(report), px=int(ttl * 1000))
 
     async def latency_reports(self) -> list[autoscaler_pb2.LatencyReport]:
         return self._parse_all(autoscaler_pb2.LatencyReport, await self._values(f"{self.namespace}:latency:*"))
@@ -63,7 +80,7 @@ class RedisRegistry:
     async def publish_autoscaler(self, status: autoscaler_pb2.AutoscalerStatus, ttl: float) -> None:
         """The tick's status, and one more decision counted per pool by its reason."""
         async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.set(f"{self.namespace}:autoscaler:status", status.SerializeToString(), px=int(ttl * 1000))
+            pipe.set(f"{self.namespace}:autoscaler:status", self._seal(status), px=int(ttl * 1000))
             for pool in status.pools:
                 pipe.hincrby(f"{self.namespace}:autoscaler:decisions", f"{pool.role}:{pool.reason}", 1)
             await pipe.execute()
@@ -76,26 +93,44 @@ class RedisRegistry:
         for key, value in counts.items():
             role, _, reason = key.decode().partition(":")
             decisions[(role, reason)] = int(value)
-        status = self._parse_all(autoscaler_pb2.AutoscalerStatus, [raw] if raw else [])
+        status = self._parse_all(autoscaler_pb2.AutoscalerStatus,
+                                 [(f"{self.namespace}:autoscaler:status".encode(), raw)] if raw else [])
         return (status[0] if status else None), decisions
 
     async def bounds_overrides(self) -> dict[str, str]:
         raw = await self._redis.hgetall(f"{self.namespace}:autoscaler:bounds")
         return {k.decode(): v.decode() for k, v in raw.items()}
 
-    async def _values(self, pattern: str) -> list[bytes]:
+    async def _values(self, pattern: str) -> list[tuple[bytes, bytes]]:
         keys = [k async for k in self._redis.scan_iter(match=pattern, count=500)]
+        if not keys:
+            return []
         # a key may expire between SCAN and MGET
-        return [raw for raw in await self._redis.mget(keys) if raw is not None] if keys else []
+        return [(k, raw) for k, raw in zip(keys, await self._redis.mget(keys)) if raw is not None]
 
-    def _parse_all(self, message_type, raws: list[bytes]) -> list:
+    def _open(self, key: bytes, raw: bytes) -> bytes | None:
+        if self.secret is None:
+            return raw
+        payload = self.secret.open(raw)
+        if payload is None and key not in self._refused:
+            if len(self._refused) > 10_000:
+                self._refused.clear()
+            self._refused.add(key)
+            log.warning("ignoring %s in %s: it is not signed with this cluster's secret", key.decode(errors="replace"),
+                        self.where)
+        return payload
+
+    def _parse_all(self, message_type, records: list[tuple[bytes, bytes]]) -> list:
         out = []
-        for raw in raws:
+        for key, raw in records:
+            payload = self._open(key, raw)
+            if payload is None:
+                continue
             message = message_type()
             try:
-                message.ParseFromString(raw)
+                message.ParseFromString(payload)
             except Exception:                    # protobuf's DecodeError; not ours to trust
-                log.warning("ignoring an unreadable %s record in %s", message_type.__name__, self.url)
+                log.warning("ignoring an unreadable %s record in %s", message_type.__name__, self.where)
                 continue
             out.append(message)
         return out
@@ -128,12 +163,12 @@ class Heartbeat:
         try:
             await self.registry.announce(self.info())
             if self._failing:
-                log.info("registry %s reachable again", self.registry.url)
+                log.info("registry %s reachable again", self.registry.where)
             self._failing = False
         except (RedisError, OSError) as exc:
             if not self._failing:
                 log.warning("cannot reach the registry %s (%s); routers will drop this worker after %.0f s",
-                            self.registry.url, exc, self.registry.ttl)
+                            self.registry.where, exc, self.registry.ttl)
             self._failing = True
 
     async def stop(self) -> None:
@@ -144,5 +179,5 @@ class Heartbeat:
         try:
             await self.registry.withdraw(info.role, info.epoch)
         except (RedisError, OSError) as exc:
-            log.warning("could not deregister from %s: %s", self.registry.url, exc)
+            log.warning("could not deregister from %s: %s", self.registry.where, exc)
         await self.registry.close()

@@ -23,12 +23,17 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from services.common.security import TLSFiles
+
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 KV_TRANSPORTS = ("auto", "shm", "nixl", "tcp")
 ATTENTION_KERNELS = ("auto", "native", "torch")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MODES = ("disaggregated", "aggregated")
 ENV_PREFIX = "PDSERVE_"
+CLUSTER_SECRET_HELP = ("the cluster secret (a file): signs registry records, and every router -> worker call "
+                      "carries a credential derived from it. Without it any caller that reaches a worker "
+                      "can drive it")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
@@ -243,12 +248,21 @@ class WorkerSettings(EngineSettings):
                                          "stops")
     max_lease_seconds: float = setting(300.0, "decode workers: the longest a KV reservation may wait for its "
                                               "writer, whatever the caller asks", roles=("decode",))
+    cluster_secret_file: str | None = setting(None, CLUSTER_SECRET_HELP, metavar="FILE")
+    tls_cert: str | None = setting(None, "serve gRPC over TLS with this certificate (PEM; needs --tls-key)",
+                                   metavar="FILE")
+    tls_key: str | None = setting(None, "the private key of --tls-cert (PEM)", metavar="FILE")
+    tls_ca: str | None = setting(None, "mutual TLS: callers must present a certificate this CA signed (PEM)",
+                                 metavar="FILE")
     fault_drop_transfers: float = setting(0.0, "fault testing: fraction of KV transfers to drop midway",
                                           roles=("prefill",))
     announce_file: str | None = setting(None, argparse.SUPPRESS)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.tls_ca and not self.tls_cert:
+            raise ValueError("--tls-ca (mutual TLS) needs --tls-cert and --tls-key")
+        TLSFiles(self.tls_cert, self.tls_key, self.tls_ca)          # the files exist, in pairs
         if not 0.0 <= self.fault_drop_transfers <= 1.0:
             raise ValueError("--fault-drop-transfers must be in [0, 1]")
         if self.role not in ("prefill", "decode"):
@@ -270,11 +284,15 @@ class WorkerSettings(EngineSettings):
             return self.advertise
         return f"{self.advertise_host}:{bound_port}"
 
+    @property
+    def tls(self) -> TLSFiles:
+        return TLSFiles(self.tls_cert, self.tls_key, self.tls_ca)
+
     def transport_options(self) -> dict[str, dict]:
         # A NIXL writer drives its own transfers when it polls; only the receiving side
         # needs a progress thread (for new writers' handshakes), and a slow one suffices:
         # a faster one costs the forward pass measurable time on a small host.
-        nixl = {"progress_interval": 0.05 if self.role == "decode" else 0.0}
+        nixl = {"progress_interval": 0.05 if self.role == "decode" else 0.0, "host": self.host}
         return {"tcp": {"host": self.host, "advertise": self.advertise_host}, "nixl": nixl}
 
 
@@ -286,8 +304,21 @@ class RoutingSettings:
         512, "prompts up to this size may prefill on the decode worker when the cost model says it is "
              "faster (0: always use a prefill worker)")
     served_model_name: str | None = setting(None, "the model name clients send (default: the model folder's name)")
+    api_key: list[str] = setting(help="an API key clients must send (Authorization: Bearer KEY); repeat for "
+                                      "several. PDSERVE_API_KEY takes a comma-separated list", metavar="KEY",
+                                 factory=list)
+    api_key_file: str | None = setting(None, "API keys, one per line (with --api-key: both are accepted)",
+                                       metavar="FILE")
+    protect_metrics: bool = setting(False, "/metrics needs an API key too (/health and /ready stay open)")
+    allowed_origins: list[str] = setting(help="a web origin allowed to call the API from a browser (CORS); "
+                                              "repeat for several, * for any. Default: none", metavar="ORIGIN",
+                                         factory=list)
+    tls_cert: str | None = setting(None, "serve HTTP and gRPC over TLS with this certificate (PEM; needs "
+                                         "--tls-key)", metavar="FILE")
+    tls_key: str | None = setting(None, "the private key of --tls-cert (PEM)", metavar="FILE")
 
     def __post_init__(self) -> None:
+        TLSFiles(self.tls_cert, self.tls_key)                       # the files exist, in pairs
         if self.local_prefill_max_tokens < 0:
             raise ValueError("--local-prefill-max-tokens must be 0 (always disaggregate) or more")
         if self.max_pending < 1:
@@ -316,14 +347,29 @@ class RouterSettings(RoutingSettings):
     prefill_timeout: float = setting(120.0, "seconds a remote prefill may take; also the KV write lease a "
                                             "reservation asks for")
     max_body_bytes: int = setting(8 * 1024 * 1024, "largest HTTP request body accepted")
+    cluster_secret_file: str | None = setting(None, CLUSTER_SECRET_HELP, metavar="FILE")
+    worker_tls_ca: str | None = setting(None, "reach workers over TLS, verifying their certificates with this CA "
+                                              "(PEM)", metavar="FILE")
+    worker_tls_cert: str | None = setting(None, "mutual TLS to workers: the router's client certificate (PEM)",
+                                          metavar="FILE")
+    worker_tls_key: str | None = setting(None, "the private key of --worker-tls-cert (PEM)", metavar="FILE")
+    worker_tls_server_name: str | None = setting(None, "the name workers' certificates carry, when they are "
+                                                       "dialled by address", metavar="NAME")
     announce_file: str | None = setting(None, argparse.SUPPRESS)
     log_level: str = setting("info", "", choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.worker_tls_cert and not self.worker_tls_ca:
+            raise ValueError("--worker-tls-cert (mutual TLS) needs --worker-tls-ca")
+        TLSFiles(self.worker_tls_cert, self.worker_tls_key, self.worker_tls_ca)
         if not self.redis and (not self.decode or not (self.prefill or self.aggregated)):
             raise ValueError("the router needs --redis, or at least one --decode and one --prefill address "
                              "(or --aggregated)")
+
+    @property
+    def worker_tls(self) -> TLSFiles:
+        return TLSFiles(self.worker_tls_cert, self.worker_tls_key, self.worker_tls_ca)
 
 
 @dataclass(kw_only=True)

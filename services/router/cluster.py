@@ -25,6 +25,7 @@ import grpc
 from services.common.grpc_server import channel
 from services.common.metrics import RouterMetrics
 from services.common.registry import RedisRegistry
+from services.common.security import ClusterSecret, call_interceptors
 from services.common.settings import RouterSettings
 from services.worker.wire import sampling_to_proto
 from services.engine.prefix_cache import block_hashes
@@ -60,6 +61,7 @@ class Worker:
     stub: object = None
     chan: grpc.aio.Channel | None = None
     info: worker_pb2.WorkerInfo | None = None
+    name: str = ""                      # role-epoch: how responses name it (addresses stay in logs, metrics)
     inflight: int = 0                   # requests this router has routed here, unfinished
     decoding: int = 0                   # decode: of those, the ones in its batch now (or prefilling there)
     local_tokens: int = 0               # decode: prompt tokens sent there to prefill, first token not yet back
@@ -73,6 +75,13 @@ class Worker:
     @property
     def healthy(self) -> bool:
         return self.info is not None and time.monotonic() >= self.suspended_until
+
+    def seen(self, info: worker_pb2.WorkerInfo) -> None:
+        self.info, self.name = info, f"{self.role}-{info.epoch}"
+
+    @property
+    def label(self) -> str:
+        return f"{self.role} worker {self.name}" if self.name else f"a {self.role} worker"
 
     def queued_tokens(self) -> int:
         """The worker's reported queue, less what it has answered this router since the
@@ -129,7 +138,12 @@ class Cluster:
         self.settings = settings
         self.tokenizer = tokenizer
         self.metrics = metrics
-        self.registry = RedisRegistry(settings.redis, ttl=settings.registry_ttl) if settings.redis else None
+        self.secret = ClusterSecret.from_file(settings.cluster_secret_file)
+        self.registry = (RedisRegistry(settings.redis, ttl=settings.registry_ttl, secret=self.secret)
+                         if settings.redis else None)
+        tls = settings.worker_tls
+        self._dial = dict(credentials=tls.channel_credentials() if tls.ca else None,
+                          server_name=settings.worker_tls_server_name, interceptors=call_interceptors(self.secret))
         self.decode = [Worker("decode", a) for a in settings.decode]
         self.prefill = [Worker("prefill", a) for a in settings.prefill]
         self.by_epoch: dict[str, Worker] = {}
@@ -143,12 +157,14 @@ class Cluster:
     async def start(self) -> None:
         for w in self.decode + self.prefill:
             self._connect(w)
+        if self.secret is None:
+            log.warning("no --cluster-secret-file: registry records are not checked and calls to workers carry "
+                        "no credential")
         await self.refresh()
         self._refresher = asyncio.create_task(self._refresh_forever())
 
-    @staticmethod
-    def _connect(w: Worker) -> None:
-        w.chan = channel(w.address)
+    def _connect(self, w: Worker) -> None:
+        w.chan = channel(w.address, **self._dial)
         stub = worker_pb2_grpc.DecodeWorkerStub if w.role == "decode" else worker_pb2_grpc.PrefillWorkerStub
         w.stub = stub(w.chan)
 
@@ -191,7 +207,7 @@ class Cluster:
                 return
             if w.info is None or w.info.epoch != info.epoch:
                 log.info("%s worker %s joined (epoch %s)", w.role, w.address, info.epoch)
-            w.info = info
+            w.seen(info)
         await asyncio.gather(*(one(w) for w in self.decode + self.prefill))
 
     async def _refresh_from_registry(self) -> None:
@@ -199,7 +215,7 @@ class Cluster:
         try:
             records = await self.registry.workers()
         except Exception as exc:                 # Redis away: keep routing to what we know
-            log.warning("cannot read the registry %s: %s", self.settings.redis, exc)
+            log.warning("cannot read the registry %s: %s", self.registry.where, exc)
             return
         seen = set()
         await self._exchange_with_autoscaler()
@@ -214,7 +230,7 @@ class Cluster:
                 self.by_epoch[info.epoch] = w
                 (self.decode if w.role == "decode" else self.prefill).append(w)
                 log.info("%s worker %s joined (epoch %s)", w.role, w.address, info.epoch)
-            w.info = info
+            w.seen(info)
         for epoch in [e for e in self.by_epoch if e not in seen]:
             w = self.by_epoch.pop(epoch)
             (self.decode if w.role == "decode" else self.prefill).remove(w)
@@ -227,7 +243,7 @@ class Cluster:
             await self.registry.publish_latency(self.latency.report(set(self.by_epoch)), ttl=3 * self.registry.ttl)
             status, decisions = await self.registry.autoscaler_status()
         except Exception as exc:
-            log.warning("cannot exchange autoscaling data through %s: %s", self.settings.redis, exc)
+            log.warning("cannot exchange autoscaling data through %s: %s", self.registry.where, exc)
             return
         desired = {p.role: p.desired for p in status.pools} if status else {}
         self.metrics.autoscaler.update(desired, decisions)
@@ -337,7 +353,7 @@ class Cluster:
         gen.prefill_worker, gen.prefill_epoch, gen.transport, gen.transport_fallback = "", "", "", False
         gen.kv_bytes = gen.cached_tokens = 0
         decode = self._pick_decode(len(gen.prompt_ids))
-        gen.decode_worker, gen.decode_epoch = decode.address, decode.info.epoch
+        gen.decode_worker, gen.decode_epoch = decode.name, decode.info.epoch
         self.metrics.routed.labels("decode", decode.address).inc()
         decode.inflight += 1
         handle, writer, finished, claimed, local_tokens = None, None, False, None, 0
@@ -419,7 +435,7 @@ class Cluster:
                 raise _worker_error(decode, exc) from None
 
     def _start_prefill(self, prefill: Worker, handle, gen: Generation) -> asyncio.Future:
-        gen.prefill_worker, gen.prefill_epoch = prefill.address, prefill.info.epoch
+        gen.prefill_worker, gen.prefill_epoch = prefill.name, prefill.info.epoch
         self.metrics.routed.labels("prefill", prefill.address).inc()
         n = len(gen.prompt_ids)
         prefill.inflight += 1                 # its tokens were counted when it was planned
@@ -507,21 +523,25 @@ class Cluster:
 
 
 def _worker_error(worker: Worker, exc: grpc.aio.AioRpcError) -> APIError:
+    """The caller's error for a failed worker call. It names the worker by id; its address
+    and gRPC's connection details (which carry addresses) go to the log only."""
     code = exc.code()
+    log.warning("%s worker %s (%s): %s: %s", worker.role, worker.address, worker.name, code.name, exc.details())
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         # Out of routing until a refresh after the registry TTL (or the next Info poll)
         # shows it alive: a killed worker's record outlives it by up to the TTL.
         worker.info = None
         worker.suspended_until = time.monotonic() + worker.suspend_seconds
-        return APIError(503, f"{worker.role} worker {worker.address} is unavailable: {exc.details()}",
-                        type_="service_unavailable", grpc_code="UNAVAILABLE")
+        return APIError(503, f"{worker.label} is unavailable", type_="service_unavailable", grpc_code="UNAVAILABLE")
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-        return APIError(504, f"{worker.role} worker {worker.address} timed out: {exc.details()}",
-                        type_="timeout", grpc_code="DEADLINE_EXCEEDED")
+        return APIError(504, f"{worker.label} timed out", type_="timeout", grpc_code="DEADLINE_EXCEEDED")
     if code is grpc.StatusCode.INVALID_ARGUMENT:
         return APIError(400, exc.details() or "invalid request")
-    return APIError(502, f"{worker.role} worker {worker.address} failed: {code.name}: {exc.details()}",
-                    type_="server_error", grpc_code="INTERNAL")
+    if code is grpc.StatusCode.UNAUTHENTICATED:
+        return APIError(502, f"{worker.label} refused the router's credential (is --cluster-secret-file the same "
+                             "on both?)", type_="server_error", grpc_code="INTERNAL")
+    return APIError(502, f"{worker.label} failed: {code.name}: {exc.details()}", type_="server_error",
+                    grpc_code="INTERNAL")
 
 
 def new_request_id(prefix: str) -> str:

@@ -1,6 +1,11 @@
 """OpenAI-compatible HTTP front end: /v1/chat/completions, /v1/completions, /v1/models,
 plus /health, /ready and /metrics. Requests run as `RunningRequest` tasks (frontend.py),
-so a client that disconnects cancels its request on every worker."""
+so a client that disconnects cancels its request on every worker.
+
+With API keys, every route but /health and /ready (and /metrics, unless protected) needs
+`Authorization: Bearer <key>`. JSON routes take only `Content-Type: application/json`
+bodies: a web page can post a form or text/plain to a server on its visitor's machine
+without asking, but not JSON. CORS is off unless origins are allowed."""
 from __future__ import annotations
 
 import json
@@ -10,9 +15,11 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from services.common.security import KeyCheck
 from services.router.cluster import Generation, new_request_id
 from services.router.frontend import FrontEnd, RunningRequest
 from services.router.protocol import APIError, ChatCompletionRequest, CommonRequest, CompletionRequest, bad_request
@@ -32,7 +39,41 @@ def route_header(gen: Generation) -> dict[str, str]:
     return {"x-pdserve-route": gen.route()}
 
 
+def unauthorized(authorization: str | None) -> APIError:
+    message = ("You didn't provide an API key: send it as Authorization: Bearer YOUR_KEY." if not authorization
+               else "Incorrect API key provided.")
+    return APIError(401, message, code="invalid_api_key", grpc_code="UNAUTHENTICATED",
+                    headers={"WWW-Authenticate": "Bearer"})
+
+
+class RequireAPIKey:
+    """ASGI middleware: refuses requests without an accepted key, but for open paths.
+    Plain ASGI (not BaseHTTPMiddleware): streamed responses and disconnects pass through
+    untouched."""
+
+    def __init__(self, app, keys: KeyCheck, open_paths: frozenset[str]) -> None:
+        self.app = app
+        self.keys = keys
+        self.open_paths = open_paths
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.open_paths or scope["method"] == "OPTIONS":
+            return await self.app(scope, receive, send)
+        authorization = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+        if self.keys.accepts_header(authorization):
+            return await self.app(scope, receive, send)
+        await error_response(unauthorized(authorization))(scope, receive, send)
+
+
+def check_json_content_type(request: Request) -> None:
+    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media != "application/json":
+        raise APIError(415, f"Content-Type must be application/json, not {media or 'missing'}",
+                       code="unsupported_media_type")
+
+
 async def read_json(request: Request, max_bytes: int) -> dict:
+    check_json_content_type(request)
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > max_bytes:
         raise bad_request(f"request body of {declared} bytes exceeds the limit of {max_bytes}", code="body_too_large")
@@ -103,8 +144,16 @@ def _describe_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
     app.openapi = openapi
 
 
-def create_app(fe: FrontEnd, render_metrics) -> FastAPI:
+def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, protect_metrics: bool = False,
+               allowed_origins: list[str] | tuple[str, ...] = ()) -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+    if keys:
+        open_paths = {"/health", "/ready"} | (set() if protect_metrics else {"/metrics"})
+        app.add_middleware(RequireAPIKey, keys=keys, open_paths=frozenset(open_paths))
+    if allowed_origins:                         # outermost: preflights are answered before the key check
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type", "x-request-id"],
+                           expose_headers=["x-pdserve-route"], max_age=600)
     _describe_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest})
 
     @app.exception_handler(APIError)

@@ -10,6 +10,7 @@ import uvicorn
 from services.common.grpc_server import ServiceHost
 from services.common.lifecycle import announce, settle_garbage_collector, stop_event_on_signals
 from services.common.metrics import RouterMetrics
+from services.common.security import KeyCheck, RequireBearer, TLSFiles, read_api_keys
 from services.common.settings import RouterSettings
 from services.engine.model_store import resolve_model
 from services.engine.tokenizer import load_tokenizer
@@ -38,16 +39,19 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     fe = FrontEnd(cluster, tokenizer, settings.served_model_name or model_dir.name,
                   _max_model_len(model_dir, settings.max_model_len), settings.max_body_bytes, settings.request_timeout)
 
-    host = ServiceHost(["pdserve.v1.Generator"])
+    keys = KeyCheck(read_api_keys(settings.api_key, settings.api_key_file))
+    tls = TLSFiles(settings.tls_cert, settings.tls_key)
+    host = ServiceHost(["pdserve.v1.Generator"], [RequireBearer(keys, "API key")] if keys else None)
     generate_pb2_grpc.add_GeneratorServicer_to_server(GeneratorService(fe), host.server)
-    grpc_port = host.bind(settings.host, settings.grpc_port)
+    grpc_port = host.bind(settings.host, settings.grpc_port, tls.server_credentials())
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((settings.host, settings.http_port))
     http_port = sock.getsockname()[1]
-    config = uvicorn.Config(create_app(fe, metrics.render), log_level=settings.log_level.lower(),
-                            timeout_graceful_shutdown=5, access_log=False)
+    app = create_app(fe, metrics.render, keys, settings.protect_metrics, settings.allowed_origins)
+    config = uvicorn.Config(app, log_level=settings.log_level.lower(), timeout_graceful_shutdown=5, access_log=False,
+                            ssl_certfile=settings.tls_cert, ssl_keyfile=settings.tls_key)
     http = uvicorn.Server(config)
     http.install_signal_handlers = lambda: None       # signals are handled below
     if stop is None:
@@ -59,8 +63,9 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     while not http.started and not http_task.done():
         await asyncio.sleep(0.01)
     settle_garbage_collector()
-    log.info("router serving HTTP on http://%s:%d and gRPC on %s:%d (model %s)", settings.host, http_port,
-             settings.host, grpc_port, fe.served_model_name)
+    log.info("router serving HTTP on %s://%s:%d and gRPC%s on %s:%d (model %s; %s)", "https" if tls.cert else "http",
+             settings.host, http_port, " over TLS" if tls.cert else "", settings.host, grpc_port,
+             fe.served_model_name, "API keys required" if keys else "no API key required")
     announce(settings.announce_file, http_port=http_port, grpc_port=grpc_port)
     try:
         await asyncio.wait([asyncio.create_task(stop.wait()), http_task], return_when=asyncio.FIRST_COMPLETED)

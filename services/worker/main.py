@@ -18,6 +18,7 @@ from services.common.lifecycle import (announce, keep_freed_memory, set_torch_th
                                        stop_event_on_signals)
 from services.common.metrics import WorkerMetrics
 from services.common.registry import Heartbeat, RedisRegistry
+from services.common.security import ClusterSecret, KeyCheck, RequireBearer
 from services.common.settings import WorkerSettings
 from services.engine.model_store import resolve_model
 from services.engine.runner import ModelRunner
@@ -93,17 +94,23 @@ async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]
                          max_model_len=settings.max_model_len)
     metrics = WorkerMetrics(settings.role)
     parts = build(settings, runner, eos_token_ids(model_dir), metrics)
-    host = ServiceHost([parts.service_name])
+    secret = ClusterSecret.from_file(settings.cluster_secret_file)
+    host = ServiceHost([parts.service_name],
+                       [RequireBearer(KeyCheck([secret.call_token]), "cluster credential")] if secret else None)
     parts.register(host.server)
-    port = host.bind(settings.host, settings.grpc_port)
+    port = host.bind(settings.host, settings.grpc_port, settings.tls.server_credentials())
     metrics_port = metrics.serve(settings.host, settings.metrics_port)
     if stop is None:
         stop = stop_event_on_signals(asyncio.get_running_loop())
     await host.server.start()
     settle_garbage_collector()
     await host.set_status(True)
-    log.info("%s worker serving gRPC on %s:%d, metrics on :%d; model %s in %s", settings.role, settings.host,
-             port, metrics_port, model_dir.name, runner.describe())
+    log.info("%s worker serving gRPC%s on %s:%d, metrics on :%d; model %s in %s", settings.role,
+             " over TLS" if settings.tls_cert else "", settings.host, port, metrics_port, model_dir.name,
+             runner.describe())
+    if secret is None:
+        log.warning("no --cluster-secret-file: any caller that reaches %s:%d can reserve KV blocks and read "
+                    "prompts", settings.host, port)
     heartbeat = None
     if settings.redis:
         address = settings.advertise_address(port)
@@ -113,9 +120,10 @@ async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]
             info = parts.engine.info()
             info.address, info.started_at = address, started
             return info
-        heartbeat = Heartbeat(RedisRegistry(settings.redis, ttl=settings.registry_ttl), record)
+        registry = RedisRegistry(settings.redis, ttl=settings.registry_ttl, secret=secret)
+        heartbeat = Heartbeat(registry, record)
         await heartbeat.start()
-        log.info("registered in %s as %s %s", settings.redis, settings.role, address)
+        log.info("registered in %s as %s %s", registry.where, settings.role, address)
     announce(settings.announce_file, grpc_port=port, metrics_port=metrics_port)
     try:
         await stop.wait()

@@ -1,0 +1,238 @@
+"""Credentials and TLS: who may call what.
+
+    API keys         clients -> router (HTTP `Authorization: Bearer <key>`, gRPC metadata
+                     `authorization`); several keys, compared in constant time
+    cluster secret   one random secret per cluster, known to the router, the workers and
+                     the autoscaler. Two keys are derived from it, never the secret itself
+                     on the wire:
+                       record key  signs every record written to the registry; a reader
+                                   drops records that are unsigned or signed otherwise,
+                                   so whoever can write to Redis cannot register a worker
+                       call token  a bearer credential on every router -> worker RPC; a
+                                   worker refuses calls without it (UNAUTHENTICATED)
+    TLS              files in PEM: a server's certificate and key; a CA to verify the peer
+                     with (on a worker: clients must then present a certificate, mutual TLS)
+
+The gRPC health and reflection services stay open: probes and tools need them, and they
+carry nothing a caller could misuse.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+MIN_SECRET_BYTES = 16
+RECORD_MAGIC = b"PDS1"
+_DIGEST = hashlib.sha256().digest_size
+OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+def read_secret_file(path: str, what: str) -> bytes:
+    """A secret from a file, stripped; refused when short. A file others can read is
+    only warned about: Kubernetes mounts Secrets with whatever mode the chart set."""
+    p = Path(path)
+    try:
+        data = p.read_bytes().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read the {what} file {path}: {exc.strerror}") from None
+    if len(data) < MIN_SECRET_BYTES:
+        raise ValueError(f"the {what} in {path} is shorter than {MIN_SECRET_BYTES} bytes")
+    if p.stat().st_mode & stat.S_IROTH:
+        log.warning("the %s file %s is readable by every user on this host", what, path)
+    return data
+
+
+def read_api_keys(keys: Iterable[str], key_file: str | None) -> list[str]:
+    """Keys given on the command line and one per line in `key_file` (blank lines and
+    lines starting with # skipped)."""
+    out = [k.strip() for k in keys if k.strip()]
+    if key_file:
+        try:
+            text = Path(key_file).read_text()
+        except OSError as exc:
+            raise ValueError(f"cannot read the API key file {key_file}: {exc.strerror}") from None
+        out += [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+        if not out:
+            raise ValueError(f"the API key file {key_file} holds no key")
+    return out
+
+
+class KeyCheck:
+    """Does a presented bearer credential match one of the accepted ones? Every accepted
+    key is compared, each in constant time, so the answer's timing tells nothing."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self._keys = [hashlib.sha256(k.encode()).digest() for k in keys]
+
+    def __bool__(self) -> bool:
+        return bool(self._keys)
+
+    def accepts(self, presented: str | None) -> bool:
+        digest = hashlib.sha256((presented or "").encode()).digest()
+        ok = False
+        for key in self._keys:
+            ok |= hmac.compare_digest(key, digest)
+        return ok and presented is not None
+
+    def accepts_header(self, authorization: str | None) -> bool:
+        return self.accepts(bearer(authorization))
+
+
+def bearer(authorization: str | None) -> str | None:
+    scheme, _, value = (authorization or "").partition(" ")
+    return value.strip() if scheme.lower() == "bearer" and value.strip() else None
+
+
+@dataclass(frozen=True)
+class ClusterSecret:
+    """The two keys derived from the cluster secret."""
+    record_key: bytes
+    call_token: str
+
+    @classmethod
+    def from_bytes(cls, secret: bytes) -> "ClusterSecret":
+        derive = lambda label: hmac.new(secret, label, hashlib.sha256).digest()  # noqa: E731
+        return cls(derive(b"pdserve registry record v1"), derive(b"pdserve worker call v1").hex())
+
+    @classmethod
+    def from_file(cls, path: str | None) -> "ClusterSecret | None":
+        return cls.from_bytes(read_secret_file(path, "cluster secret")) if path else None
+
+    def sign(self, payload: bytes) -> bytes:
+        return RECORD_MAGIC + hmac.new(self.record_key, payload, hashlib.sha256).digest() + payload
+
+    def open(self, blob: bytes) -> bytes | None:
+        """The payload of a record this cluster signed; None for any other."""
+        if not blob.startswith(RECORD_MAGIC) or len(blob) < len(RECORD_MAGIC) + _DIGEST:
+            return None
+        mac, payload = blob[len(RECORD_MAGIC):len(RECORD_MAGIC) + _DIGEST], blob[len(RECORD_MAGIC) + _DIGEST:]
+        return payload if hmac.compare_digest(mac, hmac.new(self.record_key, payload, hashlib.sha256).digest()) else None
+
+    def call_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.call_token}"),)
+
+
+def redact_url(url: str) -> str:
+    """A URL without the credentials it may carry (redis://:password@host), for logs."""
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme}{sep}{rest.rpartition('@')[2]}" if sep else url
+
+
+def new_secret_file(path: Path) -> Path:
+    """A fresh random cluster secret, readable by its owner only."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(os.urandom(32).hex())
+    return path
+
+
+# ---- gRPC ----
+
+class RequireBearer(grpc.aio.ServerInterceptor):
+    """Refuses every call but health and reflection unless its `authorization` metadata
+    carries an accepted bearer credential."""
+
+    def __init__(self, check: KeyCheck, what: str) -> None:
+        self.check = check
+        self.what = what
+
+    async def intercept_service(self, continuation, details):
+        if details.method.startswith(OPEN_SERVICES):
+            return await continuation(details)
+        presented = next((v for k, v in details.invocation_metadata or () if k == "authorization"), None)
+        if self.check.accepts_header(presented if isinstance(presented, str) else None):
+            return await continuation(details)
+        handler = await continuation(details)
+        return _refusal(handler, "missing authorization metadata" if presented is None else f"invalid {self.what}")
+
+
+def _refusal(handler, message: str):
+    """A handler of the same shape as `handler` that fails the call UNAUTHENTICATED."""
+    if handler is None:
+        return None
+
+    async def unary(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def stream(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield                                   # pragma: no cover - makes this a generator
+
+    kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(unary, **kw)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(stream, **kw)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(unary, **kw)
+    return grpc.stream_stream_rpc_method_handler(stream, **kw)
+
+
+class _AddMetadata:
+    """Puts the cluster's call token on every call a router makes to a worker."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.metadata = metadata
+
+    def _details(self, details):
+        md = grpc.aio.Metadata(*(details.metadata or ()), *self.metadata)
+        return details._replace(metadata=md)
+
+
+class _AddToUnary(_AddMetadata, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+
+class _AddToStream(_AddMetadata, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+
+def call_interceptors(secret: ClusterSecret | None) -> list:
+    """One interceptor per call shape: grpc.aio files each interceptor under one shape only."""
+    if secret is None:
+        return []
+    metadata = secret.call_metadata()
+    return [_AddToUnary(metadata), _AddToStream(metadata)]
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """PEM files: this side's certificate and key, and the CA it verifies its peer with."""
+    cert: str | None = None
+    key: str | None = None
+    ca: str | None = None
+
+    def __post_init__(self) -> None:
+        if bool(self.cert) != bool(self.key):
+            raise ValueError("a TLS certificate needs its key, and a key its certificate")
+        for path in (self.cert, self.key, self.ca):
+            if path and not Path(path).is_file():
+                raise ValueError(f"TLS file {path} does not exist")
+
+    @staticmethod
+    def _read(path: str | None) -> bytes | None:
+        return Path(path).read_bytes() if path else None
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        """None: plaintext. With a CA, clients must present a certificate it signed."""
+        if not self.cert:
+            return None
+        ca = self._read(self.ca)
+        return grpc.ssl_server_credentials([(self._read(self.key), self._read(self.cert))],
+                                           root_certificates=ca, require_client_auth=ca is not None)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=self._read(self.ca), private_key=self._read(self.key),
+                                            certificate_chain=self._read(self.cert))
