@@ -8,6 +8,7 @@ schedule, pass their probes and serve traffic is not tested here.
 """
 from __future__ import annotations
 
+import base64
 import json
 import re
 import shutil
@@ -65,6 +66,26 @@ class Manifests:
         assert len(containers) == 1
         return containers[0]
 
+    def selected(self, selector: dict) -> set[str]:
+        """The components whose Deployment's pods a label selector matches."""
+        return {d["metadata"]["labels"]["app.kubernetes.io/component"] for d in self.of_kind("Deployment")
+                if selects(selector, d["spec"]["template"]["metadata"]["labels"])}
+
+    def secret_data(self, name: str) -> dict[str, str]:
+        """A rendered Secret's data, decoded."""
+        (secret,) = [s for s in self.of_kind("Secret") if s["metadata"]["name"] == name]
+        return {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+
+    def secret_file(self, component: str, path: str) -> tuple[str, str]:
+        """(Secret, key) behind the file at `path` in a component's container: a read-only
+        mount of a Secret volume that projects that key to that file name."""
+        directory, _, name = path.rpartition("/")
+        (mount,) = [v for v in self.container(component)["volumeMounts"] if v["mountPath"] == directory]
+        assert mount["readOnly"] is True, mount
+        (volume,) = [v for v in self.pod(component)["volumes"] if v["name"] == mount["name"]]
+        (item,) = [i for i in volume["secret"]["items"] if i["path"] == name]
+        return volume["secret"]["secretName"], item["key"]
+
 
 def run_helm(helm: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(helm), *args], capture_output=True, text=True, timeout=120)
@@ -74,6 +95,17 @@ def render(helm: Path, *args: str) -> Manifests:
     out = run_helm(helm, "template", "pdserve", str(CHART), *args)
     assert out.returncode == 0, out.stderr
     return Manifests(out.stdout)
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    """A LabelSelector (matchLabels, `In` expressions) against a pod's labels."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expr in selector.get("matchExpressions", []):
+        assert expr["operator"] == "In", expr
+        if labels.get(expr["key"]) not in expr["values"]:
+            return False
+    return True
 
 
 def env_of(container: dict) -> dict[str, dict]:
@@ -114,6 +146,17 @@ VALUE_SETS = {
     "hostpath-model": ["--set", "model.source=hostPath", "--set", "model.hostPath.path=/srv/models"],
     "autoscaler": ["--set", "autoscaler.enabled=true", "--set", "autoscaler.budget=6",
                    "--set", "autoscaler.decodeCost=2"],
+    "locked": ["--set", "tls.router.secretName=router-tls", "--set", "tls.internal.secretName=internal-tls",
+               "--set", "tls.internal.mutual=true", "--set", "tls.internal.serverName=pdserve-worker",
+               "--set", "auth.clusterSecret.existingSecret=cluster", "--set", "redis.auth.existingSecret=redis",
+               "--set", "router.protectMetrics=true", "--set", "router.allowedOrigins={https://app.example}",
+               "--set", "autoscaler.enabled=true", "--set", "metrics.serviceMonitor.enabled=true",
+               "--set-json", 'networkPolicy.metricsFrom=[{"namespaceSelector": {"matchLabels": '
+                             '{"kubernetes.io/metadata.name": "monitoring"}}}]',
+               "--set-json", 'networkPolicy.router.from=[{"namespaceSelector": {"matchLabels": '
+                             '{"kubernetes.io/metadata.name": "ingress-nginx"}}}, '
+                             '{"ipBlock": {"cidr": "10.0.0.0/8"}}]'],
+    "open": ["--set", "networkPolicy.enabled=false", "--set", "auth.apiKeys.enabled=false"],
 }
 
 
@@ -284,7 +327,7 @@ def test_in_chart_redis_by_default(helm):
     m = render(helm)
     service = m.one("Service", "redis")
     m.one("Deployment", "redis")
-    url = f"redis://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}/0"
+    url = f"redis://:$(REDIS_PASSWORD)@{service['metadata']['name']}:{service['spec']['ports'][0]['port']}/0"
     for role in SERVICES:
         assert env_of(m.container(role))["PDSERVE_REDIS"]["value"] == url
 
@@ -300,6 +343,246 @@ def test_external_redis_url_removes_the_in_chart_redis(helm):
     for role in SERVICES:
         assert env_of(m.container(role))["PDSERVE_REDIS"]["valueFrom"] == {
             "secretKeyRef": {"name": "redis-url", "key": "url"}}
+        assert "REDIS_PASSWORD" not in env_of(m.container(role))     # the URL carries its own
+    assert not m.find("Secret", "redis") and not m.find("NetworkPolicy", "redis")
+
+
+def test_redis_requires_a_password_from_a_secret(helm):
+    """Rendered, not applied: the in-chart Redis runs in protected mode with --requirepass
+    from a generated Secret (the kubelet expands $(REDIS_PASSWORD) in args), its readiness
+    probe authenticates through REDISCLI_AUTH rather than a password on the command line,
+    and every service's URL refers to the same password, defined before it."""
+    m = render(helm, "--set", "autoscaler.enabled=true")
+    redis = m.container("redis")
+    args = redis["args"]
+    assert args[args.index("--protected-mode") + 1] == "yes"
+    assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    password = env_of(redis)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert env_of(redis)["REDISCLI_AUTH"]["valueFrom"]["secretKeyRef"] == password
+    probe = redis["readinessProbe"]["exec"]["command"]
+    assert probe[0] == "redis-cli" and probe[-1] == "ping" and "-a" not in probe
+    generated = m.one("Secret", "redis")
+    assert password["name"] == generated["metadata"]["name"]
+    assert re.fullmatch(r"[A-Za-z0-9]{32,}", m.secret_data(password["name"])[password["key"]])
+    for role in (*SERVICES, "autoscaler"):
+        env = m.container(role)["env"]
+        names = [e["name"] for e in env]
+        assert names.index("REDIS_PASSWORD") < names.index("PDSERVE_REDIS"), role   # expanded in order
+        assert env_of(m.container(role))["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == password
+        assert ":$(REDIS_PASSWORD)@" in env_of(m.container(role))["PDSERVE_REDIS"]["value"]
+
+
+def test_redis_password_from_an_existing_secret(helm):
+    """Rendered, not applied: redis.auth.existingSecret replaces the generated Secret."""
+    m = render(helm, "--set", "redis.auth.existingSecret=my-redis", "--set", "redis.auth.key=pass")
+    assert not m.find("Secret", "redis")
+    ref = {"name": "my-redis", "key": "pass"}
+    assert env_of(m.container("redis"))["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == ref
+    for role in SERVICES:
+        assert env_of(m.container(role))["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == ref
+
+
+# ---- credentials: the cluster secret and API keys ----
+
+CLUSTER_SECRET_FILE = "/etc/pdserve/cluster/secret"
+API_KEY_FILE = "/etc/pdserve/api-keys/keys"
+
+
+def test_every_service_reads_the_cluster_secret_from_a_mounted_secret(helm):
+    """Rendered, not applied: the router, both pools and the autoscaler get
+    --cluster-secret-file, a read-only file from one generated Secret (64 random
+    characters), readable through the pod's fsGroup only (mode 0440)."""
+    m = render(helm, "--set", "autoscaler.enabled=true")
+    (generated,) = m.find("Secret", "cluster-secret")
+    for role in (*SERVICES, "autoscaler"):
+        assert flags(m.container(role))["cluster-secret-file"] == CLUSTER_SECRET_FILE, role
+        name, key = m.secret_file(role, CLUSTER_SECRET_FILE)
+        assert name == generated["metadata"]["name"]
+        assert len(m.secret_data(name)[key]) >= 32
+        pod = m.pod(role)
+        assert pod["securityContext"]["fsGroup"] > 0
+        assert {v["secret"]["defaultMode"] for v in pod["volumes"] if "secret" in v} == {0o440}, role
+    no_group = render(helm, "--set", "podSecurityContext.fsGroup=null")
+    # without an fsGroup the files stay root's: the non-root service needs the world-read bit
+    assert {v["secret"]["defaultMode"] for v in no_group.pod("router")["volumes"] if "secret" in v} == {0o444}
+
+
+def test_router_requires_api_keys_from_a_generated_secret(helm):
+    """Rendered, not applied: by default the router gets --api-key-file, the file holding
+    one generated key; workers get no API keys (they take the cluster credential)."""
+    m = render(helm)
+    router = m.container("router")
+    assert flags(router)["api-key-file"] == API_KEY_FILE
+    name, key = m.secret_file("router", API_KEY_FILE)
+    assert name == m.one("Secret", "api-keys")["metadata"]["name"]
+    (api_key,) = m.secret_data(name)[key].splitlines()
+    assert re.fullmatch(r"[A-Za-z0-9]{32,}", api_key)
+    assert "--no-protect-metrics" in router["args"]          # Prometheus scrapes /metrics without one
+    assert not any(a.startswith("--allowed-origins") for a in router["args"])
+    for role in POOLS:
+        assert "api-key-file" not in flags(m.container(role))
+    m = render(helm, "--set", "router.protectMetrics=true", "--set", "router.allowedOrigins={https://a.example}")
+    args = m.container("router")["args"]
+    assert "--protect-metrics" in args and "--allowed-origins=https://a.example" in args
+
+
+def test_api_keys_can_be_turned_off(helm):
+    """Rendered, not applied: auth.apiKeys.enabled=false drops the flag, the file and the Secret."""
+    m = render(helm, "--set", "auth.apiKeys.enabled=false")
+    router = m.container("router")
+    assert "api-key-file" not in flags(router)
+    assert "/etc/pdserve/api-keys" not in {v["mountPath"] for v in router["volumeMounts"]}
+    assert not m.find("Secret", "api-keys")
+    assert flags(router)["cluster-secret-file"] == CLUSTER_SECRET_FILE
+
+
+def test_existing_secrets_replace_the_generated_ones(helm):
+    """Rendered, not applied: given existing Secrets, the chart mounts them (under the
+    keys named) and generates none of its own."""
+    m = render(helm, "--set", "auth.clusterSecret.existingSecret=cluster", "--set", "auth.clusterSecret.key=token",
+               "--set", "auth.apiKeys.existingSecret=clients", "--set", "auth.apiKeys.key=api.keys",
+               "--set", "redis.auth.existingSecret=redis", "--set", "autoscaler.enabled=true")
+    assert not m.of_kind("Secret")
+    for role in (*SERVICES, "autoscaler"):
+        assert m.secret_file(role, CLUSTER_SECRET_FILE) == ("cluster", "token"), role
+    assert m.secret_file("router", API_KEY_FILE) == ("clients", "api.keys")
+
+
+# ---- TLS ----
+
+def test_router_tls_serves_https_and_probes_over_https(helm):
+    """Rendered, not applied: tls.router.secretName gives the router --tls-cert/--tls-key
+    from that Secret; the kubelet's gRPC probes cannot speak TLS, so every router probe is
+    HTTPS. The workers are unchanged."""
+    m = render(helm, "--set", "tls.router.secretName=router-tls")
+    router = m.container("router")
+    f = flags(router)
+    assert m.secret_file("router", f["tls-cert"]) == ("router-tls", "tls.crt")
+    assert m.secret_file("router", f["tls-key"]) == ("router-tls", "tls.key")
+    for probe in ("startupProbe", "livenessProbe"):
+        assert router[probe]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTPS"}
+        assert "grpc" not in router[probe]
+    assert router["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http", "scheme": "HTTPS"}
+    annotations = m.one("Deployment", "router")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scheme"] == "https"
+    for role in POOLS:
+        assert not {"tls-cert", "tls-key", "tls-ca"} & set(flags(m.container(role)))
+        assert "grpc" in m.container(role)["livenessProbe"]
+    assert not {k for k in f if k.startswith("worker-tls")}
+
+
+@pytest.mark.parametrize("mutual", [False, True], ids=["server-only", "mutual"])
+def test_internal_tls_between_router_and_workers(helm, mutual):
+    """Rendered, not applied: tls.internal.secretName gives the workers --tls-cert/--tls-key
+    and the router --worker-tls-ca (its ca.crt) and --worker-tls-server-name; mutual adds
+    --tls-ca on the workers and the router's client certificate. The router never gets
+    the certificate's key unless it presents it. Worker probes become TCP checks."""
+    m = render(helm, "--set", "tls.internal.secretName=internal-tls", "--set", f"tls.internal.mutual={mutual}",
+               "--set", "tls.internal.serverName=pdserve-worker")
+    for role in POOLS:
+        c = m.container(role)
+        f = flags(c)
+        assert m.secret_file(role, f["tls-cert"]) == ("internal-tls", "tls.crt")
+        assert m.secret_file(role, f["tls-key"]) == ("internal-tls", "tls.key")
+        assert ("tls-ca" in f) == mutual
+        if mutual:
+            assert m.secret_file(role, f["tls-ca"]) == ("internal-tls", "ca.crt")
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["tcpSocket"] == {"port": "grpc"} and "grpc" not in c[probe], (role, probe)
+    router = m.container("router")
+    f = flags(router)
+    assert m.secret_file("router", f["worker-tls-ca"]) == ("internal-tls", "ca.crt")
+    assert f["worker-tls-server-name"] == "pdserve-worker"
+    assert ("worker-tls-cert" in f) == ("worker-tls-key" in f) == mutual
+    if mutual:
+        assert m.secret_file("router", f["worker-tls-cert"]) == ("internal-tls", "tls.crt")
+        assert m.secret_file("router", f["worker-tls-key"]) == ("internal-tls", "tls.key")
+    (volume,) = [v for v in m.pod("router")["volumes"] if v.get("secret", {}).get("secretName") == "internal-tls"]
+    assert ("tls.key" in {i["key"] for i in volume["secret"]["items"]}) == mutual
+    assert not {"tls-cert", "tls-key"} & set(f)            # the router's own listeners stay plain
+    assert router["livenessProbe"]["grpc"] == {"port": port_named(router, "grpc")}
+    assert "worker-tls-server-name" not in flags(
+        render(helm, "--set", "tls.internal.secretName=internal-tls").container("router"))
+
+
+def test_every_flag_the_chart_passes_is_the_commands_own(helm):
+    """Rendered, not applied: each service's command line, with everything switched on,
+    parses with `pdserve`'s own parser."""
+    from services.cli import _parser
+    m = render(helm, *VALUE_SETS["locked"])
+    for role in (*SERVICES, "autoscaler"):
+        args = _parser().parse_args(m.container(role)["args"])
+        assert args.command == role and args.cluster_secret_file == CLUSTER_SECRET_FILE
+    router = _parser().parse_args(m.container("router")["args"])
+    assert router.protect_metrics is True and router.allowed_origins == ["https://app.example"]
+    assert router.worker_tls_server_name == "pdserve-worker" and router.api_key_file == API_KEY_FILE
+
+
+# ---- NetworkPolicies ----
+
+def test_network_policies_admit_only_this_releases_pods_where_needed(helm):
+    """Rendered, not applied: one ingress-only policy per component. Redis admits the
+    release's router, workers and autoscaler on its port; each pool admits the router
+    and the pools on every port (KV transfers use ephemeral ports) and anyone on its
+    metrics port; the router, the public API, admits anyone on its HTTP and gRPC ports."""
+    m = render(helm, "--set", "autoscaler.enabled=true")
+    policies = {p["metadata"]["labels"]["app.kubernetes.io/component"]: p for p in m.of_kind("NetworkPolicy")}
+    assert set(policies) == {"redis", "router", "prefill", "decode", "autoscaler"}
+    for component, policy in policies.items():
+        spec = policy["spec"]
+        assert spec["policyTypes"] == ["Ingress"], component        # egress: DNS, model downloads
+        assert m.selected(spec["podSelector"]) == {component}, component
+        ports = {p["name"] for p in m.container(component)["ports"]}
+        for rule in spec["ingress"]:
+            assert {p["port"] for p in rule.get("ports", [])} <= ports, (component, rule)
+            assert all(p["protocol"] == "TCP" for p in rule.get("ports", []))
+
+    (rule,) = policies["redis"]["spec"]["ingress"]
+    assert rule["ports"] == [{"port": "redis", "protocol": "TCP"}]
+    (peer,) = rule["from"]
+    assert set(peer) == {"podSelector"}                          # this namespace, this release
+    selector = peer["podSelector"]
+    assert selector["matchLabels"]["app.kubernetes.io/instance"] == "pdserve"
+    assert selector["matchExpressions"] == [{"key": "app.kubernetes.io/component", "operator": "In",
+                                             "values": ["router", "prefill", "decode", "autoscaler"]}]
+    assert m.selected(selector) == {"router", "prefill", "decode", "autoscaler"}
+
+    for role in POOLS:
+        peers, metrics = policies[role]["spec"]["ingress"]
+        assert "ports" not in peers                              # every port
+        (peer,) = peers["from"]
+        assert m.selected(peer["podSelector"]) == {"router", "prefill", "decode"}
+        assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == "pdserve"
+        assert metrics == {"ports": [{"port": "metrics", "protocol": "TCP"}]}   # from anywhere
+
+    (api,) = policies["router"]["spec"]["ingress"]
+    assert api == {"ports": [{"port": "http", "protocol": "TCP"}, {"port": "grpc", "protocol": "TCP"}]}
+    (metrics,) = policies["autoscaler"]["spec"]["ingress"]
+    assert metrics == {"ports": [{"port": "metrics", "protocol": "TCP"}]}
+
+
+def test_network_policy_sources_are_configurable(helm):
+    """Rendered, not applied: metricsFrom limits who scrapes the workers and the
+    autoscaler, router.from who reaches the router; the workers' peers stay as they are."""
+    monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    ingress = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}}
+    m = render(helm, "--set", "autoscaler.enabled=true",
+               "--set-json", f"networkPolicy.metricsFrom={json.dumps([monitoring])}",
+               "--set-json", f"networkPolicy.router.from={json.dumps([ingress])}")
+    for role in (*POOLS, "autoscaler"):
+        metrics = m.one("NetworkPolicy", role)["spec"]["ingress"][-1]
+        assert metrics == {"from": [monitoring], "ports": [{"port": "metrics", "protocol": "TCP"}]}, role
+    for role in POOLS:
+        (peer,) = m.one("NetworkPolicy", role)["spec"]["ingress"][0]["from"]
+        assert m.selected(peer["podSelector"]) == {"router", "prefill", "decode"}
+    (api,) = m.one("NetworkPolicy", "router")["spec"]["ingress"]
+    assert api["from"] == [ingress]
+
+
+def test_network_policies_can_be_turned_off(helm):
+    """Rendered, not applied: networkPolicy.enabled=false renders none."""
+    assert not render(helm, "--set", "networkPolicy.enabled=false", "--set", "autoscaler.enabled=true") \
+        .of_kind("NetworkPolicy")
 
 
 # ---- values.schema.json ----
@@ -319,6 +602,12 @@ BAD_VALUES = {
     "autoscaler.prefill.min=0": "autoscaler.prefill.min",
     "autoscaler.slo.itlMs=0": "autoscaler.slo.itlMs",
     "autoscaler.budget=-1": "autoscaler.budget",
+    "networkPolicy.enabled=maybe": "networkPolicy.enabled",
+    "networkPolicy.router.from[0].pods=x": "networkPolicy.router.from.0",
+    "auth.apiKeys.existingSecret=Not_A_Name": "auth.apiKeys.existingSecret",
+    "auth.clusterSecret.unknownKey=1": "unknownKey",
+    "tls.internal.mutual=yes": "tls.internal.mutual",
+    "router.protectMetrics=sometimes": "router.protectMetrics",
 }
 
 
@@ -465,6 +754,18 @@ def test_notes_tell_how_to_reach_the_api(helm, tmp_path):
                     "--set", "router.ingress.hosts[0].paths[0].path=/",
                     "--set", "router.ingress.hosts[0].paths[0].pathType=Prefix")
     assert "curl http://llm.example/v1/models" in ingress and "port-forward" not in ingress
+
+    # the generated API key, and the header every request carries
+    assert ("KEY=$(kubectl -n default get secret pdserve-api-keys -o jsonpath='{.data.keys}' "
+            "| base64 -d | head -n 1)") in default
+    assert 'curl http://127.0.0.1:8000/v1/models -H "Authorization: Bearer $KEY"' in default
+    assert "Authorization: Bearer KEY" in default
+    own = notes("--set", "auth.apiKeys.existingSecret=clients", "--set", "auth.apiKeys.key=api.keys")
+    assert r"get secret clients -o jsonpath='{.data.api\.keys}'" in own
+    off = notes("--set", "auth.apiKeys.enabled=false")
+    assert "Bearer" not in off and "KEY=" not in off
+    tls = notes("--set", "tls.router.secretName=router-tls")
+    assert "curl https://127.0.0.1:8000/v1/models" in tls and "--cacert" in tls
 
 
 # ---- the autoscaler ----

@@ -9,6 +9,8 @@ what differs between them:
   ports      container ports [{name, containerPort}]
   probes     {startup, readiness, liveness}: a probe handler each; timings come from values
   metricsPort  the port Prometheus scrapes (path /metrics)
+  metricsScheme  "https" when that port serves TLS, else "" (http)
+  secrets    Secret files to mount read-only: pdserve.credentials' "volumes"
   env        environment before the user's (may be empty)
   shmSize    size of a memory-backed /dev/shm, or "" for none
   autoscaled true: spec.replicas is left out, the autoscaler owns it (a value here would
@@ -38,6 +40,7 @@ spec:
       {{- $annotations := deepCopy $v.podAnnotations }}
       {{- if $root.Values.metrics.podAnnotations }}
       {{- $_ := merge $annotations (dict "prometheus.io/scrape" "true" "prometheus.io/port" (toString .metricsPort) "prometheus.io/path" "/metrics") }}
+      {{- with .metricsScheme }}{{ $_ := set $annotations "prometheus.io/scheme" . }}{{ end }}
       {{- end }}
       {{- with $annotations }}
       annotations: {{- toYaml . | nindent 8 }}
@@ -89,6 +92,7 @@ spec:
             {{- if $modelVolume }}
             - {name: model, mountPath: /models, readOnly: true}
             {{- end }}
+            {{- with include "pdserve.secretMounts" (dict "volumes" .secrets) }}{{ trim . | nindent 12 }}{{ end }}
       volumes:
         - name: tmp
           emptyDir: {}
@@ -99,4 +103,5 @@ spec:
           emptyDir: {medium: Memory, sizeLimit: {{ .shmSize }}}
         {{- end }}
         {{- with $modelVolume }}{{ trim . | nindent 8 }}{{ end }}
+        {{- with include "pdserve.secretVolumes" (dict "root" $root "volumes" .secrets) }}{{ trim . | nindent 8 }}{{ end }}
 {{- end }}

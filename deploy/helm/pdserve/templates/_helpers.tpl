@@ -52,11 +52,12 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- printf "%s:%s" $repo $tag }}
 {{- end }}
 
+{{/* The in-chart Redis's URL carries $(REDIS_PASSWORD), which the kubelet expands. */}}
 {{- define "pdserve.redisUrl" -}}
 {{- if .Values.redis.external.url }}
 {{- .Values.redis.external.url }}
 {{- else }}
-{{- printf "redis://%s:%d/0" (include "pdserve.componentName" (dict "root" . "component" "redis")) (int .Values.redis.port) }}
+{{- printf "redis://:$(REDIS_PASSWORD)@%s:%d/0" (include "pdserve.componentName" (dict "root" . "component" "redis")) (int .Values.redis.port) }}
 {{- end }}
 {{- end }}
 
@@ -134,8 +135,17 @@ affinity: {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end }}
 
-{{/* Environment every pdserve service gets: the registry and the log level. */}}
+{{/* Environment every pdserve service gets: the registry (with its password) and the log level. */}}
 {{- define "pdserve.commonEnv" -}}
+{{- if include "pdserve.inChartRedis" . }}
+# Before PDSERVE_REDIS, whose URL refers to it: the kubelet expands earlier variables only.
+# Not PDSERVE_*: those are read as flags.
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdserve.secretName" (dict "root" . "component" "redis" "values" .Values.redis.auth) }}
+      key: {{ .Values.redis.auth.key }}
+{{- end }}
 - name: PDSERVE_REDIS
 {{- if .Values.redis.external.urlSecret.name }}
   valueFrom:
@@ -193,4 +203,93 @@ are what the chart wires itself (ports, address, model); "extra", a component's
 {{- end }}
 {{- end }}
 {{- toJson $args }}
+{{- end }}
+
+{{/*
+A Secret the chart generates unless the values name an existing one:
+(dict "root" $ "component" "api-keys" "values" .Values.auth.apiKeys) -> its name
+*/}}
+{{- define "pdserve.secretName" -}}
+{{- .values.existingSecret | default (include "pdserve.componentName" (dict "root" .root "component" .component)) }}
+{{- end }}
+
+{{/*
+The Secret files a service reads, and the flags naming them: (dict "root" $ "component"
+"router") -> JSON {"settings": {flag: path}, "volumes": [{name, secret, dir, items: [{key,
+file}]}]}. Every service gets the cluster secret; the router its API keys, its own TLS
+and the client side of internal TLS; the workers the server side of internal TLS.
+*/}}
+{{- define "pdserve.credentials" -}}
+{{- $auth := .root.Values.auth }}
+{{- $tls := .root.Values.tls }}
+{{- $mutual := $tls.internal.mutual }}
+{{- $volumes := list (dict "name" "cluster-secret" "dir" "/etc/pdserve/cluster"
+      "secret" (include "pdserve.secretName" (dict "root" .root "component" "cluster-secret" "values" $auth.clusterSecret))
+      "items" (list (dict "key" $auth.clusterSecret.key "file" "secret" "flag" "cluster-secret-file"))) }}
+{{- if eq .component "router" }}
+{{- if $auth.apiKeys.enabled }}
+{{- $volumes = append $volumes (dict "name" "api-keys" "dir" "/etc/pdserve/api-keys"
+      "secret" (include "pdserve.secretName" (dict "root" .root "component" "api-keys" "values" $auth.apiKeys))
+      "items" (list (dict "key" $auth.apiKeys.key "file" "keys" "flag" "api-key-file"))) }}
+{{- end }}
+{{- with $tls.router.secretName }}
+{{- $volumes = append $volumes (dict "name" "tls" "dir" "/etc/pdserve/tls" "secret" .
+      "items" (list (dict "key" "tls.crt" "file" "tls.crt" "flag" "tls-cert") (dict "key" "tls.key" "file" "tls.key" "flag" "tls-key"))) }}
+{{- end }}
+{{- with $tls.internal.secretName }}
+{{- $items := list (dict "key" "ca.crt" "file" "ca.crt" "flag" "worker-tls-ca") }}
+{{- if $mutual }}
+{{- $items = concat $items (list (dict "key" "tls.crt" "file" "tls.crt" "flag" "worker-tls-cert") (dict "key" "tls.key" "file" "tls.key" "flag" "worker-tls-key")) }}
+{{- end }}
+{{- $volumes = append $volumes (dict "name" "internal-tls" "dir" "/etc/pdserve/internal-tls" "secret" . "items" $items) }}
+{{- end }}
+{{- else if has .component (list "prefill" "decode") }}
+{{- with $tls.internal.secretName }}
+{{- $items := list (dict "key" "tls.crt" "file" "tls.crt" "flag" "tls-cert") (dict "key" "tls.key" "file" "tls.key" "flag" "tls-key") }}
+{{- if $mutual }}{{ $items = append $items (dict "key" "ca.crt" "file" "ca.crt" "flag" "tls-ca") }}{{ end }}
+{{- $volumes = append $volumes (dict "name" "internal-tls" "dir" "/etc/pdserve/internal-tls" "secret" . "items" $items) }}
+{{- end }}
+{{- end }}
+{{- $settings := dict }}
+{{- range $volumes }}
+{{- $dir := .dir }}
+{{- range .items }}{{ $_ := set $settings .flag (printf "%s/%s" $dir .file) }}{{ end }}
+{{- end }}
+{{- toJson (dict "settings" $settings "volumes" $volumes) }}
+{{- end }}
+
+{{/* The volumes of pdserve.credentials, mounted read-only: (dict "root" $ "volumes" $list) */}}
+{{- define "pdserve.secretMounts" -}}
+{{- range .volumes }}
+- {name: {{ .name }}, mountPath: {{ .dir }}, readOnly: true}
+{{- end }}
+{{- end }}
+
+{{/*
+Secret files are owned by root and, with an fsGroup, by the pod's group: 0440 lets the
+service read them through that group and no one else. Without an fsGroup the files stay
+root's, so a non-root service needs the world-read bit.
+*/}}
+{{- define "pdserve.secretVolumes" -}}
+{{- $mode := ternary "0440" "0444" (hasKey .root.Values.podSecurityContext "fsGroup") }}
+{{- range .volumes }}
+- name: {{ .name }}
+  secret:
+    secretName: {{ .secret }}
+    defaultMode: {{ $mode }}
+    items:
+      {{- range .items }}
+      - {key: {{ .key | quote }}, path: {{ .file }}}
+      {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* A NetworkPolicyPeer: this release's pods of some components: (dict "root" $ "components" (list ...)) */}}
+{{- define "pdserve.peers" -}}
+podSelector:
+  matchLabels:
+    app.kubernetes.io/name: {{ include "pdserve.name" .root }}
+    app.kubernetes.io/instance: {{ .root.Release.Name }}
+  matchExpressions:
+    - {key: app.kubernetes.io/component, operator: In, values: {{ toJson .components }}}
 {{- end }}

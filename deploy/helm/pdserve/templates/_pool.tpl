@@ -14,8 +14,14 @@ only in what their values say:
       "advertise" (printf "$(POD_IP):%d" $grpcPort) "kv-transport" $pool.kvTransport "dtype" $pool.dtype
       "device" $pool.device "threads" (int $pool.threads) }}
 {{- with include "pdserve.modelDir" $root }}{{ $_ := set $settings "model" . }}{{ end }}
+{{- $credentials := include "pdserve.credentials" $ctx | fromJson }}
+{{- $settings = merge $settings $credentials.settings }}
 {{- $args := prepend (include "pdserve.settingsArgs" (dict "settings" $settings "extra" $pool.settings) | fromJsonArray) $role }}
 {{- $health := dict "grpc" (dict "port" $grpcPort) }}
+{{- if $root.Values.tls.internal.secretName }}
+{{- /* The kubelet's gRPC probes cannot speak TLS; the port opens once the model is loaded. */}}
+{{- $health = dict "tcpSocket" (dict "port" "grpc") }}
+{{- end }}
 {{- $env := list (dict "name" "POD_IP" "valueFrom" (dict "fieldRef" (dict "fieldPath" "status.podIP"))) }}
 {{- include "pdserve.deployment" (merge (dict
       "args" $args
@@ -23,6 +29,7 @@ only in what their values say:
       "probes" (dict "startup" $health "readiness" $health "liveness" $health)
       "metricsPort" $pool.metricsPort
       "env" $env
+      "secrets" $credentials.volumes
       "shmSize" $pool.shmSize
       "autoscaled" $root.Values.autoscaler.enabled) $ctx) }}
 ---
