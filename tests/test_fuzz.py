@@ -9,6 +9,8 @@ runs many more. The cluster serves a 64-token context, so every valid request is
 """
 from __future__ import annotations
 
+import collections
+import json
 import os
 
 import grpc
@@ -24,6 +26,8 @@ from tests.conftest import start_cluster, stop_cluster
 pytestmark = pytest.mark.fuzz
 
 EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "25"))
+REPORT = os.environ.get("PDSERVE_FUZZ_REPORT")           # a JSON file for the answers counted
+TALLY: collections.Counter = collections.Counter()       # (case kind, status) -> answers
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 # What a caller's mistake may be answered with; anything else (INTERNAL, UNKNOWN,
 # UNAVAILABLE) is the server's failure.
@@ -35,6 +39,11 @@ CALLER_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, gr
 def fuzz_cluster(model_dir):
     c = start_cluster("--max-model-len", "64")
     yield c
+    counts = {f"{kind} {status}": n for (kind, status), n in sorted(TALLY.items())}
+    print(f"\nfuzzing: {sum(TALLY.values())} answers at {EXAMPLES} examples per case: {counts}")
+    if REPORT:
+        with open(REPORT, "w") as f:
+            json.dump({"examples_per_case": EXAMPLES, "answers": counts}, f, indent=1)
     try:                                     # the cluster outlived the fuzzing, holding nothing
         r = httpx.post(f"{c.http}/v1/completions", timeout=60, json={"prompt": "Hello", "max_tokens": 2})
         assert r.status_code == 200, r.text
@@ -52,7 +61,8 @@ def api_schema(fuzz_cluster):
 schema = schemathesis.pytest.from_fixture("api_schema")
 
 
-def _clear_4xx(response) -> None:
+def _clear_4xx(response, kind: str) -> None:
+    TALLY[kind, response.status_code] += 1
     assert response.status_code < 500, (response.status_code, response.text[:300])
     if response.status_code >= 400:
         error = response.json()["error"]
@@ -62,7 +72,7 @@ def _clear_4xx(response) -> None:
 @schema.parametrize()
 @FUZZ
 def test_http_api_answers_2xx_or_a_clear_4xx(case, fuzz_cluster):
-    _clear_4xx(case.call(base_url=fuzz_cluster.http, timeout=120))
+    _clear_4xx(case.call(base_url=fuzz_cluster.http, timeout=120), "http schema")
 
 
 @FUZZ
@@ -71,8 +81,8 @@ def test_http_api_answers_2xx_or_a_clear_4xx(case, fuzz_cluster):
 def test_http_api_answers_any_bytes_with_a_4xx(fuzz_cluster, body, path):
     r = httpx.post(f"{fuzz_cluster.http}{path}", content=body, timeout=60,
                    headers={"Content-Type": "application/json"})
+    _clear_4xx(r, "http bytes")
     assert 400 <= r.status_code < 500 or r.status_code == 200, (r.status_code, r.text[:300], body[:80])
-    _clear_4xx(r)
 
 
 floats = st.floats(width=32, allow_nan=True, allow_infinity=True)
@@ -99,5 +109,7 @@ def test_grpc_generate_answers_ok_or_a_caller_error(fuzz_cluster, inp, params, m
         try:
             for _ in generate_pb2_grpc.GeneratorStub(ch).Generate(request, timeout=120):
                 pass
+            TALLY["grpc", "OK"] += 1
         except grpc.RpcError as exc:
+            TALLY["grpc", exc.code().name] += 1
             assert exc.code() in CALLER_ERRORS and exc.details(), (exc.code(), exc.details(), request)
