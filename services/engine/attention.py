@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from services.engine.device import Fence, HostStream
 from services.engine.native import NativeAttention
 
 
@@ -56,7 +57,8 @@ class PagedBatch:
     prefill_kernel: NativeAttention | None = None
     workspace: "Workspace | None" = None
     threads: int = 1
-    on_layer: Callable[[int], None] | None = None
+    on_layer: Callable[[int, Fence], None] | None = None     # layer L's KV is written (once the fence passes)
+    stream: HostStream = field(default_factory=HostStream)
 
 
 def length_groups(widths: list[int], min_width: int = 8) -> list[tuple[int, int]]:
@@ -151,9 +153,18 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     b = pdserve_batch
     layer = module.layer_idx
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    _write(b.kv, layer, b.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
     _, heads, tokens, dim = query.shape
     out = query.new_empty(1, tokens, heads, dim)
+    b.stream.launch(lambda: _attend(b, layer, query, key, value, scale, out))
+    if b.on_layer is not None:
+        b.on_layer(layer, b.stream.record())
+    b.stream.ready()
+    return out, None
+
+
+def _attend(b: PagedBatch, layer: int, query, key, value, scale: float, out: torch.Tensor) -> None:
+    """The layer's work on the device: write the new tokens' K/V, then attend."""
+    _write(b.kv, layer, b.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
     d = b.num_decode
     if d:
         q = query[0, :, :d].transpose(0, 1)                # [rows, heads, dim]
@@ -167,6 +178,3 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     for s in b.segments:
         rows = slice(s.row, s.row + s.num_tokens)
         out[0, rows] = _prefill_attention(b, s, layer, query[:, :, rows], key[:, :, rows], value[:, :, rows], scale)
-    if b.on_layer is not None:
-        b.on_layer(layer)
-    return out, None

@@ -20,6 +20,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
+from services.engine.device import LayerPoster
 from services.engine.kv_cache import KVPoolMemory
 from services.engine.runner import ForwardBatch, ModelRunner, PrefillSegment
 from services.engine.sampler import sample
@@ -27,7 +30,10 @@ from services.engine.scheduler import Scheduler, Sequence, StepPlan
 
 log = logging.getLogger(__name__)
 
-# Called after each layer's KV is written, with the step's plan: where KV export hooks in.
+# Called once each layer's KV is written (on a device: once its write has finished, see
+# device.py), with the step's plan: where KV export hooks in. On a GPU it runs on a thread
+# of its own while later layers compute; every call of a step is done before the step
+# returns.
 LayerHook = Callable[[int, StepPlan], None]
 
 
@@ -54,6 +60,7 @@ class LLMEngine:
         self.memory = memory
         self.scheduler = scheduler
         self.layer_hook = layer_hook
+        self._poster = None if layer_hook is None else LayerPoster(layer_hook, runner.stream.asynchronous)
         # Told, before the forward pass, which prefilled sequences this step decodes first:
         # their first token (sampled elsewhere) can go out now, one step before the second.
         self.on_joined = on_joined
@@ -130,8 +137,13 @@ class LLMEngine:
 
     def _run(self, plan: StepPlan) -> list[int]:
         batch = pack(plan)
-        hook = None if self.layer_hook is None else (lambda layer: self.layer_hook(layer, plan))
-        logits = self.runner.execute(self.memory, batch, hook)
+        poster = self._poster
+        hook = None if poster is None else (lambda layer, fence: poster(layer, plan, fence))
+        try:
+            logits = self.runner.execute(self.memory, batch, hook)
+        finally:
+            if poster is not None:
+                poster.flush()
         rows = plan.sampling()
         return sample(logits, [c.seq.params for c in rows], [c.seq.num_generated for c in rows],
                       rows[0].seq.eos_token_ids if rows else frozenset())
@@ -198,6 +210,7 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._threads = torch.get_num_threads()
         engine.on_joined = self._joined
 
     def _joined(self, request_ids: list[str]) -> None:
@@ -237,6 +250,10 @@ class EngineLoop:
             self._thread.join(timeout=10)
 
     def _run(self) -> None:
+        # OpenMP's thread count is per thread: one set in the main thread does not reach
+        # this one, whose matmuls would otherwise fan out over every core (and spin on a
+        # worker pinned to one).
+        torch.set_num_threads(self._threads)
         while not self._stopping:
             if self.tick is not None:
                 self.tick()

@@ -25,8 +25,10 @@ from typing import Callable
 import torch
 
 from services.common.settings import ATTENTION_KERNELS
+from services.engine.device import Fence, stream_for
 from services.engine.hardware import has_amx, pick_dtype
-from services.engine.kv_cache import KVLayout, KVPoolMemory, compat_hash
+from services.engine.kv_cache import (CPU_KV_TOKENS, KVLayout, KVPoolMemory, compat_hash, device_memory,
+                                      tokens_for_memory)
 from services.engine import fusion
 from services.engine.attention import (DecodeGroup, NativeDecode, PagedBatch, Segment, Workspace, length_groups,
                                        paged_attention)
@@ -81,13 +83,17 @@ class ModelRunner:
         from transformers import AutoConfig, AutoModelForCausalLM
         _register_attention()
         self.device = pick_device(device)
+        self.stream = stream_for(self.device)           # where KV writes run; see device.py
         choice = pick_dtype(dtype, self.device)
         self.dtype_name = choice.name
         self.dtype_reason = choice.reason
         self.model_dir = Path(model_dir)
         config = AutoConfig.from_pretrained(self.model_dir)
+        # Straight onto the device: loading a large model on the host first needs its whole
+        # size in host memory (more than a pod's limit above ~14B parameters in bf16).
+        placement = {} if self.device.type == "cpu" else {"device_map": str(self.device)}
         self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_dir, dtype=choice.torch_dtype, attn_implementation=ATTN_IMPL).to(self.device).eval()
+            self.model_dir, dtype=choice.torch_dtype, attn_implementation=ATTN_IMPL, **placement).to(self.device).eval()
         self.config = config
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
@@ -143,6 +149,29 @@ class ModelRunner:
         return (f"{self.dtype_name} ({self.dtype_reason}) on {self.device}; attention: decode {decode}, "
                 f"prefill {prefill}; fused: {', '.join(self.fusions) or 'nothing'}")
 
+    def activation_bytes(self, tokens: int, rows: int) -> int:
+        """A generous bound on one forward pass's working memory: `tokens` through the
+        layers (hidden states, q/k/v, the MLP's two intermediate tensors, twice over
+        for temporaries) and `rows` of float32 logits."""
+        c = self.config
+        per_token = 2 * (4 * c.hidden_size + 3 * c.intermediate_size) * self.model.dtype.itemsize
+        return tokens * per_token + rows * self.vocab_size * 4 * 2
+
+    def kv_tokens(self, requested: int, utilization: float, batched_tokens: int, rows: int) -> int:
+        """The KV pool's size in tokens: `requested` if given; on a CPU, CPU_KV_TOKENS;
+        on a GPU, what `utilization` of the card leaves after the weights (loaded by
+        now) and a forward pass's activations."""
+        if requested:
+            return requested
+        if self.device.type != "cuda":
+            return CPU_KV_TOKENS
+        free, total = device_memory(self.device)
+        per_token = 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.model.dtype.itemsize
+        tokens = tokens_for_memory(free, total, utilization, per_token, self.activation_bytes(batched_tokens, rows))
+        log.info("KV pool: %d tokens (%.1f GiB) from %.0f%% of %s's %.1f GiB", tokens, tokens * per_token / 2**30,
+                 utilization * 100, self.device, total / 2**30)
+        return tokens
+
     def layout(self, num_blocks: int, block_size: int) -> KVLayout:
         return KVLayout(self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim, self.dtype_name)
 
@@ -153,10 +182,13 @@ class ModelRunner:
     # ---- one forward pass ----
     @torch.inference_mode()
     def execute(self, pool: KVPoolMemory, batch: ForwardBatch,
-                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Run `batch`; returns the logits of its `sample_rows`, [rows, vocab] float32."""
+                on_layer: Callable[[int, Fence], None] | None = None) -> torch.Tensor:
+        """Run `batch`; returns the logits of its `sample_rows`, [rows, vocab] float32.
+        `on_layer(layer, fence)` is called as each layer's KV write is launched; the
+        write is done once `fence.wait()` returns (services/engine/device.py)."""
         bs = pool.layout.block_size
         paged = PagedBatch(kv=pool.tensor, slots=torch.empty(0, dtype=torch.long), on_layer=on_layer,
+                           stream=self.stream,
                            num_decode=len(batch.decode_tokens), threads=torch.get_num_threads(),
                            prefill_kernel=self.native if self.native_prefill else None, workspace=self.workspace)
         slots: list[torch.Tensor] = []
@@ -214,7 +246,7 @@ class ModelRunner:
 
     # ---- single-purpose passes (benchmarks, tests) ----
     def prefill(self, pool: KVPoolMemory, token_ids: list[int], block_ids: list[int], start: int = 0,
-                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+                on_layer: Callable[[int, Fence], None] | None = None) -> torch.Tensor:
         """Compute KV for `token_ids` at positions start.. (the first `start` tokens are
         already in `block_ids`); returns the last token's logits [vocab] in float32."""
         batch = ForwardBatch(prefill_tokens=list(token_ids), segments=[PrefillSegment(start, len(token_ids),

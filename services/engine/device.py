@@ -1,0 +1,122 @@
+"""When the device has finished what the host asked of it: the seam between a forward
+pass and the thread that ships its KV.
+
+On a GPU a kernel launch returns at once; the KV write of layer L has only been queued
+when the forward moves on to layer L+1. A transfer posted then (NIXL reads the memory
+from the NIC, not through the stream) can ship the blocks' old bytes. So the forward
+records a fence after each layer's write, and whoever posts that layer's transfer waits
+on the fence first, on a thread of its own so the compute keeps running meanwhile (vLLM
+and SGLang likewise send only once the device work is done).
+
+    DeviceStream.launch(fn)   queue work on the stream (runs it now on a CPU)
+    DeviceStream.record()     a Fence after everything launched so far
+    DeviceStream.ready()      the host is about to read what the stream wrote
+    Fence.wait()              block until the work before the fence is done
+    LayerPoster               waits each layer's fence, then posts its transfers:
+                              inline for a synchronous stream, on a thread otherwise;
+                              flush() at the end of the step
+
+A CPU runs every op to completion before returning, so its stream is synchronous and
+its fences are already passed. tests/test_device_stream.py replaces the stream with a
+double that defers the writes the way a GPU does, and fails a push that does not wait.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable
+
+import torch
+
+
+class Fence:
+    """A point in a stream; this one is already passed."""
+
+    def wait(self) -> None:
+        return None
+
+
+PASSED = Fence()
+
+
+class HostStream:
+    """The CPU: work runs when launched."""
+    asynchronous = False
+
+    def launch(self, fn: Callable[[], None]) -> None:
+        fn()
+
+    def record(self) -> Fence:
+        return PASSED
+
+    def ready(self) -> None:
+        return None
+
+
+class _CudaFence(Fence):
+    def __init__(self) -> None:
+        self.event = torch.cuda.Event()
+        self.event.record()                  # on the current stream, after what is queued
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
+class CudaStream(HostStream):
+    """A CUDA device's current stream: launches are queued, consumers on the same stream
+    are ordered after them, and another thread learns of completion through events."""
+    asynchronous = True
+
+    def record(self) -> Fence:
+        return _CudaFence()
+
+
+def stream_for(device: torch.device) -> HostStream:
+    return CudaStream() if device.type == "cuda" else HostStream()
+
+
+LayerCallback = Callable[[int, object], None]
+
+
+class LayerPoster:
+    """Calls `post(layer, context)` for each layer once that layer's fence has passed.
+
+    With a synchronous stream it posts inline (the fence has passed when it is
+    recorded). With an asynchronous one a thread waits the fences in order and posts,
+    so layer L's transfer starts as soon as its write is done while later layers
+    compute; `flush()` returns when every layer handed over so far is posted."""
+
+    def __init__(self, post: LayerCallback, asynchronous: bool) -> None:
+        self.post = post
+        self.asynchronous = asynchronous
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def __call__(self, layer: int, context: object, fence: Fence) -> None:
+        if not self.asynchronous:
+            fence.wait()
+            self.post(layer, context)
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kv-post", daemon=True)
+            self._thread.start()
+        self._queue.put((layer, context, fence))
+
+    def _run(self) -> None:
+        while True:
+            layer, context, fence = self._queue.get()
+            try:
+                fence.wait()
+                self.post(layer, context)
+            except BaseException as exc:            # re-raised on the engine thread at flush()
+                self._error = exc
+            finally:
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        if self._thread is not None:
+            self._queue.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
