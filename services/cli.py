@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.command == "up":
             settings = from_args(ClusterSettings, a)
             from services.engine.model_store import resolve_model
-            resolve_model(settings.model)              # convert once, before the workers race to
+            resolve_model(settings.model, settings.revision)              # convert once, before the workers race to
             if settings.ray:
                 from services.ray_cluster import RayCluster
                 return RayCluster(settings).run()

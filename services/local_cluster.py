@@ -92,6 +92,27 @@ def start_private_redis(workdir: Path) -> tuple[subprocess.Popen, str] | None:
     return proc, f"unix://{sock}"
 
 
+def assign_gpus(in_use: Sequence[tuple[int, ...]], num_gpus: int, per_worker: int, share: bool) -> tuple[int, ...]:
+    """The GPUs for one more worker, given those the live workers hold: `per_worker`
+    free ones, lowest first; with `share`, the least used when too few are free. Too
+    few without `share` is an error that says what to do."""
+    if per_worker > num_gpus:
+        raise RuntimeError(f"--gpus-per-worker {per_worker}, but this machine has {num_gpus} GPU(s)")
+    load = [0] * num_gpus
+    for gpus in in_use:
+        for g in gpus:
+            load[g] += 1
+    free = [g for g in range(num_gpus) if load[g] == 0]
+    if len(free) >= per_worker:
+        return tuple(free[:per_worker])
+    if not share:
+        held = len(in_use)
+        raise RuntimeError(f"{held + 1} workers at {per_worker} GPU(s) each need {(held + 1) * per_worker} GPUs; "
+                           f"this machine has {num_gpus}. Start fewer workers, or pass --share-gpus to place "
+                           "several on one GPU (each then needs --gpu-memory-utilization below 1/workers)")
+    return tuple(sorted(range(num_gpus), key=lambda g: (load[g], g))[:per_worker])
+
+
 @dataclass
 class Child:
     name: str
@@ -102,6 +123,7 @@ class Child:
     restarts: int = 0                   # in a row, without a long enough life in between
     restart_at: float | None = None     # when a dead child is started again
     announced_pid: int | None = None
+    gpus: tuple[int, ...] = ()          # the GPUs it sees (CUDA_VISIBLE_DEVICES)
 
     def ports(self) -> dict | None:
         try:
@@ -126,12 +148,16 @@ class LocalCluster:
         self._scaler: threading.Thread | None = None
         self._scaler_stop = threading.Event()
         self._summary: tuple[dict, str | None] | None = None     # the router's ports, the registry
+        self._num_gpus = 0                  # GPUs handed out to workers, one set each
 
-    def _spawn(self, name: str, command: str, settings, threads: int, cpus: set[int] | None = None) -> Child:
+    def _spawn(self, name: str, command: str, settings, threads: int, cpus: set[int] | None = None,
+               gpus: tuple[int, ...] = ()) -> Child:
         announce = self.workdir / f"{name}.json"
         env = dict(os.environ)
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
+        if gpus:                            # the worker's "cuda" is its own GPU(s)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
 
         # The registry URL may carry a password: it travels in the environment, which
         # other users cannot read, not on the command line, which they can.
@@ -142,7 +168,7 @@ class LocalCluster:
             argv = to_argv(replace(settings, announce_file=str(announce)), skip=("redis",))
             return subprocess.Popen([sys.executable, "-m", "services.cli", command, *argv], env=env,
                                     preexec_fn=_child_setup(cpus))
-        child = Child(name, popen(), announce)
+        child = Child(name, popen(), announce, gpus=gpus)
 
         def respawn() -> subprocess.Popen:
             # Again on the ports it had, so static addresses (and clients) stay valid.
@@ -155,7 +181,12 @@ class LocalCluster:
 
     # ---- pools (the autoscaler's LocalActuator calls these from its thread) ----
     def _spawn_worker(self, role: str, cpus: set[int] | None = None) -> Child:
-        child = self._spawn(f"{role}-{next(self._serial[role])}", role, self._workers[role], self._threads, cpus)
+        gpus = ()
+        if self._num_gpus:
+            held = [c.gpus for c in self.pools["prefill"] + self.pools["decode"] + self.draining_children]
+            gpus = assign_gpus(held, self._num_gpus, self.settings.gpus_per_worker, self.settings.share_gpus)
+        child = self._spawn(f"{role}-{next(self._serial[role])}", role, self._workers[role], self._threads, cpus,
+                            gpus)
         self.pools[role].append(child)
         return child
 
@@ -282,6 +313,7 @@ class LocalCluster:
                                       max(1, len(cores) // max(2, workers)))
         pins = (plan_cpus(["decode"] * num_decode + ["prefill"] * num_prefill, cores)
                 if s.pin_cpus and self._threads == 1 and not self.autoscaling else [None] * workers)
+        self._num_gpus = self._gpus_to_hand_out()
         try:
             if self.autoscaling and s.aggregated:
                 raise RuntimeError("--autoscale scales the prefill and decode pools: not with --mode aggregated")
@@ -366,6 +398,20 @@ class LocalCluster:
         rports = {**rports, **((router.ports() or {}) if router else {})}
         ports = {role: [c.ports() or {} for c in pool] for role, pool in self.pools.items()}
         self._banner(rports, ports["prefill"], ports["decode"], redis, quiet=True)
+
+    def _gpus_to_hand_out(self) -> int:
+        """On a CUDA machine with --device auto or cuda: how many GPUs `up` hands out,
+        one set per worker. A device named by index (cuda:1) is the user's placement."""
+        if self.settings.device not in ("auto", "cuda"):
+            return 0
+        from services.engine.runner import pick_device
+        if pick_device(self.settings.device).type != "cuda":
+            return 0
+        import torch
+        n = torch.cuda.device_count()
+        print(f"pdserve: {n} GPU(s); {self.settings.gpus_per_worker} per worker"
+              + (", shared when too few" if self.settings.share_gpus else ""), flush=True)
+        return n
 
     def _default_decode_workers(self, cores: int) -> int:
         """One, except aggregated on CPU: a single-threaded worker per core. Each then

@@ -181,8 +181,10 @@ def copy_fields(source, cls, **overrides):
 @dataclass(kw_only=True)
 class EngineSettings:
     """What every worker's engine is built from; `pdserve up` takes the same flags."""
-    model: str | None = setting(None, "a local Hugging Face model folder (default: SmolLM2-135M-Instruct, "
+    model: str | None = setting(None, "a local Hugging Face model folder or a Hub id (org/name: the local "
+                                      "Hugging Face cache first, then the Hub) (default: SmolLM2-135M-Instruct, "
                                       "converted once)")
+    revision: str | None = setting(None, "with a Hub id: the branch, tag or commit (default: main)")
     dtype: str = setting("auto", "weights and KV cache dtype; auto: bfloat16 on GPUs and on CPUs that "
                                  "compute it natively (AVX512-BF16, AMX), float32 on other CPUs", choices=DTYPES)
     device: str = setting("auto", "cpu, cuda, cuda:N or auto")
@@ -193,7 +195,11 @@ class EngineSettings:
     attention_kernel: str = setting("auto", "attention: native (C kernels built on first use; CPU), torch "
                                             "(torch's own ops), or auto (native where it is faster)",
                                     choices=ATTENTION_KERNELS)
-    kv_cache_tokens: int = setting(65536, "decode workers' KV pool size in tokens", roles=("decode",))
+    kv_cache_tokens: int = setting(0, "decode workers' KV pool size in tokens (0: 65536 on a CPU; on a GPU what "
+                                      "--gpu-memory-utilization leaves after the weights)", roles=("decode",))
+    gpu_memory_utilization: float = setting(0.9, "on a GPU: the share of the card's memory this worker may use, "
+                                                 "weights, activations and KV pool together",
+                                            roles=("decode",))
     max_batch: int = setting(64, "most sequences in a decode worker's running batch", roles=("decode",))
     max_num_batched_tokens: int = setting(
         0, "tokens one forward pass may hold: decode tokens plus prompt chunks (0: 4096 on prefill "
@@ -215,8 +221,10 @@ class EngineSettings:
             raise ValueError(f"--attention-kernel must be one of {', '.join(ATTENTION_KERNELS)}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("--block-size must be a power of two")
-        if self.kv_cache_tokens < self.block_size:
-            raise ValueError("--kv-cache-tokens must hold at least one block")
+        if self.kv_cache_tokens and self.kv_cache_tokens < self.block_size:
+            raise ValueError("--kv-cache-tokens must hold at least one block (or 0: sized for the device)")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.prefill_chunk_tokens < 0:
             raise ValueError("--prefill-chunk-tokens must be 0 (as the budget allows) or more")
         if self.prefix_cache_tokens < 0:
@@ -289,10 +297,15 @@ class WorkerSettings(EngineSettings):
         return TLSFiles(self.tls_cert, self.tls_key, self.tls_ca)
 
     def transport_options(self) -> dict[str, dict]:
-        # A NIXL writer drives its own transfers when it polls; only the receiving side
-        # needs a progress thread (for new writers' handshakes), and a slow one suffices:
-        # a faster one costs the forward pass measurable time on a small host.
-        nixl = {"progress_interval": 0.05 if self.role == "decode" else 0.0, "host": self.host}
+        # A NIXL writer drives its own transfers when it polls; the receiving side needs a
+        # progress thread. Across hosts (UCX over the network) every write waits for it:
+        # at 50 ms a 32 KiB write took 40 ms, with none writes never landed; at 2 ms, 1.4 ms
+        # for 2-4 % of a busy decode loop (bench/nixl_progress.py, docs/benchmarks.md).
+        # A worker bound to loopback has only same-host peers, which UCX serves by CMA
+        # with the progress thread pacing handshakes only: there a slow one suffices.
+        local = self.host in ("127.0.0.1", "localhost", "::1")
+        receiver = 0.05 if local else 0.002
+        nixl = {"progress_interval": receiver if self.role == "decode" else 0.0, "host": self.host}
         return {"tcp": {"host": self.host, "advertise": self.advertise_host}, "nixl": nixl}
 
 
@@ -330,6 +343,7 @@ class RouterSettings(RoutingSettings):
     """`pdserve router`."""
     model: str | None = setting(None, "a local Hugging Face model folder (its tokenizer and chat template; "
                                       "default: SmolLM2-135M-Instruct)")
+    revision: str | None = setting(None, "with a Hub id: the branch, tag or commit (default: main)")
     host: str = setting("127.0.0.1", "address the HTTP and gRPC listeners bind")
     http_port: int = setting(8000, "OpenAI-compatible HTTP port")
     grpc_port: int = setting(50051, "gRPC Generate API port")
@@ -386,6 +400,9 @@ class ClusterSettings(RoutingSettings, EngineSettings):
     http_port: int = setting(8000, "OpenAI-compatible HTTP port")
     grpc_port: int = setting(50051, "gRPC Generate API port")
     pin_cpus: bool = setting(True, "pin each disaggregated worker to a core of its own when they fit")
+    gpus_per_worker: int = setting(1, "on a CUDA machine: GPUs each worker gets to itself (CUDA_VISIBLE_DEVICES)")
+    share_gpus: bool = setting(False, "place workers on GPUs already in use when there are too few (size each "
+                                      "one's share with --gpu-memory-utilization)")
     redis: str | None = setting(None, "registry to use; default: start a private redis-server if one is "
                                       "installed, else give the router the workers' addresses", metavar="URL")
     announce_file: str | None = setting(None, "write the cluster's addresses here as JSON")
@@ -404,6 +421,8 @@ class ClusterSettings(RoutingSettings, EngineSettings):
             raise ValueError("--address is the Ray cluster to join: it needs --ray")
         if self.num_decode < 0 or self.num_prefill < 0:
             raise ValueError("--prefill and --decode are worker counts")
+        if self.gpus_per_worker < 1:
+            raise ValueError("--gpus-per-worker must be at least 1")
 
     @property
     def aggregated(self) -> bool:
@@ -420,7 +439,8 @@ class ClusterSettings(RoutingSettings, EngineSettings):
     def router(self, **overrides) -> RouterSettings:
         routing = {f.name for f in dataclasses.fields(RoutingSettings)}
         kwargs = {name: getattr(self, name) for name in routing}
-        kwargs.update(model=self.model, host=self.host, http_port=self.http_port, grpc_port=self.grpc_port,
+        kwargs.update(model=self.model, revision=self.revision, host=self.host, http_port=self.http_port,
+                      grpc_port=self.grpc_port,
                       aggregated=self.aggregated, log_level=self.log_level, max_model_len=self.max_model_len)
         kwargs.update(overrides)
         return RouterSettings(**kwargs)

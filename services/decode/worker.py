@@ -50,21 +50,25 @@ class DecodeWorker:
         self.eos = eos_token_ids
         self.metrics = metrics
         self.epoch = uuid.uuid4().hex[:12]
-        num_blocks = settings.kv_cache_tokens // settings.block_size
+        config = scheduler_config(settings)
+        tokens = runner.kv_tokens(settings.kv_cache_tokens, settings.gpu_memory_utilization,
+                                  config.max_num_batched_tokens, config.max_num_seqs)
+        num_blocks = tokens // settings.block_size
         if num_blocks * settings.block_size < runner.max_model_len:
             # A sequence that can never fit would wait (or preempt itself) forever.
-            raise ValueError(f"--kv-cache-tokens {settings.kv_cache_tokens} cannot hold one full context of "
-                             f"{runner.max_model_len} tokens")
+            raise ValueError(f"a KV pool of {tokens} tokens cannot hold one full context of {runner.max_model_len} "
+                             "tokens: give --kv-cache-tokens, or --max-model-len")
         self.layout = runner.layout(num_blocks, settings.block_size)
         self.compat_hash = runner.compat_hash(self.layout)
         sweep_stale_segments()
-        self.transports = open_transports(settings.kv_transport, settings.transport_options())
+        self.transports = open_transports(settings.kv_transport, settings.transport_options(),
+                                          device=str(runner.device))
         self.memory = self._allocate_pool(settings, str(runner.device))
         self.offers = [worker_pb2.TransportOffer(backend=name, meta=t.register(self.memory, self.compat_hash))
                        for name, t in self.transports.items()]
         log.info("decode worker offers KV transports: %s", ", ".join(self.transports))
         self.blocks = BlockManager(BlockPool(num_blocks, settings.block_size))
-        self.engine = LLMEngine(runner, self.memory, Scheduler(self.blocks, scheduler_config(settings)))
+        self.engine = LLMEngine(runner, self.memory, Scheduler(self.blocks, config))
         self.loop = EngineLoop(self.engine, tick=self._tick, on_step=self._on_step, name="decode-engine")
         self.handoffs = HandoffTable(self.epoch)
         self.kv_bytes_received = 0

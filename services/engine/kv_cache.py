@@ -59,6 +59,29 @@ def compat_hash(model_id: str, layout: KVLayout) -> str:
     return hashlib.sha256(repr(sorted(key.items())).encode()).hexdigest()[:16]
 
 
+# A decode worker's pool on a CPU when no size is given: host memory is not measured.
+CPU_KV_TOKENS = 65536
+
+
+def tokens_for_memory(free: int, total: int, utilization: float, bytes_per_token: int, reserve: int) -> int:
+    """KV tokens that fit in a device's memory: this worker may use `utilization` of
+    `total`; what is already in use (its weights, anything else on the card) and
+    `reserve` (its activations) come off first. Raises when nothing is left."""
+    budget = int(total * utilization) - (total - free) - reserve
+    tokens = budget // bytes_per_token if budget > 0 else 0
+    if tokens <= 0:
+        raise ValueError(f"no memory is left for the KV cache: {total / 2**30:.1f} GiB x {utilization:g} leaves "
+                         f"{max(budget, 0) / 2**30:.2f} GiB after {(total - free) / 2**30:.1f} GiB in use and "
+                         f"{reserve / 2**30:.2f} GiB for activations; raise --gpu-memory-utilization or use a "
+                         "smaller model")
+    return tokens
+
+
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of a CUDA device."""
+    return torch.cuda.mem_get_info(device)
+
+
 class KVPoolMemory:
     """The tensor behind a block pool; `path` is set when it is shared memory."""
 

@@ -68,11 +68,41 @@ def ensure_default_model() -> Path:
     return target
 
 
-def resolve_model(model: str | None) -> Path:
-    """`None` means the default model; anything else must be a local HF folder."""
+def resolve_model(model: str | None, revision: str | None = None, hub_cache: str | None = None) -> Path:
+    """The model folder for `--model`: the default model for None; a local Hugging Face
+    folder as it is; otherwise a Hub id (org/name), from the local Hugging Face cache
+    when it holds that revision, else downloaded into it."""
     if not model:
         return ensure_default_model()
     path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"--model {model!r}: no config.json there (a local Hugging Face folder is needed)")
-    return path.resolve()
+    if (path / "config.json").is_file():
+        return path.resolve()
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise FileNotFoundError(f"--model {model!r}: no config.json there (a local Hugging Face folder, or a Hub "
+                                "id such as HuggingFaceTB/SmolLM2-135M-Instruct, is needed)")
+    return hub_snapshot(model, revision, hub_cache)
+
+
+# What serving needs of a Hub repository: configs, weights, tokenizer, chat template.
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+
+
+def hub_snapshot(repo_id: str, revision: str | None = None, hub_cache: str | None = None) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    try:
+        found = Path(snapshot_download(repo_id, revision=revision, cache_dir=hub_cache, local_files_only=True,
+                                       allow_patterns=HUB_FILES))
+        if (found / "config.json").is_file():
+            return found
+    except HFValidationError as exc:
+        raise FileNotFoundError(f"--model {repo_id!r} is not a Hub id: {exc}") from None
+    except (LocalEntryNotFoundError, FileNotFoundError):
+        pass
+    log.info("downloading %s%s from the Hugging Face Hub", repo_id, f"@{revision}" if revision else "")
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=hub_cache, allow_patterns=HUB_FILES))
+    except Exception as exc:                # offline, unknown repo or revision, gated, no network
+        raise FileNotFoundError(f"--model {repo_id}{f' --revision {revision}' if revision else ''}: not in the "
+                                f"local Hugging Face cache, and the Hub did not give it ({type(exc).__name__}: "
+                                f"{str(exc).splitlines()[0] if str(exc) else ''})") from None

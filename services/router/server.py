@@ -31,7 +31,7 @@ def _max_model_len(model_dir, limit: int) -> int:
 
 async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> None:
     """Serve until `stop` is set (default: SIGTERM/SIGINT)."""
-    model_dir = resolve_model(settings.model)
+    model_dir = resolve_model(settings.model, settings.revision)
     tokenizer = load_tokenizer(model_dir)
     metrics = RouterMetrics()
     cluster = Cluster(settings, tokenizer, metrics)

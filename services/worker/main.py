@@ -89,7 +89,7 @@ async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]
     sys.setswitchinterval(0.0005)
     set_torch_threads(settings.threads)
     keep_freed_memory()
-    model_dir = resolve_model(settings.model)
+    model_dir = resolve_model(settings.model, settings.revision)
     runner = ModelRunner(model_dir, settings.dtype, settings.device, attention=settings.attention_kernel,
                          max_model_len=settings.max_model_len)
     metrics = WorkerMetrics(settings.role)

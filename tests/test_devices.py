@@ -1,0 +1,88 @@
+"""Devices as GPU users expect, decided on the host: one GPU per worker in `pdserve up`,
+the KV pool sized from the card's free memory, models by Hub id from the local Hugging
+Face cache. No GPU is here: what needs one is in its own test, which says so and skips."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from services.engine.kv_cache import CPU_KV_TOKENS, tokens_for_memory
+from services.engine.model_store import resolve_model
+from services.local_cluster import assign_gpus
+
+GiB = 2**30
+
+
+def test_each_worker_gets_gpus_of_its_own_and_too_few_is_a_clear_error():
+    held: list[tuple[int, ...]] = []
+    for _ in range(4):
+        held.append(assign_gpus(held, 4, 1, share=False))
+    assert held == [(0,), (1,), (2,), (3,)]
+    with pytest.raises(RuntimeError, match="5 workers at 1 GPU.*need 5 GPUs; this machine has 4.*--share-gpus"):
+        assign_gpus(held, 4, 1, share=False)
+    assert assign_gpus(held, 4, 1, share=True) == (0,)                   # the least used
+    assert assign_gpus([(0, 1)], 4, 2, share=False) == (2, 3)
+    with pytest.raises(RuntimeError, match="has 1 GPU"):
+        assign_gpus([], 1, 2, share=True)
+    assert assign_gpus([(1,)], 2, 1, share=False) == (0,)                # a freed GPU is handed out again
+
+
+def test_the_kv_pool_is_what_the_memory_share_leaves():
+    # an 80 GiB card, 0.9 of it ours, 16 GiB in use (weights), 2 GiB of activations
+    tokens = tokens_for_memory(free=64 * GiB, total=80 * GiB, utilization=0.9, bytes_per_token=128 * 1024,
+                               reserve=2 * GiB)
+    assert tokens == (int(80 * GiB * 0.9) - 16 * GiB - 2 * GiB) // (128 * 1024)
+    with pytest.raises(ValueError, match="no memory is left for the KV cache.*--gpu-memory-utilization"):
+        tokens_for_memory(free=7 * GiB, total=80 * GiB, utilization=0.9, bytes_per_token=128 * 1024, reserve=GiB)
+
+
+def test_the_kv_pool_on_a_cpu(model_dir):
+    from services.engine.runner import ModelRunner
+    runner = ModelRunner(model_dir, "float32", "cpu", attention="torch")
+    assert runner.kv_tokens(0, 0.9, 512, 64) == CPU_KV_TOKENS
+    assert runner.kv_tokens(4096, 0.9, 512, 64) == 4096
+    assert 0 < runner.activation_bytes(512, 64) < GiB
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_weights_load_onto_it_and_the_pool_fills_the_memory_share(model_dir):
+    from services.engine.runner import ModelRunner
+    runner = ModelRunner(model_dir, "bfloat16", "cuda", attention="torch")
+    assert next(runner.model.parameters()).device.type == "cuda"
+    free, total = torch.cuda.mem_get_info()
+    tokens = runner.kv_tokens(0, 0.5, 2048, 64)
+    per_token = 2 * runner.num_layers * runner.num_kv_heads * runner.head_dim * 2
+    assert 0 < tokens * per_token <= total * 0.5
+
+
+def _fake_hub_cache(root, model_dir, repo="acme/tiny-chat", commit="0123456789abcdef0123456789abcdef01234567"):
+    """The local Hugging Face cache's layout, holding `model_dir` as `repo`'s main."""
+    repo_dir = root / f"models--{repo.replace('/', '--')}"
+    snapshot = repo_dir / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for f in model_dir.iterdir():
+        if f.is_file():
+            shutil.copy(f, snapshot / f.name)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+def test_a_hub_id_comes_from_the_local_cache(model_dir, tmp_path):
+    snapshot = _fake_hub_cache(tmp_path, model_dir)
+    assert resolve_model("acme/tiny-chat", hub_cache=str(tmp_path)) == snapshot
+    assert resolve_model("acme/tiny-chat", revision="0123456789abcdef0123456789abcdef01234567",
+                         hub_cache=str(tmp_path)) == snapshot
+
+
+def test_a_model_nowhere_is_a_clear_error(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)      # never ask the network here
+    with pytest.raises(FileNotFoundError, match="acme/absent.*not in the local Hugging Face cache"):
+        resolve_model("acme/absent", hub_cache=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        resolve_model(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        resolve_model("a/b/c")
