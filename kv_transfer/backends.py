@@ -25,26 +25,40 @@ BACKENDS: dict[str, str] = {
 PREFERENCE: tuple[str, ...] = ("shm", "nixl", "tcp")
 
 
-def create_transport(name: str, **kwargs) -> KVTransport:
+def transport_class(name: str) -> type:
     try:
         target = BACKENDS[name]
     except KeyError:
         raise ValueError(f"unknown KV transport {name!r}; known: {', '.join(sorted(BACKENDS))}") from None
     module, cls = target.split(":")
-    return getattr(importlib.import_module(module), cls)(**kwargs)
+    return getattr(importlib.import_module(module), cls)
+
+
+def create_transport(name: str, **kwargs) -> KVTransport:
+    return transport_class(name)(**kwargs)
 
 
 def open_transports(choice: str, options: dict[str, dict] | None = None,
-                    drop_rate: float = 0.0) -> dict[str, KVTransport]:
-    """The backends a worker offers or uses, in preference order.
+                    drop_rate: float = 0.0, device: str = "cpu") -> dict[str, KVTransport]:
+    """The backends a worker offers or uses, in preference order, for a KV pool on
+    `device`.
 
     `auto` opens every backend that works on this machine (one that cannot, e.g. NIXL
-    without its library, is logged and skipped); a name opens exactly that one.
+    without its library, is logged and skipped); a name opens exactly that one. A pool
+    on a GPU is offered only through backends that address device memory (NIXL): `auto`
+    leaves the host-only ones out, and naming one is refused with the reason.
     `drop_rate` wraps each in a fault injector (tests of failed transfers)."""
     names = PREFERENCE if choice == "auto" else (choice,)
     options = options or {}
+    on_device = not device.startswith("cpu")
     out: dict[str, KVTransport] = {}
     for name in names:
+        if on_device and not _device_capable(name):
+            if choice != "auto":
+                raise TransferError(f"KV transport {name!r} moves host memory only, and the KV pool is on "
+                                    f"{device}: use --kv-transport nixl (or auto)")
+            log.info("KV transport %s moves host memory only; not offered for a pool on %s", name, device)
+            continue
         try:
             t = create_transport(name, **options.get(name, {}))
         except Exception as exc:              # a missing library or device
@@ -56,8 +70,16 @@ def open_transports(choice: str, options: dict[str, dict] | None = None,
             t = DroppingTransport(t, drop_rate)
         out[name] = t
     if not out:
-        raise TransferError("no KV transport is available")
+        raise TransferError("no KV transport is available" + (f" for a KV pool on {device} (NIXL is needed: "
+                                                              "pip install nixl)" if on_device else ""))
     return out
+
+
+def _device_capable(name: str) -> bool:
+    try:
+        return bool(transport_class(name).device_memory)
+    except ImportError:                 # its library is missing: opening it will say so
+        return True
 
 
 def pair(offers: Sequence[tuple[str, bytes]], transports: dict[str, KVTransport], compat_hash: str,

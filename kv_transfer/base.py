@@ -49,6 +49,7 @@ TransferId = int
 
 class KVTransport(Protocol):
     name: ClassVar[str]
+    device_memory: ClassVar[bool]       # can register and move a pool that lives on a GPU
 
     def register(self, pool: KVPoolMemory, compat_hash: str) -> bytes:
         """Make `pool` reachable; returns the metadata a peer needs to write into it."""

@@ -18,6 +18,7 @@ class FakeFabric:
 
 class FakeTransport:
     name: ClassVar[str] = "fake"
+    device_memory: ClassVar[bool] = True       # copies between tensors in one process
 
     def __init__(self, fabric: FakeFabric | None = None) -> None:
         self.fabric = fabric or FakeFabric()

@@ -113,6 +113,7 @@ def _region(pool: KVPoolMemory) -> _Region:
 
 class NixlTransport:
     name: ClassVar[str] = "nixl"
+    device_memory: ClassVar[bool] = True       # registers VRAM with NIXL
 
     def __init__(self, progress_interval: float = 0.01, backends: Sequence[str] = ("UCX",),
                  host: str | None = None) -> None:

@@ -16,6 +16,7 @@ log = logging.getLogger(__name__)
 
 class ShmTransport:
     name: ClassVar[str] = "shm"
+    device_memory: ClassVar[bool] = False       # a file in /dev/shm: host memory only
 
     def __init__(self) -> None:
         self._local: KVPoolMemory | None = None

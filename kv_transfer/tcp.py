@@ -100,6 +100,7 @@ class _Peer:
 
 class TcpTransport:
     name: ClassVar[str] = "tcp"
+    device_memory: ClassVar[bool] = False       # reads and writes through host memory views
 
     def __init__(self, host: str = "127.0.0.1", advertise: str | None = None, io_timeout: float = 10.0,
                  streams: int = 2) -> None:

@@ -198,3 +198,29 @@ def test_bandwidth_bench_pairs_every_transfer_with_a_copy(tmp_path):
         row = rows["1"]
         assert row["gbps"] > 0 and row["memcpy_gbps"] > 0 and 0 < row["ratio_to_memcpy"] < 10
     assert "x memcpy" in proc.stdout
+
+
+def test_a_pool_on_a_gpu_is_never_offered_through_a_host_only_backend():
+    """No GPU is needed to decide: `auto` for a pool on cuda:0 leaves shm and tcp out
+    (NIXL, where installed, is all that remains), and naming a host-only backend is
+    refused at start with the reason."""
+    from kv_transfer.backends import PREFERENCE, open_transports, transport_class
+    host_only = [n for n in PREFERENCE if not transport_class(n).device_memory]
+    assert set(host_only) == {"shm", "tcp"}
+    try:
+        opened = open_transports("auto", device="cuda:0")
+    except TransferError as exc:                     # no NIXL here: nothing may carry a device pool
+        assert "cuda:0" in str(exc) and "nixl" in str(exc).lower()
+    else:
+        assert set(opened) == {"nixl"}
+        for t in opened.values():
+            t.shutdown()
+    for name in host_only:
+        with pytest.raises(TransferError, match="host memory only"):
+            open_transports(name, device="cuda:0")
+    host = open_transports("auto", device="cpu")                 # a host pool keeps every backend
+    try:
+        assert {"shm", "tcp"} <= set(host)
+    finally:
+        for t in host.values():
+            t.shutdown()

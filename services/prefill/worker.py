@@ -90,7 +90,7 @@ class PrefillWorker:
         self.memory = KVPoolMemory.allocate(self.layout, device=str(runner.device))
         self.blocks = BlockManager(BlockPool(num_blocks, bs), prefix_caching=settings.prefix_cache_tokens > 0)
         self.transports = open_transports(settings.kv_transport, settings.transport_options(),
-                                          drop_rate=settings.fault_drop_transfers)
+                                          drop_rate=settings.fault_drop_transfers, device=str(runner.device))
         for t in self.transports.values():
             t.register(self.memory, self.compat_hash)
         self.engine = LLMEngine(runner, self.memory, Scheduler(self.blocks, config), layer_hook=self._push_layer)
