@@ -33,10 +33,11 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         logits = logits / temps[:, None]
     top_k = [p.top_k if 0 < p.top_k < logits.shape[-1] else 0 for p in params]
     if any(top_k):
+        k = torch.tensor(top_k, device=logits.device)
         kth = torch.topk(logits, max(top_k), dim=-1).values
-        cut = torch.stack([kth[i, k - 1] if k else torch.tensor(float("-inf"), device=logits.device)
-                           for i, k in enumerate(top_k)])
-        logits = logits.masked_fill(logits < cut[:, None], float("-inf"))
+        cut = kth.gather(1, (k - 1).clamp_(min=0)[:, None])          # each row's k-th largest, in one op
+        cut.masked_fill_((k == 0)[:, None], float("-inf"))           # no top-k: keep everything
+        logits = logits.masked_fill(logits < cut, float("-inf"))
     return logits
 
 
@@ -62,18 +63,21 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = 256) -> torc
 
 def _draw(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int]) -> list[int]:
     probs = torch.softmax(_filter(logits, params), dim=-1)
-    order = None
-    if any(p.top_p < 1.0 for p in params):
-        probs, order = torch.sort(probs, dim=-1, descending=True)
-        top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=probs.device)
-        drop = (probs.cumsum(-1) - probs) >= top_p[:, None]     # keep the smallest set reaching top_p
-        probs = probs.masked_fill(drop, 0.0)
+    nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if nucleus:
+        # Only the top-p rows are sorted, to find the smallest probability their nucleus
+        # keeps; the draw itself runs in vocabulary order for every row, so a row's token
+        # does not depend on whether its neighbours in the batch asked for top-p.
+        rows = torch.tensor(nucleus, device=probs.device)
+        sub = probs.index_select(0, rows)
+        ranked = torch.sort(sub, dim=-1, descending=True).values
+        top_p = torch.tensor([params[i].top_p for i in nucleus], dtype=probs.dtype, device=probs.device)
+        kept = ((ranked.cumsum(-1) - ranked) < top_p[:, None]).sum(-1, keepdim=True)   # the smallest set reaching top_p
+        floor = ranked.gather(1, kept.clamp_(min=1) - 1)
+        probs.index_copy_(0, rows, sub.masked_fill(sub < floor, 0.0))
     u = torch.tensor([uniform(p.seed, n) for p, n in zip(params, num_generated)], dtype=torch.float64,
                      device=probs.device)
-    picked = _inverse_cdf(probs, u)
-    if order is not None:
-        picked = order.gather(1, picked)
-    return picked[:, 0].tolist()
+    return _inverse_cdf(probs, u)[:, 0].tolist()
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int],
