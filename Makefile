@@ -6,7 +6,7 @@ PIP     := $(BIN)/pip
 STAMP   := $(VENV)/.installed
 ARGS    ?=
 
-.PHONY: run test test-slow install proto model clean test-deps helm-test
+.PHONY: run test test-slow install proto model clean test-deps helm-test gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -40,6 +40,12 @@ test: model test-deps
 # soaks, chaos and long benchmarks (marked slow), and far more fuzzing examples
 test-slow: model test-deps
 	PDSERVE_FUZZ_EXAMPLES=500 $(BIN)/python -m pytest -m "slow or fuzz" $(PYTEST_ARGS)
+
+# On a CUDA machine: parity, the KV push race, NIXL bandwidth, host-only transports refused
+# (bench/gpu_check.py; random weights, nothing downloaded)
+gpu-check: install
+	@mkdir -p build
+	$(BIN)/python -m bench.gpu_check --json build/gpu-check.json
 
 # The Helm chart, offline: no Kubernetes API server runs here, so it is linted, rendered
 # and checked against the API's schemas (at the chart's floor, 1.27, and the newest), then

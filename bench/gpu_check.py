@@ -1,0 +1,269 @@
+"""Does pdserve work on this CUDA machine? Checks that need no download.
+
+    python -m bench.gpu_check --json out.json          (make gpu-check)
+    python -m bench.gpu_check --device cpu --quick     (the same checks on the CPU: the script's own test)
+
+Models are random-initialised Llama shapes from configs with a fixed seed, saved with a
+byte-level tokenizer built here, so nothing is fetched:
+  tiny     4 layers, hidden 256: float32 parity through a real cluster
+  1b, 8b   Llama-3.2-1B and Llama-3.1-8B KV shapes: transfer sizes only (no weights built)
+
+Checks, each a row of the table and of the JSON:
+  parity     `pdserve up` (one prefill and one decode worker on the device, KV through
+             NIXL, every prompt prefilled remotely): greedy tokens for several prompts are
+             token-for-token `model.generate`'s on the same weights and device, float32
+  race       32 concurrent long prompts through the same cluster, each checked the same
+             way: a layer shipped before its write finished changes the decode worker's
+             KV and, in float32, the tokens (services/engine/device.py orders the push)
+  bandwidth  NIXL writes between two agents' device pools, layer by layer as prefill
+             sends, in GB/s and as a ratio to a torch device-to-device copy of the bytes
+  host-only  a pool on the device offered through shm or tcp: refused at start
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SEED = 1234
+# (layers, kv heads, head dim) of real models, for transfer sizes
+KV_SHAPES = {"1b": (16, 8, 64), "8b": (32, 8, 128)}
+
+
+def build_tiny_model(folder: Path, seed: int = SEED) -> Path:
+    """A 4-layer Llama with random weights and a byte-level tokenizer, saved as a local
+    Hugging Face folder the services load like any other."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    for s in specials:
+        vocab[s] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", bos_token="<|im_start|>",
+                                  unk_token="<|endoftext|>", additional_special_tokens=specials)
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
+                         eos_token_id=vocab["<|im_end|>"], bos_token_id=vocab["<|im_start|>"], tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():                                   # sharper logits: fewer near-ties in greedy parity
+        model.lm_head.weight.mul_(4.0)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab - 3, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def _reference(model_dir: Path, device: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p], device=device)
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+            out.append(gen[0, len(p):].tolist())
+    del model
+    return out
+
+
+class Cluster:
+    """`pdserve up` on `device` with the tiny model; stopped by PID."""
+
+    def __init__(self, model_dir: Path, device: str, work: Path) -> None:
+        self.announce = work / "cluster.json"
+        self.log = work / "up.log"
+        cmd = [sys.executable, "-m", "services.cli", "up", "--model", str(model_dir), "--device", device,
+               "--dtype", "float32", "--kv-transport", "nixl", "--prefill", "1", "--decode", "1",
+               "--local-prefill-max-tokens", "0", "--kv-cache-tokens", "65536", "--http-port", "0",
+               "--grpc-port", "0", "--announce-file", str(self.announce), "--log-level", "warning"]
+        if device.startswith("cuda"):
+            cmd += ["--share-gpus"] if torch.cuda.device_count() < 2 else []
+            cmd += ["--gpu-memory-utilization", "0.4"]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 600
+        while not self.announce.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the cluster did not start:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        self.info = json.loads(self.announce.read_text())
+
+    def complete(self, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+        import asyncio
+
+        import httpx
+
+        async def one(client, p):
+            r = await client.post(f"{self.info['http']}/v1/completions", json={
+                "prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True})
+            r.raise_for_status()
+            route = dict(x.split("=", 1) for x in r.headers["x-pdserve-route"].split(";"))
+            return {"tokens": r.json()["choices"][0]["token_ids"], "route": route}
+
+        async def run():
+            async with httpx.AsyncClient(timeout=600) as client:
+                return await asyncio.gather(*(one(client, p) for p in prompts))
+        return asyncio.run(run())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def check_parity(cluster: Cluster, model_dir: Path, device: str, vocab: int, n: int, length: int,
+                 max_tokens: int, seed: int) -> dict:
+    prompts = _prompts(n, length, vocab, seed)
+    got = cluster.complete(prompts, max_tokens)
+    want = _reference(model_dir, device, prompts, max_tokens)
+    same = sum(g["tokens"] == w for g, w in zip(got, want))
+    transports = sorted({g["route"].get("transport", "") for g in got})
+    remote = sum(g["route"]["decision"] == "remote" for g in got)
+    return {"prompts": n, "prompt_tokens": length, "max_tokens": max_tokens, "identical": same,
+            "remote": remote, "transports": transports, "ok": same == n and remote == n and transports == ["nixl"]}
+
+
+def check_bandwidth(device: str, shape: tuple[int, int, int], blocks: int, repeats: int) -> dict:
+    """Two NIXL agents in this process, device pools, every layer written as prefill sends it."""
+    from kv_transfer.base import wait_for
+    from kv_transfer.nixl import NixlTransport
+    from services.engine.kv_cache import KVLayout, KVPoolMemory, compat_hash
+    layers, heads, dim = shape
+    layout = KVLayout(layers, blocks, 16, heads, dim, "bfloat16")
+    src, dst = (KVPoolMemory.allocate(layout, device=device) for _ in range(2))
+    src.tensor.normal_()
+    compat = compat_hash("gpu-check", layout)
+    writer, receiver = NixlTransport(progress_interval=0.0), NixlTransport(progress_interval=0.01)
+    try:
+        meta = receiver.register(dst, compat)
+        writer.register(src, compat)
+        peer = writer.connect(meta, compat)
+        ids = list(range(blocks))
+        rounds = []
+        for _ in range(repeats + 1):
+            scratch = torch.empty_like(src.tensor)
+            _sync(device)
+            t0 = time.perf_counter()
+            scratch.copy_(src.tensor)
+            _sync(device)
+            copy = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            xfers = [writer.write(peer, ids, ids, range(layer, layer + 1)) for layer in range(layers)]
+            wait_for(writer, xfers, time.monotonic() + 300)
+            rounds.append((time.perf_counter() - t0, copy))
+        exact = bool(torch.equal(src.tensor, dst.tensor))
+    finally:
+        writer.shutdown()
+        receiver.shutdown()
+    nbytes = src.tensor.numel() * src.tensor.element_size()
+    seconds = statistics.median(x for x, _ in rounds[1:])
+    ratio = statistics.median(c / x for x, c in rounds[1:])
+    return {"kv_shape": f"{layers} layers x {heads} kv heads x {dim}", "bytes": nbytes, "gbps": nbytes / seconds / 1e9,
+            "copy_gbps": nbytes / statistics.median(c for _, c in rounds[1:]) / 1e9, "ratio_to_copy": ratio,
+            "bitwise": exact, "ok": exact}
+
+
+def check_host_only_refused(device: str) -> dict:
+    from kv_transfer.backends import open_transports
+    from kv_transfer.base import TransferError
+    if device == "cpu":
+        device = "cuda:0"                     # the decision needs no GPU: it is made from the pool's device
+    out = {}
+    for name in ("shm", "tcp"):
+        try:
+            opened = open_transports(name, device=device)
+            for t in opened.values():
+                t.shutdown()
+            out[name] = "offered (wrong)"
+        except TransferError as exc:
+            out[name] = f"refused: {exc}"
+    return {**out, "ok": all(v.startswith("refused") for v in out.values())}
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def describe(device: str) -> str:
+    if device.startswith("cuda"):
+        p = torch.cuda.get_device_properties(torch.device(device))
+        return f"{p.name}, {p.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}, torch {torch.__version__}"
+    return f"{platform.processor() or platform.machine()} CPU, torch {torch.__version__}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu (checks the script itself)")
+    p.add_argument("--quick", action="store_true", help="fewer and shorter prompts, small transfers")
+    p.add_argument("--json", default=None, metavar="OUT.json")
+    a = p.parse_args(argv)
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here (torch.cuda.is_available() is False); "
+              "--device cpu runs the same checks on the CPU", file=sys.stderr)
+        return 2
+    results: dict = {"device": describe(a.device), "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    work = Path(tempfile.mkdtemp(prefix="pdserve-gpu-check-"))
+    model_dir = build_tiny_model(work / "tiny")
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    results["host_only"] = check_host_only_refused(a.device)
+    cluster = Cluster(model_dir, a.device, work)
+    try:
+        results["parity"] = check_parity(cluster, model_dir, a.device, vocab, n=4, length=64 if a.quick else 300,
+                                         max_tokens=8 if a.quick else 32, seed=1)
+        results["race"] = check_parity(cluster, model_dir, a.device, vocab, n=8 if a.quick else 32,
+                                       length=256 if a.quick else 2048, max_tokens=4 if a.quick else 16, seed=2)
+    finally:
+        cluster.stop()
+    blocks = 8 if a.quick else 256
+    results["bandwidth"] = {name: check_bandwidth(a.device, shape, blocks, 2 if a.quick else 5)
+                            for name, shape in KV_SHAPES.items()}
+    ok = all(results[k]["ok"] for k in ("parity", "race", "host_only")) and all(
+        b["ok"] for b in results["bandwidth"].values())
+    results["ok"] = ok
+    rows = [("device", results["device"]),
+            ("parity (float32 greedy, remote prefill, NIXL)",
+             f"{results['parity']['identical']}/{results['parity']['prompts']} identical"),
+            ("race (concurrent long prompts)",
+             f"{results['race']['identical']}/{results['race']['prompts']} identical"),
+            *((f"NIXL {n} KV ({b['bytes'] / 2**20:.0f} MiB)", f"{b['gbps']:.1f} GB/s = {b['ratio_to_copy']:.2f}x a "
+               f"device copy ({b['copy_gbps']:.1f} GB/s), bitwise {b['bitwise']}")
+              for n, b in results["bandwidth"].items()),
+            ("host-only transports for a device pool", "refused" if results["host_only"]["ok"] else "OFFERED")]
+    print("\n".join(f"| {k} | {v} |" for k, v in rows))
+    print("gpu_check: " + ("all checks passed" if ok else "FAILED"))
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1) + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

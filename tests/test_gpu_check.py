@@ -1,0 +1,32 @@
+"""`python -m bench.gpu_check`, the check a CUDA machine runs, here on the CPU: no GPU is
+on this machine, so it runs with --device cpu --quick, which takes every step the GPU run
+takes (a random-weight model with its own tokenizer, a real cluster with NIXL, parity
+against `generate`, concurrent long prompts, NIXL bandwidth, host-only transports refused
+for a device pool) on host memory instead of device memory."""
+import json
+import subprocess
+import sys
+
+import torch
+
+from tests.conftest import ROOT
+
+
+def test_gpu_check_passes_its_checks_on_the_cpu(model_dir, tmp_path):
+    out = tmp_path / "gpu-check.json"
+    r = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--quick", "--json", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["parity"]["identical"] == doc["parity"]["prompts"] and doc["parity"]["transports"] == ["nixl"]
+    assert doc["race"]["identical"] == doc["race"]["prompts"]
+    assert all(b["bitwise"] for b in doc["bandwidth"].values())
+    assert doc["host_only"]["ok"]
+
+
+def test_gpu_check_without_a_gpu_says_so():
+    if torch.cuda.is_available():
+        return
+    r = subprocess.run([sys.executable, "-m", "bench.gpu_check"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "no CUDA device" in r.stderr
