@@ -126,6 +126,35 @@ def kube_version_floor() -> str:
     return re.search(r"(\d+\.\d+\.\d+)", spec).group(1)
 
 
+def pools(**values) -> list[str]:
+    """`--set-json` arguments giving both worker pools the same values."""
+    return [a for role in POOLS for key, value in values.items()
+            for a in ("--set-json", f"{role}.{key}={json.dumps(value)}")]
+
+
+def gpu_values_on_infiniband(tmp_path: Path) -> Path:
+    """values-gpu.yaml with its commented InfiniBand lines switched on, as its header
+    tells the reader to do."""
+    example = re.compile(r"^(\s+)# ((?:rdma|ucx|securityContext|network): .*)$")
+    lines = [example.sub(r"\1\2", line) for line in GPU_VALUES.read_text().splitlines()]
+    path = tmp_path / "values-gpu-infiniband.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def assert_valid_kubernetes(manifests: Manifests, path: Path) -> None:
+    """Every rendered object validates, unknown fields rejected, against the Kubernetes
+    API schemas of the chart's oldest supported version and of the newest bundled one."""
+    path.write_text(manifests.text)
+    expected = sum(d["kind"] not in NO_SCHEMA_KINDS for d in manifests.docs)
+    for version in (["-k", kube_version_floor()], []):
+        out = subprocess.run([str(KUBERNETES_VALIDATE), "--strict", *version, str(path)],
+                             capture_output=True, text=True, timeout=300)
+        report = out.stdout + out.stderr
+        assert out.returncode == 0, report
+        assert report.count(" passed for resource ") == expected, report    # nothing skipped unseen
+
+
 # ---- the chart as a whole ----
 
 def test_chart_lints_with_default_and_gpu_values(helm):
@@ -157,6 +186,15 @@ VALUE_SETS = {
                              '{"kubernetes.io/metadata.name": "ingress-nginx"}}}, '
                              '{"ipBlock": {"cidr": "10.0.0.0/8"}}]'],
     "open": ["--set", "networkPolicy.enabled=false", "--set", "auth.apiKeys.enabled=false"],
+    # docs/deploy.md, "Networks for the KV transfer"
+    "roce": ["-f", str(GPU_VALUES), *pools(
+        rdma={"enabled": True, "resource": "rdma/rdma_shared_device_a", "count": 1},
+        securityContext={"capabilities": {"add": ["IPC_LOCK"]}, "runAsUser": 0, "runAsNonRoot": False},
+        ucx={"tls": "rc,cuda_copy", "netDevices": "mlx5_0:1", "gidIndex": 3},
+        network={"hostNetwork": False, "secondary": "roce-net"})],
+    "tcp-host-network": ["-f", str(GPU_VALUES), "--set", "decode.grpcPort=7002", "--set", "decode.metricsPort=9102",
+                         *pools(ucx={"tls": "tcp,cuda_copy", "netDevices": "eth0"},
+                                network={"hostNetwork": True, "secondary": ""})],
 }
 
 
@@ -164,16 +202,7 @@ VALUE_SETS = {
 def test_rendered_manifests_pass_strict_kubernetes_schemas(helm, tmp_path, name):
     """Every rendered object validates, unknown fields rejected, against the Kubernetes
     API schemas of the chart's oldest supported version and of the newest bundled one."""
-    manifests = render(helm, *VALUE_SETS[name])
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(manifests.text)
-    expected = sum(d["kind"] not in NO_SCHEMA_KINDS for d in manifests.docs)
-    for version in (["-k", kube_version_floor()], []):
-        out = subprocess.run([str(KUBERNETES_VALIDATE), "--strict", *version, str(path)],
-                             capture_output=True, text=True, timeout=300)
-        report = out.stdout + out.stderr
-        assert out.returncode == 0, report
-        assert report.count(" passed for resource ") == expected, report    # nothing skipped unseen
+    assert_valid_kubernetes(render(helm, *VALUE_SETS[name]), tmp_path / f"{name}.yaml")
 
 
 # ---- the two pools: one helper, the same shape ----
@@ -608,6 +637,17 @@ BAD_VALUES = {
     "auth.clusterSecret.unknownKey=1": "unknownKey",
     "tls.internal.mutual=yes": "tls.internal.mutual",
     "router.protectMetrics=sometimes": "router.protectMetrics",
+    "decode.securityContext.capabilities.add={SYS_ADMIN}": "decode.securityContext.capabilities.add.0",
+    "prefill.securityContext.privileged=true": "privileged",
+    "decode.securityContext.runAsUser=0": "decode.securityContext",    # without runAsNonRoot: false
+    "prefill.ucx.env.LD_PRELOAD=/tmp/x.so": 'Property name of "LD_PRELOAD"',
+    "decode.ucx.env.UCX_TLS=tcp": 'Property name of "UCX_TLS"',         # ucx.tls says it
+    "decode.ucx.tls=rc;tcp": "decode.ucx.tls",
+    "prefill.ucx.gidIndex=-1": "prefill.ucx.gidIndex",
+    "prefill.rdma.count=0": "prefill.rdma.count",
+    "decode.rdma.resource=rdma_shared_device_a": "decode.rdma.resource",
+    "decode.network.hostNetwork=yes": "decode.network.hostNetwork",
+    "prefill.network.secondary=not a network": "prefill.network.secondary",
 }
 
 
@@ -647,6 +687,123 @@ def test_gpu_values_request_gpus_on_separate_node_pools_with_nixl(helm):
         selectors.append(pod["nodeSelector"])
     assert all(selectors) and selectors[0] != selectors[1]
     assert not any("nvidia.com/gpu" in r for r in m.container("router")["resources"].values())
+
+
+def test_gpu_values_size_the_decode_kv_pool_from_gpu_memory(helm):
+    """Rendered, not applied: values-gpu.yaml leaves kv-cache-tokens at 0 (sized from
+    what gpu-memory-utilization leaves on the GPU), and `pdserve decode` accepts the flag."""
+    from services.cli import _parser
+    c = render(helm, "-f", str(GPU_VALUES)).container("decode")
+    assert flags(c)["gpu-memory-utilization"] == "0.9" and "kv-cache-tokens" not in flags(c)
+    args = _parser().parse_args(c["args"])
+    assert args.gpu_memory_utilization == 0.9 and args.kv_cache_tokens == 0
+
+
+# ---- the KV transfer's network ----
+
+def test_kv_network_needs_nothing_by_default(helm):
+    """Rendered, not applied: with the default and the GPU values no pool asks for an RDMA
+    device, a capability, UCX settings, the host network or a secondary network."""
+    for values in ([], ["-f", str(GPU_VALUES)]):
+        m = render(helm, *values)
+        for role in POOLS:
+            pod, c = m.pod(role), m.container(role)
+            assert not any(name.startswith("rdma/") for r in c["resources"].values() for name in r)
+            assert "add" not in c["securityContext"]["capabilities"] and "runAsUser" not in c["securityContext"]
+            assert not [name for name in env_of(c) if name.startswith(("UCX_", "NIXL_"))]
+            assert "hostNetwork" not in pod and "dnsPolicy" not in pod
+            annotations = m.one("Deployment", role)["spec"]["template"]["metadata"]["annotations"]
+            assert "k8s.v1.cni.cncf.io/networks" not in annotations
+
+
+def test_rdma_device_is_requested_and_limited(helm):
+    """Rendered, not applied: an extended resource is requested and limited alike, next
+    to the pool's own resources; the other pool is left as it was."""
+    m = render(helm, "-f", str(GPU_VALUES), "--set", "prefill.rdma.enabled=true",
+               "--set", "prefill.rdma.resource=rdma/hca_ib", "--set", "prefill.rdma.count=2")
+    resources = m.container("prefill")["resources"]
+    assert resources["requests"] == {"cpu": "4", "memory": "32Gi", "nvidia.com/gpu": 1, "rdma/hca_ib": 2}
+    assert resources["limits"] == {"memory": "32Gi", "nvidia.com/gpu": 1, "rdma/hca_ib": 2}
+    assert "rdma/hca_ib" not in m.container("decode")["resources"]["limits"]
+
+
+def test_pool_capabilities_join_the_charts_security_context(helm):
+    """Rendered, not applied: a pool's capabilities.add is added to the chart's container
+    securityContext, whose drop [ALL], read-only root and no privilege escalation stay;
+    runAsUser and runAsNonRoot apply to that pool's container alone."""
+    m = render(helm, "--set", "decode.securityContext.capabilities.add={IPC_LOCK,SYS_RESOURCE}",
+               "--set", "decode.securityContext.runAsUser=0", "--set", "decode.securityContext.runAsNonRoot=false")
+    assert m.container("decode")["securityContext"] == {
+        "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK", "SYS_RESOURCE"]},
+        "runAsUser": 0, "runAsNonRoot": False}
+    assert m.pod("decode")["securityContext"]["runAsNonRoot"] is True      # the pod's default stays
+    for role in ("router", "prefill", "redis"):
+        assert m.container(role)["securityContext"]["capabilities"] == {"drop": ["ALL"]}, role
+        assert "runAsUser" not in m.container(role)["securityContext"], role
+
+
+def test_ucx_values_become_the_workers_environment(helm):
+    """Rendered, not applied: tls, netDevices and gidIndex as UCX_TLS, UCX_NET_DEVICES
+    and UCX_IB_GID_INDEX (0 is an index, not "unset"), then the extra UCX_*/NIXL_* ones;
+    the user's env comes last."""
+    m = render(helm, "--set-json", 'decode.ucx={"tls": "rc,cuda_copy", "netDevices": "mlx5_0:1,mlx5_1:1", '
+                                   '"gidIndex": 0, "env": {"UCX_RNDV_SCHEME": "put_zcopy", '
+                                   '"NIXL_PLUGIN_DIR": "/opt/nixl/plugins", "UCX_RNDV_THRESH": 8192}}',
+               "--set-json", 'decode.env=[{"name": "PDSERVE_BLOCK_SIZE", "value": "32"}]')
+    c = m.container("decode")
+    ucx = {e["name"]: e["value"] for e in c["env"] if e["name"].startswith(("UCX_", "NIXL_"))}
+    assert ucx == {"UCX_TLS": "rc,cuda_copy", "UCX_NET_DEVICES": "mlx5_0:1,mlx5_1:1", "UCX_IB_GID_INDEX": "0",
+                   "UCX_RNDV_SCHEME": "put_zcopy", "NIXL_PLUGIN_DIR": "/opt/nixl/plugins", "UCX_RNDV_THRESH": "8192"}
+    assert c["env"][-1]["name"] == "PDSERVE_BLOCK_SIZE"
+    assert not [e for e in m.container("prefill")["env"] if e["name"].startswith("UCX_")]
+
+
+def test_host_network_keeps_cluster_dns_and_claims_the_nodes_ports(helm):
+    """Rendered, not applied: on the node's network the pod resolves Services through
+    ClusterFirstWithHostNet, its ports are hostPorts (two pods sharing one never share a
+    node), and it still advertises status.podIP, the node's address there."""
+    m = render(helm, "--set", "decode.network.hostNetwork=true")
+    pod, c = m.pod("decode"), m.container("decode")
+    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert all(p["hostPort"] == p["containerPort"] for p in c["ports"])
+    assert flags(c)["advertise"] == f"$(POD_IP):{port_named(c, 'grpc')}"
+    assert env_of(c)["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert "hostNetwork" not in m.pod("prefill")
+    assert all("hostPort" not in p for p in m.container("prefill")["ports"])
+
+
+def test_secondary_network_is_a_multus_annotation(helm):
+    """Rendered, not applied: network.secondary names the Multus networks; it wins over the
+    same annotation in podAnnotations, and the scrape annotations stay."""
+    m = render(helm, "--set", "prefill.network.secondary=rdma/ib-net@net1",
+               "--set-json", 'prefill.podAnnotations={"k8s.v1.cni.cncf.io/networks": "other", "team": "llm"}')
+    annotations = m.one("Deployment", "prefill")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["k8s.v1.cni.cncf.io/networks"] == "rdma/ib-net@net1"
+    assert annotations["team"] == "llm" and annotations["prometheus.io/scrape"] == "true"
+    assert "hostNetwork" not in m.pod("prefill")
+
+
+def test_gpu_values_infiniband_example_lints_and_validates(helm, tmp_path):
+    """Rendered, not applied: the InfiniBand lines commented in values-gpu.yaml, switched
+    on, lint strictly, validate against the Kubernetes schemas, and give both pools the
+    RDMA device, IPC_LOCK as root, and UCX on the HCA with GPU memory."""
+    values = gpu_values_on_infiniband(tmp_path)
+    assert values.read_text() != GPU_VALUES.read_text()
+    out = run_helm(helm, "lint", "--strict", str(CHART), "-f", str(values))
+    assert out.returncode == 0 and "0 chart(s) failed" in out.stdout, out.stdout + out.stderr
+    m = render(helm, "-f", str(values))
+    assert_valid_kubernetes(m, tmp_path / "infiniband.yaml")
+    for role in POOLS:
+        c = m.container(role)
+        assert c["resources"]["requests"]["rdma/rdma_shared_device_a"] == 1
+        assert c["resources"]["limits"]["rdma/rdma_shared_device_a"] == 1
+        assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+        assert (c["securityContext"]["runAsUser"], c["securityContext"]["runAsNonRoot"]) == (0, False)
+        assert env_of(c)["UCX_TLS"]["value"] == "rc,cuda_copy"
+        assert env_of(c)["UCX_NET_DEVICES"]["value"] == "mlx5_0:1"
+        assert flags(c)["kv-transport"] == "nixl"
+    assert shape(m.container("prefill")["securityContext"]) == shape(m.container("decode")["securityContext"])
 
 
 def test_pods_run_unprivileged_with_writable_scratch_only(helm):

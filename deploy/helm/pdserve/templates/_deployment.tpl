@@ -15,6 +15,11 @@ what differs between them:
   shmSize    size of a memory-backed /dev/shm, or "" for none
   autoscaled true: spec.replicas is left out, the autoscaler owns it (a value here would
              reset the pool on every `helm upgrade`)
+The worker pools also pass what their KV network asks (pdserve.kvNetwork):
+  resources        in place of values.resources
+  securityContext  in place of the chart's containerSecurityContext
+  annotations      pod annotations over values.podAnnotations
+  hostNetwork      true: the pod runs in the node's network namespace
 */}}
 {{- define "pdserve.deployment" -}}
 {{- $root := .root }}
@@ -38,6 +43,7 @@ spec:
         {{- include "pdserve.labels" . | nindent 8 }}
         {{- with $v.podLabels }}{{ toYaml . | nindent 8 }}{{ end }}
       {{- $annotations := deepCopy $v.podAnnotations }}
+      {{- range $k, $val := .annotations }}{{ $_ := set $annotations $k $val }}{{ end }}
       {{- if $root.Values.metrics.podAnnotations }}
       {{- $_ := merge $annotations (dict "prometheus.io/scrape" "true" "prometheus.io/port" (toString .metricsPort) "prometheus.io/path" "/metrics") }}
       {{- with .metricsScheme }}{{ $_ := set $annotations "prometheus.io/scheme" . }}{{ end }}
@@ -52,6 +58,12 @@ spec:
       # named pdserve anywhere in the namespace brings PDSERVE_PORT=tcp://...).
       enableServiceLinks: false
       terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
+      {{- if .hostNetwork }}
+      # The node's network namespace: its NICs and address. Its ports are the node's (each
+      # container port is a hostPort), so pods sharing a port never share a node.
+      hostNetwork: true
+      dnsPolicy: ClusterFirstWithHostNet
+      {{- end }}
       securityContext: {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
       {{- with include "pdserve.podPlacement" (dict "root" $root "values" $v) }}{{ trim . | nindent 6 }}{{ end }}
       {{- with include "pdserve.modelInitContainers" . }}
@@ -64,7 +76,7 @@ spec:
           args: {{- toYaml (concat .args $v.extraArgs) | nindent 12 }}
           ports:
             {{- range .ports }}
-            - {name: {{ .name }}, containerPort: {{ .containerPort }}, protocol: TCP}
+            - {name: {{ .name }}, containerPort: {{ .containerPort }}{{ if $.hostNetwork }}, hostPort: {{ .containerPort }}{{ end }}, protocol: TCP}
             {{- end }}
           env:
             {{- include "pdserve.commonEnv" $root | nindent 12 }}
@@ -79,10 +91,10 @@ spec:
             preStop:
               exec:
                 command: ["sleep", "{{ $v.drainSeconds }}"]
-          {{- with $v.resources }}
+          {{- with .resources | default $v.resources }}
           resources: {{- toYaml . | nindent 12 }}
           {{- end }}
-          securityContext: {{- toYaml $root.Values.containerSecurityContext | nindent 12 }}
+          securityContext: {{- toYaml (.securityContext | default $root.Values.containerSecurityContext) | nindent 12 }}
           volumeMounts:
             - {name: tmp, mountPath: /tmp}
             - {name: cache, mountPath: /cache}

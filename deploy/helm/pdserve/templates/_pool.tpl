@@ -22,7 +22,10 @@ only in what their values say:
 {{- /* The kubelet's gRPC probes cannot speak TLS; the port opens once the model is loaded. */}}
 {{- $health = dict "tcpSocket" (dict "port" "grpc") }}
 {{- end }}
+{{- /* With hostNetwork, status.podIP is the node's address: the advertised one stays right. */}}
 {{- $env := list (dict "name" "POD_IP" "valueFrom" (dict "fieldRef" (dict "fieldPath" "status.podIP"))) }}
+{{- $env = concat $env (include "pdserve.ucxEnv" $pool.ucx | fromJsonArray) }}
+{{- $network := include "pdserve.kvNetwork" (dict "root" $root "pool" $pool) | fromYaml }}
 {{- include "pdserve.deployment" (merge (dict
       "args" $args
       "ports" (list (dict "name" "grpc" "containerPort" $grpcPort) (dict "name" "metrics" "containerPort" (int $pool.metricsPort)))
@@ -31,7 +34,7 @@ only in what their values say:
       "env" $env
       "secrets" $credentials.volumes
       "shmSize" $pool.shmSize
-      "autoscaled" $root.Values.autoscaler.enabled) $ctx) }}
+      "autoscaled" $root.Values.autoscaler.enabled) $network $ctx) }}
 ---
 # Headless: the router reaches each worker by the address it registered, never through a
 # load-balanced virtual IP; the Service gives the pods DNS names and a metrics target.
@@ -50,4 +53,58 @@ spec:
 ---
 {{ . }}
 {{- end }}
+{{- end }}
+
+{{/*
+What the KV transfer's network asks of a pool's pods (docs/deploy.md, "Networks for the
+KV transfer"), as the pdserve.deployment arguments it sets: (dict "root" $ "pool" $pool)
+  resources        the pool's, plus rdma.count of rdma.resource in requests and limits
+                   (an extended resource: the two must be equal)
+  securityContext  the chart's containerSecurityContext with the pool's securityContext
+                   over it: capabilities.add joins the chart's drop [ALL], never replaces it
+  annotations      network.secondary as Multus's k8s.v1.cni.cncf.io/networks
+  hostNetwork      network.hostNetwork
+*/}}
+{{- define "pdserve.kvNetwork" -}}
+{{- $pool := .pool }}
+{{- $resources := deepCopy ($pool.resources | default dict) }}
+{{- if $pool.rdma.enabled }}
+{{- range $kind := list "requests" "limits" }}
+{{- $r := get $resources $kind | default dict }}
+{{- $_ := set $r $pool.rdma.resource (int $pool.rdma.count) }}
+{{- $_ := set $resources $kind $r }}
+{{- end }}
+{{- end }}
+{{- $securityContext := deepCopy .root.Values.containerSecurityContext }}
+{{- $own := $pool.securityContext | default dict }}
+{{- with ($own.capabilities | default dict).add }}
+{{- $caps := $securityContext.capabilities | default dict }}
+{{- $_ := set $caps "add" (concat ($caps.add | default list) . | uniq) }}
+{{- $_ := set $securityContext "capabilities" $caps }}
+{{- end }}
+{{- range $key := list "runAsUser" "runAsNonRoot" }}
+{{- if hasKey $own $key }}{{ $_ := set $securityContext $key (get $own $key) }}{{ end }}
+{{- end }}
+{{- $annotations := dict }}
+{{- with $pool.network.secondary }}{{ $_ := set $annotations "k8s.v1.cni.cncf.io/networks" . }}{{ end }}
+{{- toYaml (dict "resources" $resources "securityContext" $securityContext "annotations" $annotations
+      "hostNetwork" $pool.network.hostNetwork) }}
+{{- end }}
+
+{{/*
+UCX's environment from a pool's `ucx` values, as a JSON list of env entries: tls,
+netDevices and gidIndex as UCX_TLS, UCX_NET_DEVICES and UCX_IB_GID_INDEX ("" leaves UCX
+its default), then `env` (UCX_* and NIXL_* only, the schema says) in name order.
+*/}}
+{{- define "pdserve.ucxEnv" -}}
+{{- $ucx := . | default dict }}
+{{- $env := list }}
+{{- range $name, $key := dict "UCX_TLS" "tls" "UCX_NET_DEVICES" "netDevices" "UCX_IB_GID_INDEX" "gidIndex" }}
+{{- $value := toString (get $ucx $key) }}
+{{- if $value }}{{ $env = append $env (dict "name" $name "value" $value) }}{{ end }}
+{{- end }}
+{{- range $name, $value := $ucx.env }}
+{{- $env = append $env (dict "name" $name "value" (toString $value)) }}
+{{- end }}
+{{- toJson $env }}
 {{- end }}
