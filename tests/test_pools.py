@@ -298,8 +298,9 @@ def test_a_rogue_registration_is_never_routed(pools):
     info.num_blocks = info.free_blocks = 1 << 30
     info.running = info.waiting = 0
     payload = info.SerializeToString()
+    stranger = ClusterSecret.from_bytes(b"not the cluster's" * 2)
     forged = {"pdserve:worker:decode:rogue-unsigned": payload,
-              "pdserve:worker:decode:rogue-other-secret": ClusterSecret.from_bytes(b"not the cluster's" * 2).sign(payload)}
+              "pdserve:worker:decode:rogue-other-secret": stranger.sign(payload)}
     for key, value in forged.items():
         r.set(key, value, px=int(60_000))
     time.sleep(3 * TTL)                                   # several refreshes

@@ -237,7 +237,8 @@ def bench(s: BenchSettings) -> int:
             f"({model}, {s.endpoint})"
     print(format_summary(summary, title, s.slo_note()))
     if s.json:
-        config = {**{k: v for k, v in asdict(s).items() if k != "api_key"}, "model": model, "tokenizer": str(s.tokenizer or _default_model_name()),
+        settings = {k: v for k, v in asdict(s).items() if k != "api_key"}          # a key is never written out
+        config = {**settings, "model": model, "tokenizer": str(s.tokenizer or _default_model_name()),
                   "request_rate": "inf" if math.isinf(s.request_rate) else s.request_rate,
                   "workload_description": str(workload), "load_description": str(s.load_shape()),
                   "slo_description": s.slo_note(), "started_at": started_at}

@@ -116,7 +116,8 @@ class ClusterSecret:
         if not blob.startswith(RECORD_MAGIC) or len(blob) < len(RECORD_MAGIC) + _DIGEST:
             return None
         mac, payload = blob[len(RECORD_MAGIC):len(RECORD_MAGIC) + _DIGEST], blob[len(RECORD_MAGIC) + _DIGEST:]
-        return payload if hmac.compare_digest(mac, hmac.new(self.record_key, payload, hashlib.sha256).digest()) else None
+        expected = hmac.new(self.record_key, payload, hashlib.sha256).digest()
+        return payload if hmac.compare_digest(mac, expected) else None
 
     def call_metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.call_token}"),)
