@@ -60,4 +60,5 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
                                              completion_tokens=gen.completion_tokens))
         except APIError as exc:
             await context.abort(getattr(grpc.StatusCode, exc.grpc_code), exc.message)
-        context.set_trailing_metadata((("x-pdserve-route", gen.route()),))
+        given = next((v for k, v in context.invocation_metadata() or () if k == "x-request-id"), None)
+        context.set_trailing_metadata((("x-pdserve-route", gen.route()), ("x-request-id", given or gen.request_id)))

@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -26,6 +29,11 @@ from services.router.protocol import APIError, ChatCompletionRequest, CommonRequ
 from services.router.sampling import resolve_sampling
 
 log = logging.getLogger(__name__)
+
+try:
+    VERSION = package_version("pdserve")
+except PackageNotFoundError:            # run from a source tree that was never installed
+    VERSION = "unknown"
 
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
@@ -63,6 +71,30 @@ class RequireAPIKey:
         if self.keys.accepts_header(authorization):
             return await self.app(scope, receive, send)
         await error_response(unauthorized(authorization))(scope, receive, send)
+
+
+REQUEST_ID_MAX = 128
+
+
+class RequestId:
+    """ASGI middleware: every response carries `x-request-id`, the caller's own (visible
+    ASCII, at most 128 characters) or a new one, errors and streams included."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"")
+        ok = 0 < len(given) <= REQUEST_ID_MAX and all(0x21 <= c <= 0x7E for c in given)
+        rid = given if ok else uuid.uuid4().hex.encode()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid)]
+            await send(message)
+        await self.app(scope, receive, send_with_id)
 
 
 def check_json_content_type(request: Request) -> None:
@@ -120,7 +152,8 @@ def sse(obj) -> bytes:
 
 def usage(gen: Generation) -> dict:
     p, c = len(gen.prompt_ids), gen.completion_tokens
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
 
 
 def _describe_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
@@ -147,13 +180,15 @@ def _describe_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
 def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, protect_metrics: bool = False,
                allowed_origins: list[str] | tuple[str, ...] = ()) -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+    started = int(time.time())
     if keys:
         open_paths = {"/health", "/ready"} | (set() if protect_metrics else {"/metrics"})
         app.add_middleware(RequireAPIKey, keys=keys, open_paths=frozenset(open_paths))
-    if allowed_origins:                         # outermost: preflights are answered before the key check
+    if allowed_origins:                         # outside the key check: preflights carry no key
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["authorization", "content-type", "x-request-id"],
-                           expose_headers=["x-pdserve-route"], max_age=600)
+                           expose_headers=["x-pdserve-route", "x-request-id"], max_age=600)
+    app.add_middleware(RequestId)
     _describe_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest})
 
     @app.exception_handler(APIError)
@@ -186,9 +221,13 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
     async def metrics():
         return PlainTextResponse(render_metrics(), media_type="text/plain; version=0.0.4")
 
+    @app.get("/version")
+    async def version():
+        return {"version": VERSION}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": fe.served_model_name, "object": "model", "created": 0,
+        return {"object": "list", "data": [{"id": fe.served_model_name, "object": "model", "created": started,
                                             "owned_by": "pdserve", "max_model_len": fe.max_model_len}]}
 
     @app.post("/v1/chat/completions")
