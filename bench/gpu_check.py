@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from bench.kv_transfer import Paired
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = 1234
@@ -183,11 +184,9 @@ def check_bandwidth(device: str, shape: tuple[int, int, int], blocks: int, repea
         writer.shutdown()
         receiver.shutdown()
     nbytes = src.tensor.numel() * src.tensor.element_size()
-    seconds = statistics.median(x for x, _ in rounds[1:])
-    ratio = statistics.median(c / x for x, c in rounds[1:])
-    return {"kv_shape": f"{layers} layers x {heads} kv heads x {dim}", "bytes": nbytes, "gbps": nbytes / seconds / 1e9,
-            "copy_gbps": nbytes / statistics.median(c for _, c in rounds[1:]) / 1e9, "ratio_to_copy": ratio,
-            "bitwise": exact, "ok": exact}
+    row = Paired.of(rounds[1:]).row(nbytes)
+    return {"kv_shape": f"{layers} layers x {heads} kv heads x {dim}", "bytes": nbytes, "gbps": row["gbps"],
+            "copy_gbps": row["memcpy_gbps"], "ratio_to_copy": row["ratio_to_memcpy"], "bitwise": exact, "ok": exact}
 
 
 def check_host_only_refused(device: str) -> dict:
@@ -216,7 +215,8 @@ def describe(device: str) -> str:
     if device.startswith("cuda"):
         p = torch.cuda.get_device_properties(torch.device(device))
         return f"{p.name}, {p.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}, torch {torch.__version__}"
-    return f"{platform.processor() or platform.machine()} CPU, torch {torch.__version__}"
+    from services.engine.hardware import cpu_kind
+    return f"{cpu_kind()} CPU ({platform.machine()}), torch {torch.__version__}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -73,10 +73,11 @@ SWITCH_INTERVAL = 0.0005               # as services/worker/main.py sets it
 # ---------------------------------------------------------------- the machine
 
 def cpu_name() -> dict:
+    from services.engine.hardware import cpu_flags, cpu_kind
     lines = Path("/proc/cpuinfo").read_text().splitlines()
     model = next((s.split(":", 1)[1].strip() for s in lines if s.startswith("model name")), "?")
-    flags = set(next((s.split(":", 1)[1].split() for s in lines if s.startswith("flags")), []))
-    return {"model": model, "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags,
+    flags = cpu_flags()
+    return {"model": model, "kind": cpu_kind(), "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags,
             "cores": os.cpu_count()}
 
 
@@ -591,7 +592,7 @@ def orchestrate(a: argparse.Namespace) -> dict:
     rows = []
     tmp = Path(a.logs) if a.logs else Path(tempfile.mkdtemp(prefix="pdserve-nixl-progress-"))
     tmp.mkdir(parents=True, exist_ok=True)
-    print(f"CPU: {cpu['model']}, {cpu['cores']} cores, avx512_bf16 {'yes' if cpu['avx512_bf16'] else 'no'}; "
+    print(f"CPU: {cpu['model']} ({cpu['kind']}), {cpu['cores']} cores; "
           f"UCX_TLS={a.ucx_tls or '(unset)'}; writer {HOST_A} -> receiver {HOST_B} over a veth pair", flush=True)
     try:
         with two_hosts() as hosts:

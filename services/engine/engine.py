@@ -59,7 +59,6 @@ class LLMEngine:
         self.runner = runner
         self.memory = memory
         self.scheduler = scheduler
-        self.layer_hook = layer_hook
         self._poster = None if layer_hook is None else LayerPoster(layer_hook, runner.stream.asynchronous)
         # Told, before the forward pass, which prefilled sequences this step decodes first:
         # their first token (sampled elsewhere) can go out now, one step before the second.

@@ -166,7 +166,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return CPU_KV_TOKENS
         free, total = device_memory(self.device)
-        per_token = 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.model.dtype.itemsize
+        per_token = self.layout(1, 1).block_bytes_per_layer * self.num_layers     # a block of one token
         tokens = tokens_for_memory(free, total, utilization, per_token, self.activation_bytes(batched_tokens, rows))
         log.info("KV pool: %d tokens (%.1f GiB) from %.0f%% of %s's %.1f GiB", tokens, tokens * per_token / 2**30,
                  utilization * 100, self.device, total / 2**30)

@@ -91,15 +91,19 @@ def _build(source: Path, out_dir: Path) -> Path:
     return target
 
 
+def _load(library: Path) -> ctypes.CDLL:
+    try:
+        return ctypes.CDLL(str(library))
+    except OSError as e:
+        raise NativeBuildError(f"cannot load {library}: {e}") from e
+
+
 class NativeAttention:
     """The kernels of one loaded library: `decode` (one query token per sequence over
     its cached blocks) and, where `prefills` is true, `prefill` (causal, bfloat16)."""
 
     def __init__(self, library: Path) -> None:
-        try:
-            lib = ctypes.CDLL(str(library))
-        except OSError as e:
-            raise NativeBuildError(f"cannot load {library}: {e}") from e
+        lib = _load(library)
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         self._decode = lib.pdserve_paged_decode_attention
         self._decode.argtypes = [p, p, p, p, p, i64, p, i32, i32, i32, i32, i32, i64, i64, f32, i32, i32]
@@ -168,10 +172,7 @@ class NativeLayers:
     """The per-token layer kernels of one loaded library (float32 or bfloat16, CPU)."""
 
     def __init__(self, library: Path) -> None:
-        try:
-            lib = ctypes.CDLL(str(library))
-        except OSError as e:
-            raise NativeBuildError(f"cannot load {library}: {e}") from e
+        lib = _load(library)
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         self._norm = lib.pdserve_rms_norm
         self._norm.argtypes = [p, i64, p, p, i64, i32, i32, f32, i32, i32]
