@@ -38,7 +38,26 @@ BAD_CHAT = {
     "top_p_above_one": {"messages": MSG, "top_p": 1.5},
     "top_k_negative": {"messages": MSG, "top_k": -3},
     "stream_wrong_type": {"messages": MSG, "stream": "yes"},
-    "n_two": {"messages": MSG, "n": 2},
+    "n_absurd": {"messages": MSG, "n": 1000},
+    "n_zero": {"messages": MSG, "n": 0},
+    "unknown_field": {"messages": MSG, "frobnicate": 1},
+    "unknown_field_in_a_message": {"messages": [{"role": "user", "content": "hi", "mood": "grumpy"}]},
+    "best_of_above_n": {"messages": MSG, "best_of": 3},
+    "top_logprobs_absurd": {"messages": MSG, "logprobs": True, "top_logprobs": 50},
+    "top_logprobs_without_logprobs": {"messages": MSG, "top_logprobs": 2},
+    "logit_bias_past_the_vocabulary": {"messages": MSG, "logit_bias": {"99999999": 5}},
+    "logit_bias_not_a_token": {"messages": MSG, "logit_bias": {"cat": 5}},
+    "logit_bias_absurd": {"messages": MSG, "logit_bias": {"5": 1000}},
+    "presence_penalty_absurd": {"messages": MSG, "presence_penalty": 3},
+    "repetition_penalty_zero": {"messages": MSG, "repetition_penalty": 0},
+    "min_p_above_one": {"messages": MSG, "min_p": 1.5},
+    "stop_token_ids_past_the_vocabulary": {"messages": MSG, "stop_token_ids": [10**9]},
+    "schema_that_is_no_schema": {"messages": MSG, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+    "json_schema_missing": {"messages": MSG, "response_format": {"type": "json_schema"}},
+    "tool_choice_without_tools": {"messages": MSG, "tool_choice": "required"},
+    "tools_on_a_template_without_them": {"messages": MSG, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
     "prompt_too_long": {"messages": [{"role": "user", "content": LONG}]},
     "prompt_plus_max_tokens_too_long": {"messages": [{"role": "user", "content": "hello " * 4000}],
                                         "max_tokens": 5000},
@@ -55,6 +74,8 @@ def test_bad_chat_request_gets_400_and_server_keeps_serving(cluster, name):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"]
+    if name.startswith(("unknown_field", "tools_on")):
+        assert err["code"] == "unsupported_parameter" and err["param"], err
     ok = _post(cluster, "/v1/chat/completions", json={"messages": MSG, "max_tokens": 2})
     assert ok.status_code == 200, ok.text
 

@@ -26,11 +26,12 @@ PARAMS = [SamplingParams(max_tokens=8, temperature=0.0),
 def _check_batch_independence(device: str) -> None:
     logits = _rows(len(PARAMS)).to(device)
     for step in range(4):
-        together = sample(logits, PARAMS, [step] * len(PARAMS), frozenset())
-        alone = [sample(logits[i:i + 1], [p], [step], frozenset())[0] for i, p in enumerate(PARAMS)]
+        together = sample(logits, PARAMS, [step] * len(PARAMS), frozenset()).token_ids
+        alone = [sample(logits[i:i + 1], [p], [step], frozenset()).token_ids[0]
+                 for i, p in enumerate(PARAMS)]
         assert together == alone, step
         shuffled = [4, 2, 0, 3, 1]
-        again = sample(logits[shuffled], [PARAMS[i] for i in shuffled], [step] * 5, frozenset())
+        again = sample(logits[shuffled], [PARAMS[i] for i in shuffled], [step] * 5, frozenset()).token_ids
         assert again == [together[i] for i in shuffled]
 
 
@@ -42,7 +43,8 @@ def test_a_seeded_row_draws_the_same_token_whatever_its_batch():
 def test_a_seeded_row_draws_the_same_token_whatever_its_batch_on_a_gpu():
     _check_batch_independence("cuda")
     logits = _rows(len(PARAMS))
-    assert sample(logits.cuda(), PARAMS, [0] * 5, frozenset()) == sample(logits, PARAMS, [0] * 5, frozenset())
+    gpu = sample(logits.cuda(), PARAMS, [0] * 5, frozenset()).token_ids
+    assert gpu == sample(logits, PARAMS, [0] * 5, frozenset()).token_ids
 
 
 def test_each_row_keeps_to_its_own_top_k_and_top_p():
@@ -50,10 +52,78 @@ def test_each_row_keeps_to_its_own_top_k_and_top_p():
     order = logits.argsort(dim=-1, descending=True)
     probs = torch.softmax(logits / torch.tensor([max(p.temperature, 1e-6) for p in PARAMS])[:, None], dim=-1)
     for step in range(40):
-        out = sample(logits, PARAMS, [step] * len(PARAMS), frozenset())
+        out = sample(logits, PARAMS, [step] * len(PARAMS), frozenset()).token_ids
         assert out[0] == int(logits[0].argmax())                       # greedy
         assert out[1] in order[1, :5].tolist()                          # top_k 5
         assert out[3] in order[3, :50].tolist()                         # top_k 50 (and top_p)
         ranked = probs[2][order[2]]                                     # top_p 0.8: within the nucleus
         nucleus = int((ranked.cumsum(0) - ranked < 0.8).sum())
         assert out[2] in order[2, :nucleus].tolist()
+
+
+def test_penalties_follow_openai_and_transformers_definitions():
+    """Presence and frequency (OpenAI: output tokens only) and repetition (CTRL, as
+    transformers' RepetitionPenaltyLogitsProcessor: prompt and output) against the
+    formulas written out by hand."""
+    logits = _rows(3, seed=5)
+    prompt, output = [7, 8, 8], [8, 9, 9, 9]
+    history = (prompt + output, len(prompt))
+    params = [SamplingParams(max_tokens=8, temperature=0.0, presence_penalty=0.5, frequency_penalty=0.25,
+                             logprobs=0),
+              SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=1.3, logprobs=0),
+              SamplingParams(max_tokens=8, temperature=0.0, logprobs=0)]
+    got = sample(logits, params, [4] * 3, frozenset(), [history] * 3).logprobs
+    expected = logits.clone()
+    for token, count in ((8, 1), (9, 3)):
+        expected[0, token] -= 0.25 * count + 0.5
+    for token in (7, 8, 9):
+        x = expected[1, token]
+        expected[1, token] = x / 1.3 if x > 0 else x * 1.3
+    want = torch.log_softmax(expected, dim=-1)
+    for row in range(3):
+        token = int(want[row].argmax())
+        assert got[row].token_id == token
+        assert got[row].logprob == pytest.approx(float(want[row, token]), abs=1e-5)
+
+
+def test_logit_bias_min_p_and_stop_token_ids_during_min_tokens():
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 10] = 5.0
+    logits[:, 11] = 4.9
+    banned = SamplingParams(max_tokens=8, temperature=0.0, logit_bias=((10, -100.0),))
+    assert sample(logits[:1], [banned], [0], frozenset()).token_ids == [11]
+    # min_p 0.5: only tokens at least half as likely as the top one remain (10 and 11)
+    drawn = {sample(logits[:1], [SamplingParams(max_tokens=8, min_p=0.5, seed=s)], [0], frozenset()).token_ids[0]
+             for s in range(40)}
+    assert drawn <= {10, 11} and len(drawn) == 2
+    held = SamplingParams(max_tokens=8, temperature=0.0, min_tokens=2, stop_token_ids=(10,))
+    assert sample(logits[:1], [held], [0], frozenset()).token_ids == [11]
+    assert sample(logits[:1], [held], [2], frozenset()).token_ids == [10]
+
+
+def test_logprobs_are_log_softmax_after_temperature_with_the_likeliest_ranked():
+    logits = _rows(2, seed=9)
+    params = [SamplingParams(max_tokens=8, temperature=0.7, seed=1, logprobs=5),
+              SamplingParams(max_tokens=8, temperature=0.7, seed=1)]
+    out = sample(logits, params, [0, 0], frozenset())
+    want = torch.log_softmax(logits[0] / 0.7, dim=-1)
+    lp = out.logprobs[0]
+    assert lp.token_id == out.token_ids[0]
+    assert lp.logprob == pytest.approx(float(want[lp.token_id]), abs=1e-5)
+    assert lp.top_ids == want.topk(5).indices.tolist()
+    assert lp.top_logprobs == pytest.approx(want.topk(5).values.tolist(), abs=1e-5)
+    assert out.logprobs[1] is None
+
+
+def test_a_grammar_mask_limits_every_row_it_covers():
+    logits = _rows(2, seed=4)
+
+    def only_token_3_in_row_0(x: torch.Tensor) -> None:
+        keep = x[0, 3].clone()
+        x[0] = float("-inf")
+        x[0, 3] = keep
+    params = [SamplingParams(max_tokens=8, seed=2), SamplingParams(max_tokens=8, temperature=0.0)]
+    with torch.inference_mode():
+        frozen = logits.clone()
+    out = sample(frozen, params, [0, 0], frozenset(), mask=only_token_3_in_row_0)
+    assert out.token_ids == [3, int(logits[1].argmax())]

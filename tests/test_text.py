@@ -33,17 +33,17 @@ def test_stop_matcher_cuts_before_the_stop_and_holds_back_partial_matches():
 
 
 def test_resolve_sampling_defaults_and_ranges():
-    p = resolve_sampling(prompt_len=10, max_model_len=100)
+    p = resolve_sampling(prompt_len=10, max_model_len=100, vocab_size=1000)
     assert p.max_tokens == 90 and p.temperature == 1.0 and p.top_p == 1.0 and p.top_k == 0
-    assert resolve_sampling(prompt_len=10, max_model_len=100, seed=-1).seed >= 0
+    assert resolve_sampling(prompt_len=10, max_model_len=100, vocab_size=1000, seed=-1).seed >= 0
     bad = [dict(max_tokens=0), dict(max_tokens=91), dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5),
            dict(top_k=-2), dict(min_tokens=5, max_tokens=2), dict(temperature=float("nan"))]
     for kw in bad:
         with pytest.raises(APIError) as e:
-            resolve_sampling(prompt_len=10, max_model_len=100, **kw)
+            resolve_sampling(prompt_len=10, max_model_len=100, vocab_size=1000, **kw)
         assert e.value.status == 400
     with pytest.raises(APIError, match="maximum context length") as e:
-        resolve_sampling(prompt_len=100, max_model_len=100)
+        resolve_sampling(prompt_len=100, max_model_len=100, vocab_size=1000)
     assert e.value.code == "context_length_exceeded"
 
 
@@ -57,6 +57,6 @@ def test_min_tokens_masks_eos_in_logits_made_under_inference_mode():
         logits[:, 3] = 10.0                         # EOS is every row's best token
     params = [SamplingParams(max_tokens=4, temperature=0.0, min_tokens=2),
               SamplingParams(max_tokens=4, temperature=0.0)]
-    assert sample(logits, params, [0, 0], frozenset({3})) == [0, 3]
-    assert sample(logits, params, [2, 0], frozenset({3})) == [3, 3]
+    assert sample(logits, params, [0, 0], frozenset({3})).token_ids == [0, 3]
+    assert sample(logits, params, [2, 0], frozenset({3})).token_ids == [3, 3]
     assert logits[0, 3] == 10.0                     # the caller's tensor is untouched

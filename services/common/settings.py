@@ -21,6 +21,7 @@ import dataclasses
 import os
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable
 
 from services.common.security import TLSFiles
@@ -329,9 +330,17 @@ class RoutingSettings:
     tls_cert: str | None = setting(None, "serve HTTP and gRPC over TLS with this certificate (PEM; needs "
                                          "--tls-key)", metavar="FILE")
     tls_key: str | None = setting(None, "the private key of --tls-cert (PEM)", metavar="FILE")
+    chat_template: str | None = setting(None, "a Jinja chat template file used instead of the model's own (e.g. "
+                                              "one that supports tools)", metavar="FILE")
+    sse_keepalive_seconds: float = setting(15.0, "a streamed response waiting this long for its next token gets "
+                                                 "an SSE comment, so proxies do not cut it as idle (0: never)")
 
     def __post_init__(self) -> None:
         TLSFiles(self.tls_cert, self.tls_key)                       # the files exist, in pairs
+        if self.chat_template and not Path(self.chat_template).is_file():
+            raise ValueError(f"--chat-template {self.chat_template}: no such file")
+        if self.sse_keepalive_seconds < 0:
+            raise ValueError("--sse-keepalive-seconds must be 0 (never) or more")
         if self.local_prefill_max_tokens < 0:
             raise ValueError("--local-prefill-max-tokens must be 0 (always disaggregate) or more")
         if self.max_pending < 1:

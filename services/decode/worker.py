@@ -33,9 +33,9 @@ from services.engine.kv_cache import KVPoolMemory, sweep_stale_segments
 from services.engine.runner import ModelRunner
 from services.engine.scheduler import Scheduler, Sequence
 from services.rpc import worker_pb2, worker_pb2_grpc
-from services.worker.main import EngineStatus, WorkerParts, scheduler_config
+from services.worker.main import EngineStatus, WorkerParts, grammars_for, prepare, scheduler_config
 from services.engine.sampling import SamplingParams
-from services.worker.wire import check_request_id, check_tokens, sampling_from_proto
+from services.worker.wire import check_request_id, check_tokens, logprob_to_proto, sampling_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ class DecodeWorker:
         log.info("decode worker offers KV transports: %s", ", ".join(self.transports))
         self.blocks = BlockManager(BlockPool(num_blocks, settings.block_size))
         self.engine = LLMEngine(runner, self.memory, Scheduler(self.blocks, config))
+        self.grammars = grammars_for(runner, eos_token_ids)
         self.loop = EngineLoop(self.engine, tick=self._tick, on_step=self._on_step, name="decode-engine")
         self.handoffs = HandoffTable(self.epoch)
         self.kv_bytes_received = 0
@@ -123,10 +124,10 @@ class DecodeWorker:
     def admit(self, seq: Sequence, epoch: str | None, sink, kv_bytes: int, backend: str) -> None:
         """Start decoding `seq`; `sink(token_ids, finish_reason)` receives its output from
         the engine thread. With an epoch the prompt KV came through a handoff."""
-        def deliver(token_ids: list[int], reason: str) -> None:
+        def deliver(token_ids: list[int], reason: str, logprobs) -> None:
             if reason:
                 self._retire(seq.request_id, reason)
-            sink(token_ids, reason)
+            sink(token_ids, reason, logprobs)
 
         if epoch is None:
             self.loop.submit(seq, deliver)
@@ -243,17 +244,18 @@ class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
 
-        def sink(token_ids: list[int], reason: str) -> None:
-            loop.call_soon_threadsafe(out.put_nowait, (token_ids, reason))
+        def sink(token_ids: list[int], reason: str, logprobs) -> None:
+            loop.call_soon_threadsafe(out.put_nowait, (token_ids, reason, logprobs))
 
         if self.draining and request.local_prefill:      # new work; a handoff in flight is finished
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this decode worker is draining")
         try:
             prompt, params = e.check(request)
+            taken = [] if request.local_prefill else [request.first_token_id]
+            constraint = await asyncio.to_thread(prepare, params, e.runner.vocab_size, e.grammars, taken)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        tokens = prompt if request.local_prefill else prompt + [request.first_token_id]
-        seq = Sequence(request.request_id, tokens, len(prompt), params, e.eos)
+        seq = Sequence(request.request_id, prompt + taken, len(prompt), params, e.eos, constraint=constraint)
         try:
             e.admit(seq, None if request.local_prefill else request.epoch, sink, request.kv_bytes,
                     request.transport)
@@ -262,11 +264,12 @@ class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
         finished = False
         try:
             while True:
-                token_ids, reason = await out.get()
+                token_ids, reason, logprobs = await out.get()
                 if reason == "error":
                     await context.abort(grpc.StatusCode.INTERNAL, "decode step failed")
                 finished = bool(reason)
-                yield worker_pb2.DecodeChunk(token_ids=token_ids, finish_reason=reason)
+                yield worker_pb2.DecodeChunk(token_ids=token_ids, finish_reason=reason,
+                                             logprobs=[logprob_to_proto(lp) for lp in logprobs or ()])
                 if finished:
                     return
         finally:

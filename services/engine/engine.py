@@ -17,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -25,8 +26,10 @@ import torch
 from services.engine.device import LayerPoster
 from services.engine.kv_cache import KVPoolMemory
 from services.engine.runner import ForwardBatch, ModelRunner, PrefillSegment
-from services.engine.sampler import sample
+from services.engine.sampler import Sampled, sample
+from services.engine.sampling import TokenLogprob
 from services.engine.scheduler import Scheduler, Sequence, StepPlan
+from services.engine.structured import fill_masks
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,7 @@ class EngineOutput:
     request_id: str
     token_ids: list[int]                # new tokens (empty for a finish without one)
     finish_reason: str | None           # None while the sequence goes on; "error" if a step failed it
+    logprobs: list[TokenLogprob] | None = None     # one per token, when its sampling asked
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ class LLMEngine:
         self.prompt_tokens_computed = 0
         self.generated_tokens = 0
         self.busy_seconds = 0.0
+        self._masks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
 
     # ---- any thread ----
     def add(self, seq: Sequence) -> None:
@@ -106,12 +111,19 @@ class LLMEngine:
             return outputs
         t0 = time.perf_counter()
         try:
-            tokens = self._run(plan)
+            sampled = self._run(plan)
         except Exception:
             log.exception("engine step over %d sequences failed; running them one by one", len(plan.chunks))
-            plan, tokens = self._isolate(plan, outputs)
+            plan, sampled = self._isolate(plan, outputs)
+        tokens = sampled.token_ids
+        logprobs = {}
+        for c, token, lp in zip(plan.sampling(), tokens, sampled.logprobs):
+            if c.seq.constraint is not None and not c.seq.constraint.accept(token):
+                log.error("request %s: its grammar refused token %d it allowed", c.seq.request_id, token)
+            if lp is not None:
+                logprobs[c.seq] = [lp]
         for u in self.scheduler.update(plan, tokens):
-            outputs.append(EngineOutput(u.seq.request_id, [u.token_id], u.finish_reason))
+            outputs.append(EngineOutput(u.seq.request_id, [u.token_id], u.finish_reason, logprobs.get(u.seq)))
         seconds = time.perf_counter() - t0
         prefill = sum(c.num_tokens for c in plan.prefill)
         self.last_step = StepStats(prefill, len(plan.decode), len(plan.chunks), seconds)
@@ -134,8 +146,12 @@ class LLMEngine:
                 log.exception("request %s could not be applied to the engine", request_id)
                 outputs.append(EngineOutput(request_id, [], "error"))
 
-    def _run(self, plan: StepPlan) -> list[int]:
+    def _run(self, plan: StepPlan) -> Sampled:
         batch = pack(plan)
+        rows = plan.sampling()
+        constraints = [c.seq.constraint for c in rows]
+        # Structured output's masks are filled while the forward pass runs.
+        masks = self._masks.submit(fill_masks, constraints) if any(constraints) else None
         poster = self._poster
         hook = None if poster is None else (lambda layer, fence: poster(layer, plan, fence))
         try:
@@ -143,21 +159,25 @@ class LLMEngine:
         finally:
             if poster is not None:
                 poster.flush()
-        rows = plan.sampling()
+            mask = masks.result() if masks is not None else None
+        histories = [(c.seq.token_ids, c.seq.prompt_len) for c in rows] \
+            if any(c.seq.params.penalized for c in rows) else None
         return sample(logits, [c.seq.params for c in rows], [c.seq.num_generated for c in rows],
-                      rows[0].seq.eos_token_ids if rows else frozenset())
+                      rows[0].seq.eos_token_ids if rows else frozenset(), histories, mask)
 
-    def _isolate(self, plan: StepPlan, outputs: list[EngineOutput]) -> tuple[StepPlan, list[int]]:
+    def _isolate(self, plan: StepPlan, outputs: list[EngineOutput]) -> tuple[StepPlan, Sampled]:
         """After a failed step: run each of its chunks alone, so a request that breaks the
         forward pass or the sampler fails by itself ("error") and the rest go on. Writing
         a chunk's KV again is harmless: the same tokens give the same bytes. Returns the
         plan of the chunks that ran and their tokens, in `plan.sampling()` order."""
-        kept, tokens = StepPlan(), []
+        kept, tokens = StepPlan(), Sampled([], [])
         for c in plan.chunks:
             alone = StepPlan()
             alone._add(c)
             try:
-                tokens += self._run(alone)
+                one = self._run(alone)
+                tokens.token_ids += one.token_ids
+                tokens.logprobs += one.logprobs
             except Exception:
                 log.exception("request %s fails the step by itself; it ends, the others go on", c.seq.request_id)
                 if self.scheduler.abort(c.seq.request_id) is not None:
@@ -189,9 +209,10 @@ def pack(plan: StepPlan) -> ForwardBatch:
 
 
 # What a worker hands the loop to receive a request's output: (new token ids, finish
-# reason or ""), called on the engine thread. A prefilled sequence's sink also hears
-# ([], "") when it joins the running batch, before that step's forward pass.
-Sink = Callable[[list[int], str], None]
+# reason or "", their logprobs or None), called on the engine thread. A prefilled
+# sequence's sink also hears ([], "", None) when it joins the running batch, before that
+# step's forward pass.
+Sink = Callable[[list[int], str, "list[TokenLogprob] | None"], None]
 
 
 class EngineLoop:
@@ -213,11 +234,11 @@ class EngineLoop:
         engine.on_joined = self._joined
 
     def _joined(self, request_ids: list[str]) -> None:
-        """A prefilled sequence starts decoding: its sink hears ([], "") now."""
+        """A prefilled sequence starts decoding: its sink hears ([], "", None) now."""
         for request_id in request_ids:
             sink = self._sinks.get(request_id)
             if sink is not None:
-                sink([], "")
+                sink([], "", None)
 
     def submit(self, seq: Sequence, sink: Sink, prefilled: bool = False) -> None:
         self._sinks[seq.request_id] = sink
@@ -278,4 +299,4 @@ class EngineLoop:
         for o in outputs:
             sink = self._sinks.pop(o.request_id, None) if o.finish_reason else self._sinks.get(o.request_id)
             if sink is not None:
-                sink(o.token_ids, o.finish_reason or "")
+                sink(o.token_ids, o.finish_reason or "", o.logprobs)

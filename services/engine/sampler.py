@@ -10,9 +10,12 @@ on its seed, not on which worker, batch or device drew it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
-from services.engine.sampling import SamplingParams
+from services.engine.sampling import SamplingParams, TokenLogprob
 
 _MASK64 = (1 << 64) - 1
 
@@ -63,6 +66,9 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = 256) -> torc
 
 def _draw(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int]) -> list[int]:
     probs = torch.softmax(_filter(logits, params), dim=-1)
+    if any(p.min_p for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=probs.device)
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
     nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
     if nucleus:
         # Only the top-p rows are sorted, to find the smallest probability their nucleus
@@ -80,19 +86,109 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams], num_generated: lis
     return _inverse_cdf(probs, u)[:, 0].tolist()
 
 
+# A row's token history: (token ids, prompt length), for the penalties.
+History = tuple[list[int], int]
+# Applied to the processed logits before any token is chosen (structured output's masks).
+LogitsMask = Callable[[torch.Tensor], None]
+
+
+def _process(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int],
+             eos_token_ids: frozenset[int], histories: list[History] | None) -> torch.Tensor:
+    """The logits every choice is made from: end tokens banned until min_tokens, then
+    logit_bias, then the penalties (vLLM's order). Returns `logits` itself when nothing
+    applies, else a new tensor: the model's output may be an inference tensor."""
+    held = [row for row, (p, n) in enumerate(zip(params, num_generated))
+            if n < p.min_tokens and (eos_token_ids or p.stop_token_ids)]
+    biased = [row for row, p in enumerate(params) if p.logit_bias]
+    penalized = [row for row, p in enumerate(params) if p.penalized]
+    if not (held or biased or penalized):
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    for row in held:
+        ends = [t for t in eos_token_ids.union(params[row].stop_token_ids) if t < vocab]
+        logits[row, ends] = float("-inf")
+    for row in biased:
+        ids, bias = zip(*[(t, b) for t, b in params[row].logit_bias if t < vocab]) or ((), ())
+        if ids:
+            logits[row, list(ids)] += torch.tensor(bias, dtype=logits.dtype, device=logits.device)
+    if penalized:
+        if histories is None:
+            raise ValueError("penalties need each row's token history")
+        _penalize(logits, [params[r] for r in penalized], [histories[r] for r in penalized], penalized)
+    return logits
+
+
+def _penalize(logits: torch.Tensor, params: list[SamplingParams], histories: list[History], rows: list[int]) -> None:
+    """Repetition penalty (CTRL's, as transformers and vLLM apply it: positive logits
+    divided, negative ones multiplied) over tokens of the prompt and the output; presence
+    and frequency penalties (OpenAI's) over the output only. In place."""
+    vocab, device = logits.shape[-1], logits.device
+    output = torch.zeros(len(rows), vocab, dtype=logits.dtype, device=device)
+    seen = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
+    for i, (ids, prompt_len) in enumerate(histories):
+        t = torch.tensor(ids, dtype=torch.long, device=device).clamp_(max=vocab - 1)
+        output[i] = torch.bincount(t[prompt_len:], minlength=vocab)[:vocab].to(logits.dtype)
+        seen[i, t] = True
+    rep = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype, device=device)[:, None]
+    freq = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=device)[:, None]
+    pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=device)[:, None]
+    index = torch.tensor(rows, device=device)
+    sub = logits.index_select(0, index)
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub -= freq * output + pres * (output > 0).to(logits.dtype)
+    logits.index_copy_(0, index, sub)
+
+
+# JSON has no -inf: a token the grammar rules out is reported at this log probability (vLLM's).
+LOGPROB_FLOOR = -9999.0
+
+
+def _logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]) -> list[TokenLogprob | None]:
+    """Log probabilities of the chosen tokens and each row's likeliest, from the processed
+    logits scaled by the row's temperature (greedy rows: unscaled), before top-k, top-p
+    and min-p cut the distribution: what OpenAI and vLLM report."""
+    out: list[TokenLogprob | None] = [None] * len(params)
+    rows = [r for r, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return out
+    index = torch.tensor(rows, device=logits.device)
+    sub = logits.index_select(0, index)
+    temps = torch.tensor([params[r].temperature or 1.0 for r in rows], dtype=sub.dtype, device=sub.device)
+    lp = torch.log_softmax(sub / temps[:, None], dim=-1).clamp_(min=LOGPROB_FLOOR)
+    chosen = lp.gather(1, torch.tensor([tokens[r] for r in rows], device=lp.device)[:, None])[:, 0].tolist()
+    k = max(params[r].logprobs for r in rows)
+    top = lp.topk(k, dim=-1) if k else None
+    for i, r in enumerate(rows):
+        n = params[r].logprobs
+        ids = top.indices[i, :n].tolist() if n else []
+        vals = top.values[i, :n].tolist() if n else []
+        out[r] = TokenLogprob(tokens[r], chosen[i], ids, vals)
+    return out
+
+
+@dataclass
+class Sampled:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int],
-           eos_token_ids: frozenset[int]) -> list[int]:
+           eos_token_ids: frozenset[int], histories: list[History] | None = None,
+           mask: LogitsMask | None = None) -> Sampled:
     """One new token per row of `logits` ([batch, vocab]); `num_generated` is how many
-    tokens each row's sequence has produced so far (its next token's index)."""
-    logits = logits.float()
-    held = [row for row, (p, n) in enumerate(zip(params, num_generated)) if n < p.min_tokens]
-    if held and eos_token_ids:
-        logits = logits.clone()     # the model's output may be an inference tensor: no writes into it
-        logits[torch.tensor(held)[:, None], torch.tensor(sorted(eos_token_ids))[None, :]] = float("-inf")
+    tokens each row's sequence has produced so far (its next token's index); `histories`
+    each row's tokens, needed when a row asks for penalties; `mask` rules tokens out in
+    place (structured output)."""
+    logits = _process(logits.float(), params, num_generated, eos_token_ids, histories)
+    if mask is not None:
+        if logits.is_inference():
+            logits = logits.clone()
+        mask(logits)
     out = logits.max(dim=-1).indices.tolist()      # the first maximum, as argmax; twice as fast on CPU
     rows = [row for row, p in enumerate(params) if not p.greedy]
     if rows:
         drawn = _draw(logits[rows], [params[r] for r in rows], [num_generated[r] for r in rows])
         for row, token in zip(rows, drawn):
             out[row] = token
-    return out
+    return Sampled(out, _logprobs(logits, params, out))

@@ -17,10 +17,22 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     stop: tuple[str, ...] = field(default_factory=tuple)
+    presence_penalty: float = 0.0       # OpenAI's: subtracted once from every token already output
+    frequency_penalty: float = 0.0      # OpenAI's: subtracted per time a token was output
+    repetition_penalty: float = 1.0     # CTRL's, as transformers and vLLM: over prompt and output
+    min_p: float = 0.0                  # drop tokens below min_p x the top token's probability
+    logit_bias: tuple[tuple[int, float], ...] = ()     # (token id, added to its logit)
+    stop_token_ids: tuple[int, ...] = ()                # end the output like EOS (kept in it)
+    logprobs: int | None = None         # None: none; n: the sampled token's and the n likeliest
+    json_schema: str = ""               # output constrained to this JSON schema (structured.py)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -33,3 +45,39 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0 (0 = off)")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must be between 0 and max_tokens")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], not {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
+                             f"not {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], not {self.min_p}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias of token {token} must be in [-100, 100], not {bias}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} token ids >= 0")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, not {self.logprobs}")
+
+    def token_ids_named(self) -> list[int]:
+        """Every token id these parameters name, for a vocabulary check."""
+        return [t for t, _ in self.logit_bias] + list(self.stop_token_ids)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log probability, and the likeliest tokens' at its place."""
+    token_id: int
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+MAX_TOP_LOGPROBS = 20                   # OpenAI's limit
+MAX_LOGIT_BIAS = 1024
+MAX_STOP_TOKEN_IDS = 64
+MAX_REPETITION_PENALTY = 10.0

@@ -61,6 +61,9 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    # Structured output's place in its grammar (structured.Constraint): the engine masks
+    # this sequence's logits with it and has it follow every token taken.
+    constraint: object | None = None
 
     @property
     def num_generated(self) -> int:
@@ -74,8 +77,11 @@ class Sequence:
         """The finish reason after the newest token, or None."""
         if self.num_generated == 0:
             return None
-        if (not self.params.ignore_eos and self.num_generated > self.params.min_tokens
-                and self.last_token in self.eos_token_ids):
+        if self.num_generated > self.params.min_tokens and (
+                (not self.params.ignore_eos and self.last_token in self.eos_token_ids)
+                or self.last_token in self.params.stop_token_ids):
+            return "stop"
+        if self.constraint is not None and self.constraint.terminated:
             return "stop"
         if self.num_generated >= self.params.max_tokens:
             return "length"

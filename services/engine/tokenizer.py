@@ -21,8 +21,8 @@ def eos_token_ids(model_dir: Path) -> frozenset[int]:
     return frozenset(eos if isinstance(eos, list) else [eos])
 
 
-def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    enc = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
     return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
 
 

@@ -39,8 +39,8 @@ from services.engine.kv_cache import KVPoolMemory
 from services.engine.runner import ModelRunner
 from services.engine.scheduler import Scheduler, Sequence, StepPlan
 from services.rpc import worker_pb2, worker_pb2_grpc
-from services.worker.main import EngineStatus, WorkerParts, scheduler_config
-from services.worker.wire import check_request_id, check_tokens, sampling_from_proto
+from services.worker.main import EngineStatus, WorkerParts, grammars_for, prepare, scheduler_config
+from services.worker.wire import check_request_id, check_tokens, logprob_to_proto, sampling_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,7 @@ class PrefillWorker:
         for t in self.transports.values():
             t.register(self.memory, self.compat_hash)
         self.engine = LLMEngine(runner, self.memory, Scheduler(self.blocks, config), layer_hook=self._push_layer)
+        self.grammars = grammars_for(runner, eos)
         self.loop = EngineLoop(self.engine, on_step=self._on_step, name="prefill-engine")
         self._exports: dict[str, Export] = {}          # by engine request id
         self._ids = itertools.count()
@@ -122,16 +123,18 @@ class PrefillWorker:
         if handle.num_tokens != len(tokens) or len(handle.block_ids) != self.blocks.blocks_for(len(tokens)):
             raise TransferError("handle does not match the prompt length")
         params = sampling_from_proto(req.sampling)
+        constraint = await asyncio.to_thread(prepare, params, self.runner.vocab_size, self.grammars)
         # The lease is wall-clock (it crosses processes); waits below use the monotonic clock.
         deadline = time.monotonic() + (handle.write_deadline - time.time())
         transport, peer, fell_back = await asyncio.to_thread(self._pair, handle)
         export = Export(transport, peer, list(handle.block_ids), deadline)
-        seq = Sequence(f"{req.request_id}#{next(self._ids)}", list(tokens), len(tokens), params, self.eos)
+        seq = Sequence(f"{req.request_id}#{next(self._ids)}", list(tokens), len(tokens), params, self.eos,
+                       constraint=constraint)
         loop = asyncio.get_running_loop()
         ended: asyncio.Future = loop.create_future()
 
-        def sink(token_ids: list[int], reason: str) -> None:
-            loop.call_soon_threadsafe(lambda: ended.done() or ended.set_result((token_ids, reason)))
+        def sink(token_ids: list[int], reason: str, logprobs) -> None:
+            loop.call_soon_threadsafe(lambda: ended.done() or ended.set_result((token_ids, reason, logprobs)))
 
         self._exports[seq.request_id] = export
         self._enqueue(len(tokens))
@@ -139,7 +142,7 @@ class PrefillWorker:
         self.loop.submit(seq, sink)
         ok = False
         try:
-            token_ids, reason = await asyncio.shield(ended)
+            token_ids, reason, logprobs = await asyncio.shield(ended)
             if export.failure is not None:
                 raise export.failure
             if not token_ids:
@@ -169,7 +172,8 @@ class PrefillWorker:
         return worker_pb2.PrefillResponse(first_token_id=token_ids[0], kv_bytes=kv_bytes,
                                           prefill_seconds=compute + (done - after_compute),
                                           transfer_seconds=done - after_compute, transport=transport.name,
-                                          transport_fallback=fell_back, cached_tokens=seq.num_cached)
+                                          transport_fallback=fell_back, cached_tokens=seq.num_cached,
+                                          first_logprob=logprob_to_proto(logprobs[0]) if logprobs else None)
 
     async def _settle(self, request_id: str, export: Export, ended: asyncio.Future, drain: bool, n: int) -> None:
         """After a request ends either way: once the engine is done with it, let writes

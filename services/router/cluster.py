@@ -27,9 +27,9 @@ from services.common.metrics import RouterMetrics
 from services.common.registry import RedisRegistry
 from services.common.security import ClusterSecret, call_interceptors
 from services.common.settings import RouterSettings
-from services.worker.wire import sampling_to_proto
+from services.worker.wire import logprob_from_proto, sampling_to_proto
 from services.engine.prefix_cache import block_hashes
-from services.engine.sampling import SamplingParams
+from services.engine.sampling import SamplingParams, TokenLogprob
 from services.engine.tokenizer import IncrementalDetokenizer, StopMatcher
 from services.router.latency import LatencyLedger
 from services.router.policy import CostModel, DecodeLoad, PrefillLoad, pick_decode, plan_prefill
@@ -52,6 +52,10 @@ PREFILL_RPC_MARGIN = 5.0
 # worker is gone or full, or the KV transfer failed or ran out of lease. Each is counted.
 LOCAL_FALLBACK_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                         grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+# What a worker streams: (new token ids, finish reason or "", their logprobs or None).
+Tokens = tuple[list[int], str, "list[TokenLogprob] | None"]
 
 
 @dataclass
@@ -101,6 +105,7 @@ class Delta:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None      # one per token, when asked for
 
 
 @dataclass
@@ -315,21 +320,21 @@ class Cluster:
         detok = IncrementalDetokenizer(self.tokenizer, gen.prompt_ids)
         stops = StopMatcher(gen.params.stop)
         async with aclosing(self._tokens(gen)) as tokens:
-            async for token_ids, finish in tokens:
+            async for token_ids, finish, logprobs in tokens:
                 gen.completion_tokens += len(token_ids)
                 text, hit = stops.feed(detok.push(token_ids))
                 if hit:
                     gen.finish_reason = "stop"
-                    yield Delta(text, token_ids, "stop")
+                    yield Delta(text, token_ids, "stop", logprobs)
                     return
                 if finish:
                     text += stops.feed(detok.flush())[0] + stops.flush()
                     gen.finish_reason = finish
-                yield Delta(text, token_ids, finish or None)
+                yield Delta(text, token_ids, finish or None, logprobs)
                 if finish:
                     return
 
-    async def _tokens(self, gen: Generation) -> AsyncIterator[tuple[list[int], str]]:
+    async def _tokens(self, gen: Generation) -> AsyncIterator[Tokens]:
         """Tokens from the workers. A worker found dead before anything was streamed
         is taken out of routing and the request is tried again on the others."""
         for attempt in range(1, ATTEMPTS + 1):
@@ -346,7 +351,7 @@ class Cluster:
                 log.warning("request %s: %s; trying again on another worker", gen.request_id, exc.message)
                 self.metrics.retries.inc()
 
-    async def _attempt(self, gen: Generation) -> AsyncIterator[tuple[list[int], str]]:
+    async def _attempt(self, gen: Generation) -> AsyncIterator[Tokens]:
         """One try through the workers. Cleanup rule: whenever a reservation exists and
         the decode stream did not finish, a Release is sent, but only once no prefill can
         still be writing into the reserved blocks. Release is idempotent on the worker."""
@@ -359,7 +364,7 @@ class Cluster:
         handle, writer, finished, claimed, local_tokens = None, None, False, None, 0
         try:
             prefill, _, keys = self._plan(decode, gen)
-            first = None
+            first = first_logprob = None
             if prefill is not None:
                 # The prompt counts in the prefill worker's queue from this decision on:
                 # requests planned while this one reserves blocks must see it there.
@@ -367,7 +372,7 @@ class Cluster:
                 prefill.inflight_tokens += len(gen.prompt_ids)
                 handle = await self._reserve(decode, gen)
                 writer, claimed = self._start_prefill(prefill, handle, gen), None
-                first = await self._await_prefill(prefill, decode, handle, writer, gen, keys)
+                first, first_logprob = await self._await_prefill(prefill, decode, handle, writer, gen, keys)
             if first is None:
                 handle = None                   # released by _await_prefill, or never taken
                 gen.decision = "local_fallback" if prefill is not None else "local"
@@ -381,19 +386,19 @@ class Cluster:
             decode.decoding += 1
             try:
                 async with aclosing(self._decode_stream(decode, req)) as stream:
-                    async for token_ids, finish in stream:
+                    async for token_ids, finish, logprobs in stream:
                         decode.local_tokens -= local_tokens
                         local_tokens = 0
                         if first is not None:
                             # The prefill's token goes out once the decode worker has the
                             # sequence in its batch (its first, empty, message): the second
                             # token then follows one step later, not up to two.
-                            yield [first], ""
+                            yield [first], "", [first_logprob] if first_logprob else None
                             first = None
                         if not token_ids and not finish:
                             continue
                         finished = bool(finish)
-                        yield token_ids, finish
+                        yield token_ids, finish, logprobs
             finally:
                 decode.decoding -= 1
                 decode.local_tokens -= local_tokens
@@ -452,9 +457,10 @@ class Cluster:
         return call
 
     async def _await_prefill(self, prefill: Worker, decode: Worker, handle, call: asyncio.Future,
-                             gen: Generation, keys: list[int]) -> int | None:
-        """The first token, or None when the decode worker should prefill locally. The
-        call is shielded: a cancelled request lets the prefill end before its blocks go."""
+                             gen: Generation, keys: list[int]) -> tuple[int | None, TokenLogprob | None]:
+        """The first token and its logprob (when asked for), or None when the decode worker
+        should prefill locally. The call is shielded: a cancelled request lets the prefill
+        end before its blocks go."""
         try:
             resp = await asyncio.shield(call)
         except grpc.aio.AioRpcError as exc:
@@ -465,7 +471,7 @@ class Cluster:
             await self._release(decode, handle, f"prefill failed: {exc.code().name}")
             log.warning("request %s: prefill worker %s failed (%s: %s); prefilling on the decode worker",
                         gen.request_id, prefill.address, exc.code().name, exc.details())
-            return None
+            return None, None
         gen.kv_bytes = resp.kv_bytes
         gen.transport = resp.transport
         gen.transport_fallback = resp.transport_fallback
@@ -477,13 +483,15 @@ class Cluster:
         prefill.recent_keys.update((k, expiry) for k in keys)
         self.metrics.kv_bytes.labels(resp.transport).inc(resp.kv_bytes)
         self.metrics.cached_tokens.inc(resp.cached_tokens)
-        return resp.first_token_id
+        logprob = logprob_from_proto(resp.first_logprob) if resp.HasField("first_logprob") else None
+        return resp.first_token_id, logprob
 
-    async def _decode_stream(self, decode: Worker, req) -> AsyncIterator[tuple[list[int], str]]:
+    async def _decode_stream(self, decode: Worker, req) -> AsyncIterator[Tokens]:
         call = decode.stub.Decode(req, timeout=self.settings.request_timeout)
         try:
             async for chunk in call:
-                yield list(chunk.token_ids), chunk.finish_reason
+                yield (list(chunk.token_ids), chunk.finish_reason,
+                       [logprob_from_proto(lp) for lp in chunk.logprobs] if chunk.logprobs else None)
                 if chunk.finish_reason:
                     return
             raise APIError(502, "decode worker closed the stream early", type_="server_error",

@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from services.engine.sampling import TokenLogprob
+from services.engine.structured import Grammars
 from services.engine.tokenizer import encode_chat, encode_prompt
 from services.router.cluster import Cluster, Delta, Generation
 from services.router.protocol import APIError, bad_request
@@ -41,6 +43,37 @@ class FrontEnd:
     # request (and /ready) while it is cut into tokens.
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         max_workers=2, thread_name_prefix="tokenize"))
+    sse_keepalive: float = 15.0
+    grammars: Grammars = field(init=False)
+    _token_text: dict[int, str] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Only to refuse a schema that cannot compile before any worker is involved.
+        self.grammars = Grammars(lambda: self.tokenizer, len(self.tokenizer), frozenset())
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list (Hugging Face's convention)."""
+        template = self.tokenizer.chat_template
+        return isinstance(template, str) and "tools" in template
+
+    def token_text(self, token_id: int) -> str:
+        """One token alone as text, for logprobs (a piece of a UTF-8 character shows as U+FFFD)."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    async def check_schema(self, schema: str, param: str) -> str:
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.executor, self.grammars.compile, schema)
+        except ValueError as exc:
+            raise bad_request(str(exc), param=param, code="invalid_json_schema") from None
+        return schema
 
     def check_model(self, model: str | None) -> None:
         if model and model != self.served_model_name:
@@ -55,11 +88,11 @@ class FrontEnd:
         for t in texts:
             check_unicode(t, param)
 
-    async def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    async def tokenize_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         self._check_text([m["content"] for m in messages], "messages")
         try:
             return await asyncio.get_running_loop().run_in_executor(self.executor, encode_chat, self.tokenizer,
-                                                                    messages)
+                                                                    messages, tools)
         except Exception as exc:                  # a template that rejects the conversation
             raise bad_request(f"cannot apply the chat template: {type(exc).__name__}", param="messages") from None
 
@@ -152,9 +185,18 @@ class RunningRequest:
             if not self.task.done():
                 self.task.cancel()
 
-    async def collect(self) -> tuple[str, list[int]]:
-        text, ids = [], []
+    async def collect(self) -> "Collected":
+        text, ids, logprobs = [], [], []
         async for d in self.deltas():
             text.append(d.text)
             ids.extend(d.token_ids)
-        return "".join(text), ids
+            logprobs.extend(d.logprobs or ())
+        return Collected("".join(text), ids, logprobs)
+
+
+@dataclass
+class Collected:
+    """A whole choice, for a response that is not streamed."""
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]

@@ -5,9 +5,10 @@ import grpc
 
 from services.router.cluster import Generation, new_request_id
 from services.router.frontend import FrontEnd
-from services.router.protocol import APIError, bad_request
+from services.router.protocol import MAX_LOGPROBS, APIError, bad_request
 from services.router.sampling import resolve_sampling
 from services.rpc import generate_pb2, generate_pb2_grpc
+from services.worker.wire import logprob_to_proto
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -39,10 +40,16 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
         prompt_ids = await self._prompt(request)
         s = request.sampling
         opt = lambda name: getattr(s, name) if s.HasField(name) else None  # noqa: E731
+        schema = await self.fe.check_schema(s.json_schema, "sampling.json_schema") if s.json_schema else ""
+        if s.HasField("logprobs") and s.logprobs > MAX_LOGPROBS:
+            raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}", param="sampling.logprobs")
         params = resolve_sampling(
-            prompt_len=len(prompt_ids), max_model_len=self.fe.max_model_len, max_tokens=opt("max_tokens"),
-            temperature=opt("temperature"), top_p=opt("top_p"), top_k=opt("top_k"), seed=opt("seed"),
-            stop=[x for x in s.stop if x], ignore_eos=s.ignore_eos, min_tokens=s.min_tokens)
+            prompt_len=len(prompt_ids), max_model_len=self.fe.max_model_len, vocab_size=self.fe.vocab_size,
+            max_tokens=opt("max_tokens"), temperature=opt("temperature"), top_p=opt("top_p"), top_k=opt("top_k"),
+            seed=opt("seed"), stop=[x for x in s.stop if x], ignore_eos=s.ignore_eos, min_tokens=s.min_tokens,
+            presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+            repetition_penalty=opt("repetition_penalty"), min_p=s.min_p, logit_bias=dict(s.logit_bias),
+            stop_token_ids=list(s.stop_token_ids), logprobs=opt("logprobs"), json_schema=schema)
         return Generation(request.request_id or new_request_id("gen"), prompt_ids, params)
 
     async def Generate(self, request, context):
@@ -57,7 +64,8 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
                     request_id=gen.request_id, text=d.text, token_ids=d.token_ids,
                     finish_reason=d.finish_reason or "",
                     usage=generate_pb2.Usage(prompt_tokens=len(gen.prompt_ids),
-                                             completion_tokens=gen.completion_tokens))
+                                             completion_tokens=gen.completion_tokens),
+                    logprobs=[logprob_to_proto(lp) for lp in d.logprobs or ()])
         except APIError as exc:
             await context.abort(getattr(grpc.StatusCode, exc.grpc_code), exc.message)
         given = next((v for k, v in context.invocation_metadata() or () if k == "x-request-id"), None)

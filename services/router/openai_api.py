@@ -8,10 +8,12 @@ bodies: a web page can post a form or text/plain to a server on its visitor's ma
 without asking, but not JSON. CORS is off unless origins are allowed."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
 from typing import AsyncIterator
@@ -23,10 +25,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 
 from services.common.security import KeyCheck
-from services.router.cluster import Generation, new_request_id
-from services.router.frontend import FrontEnd, RunningRequest
-from services.router.protocol import APIError, ChatCompletionRequest, CommonRequest, CompletionRequest, bad_request
+from services.engine.sampling import TokenLogprob
+from services.engine.structured import JSON_OBJECT
+from services.router.cluster import Delta, Generation, new_request_id
+from services.router.frontend import Collected, FrontEnd, RunningRequest
+from services.router.protocol import (APIError, ChatCompletionRequest, CommonRequest, CompletionRequest, bad_request,
+                                      unsupported)
 from services.router.sampling import resolve_sampling
+from services.router.tools import ToolPlan, new_call, parse_calls, plan_tools
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +47,6 @@ _HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 def error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-
-def route_header(gen: Generation) -> dict[str, str]:
-    return {"x-pdserve-route": gen.route()}
 
 
 def unauthorized(authorization: str | None) -> APIError:
@@ -135,25 +137,76 @@ def parse(model: type[BaseModel], data: dict):
     except RecursionError:
         raise bad_request("request body nests arrays or objects too deeply") from None
     except ValidationError as exc:
-        err = exc.errors()[0]
+        errors = exc.errors()
+        # An unknown field is named as OpenAI names it, whatever else is wrong.
+        extra = next((e for e in errors if e["type"] == "extra_forbidden"), None)
+        if extra is not None:
+            raise unsupported(".".join(str(p) for p in extra["loc"])) from None
+        err = errors[0]
         loc = ".".join(str(p) for p in err["loc"])
         raise bad_request(f"{loc}: {err['msg']}" if loc else err["msg"], param=loc or None) from None
 
 
-def sampling_for(fe: FrontEnd, req: CommonRequest, prompt_len: int, max_tokens: int | None):
-    return resolve_sampling(prompt_len=prompt_len, max_model_len=fe.max_model_len, max_tokens=max_tokens,
-                            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
-                            stop=req.stop or (), ignore_eos=req.ignore_eos, min_tokens=req.min_tokens)
+def generations(fe: FrontEnd, req: CommonRequest, prefix: str, prompt_ids: list[int], max_tokens: int | None,
+                logprobs: int | None, json_schema: str) -> list[Generation]:
+    """One generation per choice (`n`), each with its own seed: the client's seed plus the
+    choice's index (vLLM's rule), so choices differ and a seeded request repeats."""
+    params = resolve_sampling(
+        prompt_len=len(prompt_ids), max_model_len=fe.max_model_len, vocab_size=fe.vocab_size,
+        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
+        stop=req.stop or (), ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty, min_p=req.min_p, logit_bias=req.logit_bias,
+        stop_token_ids=req.stop_token_ids or (), logprobs=logprobs, json_schema=json_schema)
+    request_id = new_request_id(prefix)
+    if req.choices == 1:
+        return [Generation(request_id, prompt_ids, params)]
+    return [Generation(f"{request_id}-{i}", prompt_ids, replace(params, seed=(params.seed + i) & ((1 << 63) - 1)))
+            for i in range(req.choices)]
+
+
+async def response_schema(fe: FrontEnd, req: ChatCompletionRequest) -> str:
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return ""
+    if fmt.type == "json_object":
+        return JSON_OBJECT
+    if fmt.json_schema is None:
+        raise bad_request("response_format json_schema needs its json_schema", param="response_format.json_schema")
+    return await fe.check_schema(json.dumps(fmt.json_schema.schema_), "response_format.json_schema.schema")
 
 
 def sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-def usage(gen: Generation) -> dict:
-    p, c = len(gen.prompt_ids), gen.completion_tokens
+SSE_KEEPALIVE = b": keep-alive\n\n"
+
+
+def usage(gens: list[Generation]) -> dict:
+    p, c = len(gens[0].prompt_ids), sum(g.completion_tokens for g in gens)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": max(g.cached_tokens for g in gens)}}
+
+
+def chat_logprobs(fe: FrontEnd, logprobs: list[TokenLogprob]) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        text = fe.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    return {"content": [{**entry(lp.token_id, lp.logprob),
+                         "top_logprobs": [entry(t, v) for t, v in zip(lp.top_ids, lp.top_logprobs)]}
+                        for lp in logprobs]}
+
+
+def completion_logprobs(fe: FrontEnd, logprobs: list[TokenLogprob], offset: int) -> dict:
+    tokens, offsets = [], []
+    for lp in logprobs:
+        tokens.append(fe.token_text(lp.token_id))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{fe.token_text(t): v for t, v in zip(lp.top_ids, lp.top_logprobs)} for lp in logprobs],
+            "text_offset": offsets}
 
 
 def _describe_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
@@ -234,85 +287,221 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
     async def chat(request: Request):
         req = parse(ChatCompletionRequest, await read_json(request, fe.max_body_bytes))
         fe.check_model(req.model)
-        req.unsupported()
-        prompt_ids = await fe.tokenize_chat([{"role": m.role, "content": m.text()} for m in req.messages])
+        req.check()
+        tools = plan_tools(req, fe.supports_tools)
+        schema = await response_schema(fe, req)
+        if tools is not None and tools.schema:
+            schema = await fe.check_schema(tools.schema, "tools")
+        prompt_ids = await fe.tokenize_chat([m.for_template() for m in req.messages], tools and tools.tools)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = sampling_for(fe, req, len(prompt_ids), max_tokens)
-        gen = Generation(new_request_id("chatcmpl"), prompt_ids, params)
-        return await respond(fe, req, gen, chat=True)
+        gens = generations(fe, req, "chatcmpl", prompt_ids, max_tokens, req.top_logprobs_count(), schema)
+        return await respond(fe, req, gens, Shape(chat=True, tools=tools))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = parse(CompletionRequest, await read_json(request, fe.max_body_bytes))
         fe.check_model(req.model)
-        req.unsupported()
+        req.check()
+        logprobs = req.top_logprobs_count()
+        if req.echo and logprobs is not None:
+            raise unsupported("echo", "echo with logprobs is not supported: prompt logprobs are not computed")
         prompt_ids = await fe.tokenize_prompt(req.prompt)
-        params = sampling_for(fe, req, len(prompt_ids), req.max_tokens)
-        gen = Generation(new_request_id("cmpl"), prompt_ids, params)
-        return await respond(fe, req, gen, chat=False)
+        gens = generations(fe, req, "cmpl", prompt_ids, req.max_tokens, logprobs, "")
+        echo = "" if not req.echo else req.prompt if isinstance(req.prompt, str) else \
+            fe.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        return await respond(fe, req, gens, Shape(chat=False, echo=echo))
 
     return app
 
 
-async def respond(fe: FrontEnd, req: CommonRequest, gen: Generation, chat: bool) -> Response:
-    running = fe.start(gen)
-    created = int(time.time())
-    base = {"id": gen.request_id, "object": "chat.completion" if chat else "text_completion",
-            "created": created, "model": fe.served_model_name}
-    if not req.stream:
+@dataclass(frozen=True)
+class Shape:
+    """What a response looks like besides its choices' text."""
+    chat: bool
+    tools: ToolPlan | None = None
+    echo: str = ""                      # completions: the prompt, returned before the text
+
+
+async def respond(fe: FrontEnd, req: CommonRequest, gens: list[Generation], shape: Shape) -> Response:
+    runnings = start_all(fe, gens)
+    base = {"id": gens[0].request_id.rsplit("-", 1)[0] if len(gens) > 1 else gens[0].request_id,
+            "object": "chat.completion" if shape.chat else "text_completion",
+            "created": int(time.time()), "model": fe.served_model_name}
+    if req.stream:
+        return StreamingResponse(stream_events(fe, runnings, req, base, shape), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        results = await asyncio.gather(*(r.collect() for r in runnings))
+    except APIError as exc:
+        return error_response(exc)
+    finally:
+        for r in runnings:
+            r.task.cancel()
+    choices = [whole_choice(fe, i, gen, result, req, shape) for i, (gen, result) in enumerate(zip(gens, results))]
+    body = {**base, "choices": choices, "usage": usage(gens)}
+    if req.return_token_ids:
+        body["prompt_token_ids"] = gens[0].prompt_ids
+    return JSONResponse(body, headers={"x-pdserve-route": ", ".join(g.route() for g in gens)})
+
+
+def start_all(fe: FrontEnd, gens: list[Generation]) -> list[RunningRequest]:
+    """Admit every choice, or none: a request over capacity gets its 429 whole."""
+    runnings = []
+    try:
+        for gen in gens:
+            runnings.append(fe.start(gen))
+    except APIError:
+        for r in runnings:
+            r.task.cancel()
+        raise
+    return runnings
+
+
+def whole_choice(fe: FrontEnd, index: int, gen: Generation, result: Collected, req: CommonRequest,
+                 shape: Shape) -> dict:
+    choice: dict = {"index": index, "logprobs": None, "finish_reason": gen.finish_reason}
+    if shape.chat:
+        message: dict = {"role": "assistant", "content": result.text}
+        if shape.tools is not None:
+            content, calls = parse_calls(shape.tools, result.text)
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = calls
+                if shape.tools.mode != "named" and gen.finish_reason == "stop":
+                    choice["finish_reason"] = "tool_calls"
+        choice["message"] = message
+        if gen.params.logprobs is not None:
+            choice["logprobs"] = chat_logprobs(fe, result.logprobs)
+    else:
+        choice["text"] = shape.echo + result.text
+        if gen.params.logprobs is not None:
+            choice["logprobs"] = completion_logprobs(fe, result.logprobs, len(shape.echo))
+    if req.return_token_ids:
+        choice["token_ids"] = result.token_ids
+    return choice
+
+
+async def merged(runnings: list[RunningRequest], keepalive: float) -> AsyncIterator[tuple[int, Delta] | None]:
+    """Every choice's deltas as they come, tagged with the choice's index; None when
+    nothing came for `keepalive` seconds (0: never). The first failure ends them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, running: RunningRequest) -> None:
         try:
-            text, ids = await running.collect()
+            async for d in running.deltas():
+                await queue.put((index, d))
+            await queue.put((index, None))
         except APIError as exc:
-            return error_response(exc)
-        choice = {"index": 0, "logprobs": None, "finish_reason": gen.finish_reason}
+            await queue.put((index, exc))
+
+    pumps = [asyncio.create_task(pump(i, r)) for i, r in enumerate(runnings)]
+    try:
+        left = len(runnings)
+        while left:
+            try:
+                index, item = await asyncio.wait_for(queue.get(), keepalive or None)
+            except TimeoutError:
+                yield None
+                continue
+            if item is None:
+                left -= 1
+            elif isinstance(item, APIError):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for t in pumps:
+            t.cancel()
+
+
+async def stream_events(fe: FrontEnd, runnings: list[RunningRequest], req: CommonRequest, base: dict,
+                        shape: Shape) -> AsyncIterator[bytes]:
+    gens = [r.gen for r in runnings]
+    chat = shape.chat
+    base = {**base, "object": "chat.completion.chunk" if chat else "text_completion"}
+    options = req.stream_options
+    with_usage = bool(options and options.include_usage)
+    every_usage = bool(with_usage and options.continuous_usage_stats)
+    tools = shape.tools
+    held = {i: [] for i in range(len(gens))}       # tool output known only at its end
+    offsets = [len(shape.echo)] * len(gens)
+
+    def chunk(index: int, delta: dict | None = None, text: str = "", finish: str | None = None,
+              token_ids: list[int] | None = None, logprobs: list[TokenLogprob] | None = None) -> bytes:
+        choice: dict = {"index": index, "logprobs": None, "finish_reason": finish}
         if chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["delta"] = delta or {}
+            if logprobs:
+                choice["logprobs"] = chat_logprobs(fe, logprobs)
         else:
             choice["text"] = text
-        body = {**base, "choices": [choice], "usage": usage(gen)}
-        if req.return_token_ids:
-            choice["token_ids"] = ids
-            body["prompt_token_ids"] = gen.prompt_ids
-        return JSONResponse(body, headers=route_header(gen))
-    return StreamingResponse(stream_events(running, req, base, chat), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-async def stream_events(running: RunningRequest, req: CommonRequest, base: dict, chat: bool) -> AsyncIterator[bytes]:
-    gen = running.gen
-    base = {**base, "object": "chat.completion.chunk" if chat else "text_completion"}
-    with_usage = bool(req.stream_options and req.stream_options.include_usage)
-    extra = {"usage": None} if with_usage else {}
-
-    def chunk(text: str | None, finish: str | None, token_ids: list[int] | None = None, role: bool = False) -> bytes:
-        choice: dict = {"index": 0, "logprobs": None, "finish_reason": finish}
-        if chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice["delta"] = delta
-        else:
-            choice["text"] = text or ""
+            if logprobs:
+                choice["logprobs"] = completion_logprobs(fe, logprobs, offsets[index])
+                offsets[index] += len(text)
         if token_ids is not None:
             choice["token_ids"] = token_ids
-        return sse({**base, "choices": [choice], **extra})
+        event = {**base, "choices": [choice]}
+        if finish:
+            # The route is known only once the choice is done: it rides on its last chunk.
+            event["pdserve_route"] = gens[index].route()
+        if with_usage:
+            event["usage"] = usage(gens) if every_usage else None
+        return sse(event)
 
+    def content(index: int, d: Delta) -> dict:
+        if tools is None:
+            return {"content": d.text} if d.text else {}
+        if tools.streams_arguments:
+            return {"tool_calls": [{"index": 0, "function": {"arguments": d.text}}]} if d.text else {}
+        held[index].append(d.text)
+        return {}
+
+    def closing(index: int, finish: str) -> tuple[dict, str]:
+        """A tool call's last delta: the calls found in the held text."""
+        if tools is None or tools.streams_arguments:
+            return {}, finish
+        text, calls = parse_calls(tools, "".join(held[index]))
+        if not calls:
+            return ({"content": text} if text else {}), finish
+        delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
+        if text:
+            delta["content"] = text
+        return delta, "tool_calls" if finish == "stop" else finish
+
+    started = set()
     try:
-        first = True
-        async for d in running.deltas():
+        async for item in merged(runnings, fe.sse_keepalive):
+            if item is None:
+                yield SSE_KEEPALIVE
+                continue
+            i, d = item
             ids = d.token_ids if req.return_token_ids else None
-            if first:
+            if i not in started:
                 # The role chunk goes out with the first token, as vLLM's and OpenAI's do:
                 # clients time the first token from the first chunk.
-                if ids is not None:
-                    yield sse({**base, "choices": [], "prompt_token_ids": gen.prompt_ids, **extra})
+                started.add(i)
+                if ids is not None and not started - {i}:
+                    yield sse({**base, "choices": [], "prompt_token_ids": gens[0].prompt_ids,
+                               **({"usage": None} if with_usage else {})})
                 if chat:
-                    yield chunk(None, None, role=True)
-            first = False
-            if d.text or ids:
-                yield chunk(d.text, None, ids)
+                    first = {"role": "assistant", "content": ""}
+                    if tools is not None and tools.streams_arguments:
+                        first = {"role": "assistant", "content": None, "tool_calls": [
+                            {"index": 0, **new_call(tools.name, "")}]}
+                    yield chunk(i, first)
+                elif shape.echo:
+                    yield chunk(i, text=shape.echo)
+            if chat:
+                delta = content(i, d)
+                if delta or ids or d.logprobs:
+                    yield chunk(i, delta, token_ids=ids, logprobs=d.logprobs)
+            elif d.text or ids or d.logprobs:
+                yield chunk(i, text=d.text, token_ids=ids, logprobs=d.logprobs)
             if d.finish_reason:
-                yield chunk(None, d.finish_reason)
+                delta, finish = closing(i, d.finish_reason)
+                yield chunk(i, delta, finish=finish)
         if with_usage:
-            yield sse({**base, "choices": [], "usage": usage(gen)})
+            yield sse({**base, "choices": [], "usage": usage(gens)})
     except APIError as exc:
         yield sse(exc.body())
     yield b"data: [DONE]\n\n"

@@ -1,11 +1,14 @@
 """OpenAI-compatible request bodies and error objects.
 
-Unknown fields are ignored (as OpenAI and vLLM do); known fields are type-checked
-strictly enough that `"max_tokens": "ten"` or `true` is an error, not a guess. Range
-checks that need the prompt length live in `resolve_sampling`.
+A field pdserve does not implement is refused by name (400 `unsupported_parameter`, as
+OpenAI refuses an unknown one), never accepted and dropped: a client asking for JSON
+must not get free text with a 200. Known fields are type-checked strictly enough that
+`"max_tokens": "ten"` or `true` is an error, not a guess. Range checks that need the
+prompt length live in `resolve_sampling`.
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
@@ -36,16 +39,51 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+STRICT = ConfigDict(extra="forbid")
+# Completions' logprobs: OpenAI allows 5; vLLM (and this) as many as chat's top_logprobs.
+MAX_LOGPROBS = 20
+MAX_CHOICES = 16
+
+
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     type: Literal["text"]
     text: StrictStr
 
 
+class FunctionCall(BaseModel):
+    model_config = STRICT
+    name: StrictStr
+    arguments: StrictStr
+
+
+class ToolCall(BaseModel):
+    model_config = STRICT
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None            # an assistant's earlier calls
+    tool_call_id: StrictStr | None = None               # a tool's answer to one
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it (tool calls' arguments as objects, as
+        Hugging Face templates expect)."""
+        m: dict = {"role": self.role, "content": self.text()}
+        if self.name:
+            m["name"] = self.name
+        if self.tool_call_id:
+            m["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            m["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
+        return m
 
     def text(self) -> str:
         if self.content is None:
@@ -55,13 +93,60 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = STRICT
+    name: StrictStr = "response"
+    description: StrictStr | None = None
+    schema_: dict | StrictBool = Field(default_factory=dict, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class FunctionDef(BaseModel):
+    model_config = STRICT
+    name: Annotated[str, Field(strict=True, pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+    description: StrictStr | None = None
+    parameters: dict = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = STRICT
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class CommonRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
     temperature: NonNegFloat | None = None
@@ -77,8 +162,22 @@ class CommonRequest(BaseModel):
     return_token_ids: StrictBool = False
     presence_penalty: NonNegFloat | None = None
     frequency_penalty: NonNegFloat | None = None
-    logprobs: StrictBool | StrictInt | None = None
-    echo: StrictBool = False
+    repetition_penalty: NonNegFloat | None = None
+    min_p: NonNegFloat | None = None
+    logit_bias: dict[str, NonNegFloat] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    user: StrictStr | None = None                       # the caller's own label: logged, no effect
+    best_of: StrictInt | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        if v is None:
+            return None
+        try:
+            return {int(k): b for k, b in v.items()}
+        except ValueError:
+            raise ValueError("logit_bias keys must be token ids") from None
 
     @field_validator("stop")
     @classmethod
@@ -90,22 +189,42 @@ class CommonRequest(BaseModel):
             raise ValueError("at most 16 stop sequences")
         return [s for s in stops if s]
 
-    def unsupported(self) -> None:
-        """Reject what the engine does not implement instead of silently ignoring it."""
-        if self.n not in (None, 1):
-            raise bad_request("only n=1 is supported", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise bad_request(f"{name} is not supported", param=name)
-        if self.logprobs not in (None, False, 0):
-            raise bad_request("logprobs are not supported", param="logprobs")
-        if self.echo:
-            raise bad_request("echo is not supported", param="echo")
+    @property
+    def choices(self) -> int:
+        return 1 if self.n is None else self.n
+
+    def check(self) -> None:
+        """What no field's type says: n and best_of in range."""
+        if not 1 <= self.choices <= MAX_CHOICES:
+            raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {self.n}", param="n")
+        if self.best_of not in (None, self.choices):
+            raise unsupported("best_of", "best_of other than n is not supported")
+
+
+
+def unsupported(param: str, message: str | None = None) -> APIError:
+    return bad_request(message or f"Unrecognized request argument supplied: {param}", param=param,
+                       code="unsupported_parameter")
 
 
 class ChatCompletionRequest(CommonRequest):
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+
+    def top_logprobs_count(self) -> int | None:
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}", param="top_logprobs")
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+            return None
+        return self.top_logprobs or 0
 
     @field_validator("messages")
     @classmethod
@@ -117,6 +236,13 @@ class ChatCompletionRequest(CommonRequest):
 
 class CompletionRequest(CommonRequest):
     prompt: StrictStr | list[StrictInt] | list[StrictStr]
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
+
+    def top_logprobs_count(self) -> int | None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}", param="logprobs")
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 import secrets
 
-from services.engine.sampling import SamplingParams
+from services.engine.sampling import (MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_STOP_TOKEN_IDS,
+                                      SamplingParams)
 from services.router.protocol import APIError, bad_request
 
 _U63 = (1 << 63) - 1
@@ -21,10 +22,14 @@ def context_error(prompt_len: int, max_model_len: int, max_tokens: int | None = 
     return APIError(400, msg, code="context_length_exceeded", param="messages")
 
 
-def resolve_sampling(*, prompt_len: int, max_model_len: int, max_tokens: int | None = None,
+def resolve_sampling(*, prompt_len: int, max_model_len: int, vocab_size: int, max_tokens: int | None = None,
                      temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                      seed: int | None = None, stop: list[str] | tuple[str, ...] = (), ignore_eos: bool = False,
-                     min_tokens: int = 0) -> SamplingParams:
+                     min_tokens: int = 0, presence_penalty: float | None = None,
+                     frequency_penalty: float | None = None, repetition_penalty: float | None = None,
+                     min_p: float | None = None, logit_bias: dict[int, float] | None = None,
+                     stop_token_ids: list[int] | tuple[int, ...] = (), logprobs: int | None = None,
+                     json_schema: str = "") -> SamplingParams:
     if prompt_len < 1:
         raise bad_request("the prompt is empty", param="prompt")
     if prompt_len >= max_model_len:
@@ -47,5 +52,32 @@ def resolve_sampling(*, prompt_len: int, max_model_len: int, max_tokens: int | N
     if not 0 <= min_tokens <= max_tokens:
         raise bad_request(f"min_tokens must be between 0 and max_tokens ({max_tokens})", param="min_tokens")
     seed = secrets.randbits(63) if seed is None else seed & _U63
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if value is not None and not -2.0 <= value <= 2.0:
+            raise bad_request(f"{name} must be between -2 and 2, got {value}", param=name)
+    repetition_penalty = 1.0 if repetition_penalty is None else float(repetition_penalty)
+    if not 0.0 < repetition_penalty <= MAX_REPETITION_PENALTY:
+        raise bad_request(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {repetition_penalty}",
+                          param="repetition_penalty")
+    min_p = 0.0 if min_p is None else float(min_p)
+    if not 0.0 <= min_p <= 1.0:
+        raise bad_request(f"min_p must be in [0, 1], got {min_p}", param="min_p")
+    bias = sorted((logit_bias or {}).items())
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens", param="logit_bias")
+    for token, value in bias:
+        if not 0 <= token < vocab_size:
+            raise bad_request(f"logit_bias names token {token}, outside the vocabulary [0, {vocab_size})",
+                              param="logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise bad_request(f"logit_bias values must be between -100 and 100, got {value} for token {token}",
+                              param="logit_bias")
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS or any(not 0 <= t < vocab_size for t in stop_token_ids):
+        raise bad_request(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids in [0, {vocab_size})",
+                          param="stop_token_ids")
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                          stop=tuple(stop), ignore_eos=ignore_eos, min_tokens=min_tokens)
+                          stop=tuple(stop), ignore_eos=ignore_eos, min_tokens=min_tokens,
+                          presence_penalty=float(presence_penalty or 0.0),
+                          frequency_penalty=float(frequency_penalty or 0.0), repetition_penalty=repetition_penalty,
+                          min_p=min_p, logit_bias=tuple((t, float(b)) for t, b in bias),
+                          stop_token_ids=tuple(stop_token_ids), logprobs=logprobs, json_schema=json_schema)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from pathlib import Path
 
 import uvicorn
 
@@ -33,11 +34,14 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     """Serve until `stop` is set (default: SIGTERM/SIGINT)."""
     model_dir = resolve_model(settings.model, settings.revision)
     tokenizer = load_tokenizer(model_dir)
+    if settings.chat_template:
+        tokenizer.chat_template = Path(settings.chat_template).read_text()
     metrics = RouterMetrics()
     cluster = Cluster(settings, tokenizer, metrics)
     await cluster.start()
     fe = FrontEnd(cluster, tokenizer, settings.served_model_name or model_dir.name,
-                  _max_model_len(model_dir, settings.max_model_len), settings.max_body_bytes, settings.request_timeout)
+                  _max_model_len(model_dir, settings.max_model_len), settings.max_body_bytes, settings.request_timeout,
+                  sse_keepalive=settings.sse_keepalive_seconds)
 
     keys = KeyCheck(read_api_keys(settings.api_key, settings.api_key_file))
     tls = TLSFiles(settings.tls_cert, settings.tls_key)

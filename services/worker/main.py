@@ -23,7 +23,10 @@ from services.common.settings import WorkerSettings
 from services.engine.model_store import resolve_model
 from services.engine.runner import ModelRunner
 from services.engine.scheduler import SchedulerConfig
-from services.engine.tokenizer import eos_token_ids
+from services.engine.sampling import SamplingParams
+from services.engine.structured import Grammars
+from services.engine.tokenizer import eos_token_ids, load_tokenizer
+from services.worker.wire import check_tokens
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,26 @@ def scheduler_config(settings: WorkerSettings) -> SchedulerConfig:
     return SchedulerConfig(max_num_seqs=min(settings.max_batch, budget), max_num_batched_tokens=budget,
                            max_prefill_chunk=settings.prefill_chunk_tokens, prefill_only=prefill,
                            retain_finished=prefill)
+
+
+def grammars_for(runner: ModelRunner, eos: frozenset[int]) -> Grammars:
+    """The worker's structured-output compiler; the tokenizer loads on the first schema."""
+    return Grammars(lambda: load_tokenizer(runner.model_dir), runner.vocab_size, eos)
+
+
+def prepare(params: SamplingParams, vocab_size: int, grammars: Grammars, taken: list[int] = ()):
+    """Check what `params` name against the vocabulary, and give the sequence its grammar
+    constraint (None without a schema), moved past the tokens it has already `taken`
+    (a first token sampled by the prefill worker). ValueError for what cannot run.
+    Compiling can take a while: call it off the event loop."""
+    check_tokens(params.token_ids_named(), vocab_size, "sampling parameters'", allow_empty=True)
+    if not params.json_schema:
+        return None
+    constraint = grammars.constraint(params.json_schema)
+    for token in taken:
+        if not constraint.accept(token):
+            raise ValueError(f"token {token} does not fit the request's JSON schema")
+    return constraint
 
 
 class EngineStatus:

@@ -1,0 +1,96 @@
+"""Tool calling in the chat API, as OpenAI defines it and vLLM serves it.
+
+The tools go to the model through its chat template (Hugging Face's `tools` argument);
+a template that never reads them cannot show them to the model, so such a request is
+refused instead of answered as if no tools were given. What the model writes back:
+  - a named `tool_choice`: the output is that function's arguments, constrained by its
+    `parameters` schema (structured output on the decode worker);
+  - "required": a JSON array of {"name", "arguments"} calls, constrained likewise;
+  - "auto": free text, in which calls are found the way Hermes-style templates ask for
+    them: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from services.router.protocol import ChatCompletionRequest, NamedToolChoice, bad_request, unsupported
+
+_HERMES_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    tools: list[dict]                   # as the chat template receives them
+    mode: str                           # "named", "required" or "auto"
+    schema: str = ""                    # what constrains the output ("" for auto)
+    name: str = ""                      # the forced function, when named
+
+    @property
+    def streams_arguments(self) -> bool:
+        """Named calls stream their arguments as they come; the others are known at the end."""
+        return self.mode == "named"
+
+
+def plan_tools(req: ChatCompletionRequest, template_supports_tools: bool) -> ToolPlan | None:
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice needs tools", param="tool_choice")
+        return None
+    if choice == "none":
+        return None
+    if not template_supports_tools:
+        raise unsupported("tools", "this model's chat template does not support tools; start the router with "
+                                   "--chat-template FILE naming a template that renders them")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise bad_request("response_format cannot be combined with tools", param="response_format")
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    functions = {t.function.name: t.function for t in req.tools}
+    if isinstance(choice, NamedToolChoice):
+        fn = functions.get(choice.function.name)
+        if fn is None:
+            raise bad_request(f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                              param="tool_choice")
+        return ToolPlan(tools, "named", json.dumps(fn.parameters), fn.name)
+    if choice == "required":
+        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": fn.parameters},
+                  "required": ["name", "arguments"]} for name, fn in functions.items()]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if req.parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return ToolPlan(tools, "required", json.dumps(schema))
+    return ToolPlan(tools, "auto")
+
+
+def new_call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
+    """(content, tool calls) of a whole output."""
+    if plan.mode == "named":
+        return None, [new_call(plan.name, text)]
+    if plan.mode == "required":
+        try:
+            calls = json.loads(text)
+        except json.JSONDecodeError:            # cut short by max_tokens
+            return text, []
+        return None, [new_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
+    calls = []
+    for match in _HERMES_CALL.finditer(text):
+        try:
+            call = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            continue
+        if isinstance(call, dict) and isinstance(call.get("name"), str):
+            arguments = call.get("arguments", {})
+            calls.append(new_call(call["name"], arguments if isinstance(arguments, str)
+                                  else json.dumps(arguments, ensure_ascii=False)))
+    if not calls:
+        return text, []
+    content = _HERMES_CALL.sub("", text).strip()
+    return content or None, calls
