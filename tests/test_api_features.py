@@ -1,0 +1,302 @@
+"""What OpenAI and vLLM clients ask of a server, through the real cluster with the
+official `openai` client: logprobs (against transformers' own logits), n choices,
+penalties, logit_bias, stop_token_ids, min_p, echo, JSON-schema output, tool calls, SSE
+keep-alive and the route on a stream's last chunk."""
+from __future__ import annotations
+
+import json
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import httpx
+import jsonschema
+import openai
+import pytest
+import torch
+
+from services.engine.tokenizer import encode_chat
+from services.rpc import generate_pb2, generate_pb2_grpc
+from tests.conftest import ROOT, spawn_service, terminate
+
+MODEL = "SmolLM2-135M-Instruct"
+TEMPLATE = ROOT / "deploy" / "chat-templates" / "chatml-tools.jinja"
+
+
+def _client(http: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{http}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return tok, model
+
+
+@pytest.fixture(scope="module")
+def tools_router(cluster):
+    """A second router over the session cluster's workers, serving a chat template that
+    renders tools, and sending SSE keep-alives after 50 ms of silence."""
+    tmp = Path(tempfile.mkdtemp(prefix="pdserve-tools-"))
+    proc, info = spawn_service(tmp, "router", "router", [
+        "--http-port", "0", "--grpc-port", "0", "--log-level", "warning",
+        "--cluster-secret-file", cluster.secret_file, "--local-prefill-max-tokens", "0",
+        "--decode", cluster.worker_addr("decode"), "--prefill", cluster.worker_addr("prefill"),
+        "--chat-template", str(TEMPLATE), "--sse-keepalive-seconds", "0.05"])
+    yield f"http://127.0.0.1:{info['http_port']}"
+    terminate(proc)
+
+
+def _forward_logprobs(model, ids: list[int], prompt_len: int) -> torch.Tensor:
+    """log_softmax of transformers' logits at each output position."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits[prompt_len - 1:len(ids) - 1], dim=-1)
+
+
+def _check_logprobs(want: torch.Tensor, token_ids: list[int], logprobs: list[float], tops: list[list[float]]):
+    assert len(logprobs) == len(token_ids) == want.shape[0]
+    for i, (token, lp, top) in enumerate(zip(token_ids, logprobs, tops)):
+        assert lp == pytest.approx(float(want[i, token]), abs=1e-4), i
+        assert top == pytest.approx(want[i].topk(len(top)).values.tolist(), abs=1e-4), i
+
+
+CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
+         [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Name a planet."}],
+         [{"role": "user", "content": "Écris une phrase sur la mer. 海"}]]
+PROMPTS = ["The three primary colours are", "def fibonacci(n):"]
+
+
+def test_float32_logprobs_equal_log_softmax_of_transformers_logits(cluster, hf):
+    """Greedy float32: each token's logprob and the five likeliest, chat and completions,
+    streamed and not, against transformers' forward pass over the same tokens (the first
+    token's come from the prefill worker, the rest from the decode worker)."""
+    tok, model = hf
+    client = _client(cluster.http)
+    for messages in CHATS:
+        prompt = encode_chat(tok, messages)
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                           logprobs=True, top_logprobs=5, extra_body={"return_token_ids": True})
+        choice = r.choices[0]
+        ids = choice.model_extra["token_ids"]
+        content = choice.logprobs.content
+        assert [c.token for c in content] == [tok.decode([t]) for t in ids]
+        _check_logprobs(_forward_logprobs(model, prompt + ids, len(prompt)), ids, [c.logprob for c in content],
+                        [[t.logprob for t in c.top_logprobs] for c in content])
+        streamed = [c.logprob for chunk in client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=12, temperature=0, logprobs=True, stream=True)
+            for ch in chunk.choices if ch.logprobs for c in ch.logprobs.content]
+        assert streamed == pytest.approx([c.logprob for c in content], abs=1e-6)
+    for text in PROMPTS:
+        prompt = tok.encode(text)
+        r = client.completions.create(model=MODEL, prompt=text, max_tokens=12, temperature=0, logprobs=5,
+                                      extra_body={"return_token_ids": True})
+        lp = r.choices[0].logprobs
+        ids = r.choices[0].model_extra["token_ids"]
+        tops = [sorted(d.values(), reverse=True) for d in lp.top_logprobs]
+        _check_logprobs(_forward_logprobs(model, prompt + ids, len(prompt)), ids, lp.token_logprobs, tops)
+        assert lp.text_offset[0] == 0 and "".join(lp.tokens) == r.choices[0].text
+
+
+def test_grpc_returns_a_logprob_per_token(cluster):
+    with grpc.insecure_channel(cluster.grpc.removeprefix("http://")) as ch:
+        stub = generate_pb2_grpc.GeneratorStub(ch)
+        ids, logprobs = [], []
+        for m in stub.Generate(generate_pb2.GenerateRequest(prompt="Once upon a time", sampling=generate_pb2.SamplingParams(
+                max_tokens=6, temperature=0, logprobs=2)), timeout=120):
+            ids += m.token_ids
+            logprobs += m.logprobs
+    assert [lp.token_id for lp in logprobs] == ids and all(len(lp.top_ids) == 2 for lp in logprobs)
+    assert all(lp.top_ids[0] == lp.token_id for lp in logprobs)           # greedy: the likeliest
+
+
+def test_n_choices_each_with_its_own_seed(cluster):
+    client = _client(cluster.http)
+    kw = dict(model=MODEL, messages=CHATS[0], max_tokens=8, temperature=1.0, seed=7, n=3)
+    r = client.chat.completions.create(**kw, extra_body={"return_token_ids": True})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len({c.message.content for c in r.choices}) > 1                # three seeds, three draws
+    assert r.usage.completion_tokens == sum(len(c.model_extra["token_ids"]) for c in r.choices)
+    again = client.chat.completions.create(**kw)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+    finished, text = set(), {0: "", 1: ""}
+    for chunk in client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, n=2, seed=3, stream=True):
+        for c in chunk.choices:
+            text[c.index] += c.text
+            if c.finish_reason:
+                finished.add(c.index)
+    assert finished == {0, 1} and all(text.values())
+
+
+def test_repetition_penalty_matches_transformers_generate(cluster, hf):
+    tok, model = hf
+    messages = [{"role": "user", "content": "List the days of the week, then list them again."}]
+    prompt = encode_chat(tok, messages)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, repetition_penalty=1.3)
+    want = out[0, len(prompt):].tolist()
+    r = _client(cluster.http).chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                                      extra_body={"repetition_penalty": 1.3, "return_token_ids": True})
+    got = r.choices[0].model_extra["token_ids"]
+    assert got == want[:len(got)] and (len(got) == len(want) or got[-1] == tok.eos_token_id)
+
+
+def test_frequency_and_presence_penalties_break_a_loop(cluster):
+    client = _client(cluster.http)
+    kw = dict(model=MODEL, prompt="cat cat cat cat cat cat cat cat cat cat", max_tokens=16, temperature=0)
+    plain = client.completions.create(**kw).choices[0].text
+    penalized = client.completions.create(**kw, frequency_penalty=2.0, presence_penalty=1.0).choices[0].text
+    assert plain.count("cat") > penalized.count("cat"), (plain, penalized)
+
+
+def test_logit_bias_stop_token_ids_and_min_p(cluster):
+    client = _client(cluster.http)
+    kw = dict(model=MODEL, prompt="The capital of France is", max_tokens=10, temperature=0,
+              extra_body={"return_token_ids": True})
+    base = client.completions.create(**kw).choices[0].model_extra["token_ids"]
+    banned = client.completions.create(**{**kw, "logit_bias": {str(base[0]): -100}})
+    assert banned.choices[0].model_extra["token_ids"][0] != base[0]
+    k = next(i for i in range(2, len(base)) if base[i] not in base[:i])
+    stopped = client.completions.create(**{**kw, "extra_body": {"return_token_ids": True, "stop_token_ids": [base[k]]}})
+    assert stopped.choices[0].model_extra["token_ids"] == base[:k + 1]
+    assert stopped.choices[0].finish_reason == "stop"
+    # min_p 1.0 keeps only the likeliest token: sampling at any temperature is greedy
+    sampled = client.completions.create(**{**kw, "temperature": 1.5, "seed": 4,
+                                           "extra_body": {"return_token_ids": True, "min_p": 1.0}})
+    assert sampled.choices[0].model_extra["token_ids"] == base
+
+
+def test_echo_returns_the_prompt_before_the_completion(cluster):
+    client = _client(cluster.http)
+    prompt = "Roses are red,"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True)
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    assert r.choices[0].text == prompt + plain.choices[0].text
+    chunks = [c.choices[0].text for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=4,
+                                                                   temperature=0, echo=True, stream=True)
+              if c.choices]
+    assert chunks[0] == prompt and "".join(chunks) == r.choices[0].text
+
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}}, "required": ["colour"]},
+    {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 9}, "minItems": 3, "maxItems": 3},
+    {"type": "object", "properties": {"city": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 24}, "population": {"type": "integer", "minimum": 0,
+                                                                    "maximum": 40000000}},
+        "required": ["name", "population"]}}, "required": ["city"]},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "score": {"type": "number", "minimum": 0,
+                                                                           "maximum": 1}},
+     "required": ["ok", "score"]},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                               "minItems": 1, "maxItems": 4}}, "required": ["tags"]},
+    {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no", "maybe"]},
+                                      "confidence": {"type": "integer", "minimum": 1, "maximum": 5}},
+     "required": ["answer", "confidence"]},
+    {"type": "object", "properties": {"book": {"type": "object", "properties": {
+        "title": {"type": "string", "maxLength": 30},
+        "authors": {"type": "array", "items": {"type": "string", "maxLength": 20}, "minItems": 1, "maxItems": 2},
+        "year": {"type": "integer", "minimum": 1400, "maximum": 2030}}, "required": ["title", "authors", "year"]}},
+     "required": ["book"]},
+    {"type": "object", "properties": {"point": {"type": "array", "prefixItems": [{"type": "number"},
+                                                                                {"type": "number"}],
+                                                "minItems": 2, "maxItems": 2}}, "required": ["point"]},
+    {"type": "object", "properties": {"steps": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 3},
+                                         "say": {"type": "string", "maxLength": 16}}, "required": ["n", "say"]}}},
+     "required": ["steps"]},
+]
+
+
+def test_every_json_schema_output_parses_and_validates(cluster):
+    """Ten schemas (nested objects, arrays, enums, bounded numbers), greedy and sampled,
+    all at once: every output is JSON that `jsonschema` accepts."""
+    client = _client(cluster.http)
+
+    def ask(i: int) -> tuple[dict, str, str]:
+        schema = SCHEMAS[i % len(SCHEMAS)]
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Describe something as JSON: {json.dumps(schema)}"}],
+            max_tokens=160, temperature=0 if i < len(SCHEMAS) else 1.0, seed=i,
+            response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}})
+        return schema, r.choices[0].message.content, r.choices[0].finish_reason
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(ask, range(2 * len(SCHEMAS))))
+    for schema, text, finish in results:
+        assert finish == "stop", (schema, text)
+        jsonschema.validate(json.loads(text), schema)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Give me a JSON object about a cat."}], max_tokens=120,
+        temperature=0, stream=True, response_format={"type": "json_object"}) if c.choices)
+    assert isinstance(json.loads(streamed), dict)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a timezone",
+    "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 30}}, "required": ["tz"]}}}
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+def test_a_forced_tool_call_returns_valid_arguments(tools_router):
+    client = _client(tools_router)
+    params = WEATHER["function"]["parameters"]
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=60,
+                                       temperature=0, tool_choice={"type": "function",
+                                                                   "function": {"name": "get_weather"}})
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), params)
+    # One call: left free, a model this small repeats its call until max_tokens.
+    required = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=80,
+                                              temperature=0, tool_choice="required", parallel_tool_calls=False)
+    assert required.choices[0].finish_reason == "tool_calls"
+    for call in required.choices[0].message.tool_calls:
+        tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    arguments, names = "", set()
+    for chunk in client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=60,
+                                                temperature=0, stream=True, tool_choice={
+                                                    "type": "function", "function": {"name": "get_weather"}}):
+        for c in chunk.choices:
+            for d in c.delta.tool_calls or ():
+                names.add(d.function.name) if d.function.name else None
+                arguments += d.function.arguments or ""
+    assert names == {"get_weather"}
+    jsonschema.validate(json.loads(arguments), params)
+    # A conversation that carries the call and its result renders and answers.
+    follow = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, tools=[WEATHER], messages=[
+        *ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear", "celsius": 21}'}])
+    assert follow.choices[0].message.content is not None
+
+
+def test_sse_keepalive_comments_while_a_request_waits(tools_router):
+    """A long prompt's first token takes longer than the 50 ms keep-alive: comments go
+    out before it, and the official client reads the stream as usual."""
+    body = {"model": MODEL, "prompt": "All work and no play makes Jack a dull boy. " * 60, "max_tokens": 3,
+            "stream": True}
+    with httpx.stream("POST", f"{tools_router}/v1/completions", json=body, timeout=120) as r:
+        lines = [line for line in r.iter_lines() if line]
+    first_data = next(i for i, line in enumerate(lines) if line.startswith("data:"))
+    assert any(line.startswith(":") for line in lines[:first_data]), lines[:5]
+    assert lines[-1] == "data: [DONE]"
+    text = "".join(c.choices[0].text for c in _client(tools_router).completions.create(**body) if c.choices)
+    assert text
+
+
+def test_a_streams_last_chunk_names_the_route(cluster):
+    chunks = list(_client(cluster.http).chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=3,
+                                                                stream=True))
+    last = next(c for c in reversed(chunks) if c.choices and c.choices[0].finish_reason)
+    assert "decision=" in last.model_extra["pdserve_route"]
