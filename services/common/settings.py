@@ -264,6 +264,8 @@ class WorkerSettings(EngineSettings):
                                  metavar="FILE")
     fault_drop_transfers: float = setting(0.0, "fault testing: fraction of KV transfers to drop midway",
                                           roles=("prefill",))
+    served_model_name: str | None = setting(None, "the model_name label of this worker's vLLM-style metrics: the "
+                                                  "router's --served-model-name (default: the model folder's name)")
     announce_file: str | None = setting(None, argparse.SUPPRESS)
 
     def __post_init__(self) -> None:
@@ -432,7 +434,7 @@ class ClusterSettings(RoutingSettings, EngineSettings):
         """A worker's settings: this cluster's engine settings, listening on loopback."""
         base = {f.name for f in dataclasses.fields(EngineSettings)}
         kwargs = {name: getattr(self, name) for name in base}
-        kwargs.update(role=role, host="127.0.0.1")
+        kwargs.update(role=role, host="127.0.0.1", served_model_name=self.served_model_name)
         kwargs.update(overrides)
         return WorkerSettings(**kwargs)
 

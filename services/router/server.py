@@ -33,10 +33,11 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     """Serve until `stop` is set (default: SIGTERM/SIGINT)."""
     model_dir = resolve_model(settings.model, settings.revision)
     tokenizer = load_tokenizer(model_dir)
-    metrics = RouterMetrics()
+    served_model_name = settings.served_model_name or model_dir.name
+    metrics = RouterMetrics(served_model_name)
     cluster = Cluster(settings, tokenizer, metrics)
     await cluster.start()
-    fe = FrontEnd(cluster, tokenizer, settings.served_model_name or model_dir.name,
+    fe = FrontEnd(cluster, tokenizer, served_model_name,
                   _max_model_len(model_dir, settings.max_model_len), settings.max_body_bytes, settings.request_timeout)
 
     keys = KeyCheck(read_api_keys(settings.api_key, settings.api_key_file))
