@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from services.engine.tokenizer import encode_chat, encode_prompt
+from services.router.access import attach
 from services.router.cluster import Cluster, Delta, Generation
 from services.router.protocol import APIError, bad_request
 
@@ -76,6 +77,7 @@ class FrontEnd:
     def start(self, gen: Generation, deadline: float | None = None) -> "RunningRequest":
         """Admit and run `gen`; it must end within `deadline` seconds (default: the
         router's --request-timeout), queueing included."""
+        attach(gen)
         self.cluster.admit()
         return RunningRequest(self.cluster, gen, min(deadline or self.request_timeout, self.request_timeout))
 

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 
 from services.common.security import KeyCheck
+from services.router.access import AccessLogMiddleware
 from services.router.cluster import Generation, new_request_id
 from services.router.frontend import FrontEnd, RunningRequest
 from services.router.protocol import APIError, ChatCompletionRequest, CommonRequest, CompletionRequest, bad_request
@@ -189,6 +190,7 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
                            allow_headers=["authorization", "content-type", "x-request-id"],
                            expose_headers=["x-pdserve-route", "x-request-id"], max_age=600)
     app.add_middleware(RequestId)
+    app.add_middleware(AccessLogMiddleware, metrics=fe.cluster.metrics)     # outside RequestId: sees its header
     _describe_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest})
 
     @app.exception_handler(APIError)

@@ -51,8 +51,10 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     sock.bind((settings.host, settings.http_port))
     http_port = sock.getsockname()[1]
     app = create_app(fe, metrics.render, keys, settings.protect_metrics, settings.allowed_origins)
+    # log_config=None: uvicorn's records go through the process's own handler (--log-format),
+    # not handlers of its own; the access log is pdserve.access (router/access.py).
     config = uvicorn.Config(app, log_level=settings.log_level.lower(), timeout_graceful_shutdown=5, access_log=False,
-                            ssl_certfile=settings.tls_cert, ssl_keyfile=settings.tls_key)
+                            log_config=None, ssl_certfile=settings.tls_cert, ssl_keyfile=settings.tls_key)
     http = uvicorn.Server(config)
     http.install_signal_handlers = lambda: None       # signals are handled below
     if stop is None:
