@@ -8,8 +8,8 @@ import sys
 
 from services.bench.command import add_arguments as bench_arguments
 from services.autoscaler.settings import AutoscalerSettings
-from services.common.settings import (LOG_LEVELS, ClusterSettings, RouterSettings, WorkerSettings, add_arguments,
-                                      env_defaults, from_args)
+from services.common.settings import (LOG_FORMAT_HELP, LOG_FORMATS, LOG_LEVELS, ClusterSettings, RouterSettings,
+                                      WorkerSettings, add_arguments, env_defaults, from_args)
 
 
 def _autoscaling_args(p: argparse.ArgumentParser) -> None:
@@ -93,6 +93,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="the cluster secret the workers and routers share: the registry's records are "
                              "signed with it, and unsigned ones ignored")
     scaler.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    scaler.add_argument("--log-format", default="text", choices=LOG_FORMATS, help=LOG_FORMAT_HELP)
     _autoscaling_args(scaler)
 
     scale = sub.add_parser("scale", help="resize the prefill and decode pools of `pdserve up --ray`")
@@ -112,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     from services.common.lifecycle import setup_logging
-    setup_logging(getattr(a, "log_level", "info"), a.command)
+    setup_logging(getattr(a, "log_level", "info"), a.command, getattr(a, "log_format", "text"))
     try:
         if a.command == "convert-model":
             from services.engine.model_store import ensure_default_model

@@ -180,7 +180,7 @@ class ServiceActor:
             settings = dataclasses.replace(self.settings, host=ip, advertise=ip, announce_file=str(path))
         else:
             settings = dataclasses.replace(self.settings, announce_file=str(path))
-        setup_logging(settings.log_level, self.name)
+        setup_logging(settings.log_level, self.name, settings.log_format)
         self._thread = threading.Thread(target=self._run, args=(settings,), name=self.name, daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout

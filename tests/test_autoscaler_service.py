@@ -61,7 +61,7 @@ def test_decisions_flow_from_the_registry_to_the_actuator_and_back_to_the_router
         for info in (worker("prefill", "p0", 7001, now - 60), worker("decode", "d0", 7002, now - 60),
                      worker("decode", "d1", 7003, now - 60, running=3)):
             await registry.announce(info)
-        router = Cluster(RouterSettings(redis=redis_url, registry_ttl=30), None, RouterMetrics())
+        router = Cluster(RouterSettings(redis=redis_url, registry_ttl=30), None, RouterMetrics("m"))
         await router._refresh_from_registry()
         actuator = RecordingActuator(prefill=1, decode=2)
         scaler = Autoscaler(AutoscalerSettings(redis_url, POLICY, LIMITS, interval=1), registry, actuator)

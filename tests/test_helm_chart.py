@@ -27,7 +27,8 @@ KUBERNETES_VALIDATE = Path(sys.executable).parent / "kubernetes-validate"
 POOLS = ("prefill", "decode")
 SERVICES = ("router", *POOLS)
 # No bundled schema exists for a CRD; it is checked by the assertions below instead.
-NO_SCHEMA_KINDS = {"ServiceMonitor"}
+NO_SCHEMA_KINDS = {"ServiceMonitor", "ScaledObject"}
+PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
 
 
 @pytest.fixture(scope="session")
@@ -186,6 +187,11 @@ VALUE_SETS = {
                              '{"kubernetes.io/metadata.name": "ingress-nginx"}}}, '
                              '{"ipBlock": {"cidr": "10.0.0.0/8"}}]'],
     "open": ["--set", "networkPolicy.enabled=false", "--set", "auth.apiKeys.enabled=false"],
+    "keda": ["--set", "podAutoscaling.kind=keda", "--set", f"podAutoscaling.keda.serverAddress={PROMETHEUS}",
+             "--set", "metrics.serviceMonitor.enabled=true", "--set", "logFormat=json"],
+    "hpa": ["--set", "podAutoscaling.kind=hpa", "--set-json", 'podAutoscaling.decode.metrics=[{"type": "Pods", '
+            '"pods": {"metric": {"name": "vllm_num_requests_waiting"}, '
+            '"target": {"type": "AverageValue", "averageValue": "4"}}}]'],
     # docs/deploy.md, "Networks for the KV transfer"
     "roce": ["-f", str(GPU_VALUES), *pools(
         rdma={"enabled": True, "resource": "rdma/rdma_shared_device_a", "count": 1},
@@ -316,6 +322,8 @@ def test_service_monitor_selects_the_services_and_their_metrics_ports(helm):
     for service in selected:
         names = {p["name"] for p in service["spec"]["ports"]}
         assert names & scraped, service["metadata"]["name"]
+    # Series say which release and pool they came from: the dashboard and KEDA's queries select on it.
+    assert set(sm["spec"]["podTargetLabels"]) == {"app.kubernetes.io/instance", "app.kubernetes.io/component"}
 
 
 # ---- wiring: selectors, ports, ingress ----
@@ -647,6 +655,12 @@ BAD_VALUES = {
     "prefill.rdma.count=0": "prefill.rdma.count",
     "decode.rdma.resource=rdma_shared_device_a": "decode.rdma.resource",
     "decode.network.hostNetwork=yes": "decode.network.hostNetwork",
+    "logFormat=xml": "logFormat",
+    "podAutoscaling.kind=vpa": "podAutoscaling.kind",
+    "podAutoscaling.decode.maxReplicas=0": "podAutoscaling.decode.maxReplicas",
+    "podAutoscaling.prefill.threshold=0": "podAutoscaling.prefill.threshold",
+    "podAutoscaling.keda.serverAddress=prometheus:9090": "podAutoscaling.keda.serverAddress",
+    "podAutoscaling.decode.unknownKey=1": "unknownKey",
     "prefill.network.secondary=not a network": "prefill.network.secondary",
 }
 
@@ -867,7 +881,8 @@ def test_model_from_the_hub_is_fetched_by_an_init_container(helm):
 def test_served_model_name_and_extra_args_reach_the_command_line(helm):
     m = render(helm, "--set", "model.servedModelName=smol", "--set", "decode.extraArgs={--max-batch=8}",
                "--set-json", 'prefill.env=[{"name":"PDSERVE_BLOCK_SIZE","value":"32"}]')
-    assert flags(m.container("router"))["served-model-name"] == "smol"
+    for role in SERVICES:                   # workers label their metrics with it
+        assert flags(m.container(role))["served-model-name"] == "smol", role
     assert m.container("decode")["args"][-1] == "--max-batch=8"
     assert env_of(m.container("prefill"))["PDSERVE_BLOCK_SIZE"]["value"] == "32"
 
@@ -985,3 +1000,95 @@ def test_autoscaler_flags_are_the_commands_own(helm):
     m = render(helm, "--set", "autoscaler.enabled=true", "--set", "autoscaler.budget=4")
     args = _parser().parse_args(m.container("autoscaler")["args"])
     assert args.command == "autoscaler" and args.actuator == "kubernetes" and args.budget == 4
+
+
+# ---- KEDA or an HPA instead of the autoscaler ----
+
+def test_pod_autoscaling_is_off_by_default(helm):
+    m = render(helm)
+    assert not m.of_kind("ScaledObject") and not m.of_kind("HorizontalPodAutoscaler")
+
+
+def test_keda_scales_each_pool_on_its_vllm_metrics(helm):
+    """No schema for KEDA's CRD here: its shape is checked field by field. Each pool gets
+    a ScaledObject aimed at its Deployment, whose replicas it then owns, with a
+    Prometheus trigger on a series the pool's workers export, selected by the labels the
+    chart's ServiceMonitor gives them."""
+    from services.common.metrics import WorkerMetrics
+    from prometheus_client import generate_latest
+    exported = generate_latest(WorkerMetrics("decode", "m").registry).decode()
+    m = render(helm, "--set", "podAutoscaling.kind=keda", "--set", f"podAutoscaling.keda.serverAddress={PROMETHEUS}",
+               "--set", "podAutoscaling.decode.maxReplicas=8", "--namespace", "serving")
+    assert not m.find("Deployment", "autoscaler")
+    objects = m.of_kind("ScaledObject")
+    assert sorted(o["metadata"]["labels"]["app.kubernetes.io/component"] for o in objects) == sorted(POOLS)
+    for role in POOLS:
+        (so,) = [o for o in objects if o["metadata"]["labels"]["app.kubernetes.io/component"] == role]
+        deployment = m.one("Deployment", role)
+        assert "replicas" not in deployment["spec"], "helm upgrade would undo KEDA's work"
+        assert so["apiVersion"] == "keda.sh/v1alpha1"
+        spec = so["spec"]
+        assert set(spec) == {"scaleTargetRef", "minReplicaCount", "maxReplicaCount", "pollingInterval", "triggers"}
+        assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                          "name": deployment["metadata"]["name"]}
+        assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (1, 8 if role == "decode" else 4)
+        (trigger,) = spec["triggers"]
+        assert trigger["type"] == "prometheus" and set(trigger) == {"type", "metadata"}
+        meta = trigger["metadata"]
+        assert set(meta) == {"serverAddress", "query", "threshold"}
+        assert all(isinstance(v, str) for v in meta.values()), "KEDA's trigger metadata is a map of strings"
+        assert meta["serverAddress"] == PROMETHEUS and float(meta["threshold"]) > 0
+        metric, selector = re.fullmatch(r"sum\((vllm:[a-z_]+)\{(.*)\}\)", meta["query"]).groups()
+        assert f"# TYPE {metric} gauge" in exported, metric
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', selector))
+        pod = deployment["spec"]["template"]["metadata"]["labels"]
+        assert labels == {"namespace": "serving", "app_kubernetes_io_instance": pod["app.kubernetes.io/instance"],
+                          "app_kubernetes_io_component": pod["app.kubernetes.io/component"]}
+
+
+def test_keda_query_threshold_and_credentials_can_be_given(helm):
+    m = render(helm, "--set", "podAutoscaling.kind=keda", "--set", f"podAutoscaling.keda.serverAddress={PROMETHEUS}",
+               "--set", "podAutoscaling.keda.authenticationRef=prometheus-creds",
+               "--set", "podAutoscaling.decode.query=sum(vllm:num_requests_waiting{job='decode'})",
+               "--set", "podAutoscaling.decode.threshold=2", "--set", "podAutoscaling.prefill.enabled=false")
+    (so,) = m.of_kind("ScaledObject")
+    (trigger,) = so["spec"]["triggers"]
+    assert trigger["metadata"]["query"] == "sum(vllm:num_requests_waiting{job='decode'})"
+    assert trigger["metadata"]["threshold"] == "2" and trigger["authenticationRef"] == {"name": "prometheus-creds"}
+    assert m.one("Deployment", "prefill")["spec"]["replicas"] == 1          # left alone
+    assert "replicas" not in m.one("Deployment", "decode")["spec"]
+
+
+def test_hpa_scales_pools_on_cpu_or_on_the_metrics_given(helm):
+    pods_metric = {"type": "Pods", "pods": {"metric": {"name": "vllm_num_requests_waiting"},
+                                            "target": {"type": "AverageValue", "averageValue": "4"}}}
+    m = render(helm, "--set", "podAutoscaling.kind=hpa", "--set", "podAutoscaling.prefill.minReplicas=2",
+               "--set-json", f"podAutoscaling.decode.metrics=[{json.dumps(pods_metric)}]")
+    for role in POOLS:
+        (hpa,) = [h for h in m.of_kind("HorizontalPodAutoscaler")
+                  if h["metadata"]["labels"]["app.kubernetes.io/component"] == role]
+        deployment = m.one("Deployment", role)
+        assert "replicas" not in deployment["spec"]
+        assert hpa["apiVersion"] == "autoscaling/v2"
+        assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                                 "name": deployment["metadata"]["name"]}
+        assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2 if role == "prefill" else 1, 4)
+    (prefill_metric,) = m.one("HorizontalPodAutoscaler", "prefill")["spec"]["metrics"]
+    assert prefill_metric["resource"]["name"] == "cpu"
+    assert m.one("HorizontalPodAutoscaler", "decode")["spec"]["metrics"] == [pods_metric]
+
+
+@pytest.mark.parametrize("settings, message", [
+    (["--set", "autoscaler.enabled=true", "--set", "podAutoscaling.kind=hpa"], "choose one"),
+    (["--set", "podAutoscaling.kind=keda"], "needs podAutoscaling.keda.serverAddress"),
+    (["--set", "podAutoscaling.kind=hpa", "--set", "podAutoscaling.decode.minReplicas=5"], "below its minReplicas"),
+], ids=["with-the-autoscaler", "keda-without-prometheus", "max-below-min"])
+def test_pod_autoscaling_refuses_what_cannot_work(helm, settings, message):
+    out = run_helm(helm, "template", "pdserve", str(CHART), *settings)
+    assert out.returncode != 0 and message in out.stderr, out.stderr
+
+
+def test_log_format_reaches_every_service(helm):
+    m = render(helm, "--set", "logFormat=json", "--set", "autoscaler.enabled=true")
+    for component in (*SERVICES, "autoscaler"):
+        assert env_of(m.container(component))["PDSERVE_LOG_FORMAT"]["value"] == "json", component

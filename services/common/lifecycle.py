@@ -6,13 +6,40 @@ import json
 import logging
 import os
 import signal
+from datetime import datetime, timezone
 from pathlib import Path
 
 
-def setup_logging(level: str, role: str) -> None:
-    logging.basicConfig(level=level.upper(), format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+def setup_logging(level: str, role: str, fmt: str = "text") -> None:
+    """Every record of the process through one handler on the root logger: `text` lines,
+    or (`json`) one JSON object per line."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter(role) if fmt == "json" else
+                         logging.Formatter(f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
     for noisy in ("httpx", "uvicorn.access"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: time (UTC, ISO 8601), level, service, logger, message,
+    the exception if any, and the record's own `fields` (given as extra={"fields": {...}})
+    as keys of their own, so a log collector can filter on them."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+               "level": record.levelname, "service": self.service, "logger": record.name,
+               "message": record.getMessage()}
+        out.update(getattr(record, "fields", {}))
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        elif record.stack_info:
+            out["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(out, ensure_ascii=False, default=str)
 
 
 def announce(path: str | None, **fields) -> None:

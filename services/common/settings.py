@@ -30,6 +30,8 @@ DTYPES = ("auto", "bfloat16", "float32", "float16")
 KV_TRANSPORTS = ("auto", "shm", "nixl", "tcp")
 ATTENTION_KERNELS = ("auto", "native", "torch")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")
+LOG_FORMAT_HELP = "text: one line per record; json: one JSON object per record, for log collectors"
 MODES = ("disaggregated", "aggregated")
 ENV_PREFIX = "PDSERVE_"
 CLUSTER_SECRET_HELP = ("the cluster secret (a file): signs registry records, and every router -> worker call "
@@ -177,6 +179,12 @@ def copy_fields(source, cls, **overrides):
     return cls(**kwargs)
 
 
+def check_log_format(value: str) -> None:
+    """argparse checks choices on the command line only, not a PDSERVE_ variable's value."""
+    if value not in LOG_FORMATS:
+        raise ValueError(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
+
+
 # ---- the settings objects ----
 
 @dataclass(kw_only=True)
@@ -212,6 +220,7 @@ class EngineSettings:
     kv_transport: str = setting("auto", "KV transfer backend; auto offers/uses the fastest that works for each "
                                         "pair", choices=KV_TRANSPORTS)
     log_level: str = setting("info", "", choices=LOG_LEVELS)
+    log_format: str = setting("text", LOG_FORMAT_HELP, choices=LOG_FORMATS)
 
     def __post_init__(self) -> None:
         if self.kv_transport not in KV_TRANSPORTS:
@@ -220,6 +229,7 @@ class EngineSettings:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}")
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(f"--attention-kernel must be one of {', '.join(ATTENTION_KERNELS)}")
+        check_log_format(self.log_format)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("--block-size must be a power of two")
         if self.kv_cache_tokens and self.kv_cache_tokens < self.block_size:
@@ -265,6 +275,8 @@ class WorkerSettings(EngineSettings):
                                  metavar="FILE")
     fault_drop_transfers: float = setting(0.0, "fault testing: fraction of KV transfers to drop midway",
                                           roles=("prefill",))
+    served_model_name: str | None = setting(None, "the model_name label of this worker's vLLM-style metrics: the "
+                                                  "router's --served-model-name (default: the model folder's name)")
     announce_file: str | None = setting(None, argparse.SUPPRESS)
 
     def __post_init__(self) -> None:
@@ -380,12 +392,14 @@ class RouterSettings(RoutingSettings):
                                                        "dialled by address", metavar="NAME")
     announce_file: str | None = setting(None, argparse.SUPPRESS)
     log_level: str = setting("info", "", choices=LOG_LEVELS)
+    log_format: str = setting("text", LOG_FORMAT_HELP, choices=LOG_FORMATS)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.worker_tls_cert and not self.worker_tls_ca:
             raise ValueError("--worker-tls-cert (mutual TLS) needs --worker-tls-ca")
         TLSFiles(self.worker_tls_cert, self.worker_tls_key, self.worker_tls_ca)
+        check_log_format(self.log_format)
         if not self.redis and (not self.decode or not (self.prefill or self.aggregated)):
             raise ValueError("the router needs --redis, or at least one --decode and one --prefill address "
                              "(or --aggregated)")
@@ -441,7 +455,7 @@ class ClusterSettings(RoutingSettings, EngineSettings):
         """A worker's settings: this cluster's engine settings, listening on loopback."""
         base = {f.name for f in dataclasses.fields(EngineSettings)}
         kwargs = {name: getattr(self, name) for name in base}
-        kwargs.update(role=role, host="127.0.0.1")
+        kwargs.update(role=role, host="127.0.0.1", served_model_name=self.served_model_name)
         kwargs.update(overrides)
         return WorkerSettings(**kwargs)
 
@@ -450,6 +464,7 @@ class ClusterSettings(RoutingSettings, EngineSettings):
         kwargs = {name: getattr(self, name) for name in routing}
         kwargs.update(model=self.model, revision=self.revision, host=self.host, http_port=self.http_port,
                       grpc_port=self.grpc_port,
-                      aggregated=self.aggregated, log_level=self.log_level, max_model_len=self.max_model_len)
+                      aggregated=self.aggregated, log_level=self.log_level, log_format=self.log_format,
+                      max_model_len=self.max_model_len)
         kwargs.update(overrides)
         return RouterSettings(**kwargs)

@@ -75,7 +75,7 @@ class DecodeWorker:
         self.kv_bytes_received = 0
         self._lock = threading.Lock()           # the handoff table: RPC threads and the engine thread
         self._preemptions_seen = 0
-        metrics.blocks_total.set(num_blocks)
+        metrics.set_blocks(num_blocks, num_blocks)
 
     def _allocate_pool(self, settings: WorkerSettings, device: str) -> KVPoolMemory:
         """In shared memory when `shm` is offered; if /dev/shm is too small and other
@@ -178,9 +178,10 @@ class DecodeWorker:
         for _ in expired:
             self.metrics.handoffs.labels("expired").inc()
         sch = self.engine.scheduler
-        self.metrics.blocks_free.set(self.blocks.num_available)
+        self.metrics.set_blocks(self.blocks.num_available, self.blocks.num_blocks)
         self.metrics.running.set(len(sch.running))
         self.metrics.waiting.set(sch.num_waiting)
+        self.metrics.set_queue(len(sch.running), sch.num_waiting)
 
     def _on_step(self, stats: StepStats) -> None:
         kind = "mixed" if stats.prefill_tokens and stats.decode_tokens else "prefill" if stats.prefill_tokens \

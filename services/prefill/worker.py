@@ -95,7 +95,7 @@ class PrefillWorker:
             t.register(self.memory, self.compat_hash)
         self.engine = LLMEngine(runner, self.memory, Scheduler(self.blocks, config), layer_hook=self._push_layer)
         self.grammars = grammars_for(runner, eos)
-        self.loop = EngineLoop(self.engine, on_step=self._on_step, name="prefill-engine")
+        self.loop = EngineLoop(self.engine, tick=self._tick, on_step=self._on_step, name="prefill-engine")
         self._exports: dict[str, Export] = {}          # by engine request id
         self._ids = itertools.count()
         self._pair_lock = threading.Lock()
@@ -103,8 +103,7 @@ class PrefillWorker:
         self.queued_tokens = 0
         self.kv_bytes_sent = 0
         self.seconds_per_token = 0.0
-        metrics.blocks_total.set(num_blocks)
-        metrics.blocks_free.set(num_blocks)
+        metrics.set_blocks(num_blocks, num_blocks)
 
     def _pair(self, handle) -> tuple[KVTransport, PeerHandle, bool]:
         if handle.compat_hash != self.compat_hash:
@@ -162,6 +161,8 @@ class PrefillWorker:
         self.kv_bytes_sent += kv_bytes
         self.metrics.prefix_cache_tokens.labels("hit").inc(seq.num_cached)
         self.metrics.prefix_cache_tokens.labels("miss").inc(computed)
+        self.metrics.prefix_cache_queries.inc(len(tokens))
+        self.metrics.prefix_cache_hits.inc(seq.num_cached)
         self.metrics.kv_bytes.labels("sent", transport.name).inc(kv_bytes)
         self.metrics.kv_transfer_seconds.labels(transport.name).observe(done - after_compute)
         self.metrics.requests.labels("prefilled").inc()
@@ -228,6 +229,11 @@ class PrefillWorker:
             if last_layer:
                 export.pushed_blocks = end // bs
 
+    def _tick(self) -> None:
+        sch = self.engine.scheduler
+        self.metrics.set_queue(len(sch.running), sch.num_waiting)
+        self.metrics.set_blocks(self.blocks.num_available, self.blocks.num_blocks)
+
     def _on_step(self, stats: StepStats) -> None:
         self.metrics.step_seconds.labels("prefill").observe(stats.seconds)
         self.metrics.prompt_tokens_computed.inc(stats.prefill_tokens + stats.decode_tokens)
@@ -236,7 +242,6 @@ class PrefillWorker:
             cost = stats.seconds / tokens
             self.seconds_per_token = cost if not self.seconds_per_token else \
                 (1 - COST_ALPHA) * self.seconds_per_token + COST_ALPHA * cost
-        self.metrics.blocks_free.set(self.blocks.num_available)
 
     def info(self) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(

@@ -126,6 +126,11 @@ class Generation:
     cached_tokens: int = 0
     finish_reason: str | None = None
     started: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.started
 
     def route(self) -> str:
         """What happened, for the x-pdserve-route header and gRPC trailing metadata."""

@@ -17,6 +17,7 @@ from typing import AsyncIterator
 from services.engine.sampling import TokenLogprob
 from services.engine.structured import Grammars
 from services.engine.tokenizer import encode_chat, encode_prompt
+from services.router.access import attach
 from services.router.cluster import Cluster, Delta, Generation
 from services.router.protocol import APIError, bad_request
 
@@ -109,6 +110,7 @@ class FrontEnd:
     def start(self, gen: Generation, deadline: float | None = None) -> "RunningRequest":
         """Admit and run `gen`; it must end within `deadline` seconds (default: the
         router's --request-timeout), queueing included."""
+        attach(gen)
         self.cluster.admit()
         return RunningRequest(self.cluster, gen, min(deadline or self.request_timeout, self.request_timeout))
 
@@ -145,31 +147,33 @@ class RunningRequest:
 
     async def _generate(self, cluster: Cluster) -> None:
         metrics = cluster.metrics
+        gen = self.gen
         last = None
+        ended = None
         try:
-            async for delta in cluster.generate(self.gen):
+            async for delta in cluster.generate(gen):
                 now = time.monotonic()
                 if last is None:
-                    metrics.ttft.observe(now - self.gen.started)
-                    if self.gen.decision == "remote":       # prefilled by the prefill pool
-                        cluster.latency.observe_ttft(self.gen.prefill_epoch, now - self.gen.started)
+                    gen.first_token_at = now
+                    metrics.first_token(now - gen.started)
+                    if gen.decision == "remote":       # prefilled by the prefill pool
+                        cluster.latency.observe_ttft(gen.prefill_epoch, now - gen.started)
                 else:
-                    metrics.itl.observe(now - last)
+                    metrics.token_gap(now - last)
                     if delta.token_ids:                      # a closing chunk without tokens is no gap
-                        cluster.latency.observe_itl(self.gen.decode_epoch, now - last)
+                        cluster.latency.observe_itl(gen.decode_epoch, now - last)
                 last = now
                 await self.queue.put(delta)
+            ended = gen.finish_reason
             await self.queue.put(None)
         except APIError as exc:
             await self.queue.put(exc)
         except Exception:                             # CancelledError (client gone) passes through
-            log.exception("request %s failed", self.gen.request_id)
+            log.exception("request %s failed", gen.request_id)
             await self.queue.put(APIError(500, "internal error", type_="server_error", grpc_code="INTERNAL"))
         finally:
             cluster.done()
-            metrics.e2e.observe(time.monotonic() - self.gen.started)
-            metrics.prompt_tokens.inc(len(self.gen.prompt_ids))
-            metrics.generation_tokens.inc(self.gen.completion_tokens)
+            metrics.request_ended(time.monotonic() - gen.started, len(gen.prompt_ids), gen.completion_tokens, ended)
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Raises the request's APIError if it failed."""

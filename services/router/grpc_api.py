@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import grpc
 
+from services.router.access import AccessLog
 from services.router.cluster import Generation, new_request_id
 from services.router.frontend import FrontEnd
 from services.router.protocol import MAX_LOGPROBS, APIError, bad_request
@@ -11,11 +12,13 @@ from services.rpc import generate_pb2, generate_pb2_grpc
 from services.worker.wire import logprob_to_proto
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
+GENERATE = "/pdserve.v1.Generator/Generate"
 
 
 class GeneratorService(generate_pb2_grpc.GeneratorServicer):
     def __init__(self, fe: FrontEnd) -> None:
         self.fe = fe
+        self.access = AccessLog(fe.cluster.metrics)
 
     async def _prompt(self, request: generate_pb2.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("input")
@@ -53,20 +56,23 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
         return Generation(request.request_id or new_request_id("gen"), prompt_ids, params)
 
     async def Generate(self, request, context):
-        try:
-            gen = await self._generation(request)
-            running = self.fe.start(gen, context.time_remaining())      # the caller's deadline, if any
-        except APIError as exc:
-            await context.abort(getattr(grpc.StatusCode, exc.grpc_code), exc.message)
-        try:
-            async for d in running.deltas():
-                yield generate_pb2.GenerateResponse(
-                    request_id=gen.request_id, text=d.text, token_ids=d.token_ids,
-                    finish_reason=d.finish_reason or "",
-                    usage=generate_pb2.Usage(prompt_tokens=len(gen.prompt_ids),
-                                             completion_tokens=gen.completion_tokens),
-                    logprobs=[logprob_to_proto(lp) for lp in d.logprobs or ()])
-        except APIError as exc:
-            await context.abort(getattr(grpc.StatusCode, exc.grpc_code), exc.message)
         given = next((v for k, v in context.invocation_metadata() or () if k == "x-request-id"), None)
-        context.set_trailing_metadata((("x-pdserve-route", gen.route()), ("x-request-id", given or gen.request_id)))
+        with self.access.grpc_call(GENERATE, context) as call:
+            call.request_id = given or request.request_id
+            try:
+                gen = await self._generation(request)
+                running = self.fe.start(gen, context.time_remaining())      # the caller's deadline, if any
+            except APIError as exc:
+                await context.abort(getattr(grpc.StatusCode, exc.grpc_code), exc.message)
+            try:
+                async for d in running.deltas():
+                    yield generate_pb2.GenerateResponse(
+                        request_id=gen.request_id, text=d.text, token_ids=d.token_ids,
+                        finish_reason=d.finish_reason or "",
+                        usage=generate_pb2.Usage(prompt_tokens=len(gen.prompt_ids),
+                                                 completion_tokens=gen.completion_tokens),
+                        logprobs=[logprob_to_proto(lp) for lp in d.logprobs or ()])
+            except APIError as exc:
+                await context.abort(getattr(grpc.StatusCode, exc.grpc_code), exc.message)
+            context.set_trailing_metadata((("x-pdserve-route", gen.route()),
+                                           ("x-request-id", given or gen.request_id)))

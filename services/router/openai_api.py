@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 
 from services.common.security import KeyCheck
+from services.router.access import AccessLogMiddleware
 from services.engine.sampling import TokenLogprob
 from services.engine.structured import JSON_OBJECT
 from services.router.cluster import Delta, Generation, new_request_id
@@ -242,6 +243,7 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
                            allow_headers=["authorization", "content-type", "x-request-id"],
                            expose_headers=["x-pdserve-route", "x-request-id"], max_age=600)
     app.add_middleware(RequestId)
+    app.add_middleware(AccessLogMiddleware, metrics=fe.cluster.metrics)     # outside RequestId: sees its header
     _describe_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest})
 
     @app.exception_handler(APIError)

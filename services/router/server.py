@@ -36,10 +36,11 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     tokenizer = load_tokenizer(model_dir)
     if settings.chat_template:
         tokenizer.chat_template = Path(settings.chat_template).read_text()
-    metrics = RouterMetrics()
+    served_model_name = settings.served_model_name or model_dir.name
+    metrics = RouterMetrics(served_model_name)
     cluster = Cluster(settings, tokenizer, metrics)
     await cluster.start()
-    fe = FrontEnd(cluster, tokenizer, settings.served_model_name or model_dir.name,
+    fe = FrontEnd(cluster, tokenizer, served_model_name,
                   _max_model_len(model_dir, settings.max_model_len), settings.max_body_bytes, settings.request_timeout,
                   sse_keepalive=settings.sse_keepalive_seconds)
 
@@ -54,8 +55,10 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     sock.bind((settings.host, settings.http_port))
     http_port = sock.getsockname()[1]
     app = create_app(fe, metrics.render, keys, settings.protect_metrics, settings.allowed_origins)
+    # log_config=None: uvicorn's records go through the process's own handler (--log-format),
+    # not handlers of its own; the access log is pdserve.access (router/access.py).
     config = uvicorn.Config(app, log_level=settings.log_level.lower(), timeout_graceful_shutdown=5, access_log=False,
-                            ssl_certfile=settings.tls_cert, ssl_keyfile=settings.tls_key)
+                            log_config=None, ssl_certfile=settings.tls_cert, ssl_keyfile=settings.tls_key)
     http = uvicorn.Server(config)
     http.install_signal_handlers = lambda: None       # signals are handled below
     if stop is None:

@@ -157,6 +157,8 @@ affinity: {{- toYaml . | nindent 2 }}
 {{- end }}
 - name: PDSERVE_LOG_LEVEL
   value: {{ .Values.logLevel | quote }}
+- name: PDSERVE_LOG_FORMAT
+  value: {{ .Values.logFormat | quote }}
 {{- end }}
 
 {{/* Probe timings from values around a handler: (dict "handler" (dict "grpc" ...) "timing" $t) */}}

@@ -14,6 +14,7 @@ only in what their values say:
       "advertise" (printf "$(POD_IP):%d" $grpcPort) "kv-transport" $pool.kvTransport "dtype" $pool.dtype
       "device" $pool.device "threads" (int $pool.threads) }}
 {{- with include "pdserve.modelDir" $root }}{{ $_ := set $settings "model" . }}{{ end }}
+{{- with $root.Values.model.servedModelName }}{{ $_ := set $settings "served-model-name" . }}{{ end }}
 {{- $credentials := include "pdserve.credentials" $ctx | fromJson }}
 {{- $settings = merge $settings $credentials.settings }}
 {{- $args := prepend (include "pdserve.settingsArgs" (dict "settings" $settings "extra" $pool.settings) | fromJsonArray) $role }}
@@ -34,7 +35,8 @@ only in what their values say:
       "env" $env
       "secrets" $credentials.volumes
       "shmSize" $pool.shmSize
-      "autoscaled" $root.Values.autoscaler.enabled) $network $ctx) }}
+      "autoscaled" (or $root.Values.autoscaler.enabled (include "pdserve.podAutoscaled" (dict "root" $root "role" $role))))
+      $network $ctx) }}
 ---
 # Headless: the router reaches each worker by the address it registered, never through a
 # load-balanced virtual IP; the Service gives the pods DNS names and a metrics target.
@@ -107,4 +109,13 @@ its default), then `env` (UCX_* and NIXL_* only, the schema says) in name order.
 {{- $env = append $env (dict "name" $name "value" (toString $value)) }}
 {{- end }}
 {{- toJson $env }}
+{{- end }}
+
+{{/*
+"true" when podAutoscaling scales this pool (a KEDA ScaledObject or an HPA owns its
+replicas), else "": (dict "root" $ "role" "decode")
+*/}}
+{{- define "pdserve.podAutoscaled" -}}
+{{- $scaling := .root.Values.podAutoscaling }}
+{{- if and (ne $scaling.kind "none") (index $scaling .role).enabled }}true{{ end }}
 {{- end }}
