@@ -12,8 +12,6 @@ import json
 import logging
 import time
 import uuid
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as package_version
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -23,18 +21,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 
 from services.common.security import KeyCheck
+from services.common.version import VERSION
 from services.router.cluster import Generation, new_request_id
 from services.router.frontend import FrontEnd, RunningRequest
 from services.router.protocol import APIError, ChatCompletionRequest, CommonRequest, CompletionRequest, bad_request
 from services.router.sampling import resolve_sampling
 
 log = logging.getLogger(__name__)
-
-try:
-    VERSION = package_version("pdserve")
-except PackageNotFoundError:            # run from a source tree that was never installed
-    VERSION = "unknown"
-
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 
