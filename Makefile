@@ -6,7 +6,7 @@ PIP     := $(BIN)/pip
 STAMP   := $(VENV)/.installed
 ARGS    ?=
 
-.PHONY: run test test-slow install proto model clean test-deps helm-test gpu-check
+.PHONY: run test test-slow install proto model clean redis helm-test gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,20 +27,23 @@ proto: $(STAMP)
 model: install
 	$(BIN)/pdserve convert-model
 
-run: model
+run: model redis
 	$(BIN)/pdserve up $(ARGS)
 
-test-deps:
+# redis-server: `up` keeps its registry in a private one (`up --autoscale` needs it), and
+# the tests start their own. Installed with apt-get, which needs root.
+redis:
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  echo "installing redis-server"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; } || { \
+	  echo "could not install redis-server: install it with your package manager, as root" >&2; exit 1; }
 
-test: model test-deps
+test: model redis
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # soaks, chaos and long benchmarks (marked slow), and far more fuzzing examples
-test-slow: model test-deps
+test-slow: model redis
 	PDSERVE_FUZZ_EXAMPLES=500 $(BIN)/python -m pytest -m "slow or fuzz" $(PYTEST_ARGS)
 
 # On a CUDA machine: parity, the KV push race, NIXL bandwidth, host-only transports refused
