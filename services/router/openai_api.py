@@ -1,5 +1,5 @@
 """OpenAI-compatible HTTP front end: /v1/chat/completions, /v1/completions, /v1/models,
-plus /health, /ready and /metrics. Requests run as `RunningRequest` tasks (frontend.py),
+vLLM's /tokenize and /detokenize, plus /health, /ready and /metrics. Requests run as `RunningRequest` tasks (frontend.py),
 so a client that disconnects cancels its request on every worker.
 
 With API keys, every route but /health and /ready (and /metrics, unless protected) needs
@@ -24,7 +24,8 @@ from services.common.security import KeyCheck
 from services.common.version import VERSION
 from services.router.cluster import Generation, new_request_id
 from services.router.frontend import FrontEnd, RunningRequest
-from services.router.protocol import APIError, ChatCompletionRequest, CommonRequest, CompletionRequest, bad_request
+from services.router.protocol import (APIError, ChatCompletionRequest, CommonRequest, CompletionRequest,
+                                      DetokenizeRequest, TokenizeRequest, bad_request)
 from services.router.sampling import resolve_sampling
 
 log = logging.getLogger(__name__)
@@ -182,7 +183,8 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
                            allow_headers=["authorization", "content-type", "x-request-id"],
                            expose_headers=["x-pdserve-route", "x-request-id"], max_age=600)
     app.add_middleware(RequestId)
-    _describe_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest})
+    _describe_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+                           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -243,6 +245,25 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
         params = sampling_for(fe, req, len(prompt_ids), req.max_tokens)
         gen = Generation(new_request_id("cmpl"), prompt_ids, params)
         return await respond(fe, req, gen, chat=False)
+
+    # vLLM's tokenizer routes: the ids the completion routes would compute, nothing generated.
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = parse(TokenizeRequest, await read_json(request, fe.max_body_bytes))
+        fe.check_model(req.model)
+        req.unsupported()
+        if req.messages is None:
+            ids = await fe.tokenize_prompt(req.prompt, add_special_tokens=req.special_tokens())
+        else:
+            ids = await fe.tokenize_chat([{"role": m.role, "content": m.text()} for m in req.messages],
+                                         req.add_generation_prompt, req.special_tokens())
+        return {"count": len(ids), "max_model_len": fe.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = parse(DetokenizeRequest, await read_json(request, fe.max_body_bytes))
+        fe.check_model(req.model)
+        return {"prompt": await fe.detokenize(req.tokens)}
 
     return app
 
