@@ -6,7 +6,7 @@ PIP     := $(BIN)/pip
 STAMP   := $(VENV)/.installed
 ARGS    ?=
 
-.PHONY: run test test-slow install proto model clean test-deps helm-test gpu-check
+.PHONY: run test test-slow install proto model clean redis helm-test gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -17,28 +17,33 @@ $(STAMP): pyproject.toml deploy/install.sh | $(BIN)/python
 	deploy/install.sh $(PIP) --editable --extras test,bench
 	touch $@
 
-install: $(STAMP) proto
+install: $(STAMP)
 
+# After editing proto/*.proto: the stubs in services/rpc are committed, and
+# tests/test_rpc_stubs.py fails while they differ from what this writes.
 proto: $(STAMP)
 	$(BIN)/python -m services.rpc.build
 
 model: install
 	$(BIN)/pdserve convert-model
 
-run: model
+run: model redis
 	$(BIN)/pdserve up $(ARGS)
 
-test-deps:
+# redis-server: `up` keeps its registry in a private one (`up --autoscale` needs it), and
+# the tests start their own. Installed with apt-get, which needs root.
+redis:
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  echo "installing redis-server"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; } || { \
+	  echo "could not install redis-server: install it with your package manager, as root" >&2; exit 1; }
 
-test: model test-deps
+test: model redis
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # soaks, chaos and long benchmarks (marked slow), and far more fuzzing examples
-test-slow: model test-deps
+test-slow: model redis
 	PDSERVE_FUZZ_EXAMPLES=500 $(BIN)/python -m pytest -m "slow or fuzz" $(PYTEST_ARGS)
 
 # On a CUDA machine: parity, the KV push race, NIXL bandwidth, host-only transports refused
@@ -70,4 +75,4 @@ helm-test: install $(HELM)
 	$(BIN)/python -m pytest -q tests/test_helm_chart.py
 
 clean:
-	rm -rf $(VENV) services/rpc/*_pb2*.py
+	rm -rf $(VENV)

@@ -10,6 +10,7 @@ from services.bench.command import add_arguments as bench_arguments
 from services.autoscaler.settings import AutoscalerSettings
 from services.common.settings import (LOG_FORMAT_HELP, LOG_FORMATS, LOG_LEVELS, ClusterSettings, RouterSettings,
                                       WorkerSettings, add_arguments, env_defaults, from_args)
+from services.common.version import VERSION
 
 
 def _autoscaling_args(p: argparse.ArgumentParser) -> None:
@@ -72,6 +73,7 @@ def _autoscaler_settings(a, actuator: str, redis: str | None) -> AutoscalerSetti
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
+    parser.add_argument("--version", action="version", version=VERSION)
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start router, prefill and decode workers on this machine")

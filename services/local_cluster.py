@@ -319,9 +319,10 @@ class LocalCluster:
                 raise RuntimeError("--autoscale scales the prefill and decode pools: not with --mode aggregated")
             if num_decode < 1 or (num_prefill < 1 and not s.aggregated):
                 raise RuntimeError("--prefill and --decode need at least one worker each")
+            if self.autoscaling and not s.redis and shutil.which("redis-server") is None:
+                raise RuntimeError("--autoscale needs a Redis registry and redis-server is not installed: "
+                                   "`make redis` or `apt-get install redis-server` installs it, or pass --redis URL")
             redis = self._registry()
-            if self.autoscaling and not redis:
-                raise RuntimeError("--autoscale needs the Redis registry: install redis-server or pass --redis")
             secret = str(new_secret_file(self.workdir / "cluster-secret"))
             self._workers = {role: s.worker(role, threads=self._threads, redis=redis, cluster_secret_file=secret)
                              for role in ("decode", "prefill")}

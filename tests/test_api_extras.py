@@ -1,12 +1,15 @@
 """What each response tells, with the official `openai` client where it has a say:
 cached prompt tokens in `usage`, `x-request-id` in and out (gRPC metadata too), the
-server's version, and /v1/models' creation time."""
+server's version, /v1/models' creation time, and vLLM's /tokenize and /detokenize."""
+import json
 import time
 
 import grpc
 import httpx
 import openai
+import pytest
 
+from services.router.frontend import MAX_CHARS_PER_TOKEN
 from services.rpc import generate_pb2, generate_pb2_grpc
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -53,3 +56,62 @@ def test_version_and_models(cluster):
     assert httpx.get(f"{cluster.http}/version").json()["version"]
     model = _client(cluster).models.list().data[0]
     assert model.id == MODEL and 0 < model.created <= time.time() and model.owned_by == "pdserve"
+
+
+def _post(cluster, path: str, body: dict) -> httpx.Response:
+    """JSON with \\u escapes, so a lone surrogate can be sent as JSON allows."""
+    return httpx.post(f"{cluster.http}{path}", content=json.dumps(body), timeout=60,
+                      headers={"content-type": "application/json"})
+
+
+def test_tokenize_gives_the_ids_the_completion_routes_compute(cluster):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = _post(cluster, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, "return_token_ids": True})
+    tokenized = _post(cluster, "/tokenize", {"model": MODEL, "messages": messages}).json()
+    max_model_len = httpx.get(f"{cluster.http}/v1/models").json()["data"][0]["max_model_len"]
+    assert tokenized == {"count": len(chat.json()["prompt_token_ids"]), "max_model_len": max_model_len,
+                         "tokens": chat.json()["prompt_token_ids"]}
+    bare = _post(cluster, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()["tokens"]
+    assert bare == tokenized["tokens"][:len(bare)] and len(bare) < tokenized["count"]
+
+    prompt = "Déjà vu, 🙂 twice:  spaces\nand lines"
+    completion = _post(cluster, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "return_token_ids": True})
+    ids = _post(cluster, "/tokenize", {"prompt": prompt, "add_special_tokens": True}).json()["tokens"]
+    assert ids == completion.json()["prompt_token_ids"]
+    assert _post(cluster, "/detokenize", {"model": MODEL, "tokens": ids}).json() == {"prompt": prompt}
+    assert _post(cluster, "/detokenize", {"tokens": tokenized["tokens"]}).json()["prompt"].startswith("<|im_start|>")
+    assert _post(cluster, "/tokenize", {"prompt": ""}).json()["tokens"] == []
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, 400, None),
+    ("/tokenize", {}, 400, None),
+    ("/tokenize", {"messages": []}, 400, None),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, 400, "add_special_tokens"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "a"}], "continue_final_message": True}, 400,
+     "continue_final_message"),
+    ("/tokenize", {"prompt": "\ud800"}, 400, "prompt"),
+    ("/tokenize", {"prompt": "a", "model": "gpt-4"}, 404, "model"),
+    ("/detokenize", {"tokens": [1, 49152]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("/detokenize", {"tokens": ["1"]}, 400, "tokens.0"),
+    ("/detokenize", {}, 400, "tokens"),
+])
+def test_tokenizer_routes_refuse_what_the_completion_routes_refuse(cluster, path, body, status, param):
+    r = _post(cluster, path, body)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["message"]
+
+
+def test_tokenizer_routes_take_only_json_bodies_within_the_limits(cluster):
+    r = httpx.post(f"{cluster.http}/tokenize", content=b"prompt=a", timeout=60,
+                   headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 415
+    max_model_len = httpx.get(f"{cluster.http}/v1/models").json()["data"][0]["max_model_len"]
+    huge = _post(cluster, "/tokenize", {"prompt": "x" * (max_model_len * MAX_CHARS_PER_TOKEN + 1)})
+    assert huge.status_code == 400 and huge.json()["error"]["code"] == "context_length_exceeded"
+    paths = httpx.get(f"{cluster.http}/openapi.json").json()["paths"]
+    for path, model in [("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest")]:
+        schema = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert schema == {"$ref": f"#/components/schemas/{model}"}

@@ -291,6 +291,69 @@ def test_extra_body_is_merged_into_every_request_and_checked_up_front(capsys):
     assert "may not set stream" in capsys.readouterr().err
 
 
+class _HeaderRecorder:
+    """A stand-in OpenAI server on a free port that answers every completion with one
+    token and keeps each request's headers."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+        seen = self.seen = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _send(self, body: bytes, content_type: str) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                seen.append(dict(self.headers))
+                self._send(b'{"data": [{"id": "m"}]}', "application/json")
+
+            def do_POST(self):
+                seen.append(dict(self.headers))
+                self.rfile.read(int(self.headers["Content-Length"]))
+                self._send(_sse('{"choices": [{"text": "a", "finish_reason": "length"}], '
+                                '"usage": {"completion_tokens": 1, "prompt_tokens": 8}}', "[DONE]"),
+                           "text/event-stream")
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_headers_go_with_every_request_and_never_into_the_results(tmp_path, capsys):
+    server = _HeaderRecorder()
+    out = tmp_path / "run.json"
+    try:
+        code = main(["bench", "--base-url", server.url, "--num-prompts", "2", "--input-len", "8", "--output-len",
+                     "1", "--no-progress", "--json", str(out), "--api-key", "sk-secret-key",
+                     "--header", "X-Tenant: tenant-secret", "--header", "x-trace:  on "])
+    finally:
+        server.close()
+    assert code == 0, capsys.readouterr()
+    assert len(server.seen) == 3                            # the model lookup and both requests
+    for headers in server.seen:
+        assert {k.lower(): v for k, v in headers.items()}.items() >= {
+            "authorization": "Bearer sk-secret-key", "x-tenant": "tenant-secret", "x-trace": "on"}.items()
+    written = out.read_text()
+    assert "secret" not in written and "x-trace" not in written.lower()
+    for bad, says in [("X-Tenant", "takes 'Name: value'"), ("Bad Name: v", "takes 'Name: value'"),
+                      ("Authorization: Bearer other", "given twice")]:
+        assert main(["bench", "--api-key", "k", "--header", bad]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "other" not in err
+
+
 def _sse(*chunks: str) -> bytes:
     return "".join(f"data: {c}\n\n" for c in chunks).encode()
 

@@ -153,6 +153,14 @@ def test_https_api_keys_with_the_official_client(secure):
         httpx.get(secure.http.replace("https", "http") + "/health")
 
 
+def test_tokenizer_routes_need_a_key_like_the_rest(secure):
+    with httpx.Client(base_url=secure.http, verify=secure.tls_context(), timeout=60) as http:
+        for path, body in [("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [28120]})]:
+            refused = http.post(path, json=body)
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+            assert http.post(path, json=body, headers={"authorization": f"Bearer {KEYS[1]}"}).status_code == 200
+
+
 def test_grpc_api_keys_over_tls(secure):
     creds = grpc.ssl_channel_credentials(Path(secure.ca).read_bytes())
     req = generate_pb2.GenerateRequest(prompt="Hello", sampling=generate_pb2.SamplingParams(max_tokens=3))

@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import json
 import math
+import re
 import sys
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -20,6 +21,7 @@ examples:
   pdserve bench --workload fixed --input-len 512 --output-len 64-128 --request-rate 2 --json a.json
   pdserve bench --base-url http://127.0.0.1:8001 --tokenizer /models/llama --no-ignore-eos --json b.json
   pdserve bench --no-ignore-eos --extra-body '{"generation_config": "{\\"eos_token_id\\": -1}"}'
+  pdserve bench --base-url https://gateway.example --api-key KEY --header 'X-Tenant: team-a'
   pdserve bench compare a.json b.json
 exit status: 0 when every request succeeded, 1 when any failed, 2 on bad flags or an
 unreachable endpoint.
@@ -27,6 +29,10 @@ unreachable endpoint.
 
 # Body fields a request's measurement depends on: --extra-body may add or override any other.
 EXTRA_BODY_FIXED = frozenset({"model", "prompt", "messages", "stream"})
+# Settings that may carry credentials: sent, never written into --json.
+SECRET_FIELDS = frozenset({"api_key", "headers"})
+# A header's name is an HTTP token (RFC 9110).
+HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,7 @@ class BenchSettings:
     slo_itl_ms: float | None = None
     request_timeout: float = 600.0
     api_key: str | None = field(default=None, repr=False)   # sent as a bearer token; never written out
+    headers: tuple[str, ...] = field(default=(), repr=False)  # "Name: value", sent; never written out
     label: str | None = None
     json: str | None = None
     plot: str | None = None
@@ -59,6 +66,7 @@ class BenchSettings:
         self.workload_spec()
         self.load_shape()
         self.extra_body_fields()
+        self.request_headers()
         if self.num_prompts < 1:
             raise ValueError("--num-prompts must be at least 1")
         if self.warmup < 0:
@@ -92,6 +100,22 @@ class BenchSettings:
         if fixed := sorted(fields.keys() & EXTRA_BODY_FIXED):
             raise ValueError(f"--extra-body may not set {', '.join(fixed)}: the benchmark sets and measures by them")
         return fields
+
+    def request_headers(self) -> dict[str, str]:
+        """--api-key as a bearer token, then each --header. Errors name the header, never
+        its value: that may be a credential."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        for text in self.headers:
+            name, colon, value = text.partition(":")
+            name, value = name.strip(), value.strip()
+            if not colon or not HEADER_NAME.fullmatch(name):
+                raise ValueError("--header takes 'Name: value', a name of letters, digits and -, then a colon")
+            if any(c in value for c in "\r\n\0"):
+                raise ValueError(f"--header {name}: the value may not hold line breaks or NUL")
+            if name.lower() in (n.lower() for n in headers):
+                raise ValueError(f"--header {name}: given twice (Authorization also comes from --api-key)")
+            headers[name] = value
+        return headers
 
     def slo(self) -> SLO:
         return SLO(None if self.slo_ttft_ms is None else self.slo_ttft_ms / 1000,
@@ -132,6 +156,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--request-timeout", type=float, default=d.request_timeout, help="seconds per request")
     e.add_argument("--api-key", default=None, metavar="KEY",
                    help="sent as Authorization: Bearer KEY (or set PDSERVE_API_KEY)")
+    e.add_argument("--header", dest="headers", action="append", default=None, metavar="'NAME: VALUE'",
+                   help="an HTTP header sent with every request; repeat for several. Like --api-key, "
+                        "never written to --json")
 
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default=d.workload, choices=WORKLOADS,
@@ -161,7 +188,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def settings_from_args(a: argparse.Namespace) -> BenchSettings:
     names = BenchSettings.__dataclass_fields__
-    return BenchSettings(**{k: v for k, v in vars(a).items() if k in names})
+    given = {k: v for k, v in vars(a).items() if k in names}
+    return BenchSettings(**{**given, "headers": tuple(a.headers or ())})
 
 
 def _load_tokenizer(name: str | None):
@@ -187,8 +215,7 @@ async def _measure(s: BenchSettings, requests: list[BenchRequest], warm: list[Be
     limits = httpx.Limits(max_connections=slots, max_keepalive_connections=slots)
     timeout = httpx.Timeout(s.request_timeout, connect=30.0, pool=None)
     base = normalize_base_url(s.base_url)
-    headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else None
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=s.request_headers()) as client:
         model = s.model or await first_model(client, base)
         endpoint = Endpoint(base, model, s.endpoint, s.ignore_eos, s.temperature, s.request_timeout,
                             s.extra_body_fields())
@@ -237,7 +264,7 @@ def bench(s: BenchSettings) -> int:
             f"({model}, {s.endpoint})"
     print(format_summary(summary, title, s.slo_note()))
     if s.json:
-        settings = {k: v for k, v in asdict(s).items() if k != "api_key"}          # a key is never written out
+        settings = {k: v for k, v in asdict(s).items() if k not in SECRET_FIELDS}
         config = {**settings, "model": model, "tokenizer": str(s.tokenizer or _default_model_name()),
                   "request_rate": "inf" if math.isinf(s.request_rate) else s.request_rate,
                   "workload_description": str(workload), "load_description": str(s.load_shape()),

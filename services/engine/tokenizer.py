@@ -21,13 +21,17 @@ def eos_token_ids(model_dir: Path) -> frozenset[int]:
     return frozenset(eos if isinstance(eos, list) else [eos])
 
 
-def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-    enc = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
-    return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                add_special_tokens: bool = False) -> list[int]:
+    """The template writes its own special tokens; `add_special_tokens` adds the
+    tokenizer's BOS/EOS on top (as vLLM's /tokenize may ask)."""
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                         tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def encode_prompt(tokenizer, prompt: str) -> list[int]:
-    return tokenizer.encode(prompt, add_special_tokens=True)
+def encode_prompt(tokenizer, prompt: str, add_special_tokens: bool = True) -> list[int]:
+    return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
 
 class IncrementalDetokenizer:

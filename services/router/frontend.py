@@ -8,6 +8,7 @@ cancels the task.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -89,23 +90,33 @@ class FrontEnd:
         for t in texts:
             check_unicode(t, param)
 
-    async def tokenize_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def _check_ids(self, ids: list[int], param: str) -> None:
+        vocab = len(self.tokenizer)
+        if any(not 0 <= t < vocab for t in ids):
+            raise bad_request(f"{param} token ids must be in [0, {vocab})", param=param)
+
+    async def tokenize_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                            add_generation_prompt: bool = True,
+                            add_special_tokens: bool = False) -> list[int]:
         self._check_text([m["content"] for m in messages], "messages")
+        encode = functools.partial(encode_chat, self.tokenizer, messages, tools, add_generation_prompt,
+                                   add_special_tokens)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, encode_chat, self.tokenizer,
-                                                                    messages, tools)
+            return await asyncio.get_running_loop().run_in_executor(self.executor, encode)
         except Exception as exc:                  # a template that rejects the conversation
             raise bad_request(f"cannot apply the chat template: {type(exc).__name__}", param="messages") from None
 
-    async def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+    async def tokenize_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, list):
-            vocab = len(self.tokenizer)
-            if any(not 0 <= t < vocab for t in prompt):
-                raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
+            self._check_ids(prompt, "prompt")
             return list(prompt)
         self._check_text([prompt], "prompt")
         return await asyncio.get_running_loop().run_in_executor(self.executor, encode_prompt, self.tokenizer,
-                                                                prompt)
+                                                                prompt, add_special_tokens)
+
+    async def detokenize(self, ids: list[int]) -> str:
+        self._check_ids(ids, "tokens")
+        return await asyncio.get_running_loop().run_in_executor(self.executor, self.tokenizer.decode, ids)
 
     def start(self, gen: Generation, deadline: float | None = None) -> "RunningRequest":
         """Admit and run `gen`; it must end within `deadline` seconds (default: the

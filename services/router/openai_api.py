@@ -1,5 +1,5 @@
 """OpenAI-compatible HTTP front end: /v1/chat/completions, /v1/completions, /v1/models,
-plus /health, /ready and /metrics. Requests run as `RunningRequest` tasks (frontend.py),
+vLLM's /tokenize and /detokenize, plus /health, /ready and /metrics. Requests run as `RunningRequest` tasks (frontend.py),
 so a client that disconnects cancels its request on every worker.
 
 With API keys, every route but /health and /ready (and /metrics, unless protected) needs
@@ -14,8 +14,6 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, replace
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as package_version
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -25,23 +23,18 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 
 from services.common.security import KeyCheck
-from services.router.access import AccessLogMiddleware
+from services.common.version import VERSION
 from services.engine.sampling import TokenLogprob
 from services.engine.structured import JSON_OBJECT
+from services.router.access import AccessLogMiddleware
 from services.router.cluster import Delta, Generation, new_request_id
 from services.router.frontend import Collected, FrontEnd, RunningRequest
-from services.router.protocol import (APIError, ChatCompletionRequest, CommonRequest, CompletionRequest, bad_request,
-                                      unsupported)
+from services.router.protocol import (APIError, ChatCompletionRequest, CommonRequest, CompletionRequest,
+                                      DetokenizeRequest, TokenizeRequest, bad_request, unsupported)
 from services.router.sampling import resolve_sampling
 from services.router.tools import ToolPlan, new_call, parse_calls, plan_tools
 
 log = logging.getLogger(__name__)
-
-try:
-    VERSION = package_version("pdserve")
-except PackageNotFoundError:            # run from a source tree that was never installed
-    VERSION = "unknown"
-
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 
@@ -244,7 +237,8 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
                            expose_headers=["x-pdserve-route", "x-request-id"], max_age=600)
     app.add_middleware(RequestId)
     app.add_middleware(AccessLogMiddleware, metrics=fe.cluster.metrics)     # outside RequestId: sees its header
-    _describe_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest})
+    _describe_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+                           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -312,6 +306,32 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
         echo = "" if not req.echo else req.prompt if isinstance(req.prompt, str) else \
             fe.tokenizer.decode(prompt_ids, skip_special_tokens=False)
         return await respond(fe, req, gens, Shape(chat=False, echo=echo))
+
+    # vLLM's tokenizer routes: the ids the completion routes would compute, nothing generated.
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = parse(TokenizeRequest, await read_json(request, fe.max_body_bytes))
+        fe.check_model(req.model)
+        req.unsupported()
+        if req.messages is None:
+            ids = await fe.tokenize_prompt(req.prompt, add_special_tokens=req.special_tokens())
+        else:
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            if tools and not fe.supports_tools:
+                raise unsupported("tools", "this model's chat template does not support tools")
+            ids = await fe.tokenize_chat([m.for_template() for m in req.messages], tools,
+                                         add_generation_prompt=req.add_generation_prompt,
+                                         add_special_tokens=req.special_tokens())
+        out = {"count": len(ids), "max_model_len": fe.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = fe.tokenizer.convert_ids_to_tokens(ids)
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = parse(DetokenizeRequest, await read_json(request, fe.max_body_bytes))
+        fe.check_model(req.model)
+        return {"prompt": await fe.detokenize(req.tokens)}
 
     return app
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator,
+                      model_validator)
 
 NonNegFloat = Annotated[float, Field(strict=False)]
 
@@ -257,3 +258,41 @@ class CompletionRequest(CommonRequest):
         elif v == "":
             raise ValueError("prompt must not be empty")
         return v
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize, in vLLM's two shapes: `prompt` (tokenized as /v1/completions does)
+    or `messages` (through the chat template, as /v1/chat/completions does)."""
+    model_config = STRICT
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    return_token_strs: StrictBool = False
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool | None = Field(
+        None, description="add the tokenizer's BOS/EOS; default true for a prompt, false for messages (the "
+                          "chat template writes its own)")
+    continue_final_message: StrictBool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        if self.messages == []:
+            raise ValueError("messages must not be empty")
+        return self
+
+    def special_tokens(self) -> bool:
+        return self.add_special_tokens if self.add_special_tokens is not None else self.messages is None
+
+    def unsupported(self) -> None:
+        if self.continue_final_message:
+            raise bad_request("continue_final_message is not supported", param="continue_final_message")
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize, as vLLM takes it: token ids back to text, special tokens kept."""
+    model_config = STRICT
+    model: StrictStr | None = None
+    tokens: list[StrictInt]

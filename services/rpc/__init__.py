@@ -1,1 +1,1 @@
-"""Generated gRPC stubs (`make proto`); never edited by hand."""
+"""Generated gRPC stubs, committed (`make proto` writes them again); never edited by hand."""
