@@ -4,6 +4,8 @@ and each sequence's greedy output is token for token `model.generate`'s, whateve
 token budget, the chunk size or the preemptions a small pool forces."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -97,3 +99,58 @@ def test_a_sequence_that_breaks_the_forward_pass_fails_alone(runner, model_dir, 
     for case in good:
         assert out[case.name] == expected[case.name].token_ids, case.name
     assert blocks.num_available == 256
+
+
+def _run_choices(runner, model_dir, prompt, params, n, num_blocks=256, prefilled_first=None):
+    """Choice 0 computes the prompt (or arrives prefilled with `prefilled_first`); the
+    others fork from it. Returns each choice's tokens and the block high-water mark."""
+    blocks = BlockManager(BlockPool(num_blocks, BLOCK))
+    memory = KVPoolMemory.allocate(runner.layout(num_blocks, BLOCK))
+    engine = LLMEngine(runner, memory, Scheduler(blocks, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256)))
+    eos = eos_token_ids(model_dir)
+    forks = [Sequence(f"r#{i}", [], len(prompt), replace(params, seed=params.seed + i), eos) for i in range(1, n)]
+    if prefilled_first is None:
+        engine.add(Sequence("r#0", list(prompt), len(prompt), params, eos, forks=forks))
+    else:       # the prompt's KV as a prefill worker would have written it, by computing it here first
+        donor = Sequence("donor", list(prompt), len(prompt), replace(params, max_tokens=1), eos)
+        engine.scheduler.config = replace(engine.scheduler.config, retain_finished=True)
+        engine.add(donor)
+        while engine.has_work():
+            engine.step()
+        parent = Sequence("r#0", list(prompt) + [prefilled_first], len(prompt), params, eos, forks=forks)
+        parent.block_ids = list(engine.scheduler.retained.pop("donor").block_ids)
+        engine.scheduler.config = replace(engine.scheduler.config, retain_finished=False)
+        engine.add_prefilled(parent)
+    out = {f"r#{i}": [] for i in range(n)}
+    if prefilled_first is not None:
+        out["r#0"].append(prefilled_first)             # sampled "elsewhere": the engine does not repeat it
+    peak = 0
+    while engine.has_work():
+        for o in engine.step():
+            out[o.request_id] += o.token_ids
+        peak = max(peak, blocks.num_blocks - blocks.num_available)
+    memory.close()
+    assert blocks.num_available == num_blocks            # shared blocks came back exactly once
+    return [out[f"r#{i}"] for i in range(n)], peak
+
+
+def test_forked_choices_share_the_prompt_and_draw_their_own_seeds(runner, model_dir, expected):
+    """n choices of one prompt: the prompt is computed once, its full blocks shared and
+    the last one copied; greedy choices equal the single greedy answer, and each sampled
+    choice equals the same seed run alone. Locally prefilled and handed over alike."""
+    case = next(c for c in CASES if c.name == "long")
+    prompt = expected[case.name].prompt_ids
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+    alone, peak_one = _run_choices(runner, model_dir, prompt, greedy, 1)
+    choices, peak = _run_choices(runner, model_dir, prompt, greedy, 3)
+    assert choices == [alone[0]] * 3 and alone[0] == expected[case.name].token_ids[:12]
+    # Each other choice holds its copied last prompt block and at most two for its
+    # 12 tokens: not a prompt of its own (this one is 60-odd blocks).
+    assert len(prompt) > 40 * BLOCK and peak <= peak_one + 2 * 3, (peak, peak_one)
+    handed, _ = _run_choices(runner, model_dir, prompt, greedy, 3, prefilled_first=alone[0][0])
+    assert handed == choices
+    sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=5)
+    together, _ = _run_choices(runner, model_dir, prompt, sampled, 3)
+    for i in range(3):
+        one, _ = _run_choices(runner, model_dir, prompt, replace(sampled, seed=5 + i), 1)
+        assert together[i] == one[0], i

@@ -100,6 +100,12 @@ class BlockManager:
         with self._lock:
             return self._allocate(n)
 
+    def share(self, block_ids: Sequence[int]) -> None:
+        """One more user of each of `block_ids` (a forked sequence's shared prompt)."""
+        with self._lock:
+            for b in block_ids:
+                self._ref(b)
+
     def release(self, block_ids: Sequence[int], keys: Sequence[int] = (), computed_tokens: int = 0) -> None:
         """A user is done with `block_ids`. The leading full blocks whose KV was computed
         (`computed_tokens`) become cached under `keys` (the first holder of a key keeps it)."""

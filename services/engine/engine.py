@@ -105,6 +105,9 @@ class LLMEngine:
     def step(self) -> list[EngineOutput]:
         outputs = self._apply_inbox()
         plan = self.scheduler.schedule()
+        if self.scheduler.copies:               # forked choices' last prompt blocks
+            self.memory.copy_blocks(self.scheduler.copies)
+            self.scheduler.copies_made()
         if plan.joined and self.on_joined is not None:
             self.on_joined([seq.request_id for seq in plan.joined])
         if not plan:

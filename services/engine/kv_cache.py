@@ -129,6 +129,12 @@ class KVPoolMemory:
         flat = torch.from_file(str(path), shared=True, size=layout.numel(), dtype=layout.torch_dtype)
         return flat.view(layout.shape)
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Every layer's K and V of each source block into its destination block."""
+        src = torch.tensor([a for a, _ in pairs], device=self.tensor.device)
+        dst = torch.tensor([b for _, b in pairs], device=self.tensor.device)
+        self.tensor[:, :, dst] = self.tensor[:, :, src]
+
     def close(self) -> None:
         self.tensor = torch.empty(0)
         if self._owner and self.path is not None:

@@ -13,6 +13,10 @@ A sequence's life here:
                    -> running: prompt chunks until computed, then a token per step
   add_prefilled()  -> ready (its prompt's KV is already in its blocks and its first
                       token was sampled elsewhere) -> running
+  a fork           -> another choice of a request whose prompt KV is complete: it
+                      shares the full prompt blocks (reference counted) and gets a copy
+                      of the last one (copy on write), then computes the last prompt
+                      token itself to sample its own first token
   out of blocks    -> the newest running sequence is preempted: its blocks go back
                       (computed full prompt blocks stay cached) and it waits to be
                       recomputed
@@ -64,6 +68,9 @@ class Sequence:
     # Structured output's place in its grammar (structured.Constraint): the engine masks
     # this sequence's logits with it and has it follow every token taken.
     constraint: object | None = None
+    # Other choices of the same request (n > 1), waiting for this one's prompt KV: they
+    # share its full prompt blocks and recompute only the last prompt token (fork()).
+    forks: list["Sequence"] = field(default_factory=list)
 
     @property
     def num_generated(self) -> int:
@@ -173,6 +180,9 @@ class Scheduler:
         self._by_id: dict[str, Sequence] = {}
         self.num_preemptions = 0
         self._watermark = int(WATERMARK * blocks.num_blocks)
+        # (source, destination) block copies the engine makes before the next forward
+        # pass; both hold a reference until the copy is made (copies_made()).
+        self.copies: list[tuple[int, int]] = []
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -198,6 +208,7 @@ class Scheduler:
         token was sampled elsewhere. Returns a finish reason if that token already ends it."""
         self._register(seq)
         seq.num_computed = seq.prompt_len
+        self._fork(seq)
         reason = seq.check_finished()
         if reason:
             self._finish(seq, reason)
@@ -316,11 +327,44 @@ class Scheduler:
             if token is None:
                 continue
             seq.token_ids.append(token)
+            if seq.num_generated == 1:
+                self._fork(seq)
             reason = seq.check_finished() or ("prefilled" if self.config.prefill_only else None)
             if reason:
                 self._finish(seq, reason)
             out.append(SeqUpdate(seq, token, reason))
         return out
+
+    def _fork(self, parent: Sequence) -> None:
+        """Start the choices waiting on `parent`, whose prompt KV is now complete. Each
+        shares the blocks before the one holding the last prompt token and gets a copy of
+        that one, since it writes that token's KV again (its own first sample needs the
+        logits there). With no block to spare, a choice waits and computes its prompt."""
+        forks, parent.forks = parent.forks, []
+        last = (parent.prompt_len - 1) // self.blocks.block_size
+        for child in forks:
+            child.token_ids = list(parent.token_ids[:parent.prompt_len])
+            self._register(child)
+            try:
+                (fresh,) = self.blocks.allocate(1)
+            except NoFreeBlocks:
+                child.status = SeqStatus.WAITING
+                self.waiting.append(child)
+                continue
+            src = parent.block_ids[last]
+            # Both ends of the copy stay referenced until it is made, whatever happens
+            # to either sequence before the next forward pass.
+            self.blocks.share(parent.block_ids[:last + 1] + [fresh])
+            self.copies.append((src, fresh))
+            child.block_ids = parent.block_ids[:last] + [fresh]
+            child.num_computed = parent.prompt_len - 1
+            child.status = SeqStatus.READY
+            self.ready.append(child)
+
+    def copies_made(self) -> None:
+        """The engine copied every pending block: the sources' references go."""
+        copies, self.copies = self.copies, []
+        self.blocks.release([b for pair in copies for b in pair])
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is SeqStatus.FINISHED:
