@@ -131,6 +131,23 @@ def test_n_choices_each_with_its_own_seed(cluster):
     assert finished == {0, 1} and all(text.values())
 
 
+def test_choices_share_one_prefill_and_end_one_by_one(cluster):
+    """n=3 costs one prefill: the decode worker computes one prompt token per extra
+    choice (the last, for its own first sample), not the prompt again. Choices ended
+    by a stop string end on the worker too, and every block comes back."""
+    client = _client(cluster.http)
+    prompt = "The committee met on Tuesday to discuss the budget for the coming year. " * 8
+    before = cluster.stats("decode").prompt_tokens_computed
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, n=3, temperature=0)
+    assert len({c.text for c in r.choices}) == 1                           # greedy: three equal choices
+    assert cluster.stats("decode").prompt_tokens_computed - before == 2
+    r = client.completions.create(model=MODEL, prompt="Count with me: 1, 2, 3,", max_tokens=40, n=4,
+                                  temperature=1.0, seed=1, stop=[","])
+    assert all(c.finish_reason == "stop" and "," not in c.text for c in r.choices)
+    idle = cluster.wait_idle()
+    assert idle.info.free_blocks == idle.info.num_blocks and idle.info.running == 0
+
+
 def test_repetition_penalty_matches_transformers_generate(cluster, hf):
     tok, model = hf
     messages = [{"role": "user", "content": "List the days of the week, then list them again."}]

@@ -138,19 +138,35 @@ def test_forked_choices_share_the_prompt_and_draw_their_own_seeds(runner, model_
     """n choices of one prompt: the prompt is computed once, its full blocks shared and
     the last one copied; greedy choices equal the single greedy answer, and each sampled
     choice equals the same seed run alone. Locally prefilled and handed over alike."""
-    case = next(c for c in CASES if c.name == "long")
-    prompt = expected[case.name].prompt_ids
+    prompt = expected["long"].prompt_ids[:330]           # 21 blocks, the last one partial
     greedy = SamplingParams(max_tokens=12, temperature=0)
     alone, peak_one = _run_choices(runner, model_dir, prompt, greedy, 1)
     choices, peak = _run_choices(runner, model_dir, prompt, greedy, 3)
-    assert choices == [alone[0]] * 3 and alone[0] == expected[case.name].token_ids[:12]
+    assert choices == [alone[0]] * 3
     # Each other choice holds its copied last prompt block and at most two for its
-    # 12 tokens: not a prompt of its own (this one is 60-odd blocks).
-    assert len(prompt) > 40 * BLOCK and peak <= peak_one + 2 * 3, (peak, peak_one)
+    # 12 tokens: not a prompt of its own.
+    assert peak <= peak_one + 2 * 3, (peak, peak_one)
     handed, _ = _run_choices(runner, model_dir, prompt, greedy, 3, prefilled_first=alone[0][0])
     assert handed == choices
     sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=5)
-    together, _ = _run_choices(runner, model_dir, prompt, sampled, 3)
-    for i in range(3):
+    together, _ = _run_choices(runner, model_dir, prompt, sampled, 2)
+    for i in range(2):
         one, _ = _run_choices(runner, model_dir, prompt, replace(sampled, seed=5 + i), 1)
         assert together[i] == one[0], i
+
+
+def test_choices_waiting_on_an_aborted_prompt_end_with_it(runner, model_dir, expected):
+    prompt = expected["long"].prompt_ids[:200]
+    blocks = BlockManager(BlockPool(256, BLOCK))
+    memory = KVPoolMemory.allocate(runner.layout(256, BLOCK))
+    engine = LLMEngine(runner, memory, Scheduler(blocks, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)))
+    params = SamplingParams(max_tokens=4, temperature=0)
+    eos = eos_token_ids(model_dir)
+    forks = [Sequence(f"r#{i}", [], len(prompt), params, eos) for i in (1, 2)]
+    engine.add(Sequence("r#0", list(prompt), len(prompt), params, eos, forks=forks))
+    engine.step()                                         # the first chunk of the prompt only
+    engine.abort("r#0")
+    ended = {o.request_id: o.finish_reason for o in engine.step()}
+    assert ended == {"r#0": "abort", "r#1": "abort", "r#2": "abort"}
+    assert not engine.has_work() and blocks.num_available == 256
+    memory.close()

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import threading
 import uuid
+from dataclasses import replace
 
 import grpc
 
@@ -38,6 +39,9 @@ from services.engine.sampling import SamplingParams
 from services.worker.wire import check_request_id, check_tokens, logprob_to_proto, sampling_from_proto
 
 log = logging.getLogger(__name__)
+
+MAX_CHOICES = 16                        # n per request, as the router allows
+SEED_MASK = (1 << 63) - 1
 
 
 class DecodeWorker:
@@ -74,6 +78,7 @@ class DecodeWorker:
         self.handoffs = HandoffTable(self.epoch)
         self.kv_bytes_received = 0
         self._lock = threading.Lock()           # the handoff table: RPC threads and the engine thread
+        self._decoding: set[str] = set()        # request ids of the choices being decoded
         self._preemptions_seen = 0
         metrics.set_blocks(num_blocks, num_blocks)
 
@@ -110,7 +115,13 @@ class DecodeWorker:
 
     def release(self, request_id: str, epoch: str, reason: str) -> bool:
         with self._lock:
-            h = self.handoffs.get(request_id, epoch)
+            try:
+                h = self.handoffs.get(request_id, epoch)
+            except HandoffError:
+                if epoch != self.epoch or request_id not in self._decoding:
+                    raise
+                self.loop.abort(request_id)         # one choice of a request ends (a stop string)
+                return True
             if h.state is HandoffState.DECODING:
                 self.loop.abort(request_id)
                 return True
@@ -121,16 +132,22 @@ class DecodeWorker:
         log.info("request %s: reservation released (%s)", request_id, reason or "no reason given")
         return True
 
-    def admit(self, seq: Sequence, epoch: str | None, sink, kv_bytes: int, backend: str) -> None:
-        """Start decoding `seq`; `sink(token_ids, finish_reason)` receives its output from
-        the engine thread. With an epoch the prompt KV came through a handoff."""
-        def deliver(token_ids: list[int], reason: str, logprobs) -> None:
-            if reason:
-                self._retire(seq.request_id, reason)
-            sink(token_ids, reason, logprobs)
-
+    def admit(self, seq: Sequence, epoch: str | None, sinks: list, kv_bytes: int, backend: str) -> None:
+        """Start decoding `seq` and the choices forked from it (`seq.forks`); sink i
+        (`sink(token_ids, finish_reason, logprobs)`) receives choice i's output from the
+        engine thread. With an epoch the prompt KV came through a handoff."""
+        def deliver(request_id: str, sink):
+            def to(token_ids: list[int], reason: str, logprobs) -> None:
+                if reason:
+                    self._retire(request_id, reason)
+                sink(token_ids, reason, logprobs)
+            return to
+        choices = [seq, *seq.forks]
+        first, *others = [deliver(c.request_id, sink) for c, sink in zip(choices, sinks, strict=True)]
+        with self._lock:
+            self._decoding.update(c.request_id for c in choices)
         if epoch is None:
-            self.loop.submit(seq, deliver)
+            self.loop.submit(seq, first, fork_sinks=others)
             return
         with self._lock:
             h = self.handoffs.get(seq.request_id, epoch)
@@ -141,7 +158,7 @@ class DecodeWorker:
             seq.block_ids = list(h.block_ids)           # the sequence owns them from here
         self.kv_bytes_received += kv_bytes
         self.metrics.kv_bytes.labels("received", backend).inc(kv_bytes)
-        self.loop.submit(seq, deliver, prefilled=True)
+        self.loop.submit(seq, first, prefilled=True, fork_sinks=others)
 
     def abort(self, request_id: str) -> None:
         self.loop.abort(request_id)
@@ -194,6 +211,7 @@ class DecodeWorker:
 
     def _retire(self, request_id: str, reason: str) -> None:
         with self._lock:
+            self._decoding.discard(request_id)
             h = self.handoffs.pop(request_id, HandoffState.RELEASED)
         if h is not None:
             self.metrics.handoffs.labels("released").inc()
@@ -245,37 +263,47 @@ class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
 
-        def sink(token_ids: list[int], reason: str, logprobs) -> None:
-            loop.call_soon_threadsafe(out.put_nowait, (token_ids, reason, logprobs))
+        def sink(index: int):
+            return lambda token_ids, reason, logprobs: loop.call_soon_threadsafe(
+                out.put_nowait, (index, token_ids, reason, logprobs))
 
         if self.draining and request.local_prefill:      # new work; a handoff in flight is finished
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this decode worker is draining")
+        n = request.n or 1
         try:
             prompt, params = e.check(request)
+            if n > MAX_CHOICES:
+                raise ValueError(f"n must be between 1 and {MAX_CHOICES}, not {n}")
             taken = [] if request.local_prefill else [request.first_token_id]
             constraint = await asyncio.to_thread(prepare, params, e.runner.vocab_size, e.grammars, taken)
+            forks = []
+            for i in range(1, n):           # each its own seed, and its own place in the grammar
+                p = replace(params, seed=(params.seed + i) & SEED_MASK)
+                forks.append(Sequence(f"{request.request_id}#{i}", [], len(prompt), p, e.eos,
+                                      constraint=await asyncio.to_thread(prepare, p, e.runner.vocab_size, e.grammars)))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        seq = Sequence(request.request_id, prompt + taken, len(prompt), params, e.eos, constraint=constraint)
+        seq = Sequence(request.request_id, prompt + taken, len(prompt), params, e.eos, constraint=constraint,
+                       forks=forks)
+        ids = [request.request_id] + [c.request_id for c in forks]
         try:
-            e.admit(seq, None if request.local_prefill else request.epoch, sink, request.kv_bytes,
-                    request.transport)
+            e.admit(seq, None if request.local_prefill else request.epoch, [sink(i) for i in range(n)],
+                    request.kv_bytes, request.transport)
         except (HandoffError, ValueError) as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        finished = False
+        running = set(range(n))
         try:
-            while True:
-                token_ids, reason, logprobs = await out.get()
+            while running:
+                index, token_ids, reason, logprobs = await out.get()
                 if reason == "error":
                     await context.abort(grpc.StatusCode.INTERNAL, "decode step failed")
-                finished = bool(reason)
-                yield worker_pb2.DecodeChunk(token_ids=token_ids, finish_reason=reason,
+                if reason:
+                    running.discard(index)
+                yield worker_pb2.DecodeChunk(token_ids=token_ids, finish_reason=reason, index=index,
                                              logprobs=[logprob_to_proto(lp) for lp in logprobs or ()])
-                if finished:
-                    return
         finally:
-            if not finished:                    # client went away or the RPC was cancelled
-                e.abort(request.request_id)
+            for index in running:               # client went away or the RPC was cancelled
+                e.abort(ids[index])
 
 
 def build(settings: WorkerSettings, runner: ModelRunner, eos: frozenset[int], metrics: WorkerMetrics):

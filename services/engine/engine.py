@@ -99,11 +99,12 @@ class LLMEngine:
         self._inbox.put((request_id, lambda: self.scheduler.release(request_id) or []))
 
     def has_work(self) -> bool:
-        return not self._inbox.empty() or self.scheduler.has_work()
+        return not self._inbox.empty() or self.scheduler.has_work() or bool(self.scheduler.orphans)
 
     # ---- the engine thread ----
     def step(self) -> list[EngineOutput]:
         outputs = self._apply_inbox()
+        outputs += self._orphans()
         plan = self.scheduler.schedule()
         if self.scheduler.copies:               # forked choices' last prompt blocks
             self.memory.copy_blocks(self.scheduler.copies)
@@ -127,6 +128,7 @@ class LLMEngine:
                 logprobs[c.seq] = [lp]
         for u in self.scheduler.update(plan, tokens):
             outputs.append(EngineOutput(u.seq.request_id, [u.token_id], u.finish_reason, logprobs.get(u.seq)))
+        outputs += self._orphans()
         seconds = time.perf_counter() - t0
         prefill = sum(c.num_tokens for c in plan.prefill)
         self.last_step = StepStats(prefill, len(plan.decode), len(plan.chunks), seconds)
@@ -135,6 +137,10 @@ class LLMEngine:
         self.generated_tokens += len(tokens)
         self.busy_seconds += seconds
         return outputs
+
+    def _orphans(self) -> list[EngineOutput]:
+        orphans, self.scheduler.orphans = self.scheduler.orphans, []
+        return [EngineOutput(seq.request_id, [], "abort") for seq in orphans]
 
     def _apply_inbox(self) -> list[EngineOutput]:
         outputs: list[EngineOutput] = []
@@ -243,8 +249,12 @@ class EngineLoop:
             if sink is not None:
                 sink([], "", None)
 
-    def submit(self, seq: Sequence, sink: Sink, prefilled: bool = False) -> None:
+    def submit(self, seq: Sequence, sink: Sink, prefilled: bool = False,
+               fork_sinks: list[Sink] = ()) -> None:
+        """`fork_sinks`: one per sequence in `seq.forks`, which the engine starts itself."""
         self._sinks[seq.request_id] = sink
+        for child, child_sink in zip(seq.forks, fork_sinks, strict=True):
+            self._sinks[child.request_id] = child_sink
         (self.engine.add_prefilled if prefilled else self.engine.add)(seq)
         self._wake.set()
 

@@ -183,6 +183,9 @@ class Scheduler:
         # (source, destination) block copies the engine makes before the next forward
         # pass; both hold a reference until the copy is made (copies_made()).
         self.copies: list[tuple[int, int]] = []
+        # Choices that were waiting on a sequence that ended before its prompt was done
+        # (aborted, failed): the engine reports them ended too.
+        self.orphans: list[Sequence] = []
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -377,6 +380,8 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        self.orphans.extend(seq.forks)
+        seq.forks = []
         self._by_id.pop(seq.request_id, None)
         if self.config.retain_finished and seq.block_ids:
             self.retained[seq.request_id] = seq

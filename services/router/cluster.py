@@ -54,8 +54,8 @@ LOCAL_FALLBACK_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EX
                         grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
-# What a worker streams: (new token ids, finish reason or "", their logprobs or None).
-Tokens = tuple[list[int], str, "list[TokenLogprob] | None"]
+# What workers stream: (choice, new token ids, finish reason or "", their logprobs or None).
+Tokens = tuple[int, list[int], str, "list[TokenLogprob] | None"]
 
 
 @dataclass
@@ -106,6 +106,7 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None      # one per token, when asked for
+    index: int = 0                                  # the choice
 
 
 @dataclass
@@ -131,6 +132,12 @@ class Generation:
     @property
     def ttft(self) -> float | None:
         return None if self.first_token_at is None else self.first_token_at - self.started
+
+    def same_route_as(self, leader: "Generation") -> None:
+        """Another choice of `leader`'s request went the same way."""
+        for name in ("decision", "decode_worker", "prefill_worker", "decode_epoch", "prefill_epoch", "transport",
+                     "transport_fallback", "kv_bytes", "cached_tokens"):
+            setattr(self, name, getattr(leader, name))
 
     def route(self) -> str:
         """What happened, for the x-pdserve-route header and gRPC trailing metadata."""
@@ -319,33 +326,53 @@ class Cluster:
         self.metrics.pending.set(self.pending)
 
     # ---- one generation ----
-    async def generate(self, gen: Generation) -> AsyncIterator[Delta]:
-        """Yields text deltas; raises APIError on failure. Closing the iterator early
-        (client gone) cancels the request on every worker involved."""
-        detok = IncrementalDetokenizer(self.tokenizer, gen.prompt_ids)
-        stops = StopMatcher(gen.params.stop)
-        async with aclosing(self._tokens(gen)) as tokens:
-            async for token_ids, finish, logprobs in tokens:
+    async def generate(self, gens: list[Generation]) -> AsyncIterator[Delta]:
+        """Yields text deltas of every choice (`gens`: one per choice, the first leading:
+        its prompt, workers and route are the request's); raises APIError on failure.
+        Closing the iterator early (client gone) cancels the request on every worker."""
+        leader = gens[0]
+        detoks = [IncrementalDetokenizer(self.tokenizer, g.prompt_ids) for g in gens]
+        stops = [StopMatcher(g.params.stop) for g in gens]
+        running = set(range(len(gens)))
+        async with aclosing(self._tokens(leader, len(gens))) as tokens:
+            async for index, token_ids, finish, logprobs in tokens:
+                if index not in running:            # ended here by a stop string already
+                    continue
+                gen = gens[index]
+                if gen is not leader:
+                    gen.same_route_as(leader)
                 gen.completion_tokens += len(token_ids)
-                text, hit = stops.feed(detok.push(token_ids))
+                text, hit = stops[index].feed(detoks[index].push(token_ids))
                 if hit:
-                    gen.finish_reason = "stop"
-                    yield Delta(text, token_ids, "stop", logprobs)
-                    return
+                    finish = "stop"
+                    if len(running) > 1:            # the others go on: end this one on its worker
+                        self._spawn(self._end_choice(leader, index))
+                elif finish:
+                    text += stops[index].feed(detoks[index].flush())[0] + stops[index].flush()
                 if finish:
-                    text += stops.feed(detok.flush())[0] + stops.flush()
                     gen.finish_reason = finish
-                yield Delta(text, token_ids, finish or None, logprobs)
-                if finish:
+                    running.discard(index)
+                yield Delta(text, token_ids, finish or None, logprobs, index)
+                if not running:
                     return
 
-    async def _tokens(self, gen: Generation) -> AsyncIterator[Tokens]:
-        """Tokens from the workers. A worker found dead before anything was streamed
-        is taken out of routing and the request is tried again on the others."""
+    async def _end_choice(self, leader: Generation, index: int) -> None:
+        decode = self.by_epoch.get(leader.decode_epoch) or next(
+            (w for w in self.decode if w.info is not None and w.info.epoch == leader.decode_epoch), None)
+        if decode is None:
+            return
+        request_id = leader.request_id if index == 0 else f"{leader.request_id}#{index}"
+        await self._release(decode, worker_pb2.KVHandle(request_id=request_id, epoch=leader.decode_epoch),
+                            "stop string")
+
+    async def _tokens(self, gen: Generation, n: int) -> AsyncIterator[Tokens]:
+        """Tokens from the workers, for `n` choices of `gen`'s prompt. A worker found dead
+        before anything was streamed is taken out of routing and the request is tried
+        again on the others."""
         for attempt in range(1, ATTEMPTS + 1):
             streamed = False
             try:
-                async with aclosing(self._attempt(gen)) as tokens:
+                async with aclosing(self._attempt(gen, n)) as tokens:
                     async for item in tokens:
                         streamed = True
                         yield item
@@ -356,7 +383,7 @@ class Cluster:
                 log.warning("request %s: %s; trying again on another worker", gen.request_id, exc.message)
                 self.metrics.retries.inc()
 
-    async def _attempt(self, gen: Generation) -> AsyncIterator[Tokens]:
+    async def _attempt(self, gen: Generation, n: int) -> AsyncIterator[Tokens]:
         """One try through the workers. Cleanup rule: whenever a reservation exists and
         the decode stream did not finish, a Release is sent, but only once no prefill can
         still be writing into the reserved blocks. Release is idempotent on the worker."""
@@ -367,6 +394,7 @@ class Cluster:
         self.metrics.routed.labels("decode", decode.address).inc()
         decode.inflight += 1
         handle, writer, finished, claimed, local_tokens = None, None, False, None, 0
+        ended: set[int] = set()
         try:
             prefill, _, keys = self._plan(decode, gen)
             first = first_logprob = None
@@ -381,29 +409,31 @@ class Cluster:
             if first is None:
                 handle = None                   # released by _await_prefill, or never taken
                 gen.decision = "local_fallback" if prefill is not None else "local"
-                req = self._decode_request(gen, first_token=0, local=True, epoch="")
+                req = self._decode_request(gen, first_token=0, local=True, epoch="", n=n)
                 local_tokens = len(gen.prompt_ids)      # in the decode worker's queue until its first token
                 decode.local_tokens += local_tokens
             else:
                 gen.decision = "remote"
-                req = self._decode_request(gen, first_token=first, local=False, epoch=handle.epoch)
+                req = self._decode_request(gen, first_token=first, local=False, epoch=handle.epoch, n=n)
             self.metrics.decisions.labels(gen.decision).inc()
             decode.decoding += 1
             try:
-                async with aclosing(self._decode_stream(decode, req)) as stream:
-                    async for token_ids, finish, logprobs in stream:
+                async with aclosing(self._decode_stream(decode, req, n)) as stream:
+                    async for index, token_ids, finish, logprobs in stream:
                         decode.local_tokens -= local_tokens
                         local_tokens = 0
                         if first is not None:
                             # The prefill's token goes out once the decode worker has the
                             # sequence in its batch (its first, empty, message): the second
                             # token then follows one step later, not up to two.
-                            yield [first], "", [first_logprob] if first_logprob else None
+                            yield 0, [first], "", [first_logprob] if first_logprob else None
                             first = None
                         if not token_ids and not finish:
                             continue
-                        finished = bool(finish)
-                        yield token_ids, finish, logprobs
+                        if finish:
+                            ended.add(index)
+                            finished = len(ended) == n
+                        yield index, token_ids, finish, logprobs
             finally:
                 decode.decoding -= 1
                 decode.local_tokens -= local_tokens
@@ -414,11 +444,11 @@ class Cluster:
             if handle is not None and not finished:
                 self._spawn(self._release_after(writer, decode, handle, "request ended early"))
 
-    def _decode_request(self, gen: Generation, first_token: int, local: bool, epoch: str):
+    def _decode_request(self, gen: Generation, first_token: int, local: bool, epoch: str, n: int):
         return worker_pb2.DecodeRequest(
             request_id=gen.request_id, epoch=epoch, prompt_token_ids=gen.prompt_ids, first_token_id=first_token,
             sampling=sampling_to_proto(gen.params), max_tokens=gen.params.max_tokens, kv_bytes=gen.kv_bytes,
-            local_prefill=local, transport=gen.transport)
+            local_prefill=local, transport=gen.transport, n=n)
 
     async def _reserve(self, decode: Worker, gen: Generation) -> worker_pb2.KVHandle:
         """Reserve prompt blocks; while the pool is full, wait (this is the queue)."""
@@ -491,14 +521,18 @@ class Cluster:
         logprob = logprob_from_proto(resp.first_logprob) if resp.HasField("first_logprob") else None
         return resp.first_token_id, logprob
 
-    async def _decode_stream(self, decode: Worker, req) -> AsyncIterator[Tokens]:
+    async def _decode_stream(self, decode: Worker, req, n: int) -> AsyncIterator[Tokens]:
+        """Every choice's tokens, until all `n` have finished."""
         call = decode.stub.Decode(req, timeout=self.settings.request_timeout)
+        running = set(range(n))
         try:
             async for chunk in call:
-                yield (list(chunk.token_ids), chunk.finish_reason,
+                yield (chunk.index, list(chunk.token_ids), chunk.finish_reason,
                        [logprob_from_proto(lp) for lp in chunk.logprobs] if chunk.logprobs else None)
                 if chunk.finish_reason:
-                    return
+                    running.discard(chunk.index)
+                    if not running:
+                        return
             raise APIError(502, "decode worker closed the stream early", type_="server_error",
                            grpc_code="UNAVAILABLE")
         except grpc.aio.AioRpcError as exc:

@@ -118,12 +118,13 @@ class FrontEnd:
         self._check_ids(ids, "tokens")
         return await asyncio.get_running_loop().run_in_executor(self.executor, self.tokenizer.decode, ids)
 
-    def start(self, gen: Generation, deadline: float | None = None) -> "RunningRequest":
-        """Admit and run `gen`; it must end within `deadline` seconds (default: the
-        router's --request-timeout), queueing included."""
-        attach(gen)
+    def start(self, gens: list[Generation], deadline: float | None = None) -> "RunningRequest":
+        """Admit and run a request's choices (`gens`, one per choice); it must end within
+        `deadline` seconds (default: the router's --request-timeout), queueing included."""
+        for gen in gens:
+            attach(gen)
         self.cluster.admit()
-        return RunningRequest(self.cluster, gen, min(deadline or self.request_timeout, self.request_timeout))
+        return RunningRequest(self.cluster, gens, min(deadline or self.request_timeout, self.request_timeout))
 
 
 def check_unicode(text: str, param: str) -> str:
@@ -138,11 +139,13 @@ def check_unicode(text: str, param: str) -> str:
 
 
 class RunningRequest:
-    """A generation running as a task; deltas arrive on a bounded queue, so a client that
-    stops reading holds the generation back instead of growing a buffer."""
+    """A request's generation (all its choices) running as a task; deltas arrive on a
+    bounded queue, so a client that stops reading holds the generation back instead of
+    growing a buffer."""
 
-    def __init__(self, cluster: Cluster, gen: Generation, timeout: float) -> None:
-        self.gen = gen
+    def __init__(self, cluster: Cluster, gens: list[Generation], timeout: float) -> None:
+        self.gens = gens
+        self.gen = gens[0]
         self.timeout = timeout
         self.queue: asyncio.Queue[Delta | APIError | None] = asyncio.Queue(maxsize=STREAM_BUFFER)
         self.task = asyncio.create_task(self._run(cluster))
@@ -159,21 +162,23 @@ class RunningRequest:
     async def _generate(self, cluster: Cluster) -> None:
         metrics = cluster.metrics
         gen = self.gen
-        last = None
+        last: dict[int, float] = {}             # per choice: when its previous delta came
         ended = None
         try:
-            async for delta in cluster.generate(gen):
+            async for delta in cluster.generate(self.gens):
                 now = time.monotonic()
-                if last is None:
-                    gen.first_token_at = now
+                if not last:
                     metrics.first_token(now - gen.started)
                     if gen.decision == "remote":       # prefilled by the prefill pool
                         cluster.latency.observe_ttft(gen.prefill_epoch, now - gen.started)
+                previous = last.get(delta.index)
+                if previous is None:
+                    self.gens[delta.index].first_token_at = now
                 else:
-                    metrics.token_gap(now - last)
+                    metrics.token_gap(now - previous)
                     if delta.token_ids:                      # a closing chunk without tokens is no gap
-                        cluster.latency.observe_itl(gen.decode_epoch, now - last)
-                last = now
+                        cluster.latency.observe_itl(gen.decode_epoch, now - previous)
+                last[delta.index] = now
                 await self.queue.put(delta)
             ended = gen.finish_reason
             await self.queue.put(None)
@@ -184,13 +189,19 @@ class RunningRequest:
             await self.queue.put(APIError(500, "internal error", type_="server_error", grpc_code="INTERNAL"))
         finally:
             cluster.done()
-            metrics.request_ended(time.monotonic() - gen.started, len(gen.prompt_ids), gen.completion_tokens, ended)
+            metrics.request_ended(time.monotonic() - gen.started, len(gen.prompt_ids),
+                                  sum(g.completion_tokens for g in self.gens), ended)
 
-    async def deltas(self) -> AsyncIterator[Delta]:
-        """Raises the request's APIError if it failed."""
+    async def deltas(self, keepalive: float = 0.0) -> AsyncIterator[Delta | None]:
+        """Every choice's deltas; None whenever nothing came for `keepalive` seconds
+        (0: never). Raises the request's APIError if it failed."""
         try:
             while True:
-                item = await self.queue.get()
+                try:
+                    item = await asyncio.wait_for(self.queue.get(), keepalive or None)
+                except TimeoutError:
+                    yield None
+                    continue
                 if item is None:
                     return
                 if isinstance(item, APIError):
@@ -200,13 +211,15 @@ class RunningRequest:
             if not self.task.done():
                 self.task.cancel()
 
-    async def collect(self) -> "Collected":
-        text, ids, logprobs = [], [], []
+    async def collect(self) -> list["Collected"]:
+        """Each choice whole."""
+        out = [Collected("", [], []) for _ in self.gens]
         async for d in self.deltas():
-            text.append(d.text)
-            ids.extend(d.token_ids)
-            logprobs.extend(d.logprobs or ())
-        return Collected("".join(text), ids, logprobs)
+            c = out[d.index]
+            c.text += d.text
+            c.token_ids.extend(d.token_ids)
+            c.logprobs.extend(d.logprobs or ())
+        return out
 
 
 @dataclass

@@ -61,7 +61,7 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
             call.request_id = given or request.request_id
             try:
                 gen = await self._generation(request)
-                running = self.fe.start(gen, context.time_remaining())      # the caller's deadline, if any
+                running = self.fe.start([gen], context.time_remaining())      # the caller's deadline, if any
             except APIError as exc:
                 await context.abort(getattr(grpc.StatusCode, exc.grpc_code), exc.message)
             try:

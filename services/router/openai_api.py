@@ -8,7 +8,6 @@ bodies: a web page can post a form or text/plain to a server on its visitor's ma
 without asking, but not JSON. CORS is off unless origins are allowed."""
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -345,38 +344,22 @@ class Shape:
 
 
 async def respond(fe: FrontEnd, req: CommonRequest, gens: list[Generation], shape: Shape) -> Response:
-    runnings = start_all(fe, gens)
+    running = fe.start(gens)
     base = {"id": gens[0].request_id.rsplit("-", 1)[0] if len(gens) > 1 else gens[0].request_id,
             "object": "chat.completion" if shape.chat else "text_completion",
             "created": int(time.time()), "model": fe.served_model_name}
     if req.stream:
-        return StreamingResponse(stream_events(fe, runnings, req, base, shape), media_type="text/event-stream",
+        return StreamingResponse(stream_events(fe, running, req, base, shape), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
-        results = await asyncio.gather(*(r.collect() for r in runnings))
+        results = await running.collect()
     except APIError as exc:
         return error_response(exc)
-    finally:
-        for r in runnings:
-            r.task.cancel()
     choices = [whole_choice(fe, i, gen, result, req, shape) for i, (gen, result) in enumerate(zip(gens, results))]
     body = {**base, "choices": choices, "usage": usage(gens)}
     if req.return_token_ids:
         body["prompt_token_ids"] = gens[0].prompt_ids
     return JSONResponse(body, headers={"x-pdserve-route": ", ".join(g.route() for g in gens)})
-
-
-def start_all(fe: FrontEnd, gens: list[Generation]) -> list[RunningRequest]:
-    """Admit every choice, or none: a request over capacity gets its 429 whole."""
-    runnings = []
-    try:
-        for gen in gens:
-            runnings.append(fe.start(gen))
-    except APIError:
-        for r in runnings:
-            r.task.cancel()
-        raise
-    return runnings
 
 
 def whole_choice(fe: FrontEnd, index: int, gen: Generation, result: Collected, req: CommonRequest,
@@ -403,42 +386,9 @@ def whole_choice(fe: FrontEnd, index: int, gen: Generation, result: Collected, r
     return choice
 
 
-async def merged(runnings: list[RunningRequest], keepalive: float) -> AsyncIterator[tuple[int, Delta] | None]:
-    """Every choice's deltas as they come, tagged with the choice's index; None when
-    nothing came for `keepalive` seconds (0: never). The first failure ends them all."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, running: RunningRequest) -> None:
-        try:
-            async for d in running.deltas():
-                await queue.put((index, d))
-            await queue.put((index, None))
-        except APIError as exc:
-            await queue.put((index, exc))
-
-    pumps = [asyncio.create_task(pump(i, r)) for i, r in enumerate(runnings)]
-    try:
-        left = len(runnings)
-        while left:
-            try:
-                index, item = await asyncio.wait_for(queue.get(), keepalive or None)
-            except TimeoutError:
-                yield None
-                continue
-            if item is None:
-                left -= 1
-            elif isinstance(item, APIError):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for t in pumps:
-            t.cancel()
-
-
-async def stream_events(fe: FrontEnd, runnings: list[RunningRequest], req: CommonRequest, base: dict,
+async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonRequest, base: dict,
                         shape: Shape) -> AsyncIterator[bytes]:
-    gens = [r.gen for r in runnings]
+    gens = running.gens
     chat = shape.chat
     base = {**base, "object": "chat.completion.chunk" if chat else "text_completion"}
     options = req.stream_options
@@ -492,11 +442,11 @@ async def stream_events(fe: FrontEnd, runnings: list[RunningRequest], req: Commo
 
     started = set()
     try:
-        async for item in merged(runnings, fe.sse_keepalive):
-            if item is None:
+        async for d in running.deltas(fe.sse_keepalive):
+            if d is None:
                 yield SSE_KEEPALIVE
                 continue
-            i, d = item
+            i = d.index
             ids = d.token_ids if req.return_token_ids else None
             if i not in started:
                 # The role chunk goes out with the first token, as vLLM's and OpenAI's do:
