@@ -123,7 +123,7 @@ class LLMEngine:
         logprobs = {}
         for c, token, lp in zip(plan.sampling(), tokens, sampled.logprobs):
             if c.seq.constraint is not None and not c.seq.constraint.accept(token):
-                log.error("request %s: its grammar refused token %d it allowed", c.seq.request_id, token)
+                log.warning("request %s: no token fits its JSON schema here; its output ends", c.seq.request_id)
             if lp is not None:
                 logprobs[c.seq] = [lp]
         for u in self.scheduler.update(plan, tokens):

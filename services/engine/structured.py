@@ -13,6 +13,7 @@ The masks of a step are filled on a thread of their own while the forward pass r
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from typing import Callable
@@ -21,8 +22,14 @@ import torch
 
 # Compiled grammars kept per process (schemas repeat: a client sends the same one).
 CACHE_SIZE = 256
-# A schema is text from a client: bound what compiling it may cost.
+# A schema is text from a client: bound what compiling it may cost. xgrammar unrolls
+# length bounds (a maxLength of a million takes seconds to compile); no output of a
+# model's context reaches bounds this large anyway.
 MAX_SCHEMA_CHARS = 64 * 1024
+MAX_BOUND = 100_000
+_BOUNDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+# xgrammar's messages start "[12:00:00] /project/cpp/file.cc:123: ": the client needs the rest.
+_LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
 JSON_OBJECT = json.dumps({"type": "object"})        # response_format {"type": "json_object"}
 
@@ -62,10 +69,12 @@ class Grammars:
                 raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
             if not isinstance(parsed, (dict, bool)):
                 raise ValueError("a JSON schema must be an object or a boolean")
+            _check_bounds(parsed)
             try:
                 grammar = self._compiler_for().compile_json_schema(schema, any_whitespace=False)
             except Exception as exc:             # xgrammar raises RuntimeError and its own kinds
-                raise ValueError(f"the JSON schema cannot be compiled: {str(exc).splitlines()[0][:300]}") from None
+                reason = _LOCATION.sub("", (str(exc).splitlines() or [type(exc).__name__])[0])
+                raise ValueError(f"the JSON schema cannot be compiled: {reason[:300]}") from None
             self._cache[schema] = grammar
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
@@ -76,19 +85,38 @@ class Grammars:
         return Constraint(xgr.GrammarMatcher(self.compile(schema)), self.vocab_size)
 
 
+def _check_bounds(node) -> None:
+    """ValueError for a length or count bound past MAX_BOUND anywhere in the schema."""
+    stack = [node]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key in _BOUNDS:
+                value = node.get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and value > MAX_BOUND:
+                    raise ValueError(f"the JSON schema's {key} of {value} is above the {MAX_BOUND} supported")
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
 class Constraint:
-    """One sequence's place in its grammar."""
+    """One sequence's place in its grammar. A grammar that allows no token at all (an
+    unsatisfiable schema) ends its sequence instead of letting it run on unconstrained."""
 
     def __init__(self, matcher, vocab_size: int) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
+        self._stuck = False
 
     def accept(self, token_id: int) -> bool:
-        return self._matcher.accept_token(token_id)
+        ok = self._matcher.accept_token(token_id)
+        self._stuck = self._stuck or not ok
+        return ok
 
     @property
     def terminated(self) -> bool:
-        return self._matcher.is_terminated()
+        return self._stuck or self._matcher.is_terminated()
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)

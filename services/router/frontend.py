@@ -198,10 +198,13 @@ class RunningRequest:
         try:
             while True:
                 try:
-                    item = await asyncio.wait_for(self.queue.get(), keepalive or None)
-                except TimeoutError:
-                    yield None
-                    continue
+                    item = self.queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    try:
+                        item = await asyncio.wait_for(self.queue.get(), keepalive or None)
+                    except TimeoutError:
+                        yield None
+                        continue
                 if item is None:
                     return
                 if isinstance(item, APIError):
