@@ -27,7 +27,9 @@ proto: $(STAMP)
 model: install
 	$(BIN)/pdserve convert-model
 
-run: model redis
+# redis-server is tried, not required: `up` serves without one (`up --autoscale` needs it).
+run: model
+	@$(MAKE) --no-print-directory redis || echo "pdserve: serving without redis-server (up --autoscale needs it)"
 	$(BIN)/pdserve up $(ARGS)
 
 # redis-server: `up` keeps its registry in a private one (`up --autoscale` needs it), and
