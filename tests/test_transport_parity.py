@@ -10,7 +10,9 @@ from tests.conftest import start_cluster, stop_cluster
 from tests.parity_cases import CASES
 
 
-@pytest.mark.parametrize("backend", ["shm", "tcp", "nixl"])
+# shm is what the session cluster uses (auto), where test_parity holds the same bar:
+# its explicit run here goes with the slow tests.
+@pytest.mark.parametrize("backend", [pytest.param("shm", marks=pytest.mark.slow), "tcp", "nixl"])
 def test_parity_through_each_backend(model_dir, expected, backend):
     c = start_cluster("--kv-transport", backend)
     try:

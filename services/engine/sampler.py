@@ -109,9 +109,10 @@ def _process(logits: torch.Tensor, params: list[SamplingParams], num_generated: 
         ends = [t for t in eos_token_ids.union(params[row].stop_token_ids) if t < vocab]
         logits[row, ends] = float("-inf")
     for row in biased:
-        ids, bias = zip(*[(t, b) for t, b in params[row].logit_bias if t < vocab]) or ((), ())
-        if ids:
-            logits[row, list(ids)] += torch.tensor(bias, dtype=logits.dtype, device=logits.device)
+        pairs = [(t, b) for t, b in params[row].logit_bias if t < vocab]
+        if pairs:
+            logits[row, [t for t, _ in pairs]] += torch.tensor([b for _, b in pairs], dtype=logits.dtype,
+                                                               device=logits.device)
     if penalized:
         if histories is None:
             raise ValueError("penalties need each row's token history")
