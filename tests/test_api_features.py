@@ -101,6 +101,32 @@ def test_float32_logprobs_equal_log_softmax_of_transformers_logits(cluster, hf):
         assert lp.text_offset[0] == 0 and "".join(lp.tokens) == r.choices[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(cluster, hf):
+    """What evaluation harnesses send to score a text: echo, logprobs and max_tokens 0.
+    Each prompt token after the first gets transformers' log probability to 1e-4, the
+    prefix cache notwithstanding (the same prompt is sent twice)."""
+    tok, model = hf
+    client = _client(cluster.http)
+    text = "The quick brown fox jumps over the lazy dog because it was in a hurry."
+    prompt = tok.encode(text)
+    want = _forward_logprobs(model, prompt, 1)                  # positions 0.. predict tokens 1..
+    for _ in range(2):
+        r = client.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True, logprobs=2, temperature=0)
+        choice = r.choices[0]
+        assert choice.text == text and r.usage.completion_tokens == 0
+        lp = choice.logprobs
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and len(lp.tokens) == len(prompt)
+        _check_logprobs(want, prompt[1:], lp.token_logprobs[1:], [sorted(d.values(), reverse=True)
+                                                                 for d in lp.top_logprobs[1:]])
+        assert lp.text_offset[0] == 0 and "".join(lp.tokens) == text
+    streamed = [c.choices[0] for c in client.completions.create(model=MODEL, prompt=text, max_tokens=3, echo=True,
+                                                                logprobs=1, temperature=0, stream=True)]
+    assert streamed[0].text == text and streamed[0].logprobs.token_logprobs[1:] == pytest.approx(
+        lp.token_logprobs[1:], abs=1e-6)
+    generated = [c for c in streamed[1:] if c.logprobs]
+    assert generated and generated[0].logprobs.text_offset[0] == len(text)
+
+
 def test_grpc_returns_a_logprob_per_token(cluster):
     with grpc.insecure_channel(cluster.grpc.removeprefix("http://")) as ch:
         stub = generate_pb2_grpc.GeneratorStub(ch)

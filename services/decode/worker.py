@@ -29,14 +29,15 @@ from services.common.metrics import WorkerMetrics
 from services.common.settings import WorkerSettings
 from services.engine.block_manager import BlockManager
 from services.engine.block_pool import BlockPool, NoFreeBlocks
-from services.engine.engine import EngineLoop, LLMEngine, StepStats
+from services.engine.engine import EngineLoop, EngineOutput, LLMEngine, StepStats
 from services.engine.kv_cache import KVPoolMemory, sweep_stale_segments
 from services.engine.runner import ModelRunner
 from services.engine.scheduler import Scheduler, Sequence
 from services.rpc import worker_pb2, worker_pb2_grpc
 from services.worker.main import EngineStatus, WorkerParts, grammars_for, prepare, scheduler_config
 from services.engine.sampling import SamplingParams
-from services.worker.wire import check_request_id, check_tokens, logprob_to_proto, sampling_from_proto
+from services.worker.wire import (check_request_id, check_tokens, logprob_to_proto, prompt_logprobs_to_proto,
+                                  sampling_from_proto)
 
 log = logging.getLogger(__name__)
 
@@ -134,13 +135,13 @@ class DecodeWorker:
 
     def admit(self, seq: Sequence, epoch: str | None, sinks: list, kv_bytes: int, backend: str) -> None:
         """Start decoding `seq` and the choices forked from it (`seq.forks`); sink i
-        (`sink(token_ids, finish_reason, logprobs)`) receives choice i's output from the
-        engine thread. With an epoch the prompt KV came through a handoff."""
+        receives choice i's outputs from the engine thread. With an epoch the prompt KV
+        came through a handoff."""
         def deliver(request_id: str, sink):
-            def to(token_ids: list[int], reason: str, logprobs) -> None:
-                if reason:
-                    self._retire(request_id, reason)
-                sink(token_ids, reason, logprobs)
+            def to(output: EngineOutput) -> None:
+                if output.finish_reason:
+                    self._retire(request_id, output.finish_reason)
+                sink(output)
             return to
         choices = [seq, *seq.forks]
         first, *others = [deliver(c.request_id, sink) for c, sink in zip(choices, sinks, strict=True)]
@@ -264,8 +265,7 @@ class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
         out: asyncio.Queue = asyncio.Queue()
 
         def sink(index: int):
-            return lambda token_ids, reason, logprobs: loop.call_soon_threadsafe(
-                out.put_nowait, (index, token_ids, reason, logprobs))
+            return lambda output: loop.call_soon_threadsafe(out.put_nowait, (index, output))
 
         if self.draining and request.local_prefill:      # new work; a handoff in flight is finished
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this decode worker is draining")
@@ -294,13 +294,15 @@ class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
         running = set(range(n))
         try:
             while running:
-                index, token_ids, reason, logprobs = await out.get()
+                index, o = await out.get()
+                reason = o.finish_reason or ""
                 if reason == "error":
                     await context.abort(grpc.StatusCode.INTERNAL, "decode step failed")
                 if reason:
                     running.discard(index)
-                yield worker_pb2.DecodeChunk(token_ids=token_ids, finish_reason=reason, index=index,
-                                             logprobs=[logprob_to_proto(lp) for lp in logprobs or ()])
+                yield worker_pb2.DecodeChunk(token_ids=o.token_ids, finish_reason=reason, index=index,
+                                             logprobs=[logprob_to_proto(lp) for lp in o.logprobs or ()],
+                                             prompt_logprobs=prompt_logprobs_to_proto(o.prompt_logprobs))
         finally:
             for index in running:               # client went away or the RPC was cancelled
                 e.abort(ids[index])

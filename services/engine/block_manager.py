@@ -68,16 +68,18 @@ class BlockManager:
             idle = [self._key_of[b] for b in reversed(self._idle)]
         return (busy + idle)[:limit]
 
-    def acquire(self, token_ids: Sequence[int]) -> PrefixHit:
+    def acquire(self, token_ids: Sequence[int], reuse: bool = True) -> PrefixHit:
         """Blocks for a whole prompt: its cached leading blocks (referenced) plus new
-        ones. At least the last token is always left to compute (its logits are needed)."""
+        ones. At least the last token is always left to compute (its logits are needed).
+        `reuse=False`: every block new (a prompt whose every position's logits are
+        needed); its blocks are still cached once computed."""
         keys = block_hashes(token_ids, self.block_size) if self.prefix_caching else []
         with self._lock:
-            return self._acquire(token_ids, keys)
+            return self._acquire(token_ids, keys, reuse)
 
-    def _acquire(self, token_ids: Sequence[int], keys: list[int]) -> PrefixHit:
+    def _acquire(self, token_ids: Sequence[int], keys: list[int], reuse: bool = True) -> PrefixHit:
         bs = self.block_size
-        usable = (len(token_ids) - 1) // bs
+        usable = (len(token_ids) - 1) // bs if reuse else 0
         cached: list[int] = []
         for k in keys[:usable]:
             b = self._by_key.get(k)

@@ -26,7 +26,7 @@ import torch
 from services.engine.device import LayerPoster
 from services.engine.kv_cache import KVPoolMemory
 from services.engine.runner import ForwardBatch, ModelRunner, PrefillSegment
-from services.engine.sampler import Sampled, sample
+from services.engine.sampler import LOGPROB_FLOOR, Sampled, sample
 from services.engine.sampling import TokenLogprob
 from services.engine.scheduler import Scheduler, Sequence, StepPlan
 from services.engine.structured import fill_masks
@@ -46,6 +46,9 @@ class EngineOutput:
     token_ids: list[int]                # new tokens (empty for a finish without one)
     finish_reason: str | None           # None while the sequence goes on; "error" if a step failed it
     logprobs: list[TokenLogprob] | None = None     # one per token, when its sampling asked
+    # With a prompt computed here, on its first token, when asked: entry p is prompt token
+    # p's (None for the first).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -127,7 +130,9 @@ class LLMEngine:
             if lp is not None:
                 logprobs[c.seq] = [lp]
         for u in self.scheduler.update(plan, tokens):
-            outputs.append(EngineOutput(u.seq.request_id, [u.token_id], u.finish_reason, logprobs.get(u.seq)))
+            prompt = u.seq.prompt_logprobs if u.seq.num_generated == 1 else None
+            outputs.append(EngineOutput(u.seq.request_id, [u.token_id], u.finish_reason, logprobs.get(u.seq),
+                                        prompt))
         outputs += self._orphans()
         seconds = time.perf_counter() - t0
         prefill = sum(c.num_tokens for c in plan.prefill)
@@ -156,7 +161,7 @@ class LLMEngine:
                 outputs.append(EngineOutput(request_id, [], "error"))
 
     def _run(self, plan: StepPlan) -> Sampled:
-        batch = pack(plan)
+        batch, targets = pack(plan)
         rows = plan.sampling()
         constraints = [c.seq.constraint for c in rows]
         # Structured output's masks are filled while the forward pass runs.
@@ -169,6 +174,9 @@ class LLMEngine:
             if poster is not None:
                 poster.flush()
             mask = masks.result() if masks is not None else None
+        if targets:
+            record_prompt_logprobs(logits[len(batch.sample_rows):], targets)
+            logits = logits[:len(batch.sample_rows)]
         histories = [(c.seq.token_ids, c.seq.prompt_len) for c in rows] \
             if any(c.seq.params.penalized for c in rows) else None
         return sample(logits, [c.seq.params for c in rows], [c.seq.num_generated for c in rows],
@@ -196,9 +204,19 @@ class LLMEngine:
         return kept, tokens
 
 
-def pack(plan: StepPlan) -> ForwardBatch:
-    """The forward pass for `plan`: single-token rows first, then prompt chunks."""
+def pack(plan: StepPlan) -> tuple[ForwardBatch, list[tuple[Sequence, int]]]:
+    """The forward pass for `plan`: single-token rows first, then prompt chunks. Also
+    which (sequence, prompt position) each of its `logprob_rows` predicts the token of."""
     b = ForwardBatch()
+    targets: list[tuple[Sequence, int]] = []
+
+    def prompt_rows(c, row: int) -> None:
+        if c.seq.params.prompt_logprobs is None:
+            return
+        for j in range(c.num_tokens):
+            if c.start + j + 1 < c.seq.prompt_len:          # position p's logits predict token p + 1
+                b.logprob_rows.append(row + j)
+                targets.append((c.seq, c.start + j + 1))
     for c in plan.decode:
         b.decode_tokens.append(c.seq.token_ids[c.start])
         b.decode_positions.append(c.start)
@@ -207,21 +225,40 @@ def pack(plan: StepPlan) -> ForwardBatch:
     for c in plan.decode:
         if c.samples:
             b.sample_rows.append(row)
+        prompt_rows(c, row)
         row += 1
     for c in plan.prefill:
         b.prefill_tokens.extend(c.seq.token_ids[c.start:c.start + c.num_tokens])
         b.segments.append(PrefillSegment(c.start, c.num_tokens, c.seq.block_ids))
+        prompt_rows(c, row)
         row += c.num_tokens
         if c.samples:
             b.sample_rows.append(row - 1)
-    return b
+    return b, targets
 
 
-# What a worker hands the loop to receive a request's output: (new token ids, finish
-# reason or "", their logprobs or None), called on the engine thread. A prefilled
-# sequence's sink also hears ([], "", None) when it joins the running batch, before that
-# step's forward pass.
-Sink = Callable[[list[int], str, "list[TokenLogprob] | None"], None]
+def record_prompt_logprobs(logits: torch.Tensor, targets: list[tuple[Sequence, int]]) -> None:
+    """Each target prompt token's log probability (and its position's likeliest), from
+    the raw logits of the position before it, as vLLM reports prompt logprobs. Written
+    by position, so a chunk computed again (preemption, a failed step) writes the same."""
+    lp = torch.log_softmax(logits, dim=-1).clamp_(min=LOGPROB_FLOOR)
+    ids = torch.tensor([seq.token_ids[p] for seq, p in targets], device=lp.device)
+    chosen = lp.gather(1, ids[:, None])[:, 0].tolist()
+    k = max(seq.params.prompt_logprobs for seq, _ in targets)
+    top = lp.topk(k, dim=-1) if k else None
+    for i, (seq, p) in enumerate(targets):
+        n = seq.params.prompt_logprobs
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None] * seq.prompt_len
+        seq.prompt_logprobs[p] = TokenLogprob(seq.token_ids[p], chosen[i],
+                                              top.indices[i, :n].tolist() if n else [],
+                                              top.values[i, :n].tolist() if n else [])
+
+
+# What a worker hands the loop to receive a request's output, called on the engine
+# thread. A prefilled sequence's sink also hears an output with no tokens and no finish
+# when it joins the running batch, before that step's forward pass.
+Sink = Callable[[EngineOutput], None]
 
 
 class EngineLoop:
@@ -243,11 +280,11 @@ class EngineLoop:
         engine.on_joined = self._joined
 
     def _joined(self, request_ids: list[str]) -> None:
-        """A prefilled sequence starts decoding: its sink hears ([], "", None) now."""
+        """A prefilled sequence starts decoding: its sink hears an empty output now."""
         for request_id in request_ids:
             sink = self._sinks.get(request_id)
             if sink is not None:
-                sink([], "", None)
+                sink(EngineOutput(request_id, [], None))
 
     def submit(self, seq: Sequence, sink: Sink, prefilled: bool = False,
                fork_sinks: list[Sink] = ()) -> None:
@@ -312,4 +349,4 @@ class EngineLoop:
         for o in outputs:
             sink = self._sinks.pop(o.request_id, None) if o.finish_reason else self._sinks.get(o.request_id)
             if sink is not None:
-                sink(o.token_ids, o.finish_reason or "", o.logprobs)
+                sink(o)

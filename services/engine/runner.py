@@ -58,6 +58,9 @@ class ForwardBatch:
     prefill_tokens: list[int] = field(default_factory=list)
     segments: list[PrefillSegment] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)      # rows whose logits are returned
+    # Rows whose logits are returned after those: prompt positions whose next prompt
+    # token's log probability was asked for (services/engine/engine.py).
+    logprob_rows: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -183,7 +186,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, pool: KVPoolMemory, batch: ForwardBatch,
                 on_layer: Callable[[int, Fence], None] | None = None) -> torch.Tensor:
-        """Run `batch`; returns the logits of its `sample_rows`, [rows, vocab] float32.
+        """Run `batch`; returns the logits of its `sample_rows` then its `logprob_rows`,
+        [rows, vocab] float32.
         `on_layer(layer, fence)` is called as each layer's KV write is launched; the
         write is done once `fence.wait()` returns (services/engine/device.py)."""
         bs = pool.layout.block_size
@@ -208,7 +212,7 @@ class ModelRunner:
         pos = torch.cat(positions).to(self.device).unsqueeze(0)
         hidden = self.model.model(input_ids=ids, position_ids=pos, use_cache=False,
                                   pdserve_batch=paged).last_hidden_state
-        rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
+        rows = torch.tensor(batch.sample_rows + batch.logprob_rows, dtype=torch.long, device=self.device)
         return self.model.lm_head(hidden[0].index_select(0, rows)).float()
 
     def _slots(self, block_ids: list[int], start: int, end: int, block_size: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()     # (token id, added to its logit)
     stop_token_ids: tuple[int, ...] = ()                # end the output like EOS (kept in it)
     logprobs: int | None = None         # None: none; n: the sampled token's and the n likeliest
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
     json_schema: str = ""               # output constrained to this JSON schema (structured.py)
 
     @property
@@ -60,8 +61,10 @@ class SamplingParams:
                 raise ValueError(f"logit_bias of token {token} must be in [-100, 100], not {bias}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} token ids >= 0")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, not {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"{name} must be between 0 and {MAX_TOP_LOGPROBS}, not {value}")
 
     def token_ids_named(self) -> list[int]:
         """Every token id these parameters name, for a vocabulary check."""

@@ -71,6 +71,9 @@ class Sequence:
     # Other choices of the same request (n > 1), waiting for this one's prompt KV: they
     # share its full prompt blocks and recompute only the last prompt token (fork()).
     forks: list["Sequence"] = field(default_factory=list)
+    # With params.prompt_logprobs: entry p is prompt token p's (None for the first, and
+    # until computed); the engine fills it as the prompt's chunks run.
+    prompt_logprobs: list | None = None
 
     @property
     def num_generated(self) -> int:
@@ -284,7 +287,7 @@ class Scheduler:
         if self.running and self.blocks.num_available - need < self._watermark:
             return False
         try:
-            hit = self.blocks.acquire(seq.token_ids)
+            hit = self.blocks.acquire(seq.token_ids, reuse=seq.params.prompt_logprobs is None)
         except NoFreeBlocks:
             return False
         seq.block_ids, seq.keys, seq.num_computed = hit.block_ids, hit.keys, hit.cached_tokens

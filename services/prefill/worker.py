@@ -34,13 +34,14 @@ from services.common.metrics import WorkerMetrics
 from services.common.settings import WorkerSettings
 from services.engine.block_manager import BlockManager
 from services.engine.block_pool import BlockPool, NoFreeBlocks
-from services.engine.engine import EngineLoop, LLMEngine, StepStats
+from services.engine.engine import EngineLoop, EngineOutput, LLMEngine, StepStats
 from services.engine.kv_cache import KVPoolMemory
 from services.engine.runner import ModelRunner
 from services.engine.scheduler import Scheduler, Sequence, StepPlan
 from services.rpc import worker_pb2, worker_pb2_grpc
 from services.worker.main import EngineStatus, WorkerParts, grammars_for, prepare, scheduler_config
-from services.worker.wire import check_request_id, check_tokens, logprob_to_proto, sampling_from_proto
+from services.worker.wire import (check_request_id, check_tokens, logprob_to_proto, prompt_logprobs_to_proto,
+                                  sampling_from_proto)
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +133,8 @@ class PrefillWorker:
         loop = asyncio.get_running_loop()
         ended: asyncio.Future = loop.create_future()
 
-        def sink(token_ids: list[int], reason: str, logprobs) -> None:
-            loop.call_soon_threadsafe(lambda: ended.done() or ended.set_result((token_ids, reason, logprobs)))
+        def sink(output: EngineOutput) -> None:
+            loop.call_soon_threadsafe(lambda: ended.done() or ended.set_result(output))
 
         self._exports[seq.request_id] = export
         self._enqueue(len(tokens))
@@ -141,11 +142,11 @@ class PrefillWorker:
         self.loop.submit(seq, sink)
         ok = False
         try:
-            token_ids, reason, logprobs = await asyncio.shield(ended)
+            first = await asyncio.shield(ended)
             if export.failure is not None:
                 raise export.failure
-            if not token_ids:
-                raise TransferError(f"the prefill ended without a token ({reason})")
+            if not first.token_ids:
+                raise TransferError(f"the prefill ended without a token ({first.finish_reason})")
             after_compute = time.perf_counter()
             await asyncio.shield(asyncio.to_thread(wait_for, transport, export.xfers, deadline))
             ok = True
@@ -170,11 +171,12 @@ class PrefillWorker:
         # What this prompt cost the engine, not the time it queued: the router's cost
         # model prices queued tokens separately.
         compute = computed * self.seconds_per_token if self.seconds_per_token else after_compute - t0
-        return worker_pb2.PrefillResponse(first_token_id=token_ids[0], kv_bytes=kv_bytes,
+        return worker_pb2.PrefillResponse(first_token_id=first.token_ids[0], kv_bytes=kv_bytes,
                                           prefill_seconds=compute + (done - after_compute),
                                           transfer_seconds=done - after_compute, transport=transport.name,
                                           transport_fallback=fell_back, cached_tokens=seq.num_cached,
-                                          first_logprob=logprob_to_proto(logprobs[0]) if logprobs else None)
+                                          first_logprob=logprob_to_proto(first.logprobs[0]) if first.logprobs else None,
+                                          prompt_logprobs=prompt_logprobs_to_proto(first.prompt_logprobs))
 
     async def _settle(self, request_id: str, export: Export, ended: asyncio.Future, drain: bool, n: int) -> None:
         """After a request ends either way: once the engine is done with it, let writes

@@ -126,6 +126,7 @@ class Generation:
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None    # prompt tokens 1.., when asked for
     started: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
 
@@ -418,7 +419,7 @@ class Cluster:
             self.metrics.decisions.labels(gen.decision).inc()
             decode.decoding += 1
             try:
-                async with aclosing(self._decode_stream(decode, req, n)) as stream:
+                async with aclosing(self._decode_stream(decode, req, n, gen)) as stream:
                     async for index, token_ids, finish, logprobs in stream:
                         decode.local_tokens -= local_tokens
                         local_tokens = 0
@@ -519,14 +520,18 @@ class Cluster:
         self.metrics.kv_bytes.labels(resp.transport).inc(resp.kv_bytes)
         self.metrics.cached_tokens.inc(resp.cached_tokens)
         logprob = logprob_from_proto(resp.first_logprob) if resp.HasField("first_logprob") else None
+        if resp.prompt_logprobs:
+            gen.prompt_logprobs = [logprob_from_proto(lp) for lp in resp.prompt_logprobs]
         return resp.first_token_id, logprob
 
-    async def _decode_stream(self, decode: Worker, req, n: int) -> AsyncIterator[Tokens]:
+    async def _decode_stream(self, decode: Worker, req, n: int, gen: Generation) -> AsyncIterator[Tokens]:
         """Every choice's tokens, until all `n` have finished."""
         call = decode.stub.Decode(req, timeout=self.settings.request_timeout)
         running = set(range(n))
         try:
             async for chunk in call:
+                if chunk.prompt_logprobs:               # a prompt computed there
+                    gen.prompt_logprobs = [logprob_from_proto(lp) for lp in chunk.prompt_logprobs]
                 yield (chunk.index, list(chunk.token_ids), chunk.finish_reason,
                        [logprob_from_proto(lp) for lp in chunk.logprobs] if chunk.logprobs else None)
                 if chunk.finish_reason:

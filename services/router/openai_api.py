@@ -141,7 +141,7 @@ def parse(model: type[BaseModel], data: dict):
 
 
 def generations(fe: FrontEnd, req: CommonRequest, prefix: str, prompt_ids: list[int], max_tokens: int | None,
-                logprobs: int | None, json_schema: str) -> list[Generation]:
+                logprobs: int | None, json_schema: str, prompt_logprobs: int | None = None) -> list[Generation]:
     """One generation per choice (`n`), each with its own seed: the client's seed plus the
     choice's index (vLLM's rule), so choices differ and a seeded request repeats."""
     params = resolve_sampling(
@@ -150,7 +150,8 @@ def generations(fe: FrontEnd, req: CommonRequest, prefix: str, prompt_ids: list[
         stop=req.stop or (), ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, min_p=req.min_p, logit_bias=req.logit_bias,
-        stop_token_ids=req.stop_token_ids or (), logprobs=logprobs, json_schema=json_schema)
+        stop_token_ids=req.stop_token_ids or (), logprobs=logprobs, json_schema=json_schema,
+        prompt_logprobs=prompt_logprobs)
     request_id = new_request_id(prefix)
     if req.choices == 1:
         return [Generation(request_id, prompt_ids, params)]
@@ -191,15 +192,24 @@ def chat_logprobs(fe: FrontEnd, logprobs: list[TokenLogprob]) -> dict:
                         for lp in logprobs]}
 
 
-def completion_logprobs(fe: FrontEnd, logprobs: list[TokenLogprob], offset: int) -> dict:
+def completion_logprobs(fe: FrontEnd, logprobs: list[TokenLogprob | None], offset: int,
+                        token_ids: list[int] | None = None) -> dict:
+    """OpenAI's completions logprobs; `token_ids` names the tokens where an entry is None
+    (an echoed prompt's first token has no log probability)."""
     tokens, offsets = [], []
-    for lp in logprobs:
-        tokens.append(fe.token_text(lp.token_id))
+    for i, lp in enumerate(logprobs):
+        tokens.append(fe.token_text(lp.token_id if lp is not None else token_ids[i]))
         offsets.append(offset)
         offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{fe.token_text(t): v for t, v in zip(lp.top_ids, lp.top_logprobs)} for lp in logprobs],
+    return {"tokens": tokens, "token_logprobs": [lp and lp.logprob for lp in logprobs],
+            "top_logprobs": [lp and {fe.token_text(t): v for t, v in zip(lp.top_ids, lp.top_logprobs)}
+                             for lp in logprobs],
             "text_offset": offsets}
+
+
+def echoed_logprobs(gen: Generation) -> list[TokenLogprob | None]:
+    """The prompt's logprobs, for `echo` with `logprobs`: None for its first token."""
+    return [None, *(gen.prompt_logprobs or ())]
 
 
 def _describe_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
@@ -298,13 +308,15 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
         fe.check_model(req.model)
         req.check()
         logprobs = req.top_logprobs_count()
-        if req.echo and logprobs is not None:
-            raise unsupported("echo", "echo with logprobs is not supported: prompt logprobs are not computed")
         prompt_ids = await fe.tokenize_prompt(req.prompt)
-        gens = generations(fe, req, "cmpl", prompt_ids, req.max_tokens, logprobs, "")
+        # echo with max_tokens 0 (how evaluation harnesses score a text): one token is
+        # generated, for the prompt's logprobs, and not returned.
+        echo_only = req.echo and req.max_tokens == 0
+        gens = generations(fe, req, "cmpl", prompt_ids, 1 if echo_only else req.max_tokens, logprobs, "",
+                           prompt_logprobs=logprobs if req.echo else None)
         echo = "" if not req.echo else req.prompt if isinstance(req.prompt, str) else \
             fe.tokenizer.decode(prompt_ids, skip_special_tokens=False)
-        return await respond(fe, req, gens, Shape(chat=False, echo=echo))
+        return await respond(fe, req, gens, Shape(chat=False, echo=echo, echo_only=echo_only))
 
     # vLLM's tokenizer routes: the ids the completion routes would compute, nothing generated.
     @app.post("/tokenize")
@@ -341,6 +353,7 @@ class Shape:
     chat: bool
     tools: ToolPlan | None = None
     echo: str = ""                      # completions: the prompt, returned before the text
+    echo_only: bool = False             # echo with max_tokens 0: the prompt and nothing else
 
 
 async def respond(fe: FrontEnd, req: CommonRequest, gens: list[Generation], shape: Shape) -> Response:
@@ -355,6 +368,9 @@ async def respond(fe: FrontEnd, req: CommonRequest, gens: list[Generation], shap
         results = await running.collect()
     except APIError as exc:
         return error_response(exc)
+    if shape.echo_only:
+        for gen in gens:
+            gen.completion_tokens = 0
     choices = [whole_choice(fe, i, gen, result, req, shape) for i, (gen, result) in enumerate(zip(gens, results))]
     body = {**base, "choices": choices, "usage": usage(gens)}
     if req.return_token_ids:
@@ -378,9 +394,13 @@ def whole_choice(fe: FrontEnd, index: int, gen: Generation, result: Collected, r
         if gen.params.logprobs is not None:
             choice["logprobs"] = chat_logprobs(fe, result.logprobs)
     else:
+        if shape.echo_only:                     # max_tokens 0: the prompt alone
+            result = Collected("", [], [])
+            choice["finish_reason"] = "length"
         choice["text"] = shape.echo + result.text
         if gen.params.logprobs is not None:
-            choice["logprobs"] = completion_logprobs(fe, result.logprobs, len(shape.echo))
+            lps = (echoed_logprobs(gen) if shape.echo else []) + result.logprobs
+            choice["logprobs"] = completion_logprobs(fe, lps, 0, gen.prompt_ids)
     if req.return_token_ids:
         choice["token_ids"] = result.token_ids
     return choice
@@ -396,7 +416,7 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
     every_usage = bool(with_usage and options.continuous_usage_stats)
     tools = shape.tools
     held = {i: [] for i in range(len(gens))}       # tool output known only at its end
-    offsets = [len(shape.echo)] * len(gens)
+    offsets = [0] * len(gens)                     # completions: where each choice's text is
 
     def chunk(index: int, delta: dict | None = None, text: str = "", finish: str | None = None,
               token_ids: list[int] | None = None, logprobs: list[TokenLogprob] | None = None) -> bytes:
@@ -408,8 +428,8 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
         else:
             choice["text"] = text
             if logprobs:
-                choice["logprobs"] = completion_logprobs(fe, logprobs, offsets[index])
-                offsets[index] += len(text)
+                choice["logprobs"] = completion_logprobs(fe, logprobs, offsets[index], gens[index].prompt_ids)
+            offsets[index] += len(text)
         if token_ids is not None:
             choice["token_ids"] = token_ids
         event = {**base, "choices": [choice]}
@@ -462,7 +482,13 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
                             {"index": 0, **new_call(tools.name, "")}]}
                     yield chunk(i, first)
                 elif shape.echo:
-                    yield chunk(i, text=shape.echo)
+                    prompt = echoed_logprobs(gens[i]) if gens[i].params.prompt_logprobs is not None else None
+                    yield chunk(i, text=shape.echo, logprobs=prompt)
+            if shape.echo_only:
+                if d.finish_reason:
+                    gens[i].completion_tokens = 0
+                    yield chunk(i, finish="length")
+                continue
             if chat:
                 delta = content(i, d)
                 if delta or ids or d.logprobs:

@@ -29,7 +29,7 @@ def resolve_sampling(*, prompt_len: int, max_model_len: int, vocab_size: int, ma
                      frequency_penalty: float | None = None, repetition_penalty: float | None = None,
                      min_p: float | None = None, logit_bias: dict[int, float] | None = None,
                      stop_token_ids: list[int] | tuple[int, ...] = (), logprobs: int | None = None,
-                     json_schema: str = "") -> SamplingParams:
+                     json_schema: str = "", prompt_logprobs: int | None = None) -> SamplingParams:
     if prompt_len < 1:
         raise bad_request("the prompt is empty", param="prompt")
     if prompt_len >= max_model_len:
@@ -80,4 +80,5 @@ def resolve_sampling(*, prompt_len: int, max_model_len: int, vocab_size: int, ma
                           presence_penalty=float(presence_penalty or 0.0),
                           frequency_penalty=float(frequency_penalty or 0.0), repetition_penalty=repetition_penalty,
                           min_p=min_p, logit_bias=tuple((t, float(b)) for t, b in bias),
-                          stop_token_ids=tuple(stop_token_ids), logprobs=logprobs, json_schema=json_schema)
+                          stop_token_ids=tuple(stop_token_ids), logprobs=logprobs, json_schema=json_schema,
+                          prompt_logprobs=prompt_logprobs)

@@ -114,7 +114,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "kv_bytes", "prefill_seconds", "transfer_seconds", "transport", "transport_fallback", "cached_tokens", "first_logprob")
+    __slots__ = ("first_token_id", "kv_bytes", "prefill_seconds", "transfer_seconds", "transport", "transport_fallback", "cached_tokens", "first_logprob", "prompt_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class PrefillResponse(_message.Message):
     TRANSPORT_FALLBACK_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     kv_bytes: int
     prefill_seconds: float
@@ -131,7 +132,8 @@ class PrefillResponse(_message.Message):
     transport_fallback: bool
     cached_tokens: int
     first_logprob: _generate_pb2.TokenLogprob
-    def __init__(self, first_token_id: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transport: _Optional[str] = ..., transport_fallback: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., first_logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
+    def __init__(self, first_token_id: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transport: _Optional[str] = ..., transport_fallback: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., first_logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "epoch", "prompt_token_ids", "first_token_id", "sampling", "max_tokens", "kv_bytes", "local_prefill", "transport", "n")
@@ -158,16 +160,18 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., transport: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "logprobs", "index")
+    __slots__ = ("token_ids", "finish_reason", "logprobs", "index", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
     index: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("info", "prompt_tokens_computed", "kv_bytes_received", "kv_bytes_sent", "active_handoffs")

@@ -11,7 +11,8 @@ def sampling_to_proto(p: SamplingParams) -> generate_pb2.SamplingParams:
         seed=p.seed, stop=list(p.stop), ignore_eos=p.ignore_eos, min_tokens=p.min_tokens,
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty, min_p=p.min_p, logit_bias=dict(p.logit_bias),
-        stop_token_ids=list(p.stop_token_ids), logprobs=p.logprobs, json_schema=p.json_schema)
+        stop_token_ids=list(p.stop_token_ids), logprobs=p.logprobs, json_schema=p.json_schema,
+        prompt_logprobs=p.prompt_logprobs)
 
 
 def sampling_from_proto(m: generate_pb2.SamplingParams) -> SamplingParams:
@@ -22,12 +23,18 @@ def sampling_from_proto(m: generate_pb2.SamplingParams) -> SamplingParams:
         presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
         repetition_penalty=m.repetition_penalty if m.HasField("repetition_penalty") else 1.0, min_p=m.min_p,
         logit_bias=tuple(sorted(m.logit_bias.items())), stop_token_ids=tuple(m.stop_token_ids),
-        logprobs=m.logprobs if m.HasField("logprobs") else None, json_schema=m.json_schema)
+        logprobs=m.logprobs if m.HasField("logprobs") else None, json_schema=m.json_schema,
+        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None)
 
 
 def logprob_to_proto(lp: TokenLogprob) -> generate_pb2.TokenLogprob:
     return generate_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top_ids=lp.top_ids,
                                      top_logprobs=lp.top_logprobs)
+
+
+def prompt_logprobs_to_proto(logprobs: list[TokenLogprob | None] | None) -> list[generate_pb2.TokenLogprob]:
+    """Prompt tokens 1.. (the first has none)."""
+    return [logprob_to_proto(lp) for lp in (logprobs or [None])[1:]]
 
 
 def logprob_from_proto(m: generate_pb2.TokenLogprob) -> TokenLogprob:
