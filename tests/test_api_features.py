@@ -139,6 +139,20 @@ def test_grpc_returns_a_logprob_per_token(cluster):
     assert all(lp.top_ids[0] == lp.token_id for lp in logprobs)           # greedy: the likeliest
 
 
+def test_grpc_n_choices_come_tagged_with_their_index(cluster):
+    with grpc.insecure_channel(cluster.grpc.removeprefix("http://")) as ch:
+        stub = generate_pb2_grpc.GeneratorStub(ch)
+        request = generate_pb2.GenerateRequest(prompt="Once upon a time", n=3, sampling=generate_pb2.SamplingParams(
+            max_tokens=5, temperature=1.0, seed=11))
+        tokens, finished = {0: [], 1: [], 2: []}, set()
+        for m in stub.Generate(request, timeout=120):
+            tokens[m.index] += m.token_ids
+            if m.finish_reason:
+                finished.add(m.index)
+    assert finished == {0, 1, 2} and all(len(t) == 5 for t in tokens.values())
+    assert len({tuple(t) for t in tokens.values()}) > 1
+
+
 def test_n_choices_each_with_its_own_seed(cluster):
     client = _client(cluster.http)
     kw = dict(model=MODEL, messages=CHATS[0], max_tokens=8, temperature=1.0, seed=7, n=3)

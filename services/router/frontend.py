@@ -12,10 +12,10 @@ import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
-from services.engine.sampling import TokenLogprob
+from services.engine.sampling import SamplingParams, TokenLogprob
 from services.engine.structured import Grammars
 from services.engine.tokenizer import encode_chat, encode_prompt
 from services.router.access import attach
@@ -125,6 +125,18 @@ class FrontEnd:
             attach(gen)
         self.cluster.admit()
         return RunningRequest(self.cluster, gens, min(deadline or self.request_timeout, self.request_timeout))
+
+
+def choices(request_id: str, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Generation]:
+    """One generation per choice, each with its own seed: the request's plus the choice's
+    index (vLLM's rule), so choices differ and a seeded request repeats."""
+    if n == 1:
+        return [Generation(request_id, prompt_ids, params)]
+    return [Generation(f"{request_id}-{i}", prompt_ids, replace(params, seed=(params.seed + i) & SEED_MASK))
+            for i in range(n)]
+
+
+SEED_MASK = (1 << 63) - 1
 
 
 def check_unicode(text: str, param: str) -> str:

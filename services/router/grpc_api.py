@@ -5,8 +5,8 @@ import grpc
 
 from services.router.access import AccessLog
 from services.router.cluster import Generation, new_request_id
-from services.router.frontend import FrontEnd
-from services.router.protocol import MAX_LOGPROBS, APIError, bad_request
+from services.router.frontend import FrontEnd, choices
+from services.router.protocol import MAX_CHOICES, MAX_LOGPROBS, APIError, bad_request
 from services.router.sampling import resolve_sampling
 from services.rpc import generate_pb2, generate_pb2_grpc
 from services.worker.wire import logprob_to_proto
@@ -38,7 +38,7 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
             return await self.fe.tokenize_prompt(list(request.prompt_token_ids.ids))
         raise bad_request("one of prompt, chat or prompt_token_ids is required", param="input")
 
-    async def _generation(self, request: generate_pb2.GenerateRequest) -> Generation:
+    async def _generations(self, request: generate_pb2.GenerateRequest) -> list[Generation]:
         self.fe.check_model(request.model)
         prompt_ids = await self._prompt(request)
         s = request.sampling
@@ -53,24 +53,27 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
             repetition_penalty=opt("repetition_penalty"), min_p=s.min_p, logit_bias=dict(s.logit_bias),
             stop_token_ids=list(s.stop_token_ids), logprobs=opt("logprobs"), json_schema=schema)
-        return Generation(request.request_id or new_request_id("gen"), prompt_ids, params)
+        if not 0 <= request.n <= MAX_CHOICES:
+            raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {request.n}", param="n")
+        return choices(request.request_id or new_request_id("gen"), prompt_ids, params, request.n or 1)
 
     async def Generate(self, request, context):
         given = next((v for k, v in context.invocation_metadata() or () if k == "x-request-id"), None)
         with self.access.grpc_call(GENERATE, context) as call:
             call.request_id = given or request.request_id
             try:
-                gen = await self._generation(request)
-                running = self.fe.start([gen], context.time_remaining())      # the caller's deadline, if any
+                gens = await self._generations(request)
+                running = self.fe.start(gens, context.time_remaining())      # the caller's deadline, if any
             except APIError as exc:
                 await context.abort(getattr(grpc.StatusCode, exc.grpc_code), exc.message)
+            gen = gens[0]
             try:
                 async for d in running.deltas():
                     yield generate_pb2.GenerateResponse(
                         request_id=gen.request_id, text=d.text, token_ids=d.token_ids,
-                        finish_reason=d.finish_reason or "",
+                        finish_reason=d.finish_reason or "", index=d.index,
                         usage=generate_pb2.Usage(prompt_tokens=len(gen.prompt_ids),
-                                                 completion_tokens=gen.completion_tokens),
+                                                 completion_tokens=gens[d.index].completion_tokens),
                         logprobs=[logprob_to_proto(lp) for lp in d.logprobs or ()])
             except APIError as exc:
                 await context.abort(getattr(grpc.StatusCode, exc.grpc_code), exc.message)

@@ -12,7 +12,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -27,7 +27,7 @@ from services.engine.sampling import TokenLogprob
 from services.engine.structured import JSON_OBJECT
 from services.router.access import AccessLogMiddleware
 from services.router.cluster import Delta, Generation, new_request_id
-from services.router.frontend import Collected, FrontEnd, RunningRequest
+from services.router.frontend import Collected, FrontEnd, RunningRequest, choices
 from services.router.protocol import (APIError, ChatCompletionRequest, CommonRequest, CompletionRequest,
                                       DetokenizeRequest, TokenizeRequest, bad_request, unsupported)
 from services.router.sampling import resolve_sampling
@@ -142,8 +142,7 @@ def parse(model: type[BaseModel], data: dict):
 
 def generations(fe: FrontEnd, req: CommonRequest, prefix: str, prompt_ids: list[int], max_tokens: int | None,
                 logprobs: int | None, json_schema: str, prompt_logprobs: int | None = None) -> list[Generation]:
-    """One generation per choice (`n`), each with its own seed: the client's seed plus the
-    choice's index (vLLM's rule), so choices differ and a seeded request repeats."""
+    """The request's generations, one per choice (`n`)."""
     params = resolve_sampling(
         prompt_len=len(prompt_ids), max_model_len=fe.max_model_len, vocab_size=fe.vocab_size,
         max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
@@ -152,11 +151,7 @@ def generations(fe: FrontEnd, req: CommonRequest, prefix: str, prompt_ids: list[
         repetition_penalty=req.repetition_penalty, min_p=req.min_p, logit_bias=req.logit_bias,
         stop_token_ids=req.stop_token_ids or (), logprobs=logprobs, json_schema=json_schema,
         prompt_logprobs=prompt_logprobs)
-    request_id = new_request_id(prefix)
-    if req.choices == 1:
-        return [Generation(request_id, prompt_ids, params)]
-    return [Generation(f"{request_id}-{i}", prompt_ids, replace(params, seed=(params.seed + i) & ((1 << 63) - 1)))
-            for i in range(req.choices)]
+    return choices(new_request_id(prefix), prompt_ids, params, req.choices)
 
 
 async def response_schema(fe: FrontEnd, req: ChatCompletionRequest) -> str:
