@@ -331,6 +331,17 @@ def test_a_forced_tool_call_returns_valid_arguments(tools_router):
                 arguments += d.function.arguments or ""
     assert names == {"get_weather"}
     jsonschema.validate(json.loads(arguments), params)
+    # auto: free text, streamed as content (calls, if the model writes any, whole): the
+    # same as the answer in one piece
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=40, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0].message
+    content, streamed_calls = "", []
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            streamed_calls += [d.function.name for d in c.delta.tool_calls or ()]
+    assert content.strip() == (whole.content or "").strip()
+    assert streamed_calls == [c.function.name for c in whole.tool_calls or ()]
     # A conversation that carries the call and its result renders and answers.
     follow = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, tools=[WEATHER], messages=[
         *ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},

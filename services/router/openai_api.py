@@ -31,7 +31,7 @@ from services.router.frontend import Collected, FrontEnd, RunningRequest, choice
 from services.router.protocol import (APIError, ChatCompletionRequest, CommonRequest, CompletionRequest,
                                       DetokenizeRequest, TokenizeRequest, bad_request, unsupported)
 from services.router.sampling import resolve_sampling
-from services.router.tools import ToolPlan, new_call, parse_calls, plan_tools
+from services.router.tools import CallStream, ToolPlan, new_call, parse_calls, plan_tools
 
 log = logging.getLogger(__name__)
 
@@ -410,7 +410,8 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
     with_usage = bool(options and options.include_usage)
     every_usage = bool(with_usage and options.continuous_usage_stats)
     tools = shape.tools
-    held = {i: [] for i in range(len(gens))}       # tool output known only at its end
+    held = {i: [] for i in range(len(gens))}       # "required" tool output: known only at its end
+    calls = [CallStream() for _ in gens]           # "auto": content streams, calls go out whole
     offsets = [0] * len(gens)                     # completions: where each choice's text is
 
     def chunk(index: int, delta: dict | None = None, text: str = "", finish: str | None = None,
@@ -440,17 +441,30 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
             return {"content": d.text} if d.text else {}
         if tools.streams_arguments:
             return {"tool_calls": [{"index": 0, "function": {"arguments": d.text}}]} if d.text else {}
+        if tools.mode == "auto":
+            return auto_delta(index, *calls[index].feed(d.text))
         held[index].append(d.text)
         return {}
 
+    def auto_delta(index: int, text: str, found: list[dict]) -> dict:
+        delta: dict = {"content": text} if text else {}
+        if found:
+            first = calls[index].calls - len(found)
+            delta["tool_calls"] = [{"index": first + k, **call} for k, call in enumerate(found)]
+        return delta
+
     def closing(index: int, finish: str) -> tuple[dict, str]:
-        """A tool call's last delta: the calls found in the held text."""
+        """A choice's last delta: for tool calls known only at the end, the calls."""
         if tools is None or tools.streams_arguments:
             return {}, finish
-        text, calls = parse_calls(tools, "".join(held[index]))
-        if not calls:
+        if tools.mode == "auto":
+            rest = calls[index].close()
+            return ({"content": rest} if rest else {}), \
+                "tool_calls" if calls[index].calls and finish == "stop" else finish
+        text, calls_found = parse_calls(tools, "".join(held[index]))
+        if not calls_found:
             return ({"content": text} if text else {}), finish
-        delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
+        delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls_found)]}
         if text:
             delta["content"] = text
         return delta, "tool_calls" if finish == "stop" else finish

@@ -81,16 +81,85 @@ def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
             return text, []
         return None, [new_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
     calls = []
-    for match in _HERMES_CALL.finditer(text):
-        try:
-            call = json.loads(match.group(1))
-        except json.JSONDecodeError:
-            continue
-        if isinstance(call, dict) and isinstance(call.get("name"), str):
-            arguments = call.get("arguments", {})
-            calls.append(new_call(call["name"], arguments if isinstance(arguments, str)
-                                  else json.dumps(arguments, ensure_ascii=False)))
+
+    def take(match: re.Match) -> str:
+        call = _hermes_call(match.group(1))
+        if call is None:                        # not a call after all: it stays text
+            return match.group(0)
+        calls.append(call)
+        return ""
+    content = _HERMES_CALL.sub(take, text)
     if not calls:
         return text, []
-    content = _HERMES_CALL.sub("", text).strip()
-    return content or None, calls
+    return content.strip() or None, calls
+
+
+def _hermes_call(body: str) -> dict | None:
+    """A call from the JSON inside <tool_call> tags, or None if it is not one."""
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = call.get("arguments", {})
+    return new_call(call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments,
+                                                                                         ensure_ascii=False))
+
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+class CallStream:
+    """Splits an `auto` choice's streamed text into content, which goes out as it comes,
+    and Hermes-style calls, each sent whole once its closing tag arrives. Text that may
+    be the start of a tag is held until it is known not to be."""
+
+    def __init__(self) -> None:
+        self._held = ""
+        self._in_call = False
+        self.calls = 0
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        """(content to send, calls completed) after `text`."""
+        self._held += text
+        content, calls = [], []
+        while True:
+            if self._in_call:
+                end = self._held.find(CLOSE)
+                if end < 0:
+                    break
+                call = _hermes_call(self._held[:end].strip())
+                if call is not None:
+                    calls.append(call)
+                else:                           # not a call after all: it was text
+                    content.append(OPEN + self._held[:end + len(CLOSE)])
+                self._held = self._held[end + len(CLOSE):]
+                self._in_call = False
+                continue
+            start = self._held.find(OPEN)
+            if start >= 0:
+                content.append(self._held[:start])
+                self._held = self._held[start + len(OPEN):]
+                self._in_call = True
+                continue
+            keep = _partial_tag(self._held)
+            content.append(self._held[:len(self._held) - keep])
+            self._held = self._held[len(self._held) - keep:]
+            break
+        self.calls += len(calls)
+        return "".join(content), calls
+
+    def close(self) -> str:
+        """What is left at the end: text, or an unclosed call given back as text."""
+        rest = (OPEN if self._in_call else "") + self._held
+        self._held, self._in_call = "", False
+        return rest
+
+
+def _partial_tag(text: str) -> int:
+    """How many trailing characters of `text` could begin an opening tag."""
+    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-n:]):
+            return n
+    return 0

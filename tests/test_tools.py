@@ -1,0 +1,45 @@
+"""Tool calls read back from a model's text: whole outputs per tool_choice mode, and an
+`auto` stream split into content and calls however its text is chunked."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.router.tools import CallStream, ToolPlan, parse_calls
+
+TEXT = ('Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+        ' and <tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"CET\\"}"}</tool_call> <tool_call>{oops}'
+        '</tool_call> bye <tool_')
+
+
+def _names(calls):
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def test_whole_outputs_per_mode():
+    auto = ToolPlan([], "auto")
+    content, calls = parse_calls(auto, TEXT)
+    assert _names(calls) == [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
+    assert "<tool_call>{oops}</tool_call>" in content and all(c["id"].startswith("call_") for c in calls)
+    assert parse_calls(auto, "just text") == ("just text", [])
+    named = ToolPlan([], "named", "{}", "f")
+    assert _names(parse_calls(named, '{"a": 1}')[1]) == [("f", {"a": 1})]
+    required = ToolPlan([], "required", "{}")
+    assert _names(parse_calls(required, '[{"name": "g", "arguments": {"x": 2}}]')[1]) == [("g", {"x": 2})]
+    assert parse_calls(required, '[{"name": "g", "argu') == ('[{"name": "g", "argu', [])    # cut by max_tokens
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 11, 1000])
+def test_an_auto_stream_splits_into_the_same_content_and_calls_however_chunked(size):
+    stream = CallStream()
+    content, calls = [], []
+    for i in range(0, len(TEXT), size):
+        text, found = stream.feed(TEXT[i:i + size])
+        content.append(text)
+        calls += found
+    content.append(stream.close())
+    whole_content, whole_calls = parse_calls(ToolPlan([], "auto"), TEXT)
+    assert _names(calls) == _names(whole_calls) and stream.calls == 2
+    assert "".join(content) == "Checking.  and  <tool_call>{oops}</tool_call> bye <tool_"
+    assert "".join(content).strip() == whole_content
