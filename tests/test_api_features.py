@@ -119,6 +119,10 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(cluster, hf):
         _check_logprobs(want, prompt[1:], lp.token_logprobs[1:], [sorted(d.values(), reverse=True)
                                                                  for d in lp.top_logprobs[1:]])
         assert lp.text_offset[0] == 0 and "".join(lp.tokens) == text
+    both = client.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True, logprobs=2, n=2)
+    for c in both.choices:                                      # every choice echoes the one prompt's
+        assert c.logprobs.token_logprobs[0] is None
+        assert c.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
     streamed = [c.choices[0] for c in client.completions.create(model=MODEL, prompt=text, max_tokens=3, echo=True,
                                                                 logprobs=1, temperature=0, stream=True)]
     assert streamed[0].text == text and streamed[0].logprobs.token_logprobs[1:] == pytest.approx(

@@ -202,9 +202,10 @@ def completion_logprobs(fe: FrontEnd, logprobs: list[TokenLogprob | None], offse
             "text_offset": offsets}
 
 
-def echoed_logprobs(gen: Generation) -> list[TokenLogprob | None]:
-    """The prompt's logprobs, for `echo` with `logprobs`: None for its first token."""
-    return [None, *(gen.prompt_logprobs or ())]
+def echoed_logprobs(leader: Generation) -> list[TokenLogprob | None]:
+    """The prompt's logprobs, for `echo` with `logprobs`: None for its first token. The
+    request's first choice has them (its prompt is the one computed)."""
+    return [None, *(leader.prompt_logprobs or ())]
 
 
 def _describe_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
@@ -366,15 +367,16 @@ async def respond(fe: FrontEnd, req: CommonRequest, gens: list[Generation], shap
     if shape.echo_only:
         for gen in gens:
             gen.completion_tokens = 0
-    choices = [whole_choice(fe, i, gen, result, req, shape) for i, (gen, result) in enumerate(zip(gens, results))]
+    choices = [whole_choice(fe, i, gens, result, req, shape) for i, result in enumerate(results)]
     body = {**base, "choices": choices, "usage": usage(gens)}
     if req.return_token_ids:
         body["prompt_token_ids"] = gens[0].prompt_ids
     return JSONResponse(body, headers={"x-pdserve-route": ", ".join(g.route() for g in gens)})
 
 
-def whole_choice(fe: FrontEnd, index: int, gen: Generation, result: Collected, req: CommonRequest,
+def whole_choice(fe: FrontEnd, index: int, gens: list[Generation], result: Collected, req: CommonRequest,
                  shape: Shape) -> dict:
+    gen, leader = gens[index], gens[0]
     choice: dict = {"index": index, "logprobs": None, "finish_reason": gen.finish_reason}
     if shape.chat:
         message: dict = {"role": "assistant", "content": result.text}
@@ -394,7 +396,7 @@ def whole_choice(fe: FrontEnd, index: int, gen: Generation, result: Collected, r
             choice["finish_reason"] = "length"
         choice["text"] = shape.echo + result.text
         if gen.params.logprobs is not None:
-            lps = (echoed_logprobs(gen) if shape.echo else []) + result.logprobs
+            lps = (echoed_logprobs(leader) if shape.echo else []) + result.logprobs
             choice["logprobs"] = completion_logprobs(fe, lps, 0, gen.prompt_ids)
     if req.return_token_ids:
         choice["token_ids"] = result.token_ids
@@ -491,7 +493,7 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
                             {"index": 0, **new_call(tools.name, "")}]}
                     yield chunk(i, first)
                 elif shape.echo:
-                    prompt = echoed_logprobs(gens[i]) if gens[i].params.prompt_logprobs is not None else None
+                    prompt = echoed_logprobs(gens[0]) if gens[i].params.prompt_logprobs is not None else None
                     yield chunk(i, text=shape.echo, logprobs=prompt)
             if shape.echo_only:
                 if d.finish_reason:
