@@ -170,3 +170,14 @@ def test_choices_waiting_on_an_aborted_prompt_end_with_it(runner, model_dir, exp
     assert ended == {"r#0": "abort", "r#1": "abort", "r#2": "abort"}
     assert not engine.has_work() and blocks.num_available == 256
     memory.close()
+
+
+def test_a_fork_without_a_free_block_waits_and_computes_its_prompt(runner, model_dir, expected):
+    """A pool with room for the prompt and one block more: the second extra choice finds
+    no block to copy into, waits, and computes the prompt itself once blocks free up;
+    every choice still gives the greedy answer, and every block comes back."""
+    prompt = expected["long"].prompt_ids[:40]                 # 3 blocks, the last one partial
+    choices, _ = _run_choices(runner, model_dir, prompt, SamplingParams(max_tokens=4, temperature=0), 3,
+                              num_blocks=4)
+    alone, _ = _run_choices(runner, model_dir, prompt, SamplingParams(max_tokens=4, temperature=0), 1)
+    assert choices == [alone[0]] * 3
