@@ -17,6 +17,9 @@ Checks, each a row of the table and of the JSON:
              KV and, in float32, the tokens (services/engine/device.py orders the push)
   bandwidth  NIXL writes between two agents' device pools, layer by layer as prefill
              sends, in GB/s and as a ratio to a torch device-to-device copy of the bytes
+  api        on the same cluster: n=3 greedy choices forked on the decode worker all equal
+             generate's, logprobs equal log_softmax of transformers' logits on the device
+             (1e-3), and a JSON schema's masks keep the output to the schema's values
   host-only  a pool on the device offered through shm or tcp: refused at start
 """
 from __future__ import annotations
@@ -151,6 +154,35 @@ def check_parity(cluster: Cluster, model_dir: Path, device: str, vocab: int, n: 
             "remote": remote, "transports": transports, "ok": same == n and remote == n and transports == ["nixl"]}
 
 
+def check_api(cluster: Cluster, model_dir: Path, device: str, vocab: int) -> dict:
+    """What runs on the device for the API's features: logprobs against transformers'
+    forward pass on the same device, n choices forked on the decode worker (greedy: all
+    the reference answer), and a JSON schema's masks (the output is one of its values)."""
+    import httpx
+    from transformers import AutoModelForCausalLM
+    prompt = _prompts(1, 48, vocab, 3)[0]
+    url = f"{cluster.info['http']}/v1/completions"
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    r = httpx.post(url, json={**body, "logprobs": 3, "n": 3}, timeout=600).json()
+    want = _reference(model_dir, device, [prompt], 6)[0]
+    choices_ok = all(c["token_ids"] == want for c in r["choices"])
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + want], device=device)).logits[0, len(prompt) - 1:-1].float()
+    expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(want, device=device)[:, None])[:, 0]
+    got = torch.tensor(r["choices"][0]["logprobs"]["token_logprobs"], device=device)
+    worst = float((got - expected).abs().max())
+    del model
+    schema = {"enum": ["yes", "no", "maybe"]}
+    j = httpx.post(f"{cluster.info['http']}/v1/chat/completions", timeout=600, json={
+        "messages": [{"role": "user", "content": "?"}], "max_tokens": 8, "temperature": 1.0, "seed": 5,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}).json()
+    answer = j["choices"][0]["message"]["content"]
+    json_ok = answer in {json.dumps(v) for v in schema["enum"]}
+    return {"choices_identical": choices_ok, "logprob_max_error": worst, "json_output": answer,
+            "ok": choices_ok and worst < 1e-3 and json_ok}
+
+
 def check_bandwidth(device: str, shape: tuple[int, int, int], blocks: int, repeats: int) -> dict:
     """Two NIXL agents in this process, device pools, every layer written as prefill sends it."""
     from kv_transfer.base import wait_for
@@ -240,12 +272,13 @@ def main(argv: list[str] | None = None) -> int:
                                          max_tokens=8 if a.quick else 32, seed=1)
         results["race"] = check_parity(cluster, model_dir, a.device, vocab, n=8 if a.quick else 32,
                                        length=256 if a.quick else 2048, max_tokens=4 if a.quick else 16, seed=2)
+        results["api"] = check_api(cluster, model_dir, a.device, vocab)
     finally:
         cluster.stop()
     blocks = 8 if a.quick else 256
     results["bandwidth"] = {name: check_bandwidth(a.device, shape, blocks, 2 if a.quick else 5)
                             for name, shape in KV_SHAPES.items()}
-    ok = all(results[k]["ok"] for k in ("parity", "race", "host_only")) and all(
+    ok = all(results[k]["ok"] for k in ("parity", "race", "api", "host_only")) and all(
         b["ok"] for b in results["bandwidth"].values())
     results["ok"] = ok
     rows = [("device", results["device"]),
@@ -253,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
              f"{results['parity']['identical']}/{results['parity']['prompts']} identical"),
             ("race (concurrent long prompts)",
              f"{results['race']['identical']}/{results['race']['prompts']} identical"),
+            ("API: n=3 forks, logprobs, JSON-schema masks",
+             f"choices identical {results['api']['choices_identical']}, logprob error "
+             f"{results['api']['logprob_max_error']:.1e}, JSON {results['api']['json_output']}"),
             *((f"NIXL {n} KV ({b['bytes'] / 2**20:.0f} MiB)", f"{b['gbps']:.1f} GB/s = {b['ratio_to_copy']:.2f}x a "
                f"device copy ({b['copy_gbps']:.1f} GB/s), bitwise {b['bitwise']}")
               for n, b in results["bandwidth"].items()),

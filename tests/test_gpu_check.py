@@ -20,6 +20,7 @@ def test_gpu_check_passes_its_checks_on_the_cpu(model_dir, tmp_path):
     doc = json.loads(out.read_text())
     assert doc["parity"]["identical"] == doc["parity"]["prompts"] and doc["parity"]["transports"] == ["nixl"]
     assert doc["race"]["identical"] == doc["race"]["prompts"]
+    assert doc["api"]["choices_identical"] and doc["api"]["logprob_max_error"] < 1e-4 and doc["api"]["ok"]
     assert all(b["bitwise"] for b in doc["bandwidth"].values())
     assert doc["host_only"]["ok"]
 
