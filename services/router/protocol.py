@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator,
                       model_validator)
 
-NonNegFloat = Annotated[float, Field(strict=False)]
+Number = Annotated[float, Field(strict=False)]      # an int is a float here, as in JSON
 
 
 class APIError(Exception):
@@ -150,8 +150,8 @@ class CommonRequest(BaseModel):
     model_config = STRICT
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
-    temperature: NonNegFloat | None = None
-    top_p: NonNegFloat | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
     top_k: StrictInt | None = None
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
@@ -161,11 +161,11 @@ class CommonRequest(BaseModel):
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = 0
     return_token_ids: StrictBool = False
-    presence_penalty: NonNegFloat | None = None
-    frequency_penalty: NonNegFloat | None = None
-    repetition_penalty: NonNegFloat | None = None
-    min_p: NonNegFloat | None = None
-    logit_bias: dict[str, NonNegFloat] | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = None
+    min_p: Number | None = None
+    logit_bias: dict[str, Number] | None = None
     stop_token_ids: list[StrictInt] | None = None
     user: StrictStr | None = None                       # the caller's own label: logged, no effect
     best_of: StrictInt | None = None
@@ -200,7 +200,6 @@ class CommonRequest(BaseModel):
             raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {self.n}", param="n")
         if self.best_of not in (None, self.choices):
             raise unsupported("best_of", "best_of other than n is not supported")
-
 
 
 def unsupported(param: str, message: str | None = None) -> APIError:
