@@ -135,8 +135,9 @@ def test_grpc_returns_a_logprob_per_token(cluster):
     with grpc.insecure_channel(cluster.grpc.removeprefix("http://")) as ch:
         stub = generate_pb2_grpc.GeneratorStub(ch)
         ids, logprobs = [], []
-        for m in stub.Generate(generate_pb2.GenerateRequest(prompt="Once upon a time", sampling=generate_pb2.SamplingParams(
-                max_tokens=6, temperature=0, logprobs=2)), timeout=120):
+        sampling = generate_pb2.SamplingParams(max_tokens=6, temperature=0, logprobs=2)
+        for m in stub.Generate(generate_pb2.GenerateRequest(prompt="Once upon a time", sampling=sampling),
+                               timeout=120):
             ids += m.token_ids
             logprobs += m.logprobs
     assert [lp.token_id for lp in logprobs] == ids and all(len(lp.top_ids) == 2 for lp in logprobs)

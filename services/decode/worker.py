@@ -145,9 +145,9 @@ class DecodeWorker:
             return to
         choices = [seq, *seq.forks]
         first, *others = [deliver(c.request_id, sink) for c, sink in zip(choices, sinks, strict=True)]
-        with self._lock:
-            self._decoding.update(c.request_id for c in choices)
         if epoch is None:
+            with self._lock:
+                self._decoding.update(c.request_id for c in choices)
             self.loop.submit(seq, first, fork_sinks=others)
             return
         with self._lock:
@@ -157,6 +157,7 @@ class DecodeWorker:
             self.handoffs.advance(h, HandoffState.COMPLETE)
             self.handoffs.advance(h, HandoffState.DECODING)
             seq.block_ids = list(h.block_ids)           # the sequence owns them from here
+            self._decoding.update(c.request_id for c in choices)
         self.kv_bytes_received += kv_bytes
         self.metrics.kv_bytes.labels("received", backend).inc(kv_bytes)
         self.loop.submit(seq, first, prefilled=True, fork_sinks=others)

@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP front end: /v1/chat/completions, /v1/completions, /v1/models,
-vLLM's /tokenize and /detokenize, plus /health, /ready and /metrics. Requests run as `RunningRequest` tasks (frontend.py),
-so a client that disconnects cancels its request on every worker.
+vLLM's /tokenize and /detokenize, plus /health, /ready and /metrics. Requests run as
+`RunningRequest` tasks (frontend.py), so a client that disconnects cancels its request
+on every worker.
 
 With API keys, every route but /health and /ready (and /metrics, unless protected) needs
 `Authorization: Bearer <key>`. JSON routes take only `Content-Type: application/json`
