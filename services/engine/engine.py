@@ -26,7 +26,7 @@ import torch
 from services.engine.device import LayerPoster
 from services.engine.kv_cache import KVPoolMemory
 from services.engine.runner import ForwardBatch, ModelRunner, PrefillSegment
-from services.engine.sampler import LOGPROB_FLOOR, Sampled, sample
+from services.engine.sampler import Sampled, sample, token_logprobs
 from services.engine.sampling import TokenLogprob
 from services.engine.scheduler import Scheduler, Sequence, StepPlan
 from services.engine.structured import fill_masks
@@ -241,18 +241,12 @@ def record_prompt_logprobs(logits: torch.Tensor, targets: list[tuple[Sequence, i
     """Each target prompt token's log probability (and its position's likeliest), from
     the raw logits of the position before it, as vLLM reports prompt logprobs. Written
     by position, so a chunk computed again (preemption, a failed step) writes the same."""
-    lp = torch.log_softmax(logits, dim=-1).clamp_(min=LOGPROB_FLOOR)
-    ids = torch.tensor([seq.token_ids[p] for seq, p in targets], device=lp.device)
-    chosen = lp.gather(1, ids[:, None])[:, 0].tolist()
-    k = max(seq.params.prompt_logprobs for seq, _ in targets)
-    top = lp.topk(k, dim=-1) if k else None
-    for i, (seq, p) in enumerate(targets):
-        n = seq.params.prompt_logprobs
+    found = token_logprobs(logits, [seq.token_ids[p] for seq, p in targets],
+                           [seq.params.prompt_logprobs for seq, _ in targets])
+    for (seq, p), lp in zip(targets, found):
         if seq.prompt_logprobs is None:
             seq.prompt_logprobs = [None] * seq.prompt_len
-        seq.prompt_logprobs[p] = TokenLogprob(seq.token_ids[p], chosen[i],
-                                              top.indices[i, :n].tolist() if n else [],
-                                              top.values[i, :n].tolist() if n else [])
+        seq.prompt_logprobs[p] = lp
 
 
 # What a worker hands the loop to receive a request's output, called on the engine

@@ -153,19 +153,22 @@ def _logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: list[i
     rows = [r for r, p in enumerate(params) if p.logprobs is not None]
     if not rows:
         return out
-    index = torch.tensor(rows, device=logits.device)
-    sub = logits.index_select(0, index)
+    sub = logits.index_select(0, torch.tensor(rows, device=logits.device))
     temps = torch.tensor([params[r].temperature or 1.0 for r in rows], dtype=sub.dtype, device=sub.device)
-    lp = torch.log_softmax(sub / temps[:, None], dim=-1).clamp_(min=LOGPROB_FLOOR)
-    chosen = lp.gather(1, torch.tensor([tokens[r] for r in rows], device=lp.device)[:, None])[:, 0].tolist()
-    k = max(params[r].logprobs for r in rows)
-    top = lp.topk(k, dim=-1) if k else None
-    for i, r in enumerate(rows):
-        n = params[r].logprobs
-        ids = top.indices[i, :n].tolist() if n else []
-        vals = top.values[i, :n].tolist() if n else []
-        out[r] = TokenLogprob(tokens[r], chosen[i], ids, vals)
+    found = token_logprobs(sub / temps[:, None], [tokens[r] for r in rows], [params[r].logprobs for r in rows])
+    for r, lp in zip(rows, found):
+        out[r] = lp
     return out
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], tops: list[int]) -> list[TokenLogprob]:
+    """Row i's log probability of token_ids[i], and its tops[i] likeliest tokens'."""
+    lp = torch.log_softmax(logits, dim=-1).clamp_(min=LOGPROB_FLOOR)
+    chosen = lp.gather(1, torch.tensor(token_ids, device=lp.device)[:, None])[:, 0].tolist()
+    k = max(tops)
+    top = lp.topk(k, dim=-1) if k else None
+    return [TokenLogprob(t, chosen[i], top.indices[i, :n].tolist() if n else [],
+                         top.values[i, :n].tolist() if n else []) for i, (t, n) in enumerate(zip(token_ids, tops))]
 
 
 @dataclass

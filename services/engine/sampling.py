@@ -7,6 +7,14 @@ import math
 from dataclasses import dataclass, field
 
 
+class InvalidSampling(ValueError):
+    """A sampling parameter out of its range, named (`param`) for the API's error."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int
@@ -37,34 +45,34 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
+            raise InvalidSampling("max_tokens", "max_tokens must be at least 1")
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, not {self.temperature}")
+            raise InvalidSampling("temperature", f"temperature must be a finite number >= 0, not {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:                  # NaN fails this too
-            raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
+            raise InvalidSampling("top_p", f"top_p must be in (0, 1], not {self.top_p}")
         if self.top_k < 0:
-            raise ValueError("top_k must be >= 0 (0 = off)")
+            raise InvalidSampling("top_k", f"top_k must be -1 or 0 (off) or positive, not {self.top_k}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise ValueError("min_tokens must be between 0 and max_tokens")
+            raise InvalidSampling("min_tokens", f"min_tokens must be between 0 and max_tokens ({self.max_tokens})")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], not {getattr(self, name)}")
+                raise InvalidSampling(name, f"{name} must be in [-2, 2], not {getattr(self, name)}")
         if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
-                             f"not {self.repetition_penalty}")
+            raise InvalidSampling("repetition_penalty", f"repetition_penalty must be in "
+                                  f"(0, {MAX_REPETITION_PENALTY:g}], not {self.repetition_penalty}")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], not {self.min_p}")
+            raise InvalidSampling("min_p", f"min_p must be in [0, 1], not {self.min_p}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens")
+            raise InvalidSampling("logit_bias", f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens")
         for token, bias in self.logit_bias:
             if token < 0 or not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias of token {token} must be in [-100, 100], not {bias}")
+                raise InvalidSampling("logit_bias", f"logit_bias of token {token} must be in [-100, 100], not {bias}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} token ids >= 0")
+            raise InvalidSampling("stop_token_ids", f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} token ids >= 0")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
-                raise ValueError(f"{name} must be between 0 and {MAX_TOP_LOGPROBS}, not {value}")
+                raise InvalidSampling(name, f"{name} must be between 0 and {MAX_TOP_LOGPROBS}, not {value}")
 
     def token_ids_named(self) -> list[int]:
         """Every token id these parameters name, for a vocabulary check."""

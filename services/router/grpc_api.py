@@ -6,7 +6,7 @@ import grpc
 from services.router.access import AccessLog
 from services.router.cluster import Generation, new_request_id
 from services.router.frontend import FrontEnd, choices
-from services.router.protocol import MAX_CHOICES, MAX_LOGPROBS, APIError, bad_request
+from services.router.protocol import MAX_CHOICES, APIError, bad_request
 from services.router.sampling import resolve_sampling
 from services.rpc import generate_pb2, generate_pb2_grpc
 from services.worker.wire import logprob_to_proto
@@ -44,8 +44,6 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
         s = request.sampling
         opt = lambda name: getattr(s, name) if s.HasField(name) else None  # noqa: E731
         schema = await self.fe.check_schema(s.json_schema, "sampling.json_schema") if s.json_schema else ""
-        if s.HasField("logprobs") and s.logprobs > MAX_LOGPROBS:
-            raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}", param="sampling.logprobs")
         params = resolve_sampling(
             prompt_len=len(prompt_ids), max_model_len=self.fe.max_model_len, vocab_size=self.fe.vocab_size,
             max_tokens=opt("max_tokens"), temperature=opt("temperature"), top_p=opt("top_p"), top_k=opt("top_k"),

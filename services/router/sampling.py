@@ -1,12 +1,10 @@
-"""Turn API sampling fields into engine `SamplingParams`, checking every range once,
-for HTTP and gRPC alike."""
+"""Turn API sampling fields into engine `SamplingParams`, for HTTP and gRPC alike: what
+needs the prompt or the vocabulary is checked here, every range by SamplingParams."""
 from __future__ import annotations
 
-import math
 import secrets
 
-from services.engine.sampling import (MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_STOP_TOKEN_IDS,
-                                      SamplingParams)
+from services.engine.sampling import InvalidSampling, SamplingParams
 from services.router.protocol import APIError, bad_request
 
 _U63 = (1 << 63) - 1
@@ -40,45 +38,25 @@ def resolve_sampling(*, prompt_len: int, max_model_len: int, vocab_size: int, ma
         raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
     elif prompt_len + max_tokens > max_model_len:
         raise context_error(prompt_len, max_model_len, max_tokens)
-    temperature = 1.0 if temperature is None else float(temperature)
-    if not math.isfinite(temperature) or temperature < 0:
-        raise bad_request(f"temperature must be a finite number >= 0, got {temperature}", param="temperature")
-    top_p = 1.0 if top_p is None else float(top_p)
-    if not (0.0 < top_p <= 1.0):
-        raise bad_request(f"top_p must be in (0, 1], got {top_p}", param="top_p")
-    top_k = 0 if top_k in (None, -1) else top_k
-    if top_k < 0:
-        raise bad_request(f"top_k must be -1, 0 (off) or positive, got {top_k}", param="top_k")
-    if not 0 <= min_tokens <= max_tokens:
-        raise bad_request(f"min_tokens must be between 0 and max_tokens ({max_tokens})", param="min_tokens")
-    seed = secrets.randbits(63) if seed is None else seed & _U63
-    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
-        if value is not None and not -2.0 <= value <= 2.0:
-            raise bad_request(f"{name} must be between -2 and 2, got {value}", param=name)
-    repetition_penalty = 1.0 if repetition_penalty is None else float(repetition_penalty)
-    if not 0.0 < repetition_penalty <= MAX_REPETITION_PENALTY:
-        raise bad_request(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {repetition_penalty}",
-                          param="repetition_penalty")
-    min_p = 0.0 if min_p is None else float(min_p)
-    if not 0.0 <= min_p <= 1.0:
-        raise bad_request(f"min_p must be in [0, 1], got {min_p}", param="min_p")
+    # Ranges are SamplingParams' to check (the workers check them again); what needs the
+    # vocabulary is checked here.
     bias = sorted((logit_bias or {}).items())
-    if len(bias) > MAX_LOGIT_BIAS:
-        raise bad_request(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens", param="logit_bias")
-    for token, value in bias:
-        if not 0 <= token < vocab_size:
-            raise bad_request(f"logit_bias names token {token}, outside the vocabulary [0, {vocab_size})",
-                              param="logit_bias")
-        if not -100.0 <= value <= 100.0:
-            raise bad_request(f"logit_bias values must be between -100 and 100, got {value} for token {token}",
-                              param="logit_bias")
-    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS or any(not 0 <= t < vocab_size for t in stop_token_ids):
-        raise bad_request(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids in [0, {vocab_size})",
-                          param="stop_token_ids")
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                          stop=tuple(stop), ignore_eos=ignore_eos, min_tokens=min_tokens,
-                          presence_penalty=float(presence_penalty or 0.0),
-                          frequency_penalty=float(frequency_penalty or 0.0), repetition_penalty=repetition_penalty,
-                          min_p=min_p, logit_bias=tuple((t, float(b)) for t, b in bias),
-                          stop_token_ids=tuple(stop_token_ids), logprobs=logprobs, json_schema=json_schema,
-                          prompt_logprobs=prompt_logprobs)
+    outside = next((t for t, _ in bias if not 0 <= t < vocab_size), None)
+    if outside is not None:
+        raise bad_request(f"logit_bias names token {outside}, outside the vocabulary [0, {vocab_size})",
+                          param="logit_bias")
+    if any(not 0 <= t < vocab_size for t in stop_token_ids):
+        raise bad_request(f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if temperature is None else float(temperature),
+            top_p=1.0 if top_p is None else float(top_p), top_k=0 if top_k in (None, -1) else top_k,
+            seed=secrets.randbits(63) if seed is None else seed & _U63, stop=tuple(stop), ignore_eos=ignore_eos,
+            min_tokens=min_tokens, presence_penalty=float(presence_penalty or 0.0),
+            frequency_penalty=float(frequency_penalty or 0.0),
+            repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
+            min_p=0.0 if min_p is None else float(min_p), logit_bias=tuple((t, float(b)) for t, b in bias),
+            stop_token_ids=tuple(stop_token_ids), logprobs=logprobs, json_schema=json_schema,
+            prompt_logprobs=prompt_logprobs)
+    except InvalidSampling as exc:
+        raise bad_request(str(exc), param=exc.param) from None
