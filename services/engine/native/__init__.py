@@ -63,8 +63,9 @@ def _build(source: Path, out_dir: Path) -> Path:
     if cc is None:
         raise NativeBuildError("no C compiler (cc, gcc or clang) on PATH")
     version = _run([cc, "--version"]).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), " ".join(COMPILE_FLAGS), version, platform.machine(),
-                                    _cpu_signature()]).encode()).hexdigest()[:16]
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]     # what the source includes
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(COMPILE_FLAGS), version,
+                                    platform.machine(), _cpu_signature()]).encode()).hexdigest()[:16]
     target = out_dir / f"{source.stem}-{key}.so"
     if target.exists():
         return target

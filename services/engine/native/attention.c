@@ -28,6 +28,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fastmath.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define HAVE_DPBF16 1
@@ -438,11 +440,12 @@ static inline __attribute__((always_inline)) void tile(const PrefillJob *j, int 
 #pragma omp simd reduction(max : mx)
             for (int c = 0; c < KT; c++)
                 mx = s[c] > mx ? s[c] : mx;
-            const float m_new = mx > m[r] ? mx : m[r], corr = expf(m[r] - m_new);
+            const float m_new = mx > m[r] ? mx : m[r], corr = fast_expf(m[r] - m_new);
             float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
             for (int c = 0; c < KT; c++) {
-                s[c] = expf(s[c] - m_new);
+                const float e = fast_expf(s[c] - m_new);
+                s[c] = c < seen ? e : 0.0f;     /* masked keys weigh exactly nothing */
                 sum += s[c];
             }
             l[r] = l[r] * corr + sum;

@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "fastmath.h"
+
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -30,28 +32,6 @@ static inline uint16_t f32_to_bf16(float f) {
     if ((bits & 0x7fffffffu) > 0x7f800000u)
         return (uint16_t)((bits >> 16) | 0x40);                         /* quiet NaN */
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);    /* round to nearest even */
-}
-
-/* e^x for the activation, vectorizable inline (libm's expf is a call per vector): 2^(x
- * log2 e) split into an integer power, put straight into the exponent bits, and a
- * degree-6 polynomial for the fraction; relative error below 2e-7 over [-87, 88]. */
-static inline float fast_expf(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float t = x * 1.44269504088896341f;
-    const float n = __builtin_floorf(t);
-    const float f = t - n;
-    float p = 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    int32_t bits;
-    memcpy(&bits, &p, sizeof bits);
-    bits += (int32_t)n << 23;
-    memcpy(&p, &bits, sizeof p);
-    return p;
 }
 
 static inline void load(const void *base, int64_t off, int n, int bf16, float *dst) {
