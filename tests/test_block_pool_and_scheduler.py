@@ -118,6 +118,29 @@ def test_prefill_chunk_caps_one_prompt_per_step():
     assert [(c.seq, c.num_tokens) for c in plan.prefill] == [(a, 4), (b, 4)]
 
 
+def test_prompt_tokens_beside_decoding_sequences_are_capped_across_prompts():
+    s = scheduler(blocks=32, max_num_batched_tokens=32, max_mixed_prefill=6)
+    a, b = seq("a", prompt_len=10), seq("b", prompt_len=10)
+    s.add(a)
+    s.add(b)
+    plan = s.schedule()                       # nothing decodes yet: the whole budget
+    assert [(c.seq, c.num_tokens) for c in plan.prefill] == [(a, 10), (b, 10)]
+    s.update(plan, [7, 7])
+    c, d = seq("c", prompt_len=9), seq("d", prompt_len=9)
+    s.add(c)
+    s.add(d)
+    seen = []
+    while d.num_generated == 0:
+        plan, _ = step(s)
+        assert {x.seq for x in plan.decode} >= {a, b}         # a and b get a token every step
+        assert sum(x.num_tokens for x in plan.prefill) <= 6   # all prompts together, not each
+        seen += [(x.seq.request_id, x.num_tokens) for x in plan.chunks if x.seq in (c, d)]
+    # c's 9 tokens go 6 + 3 and d starts in the room c leaves that step; then c decodes
+    assert seen == [("c", 6), ("c", 3), ("d", 3), ("c", 1), ("d", 6)]
+    with pytest.raises(ValueError):
+        SchedulerConfig(max_mixed_prefill=-1)
+
+
 def test_out_of_blocks_preempts_newest_and_recomputes_its_tokens():
     s = scheduler(blocks=3, block_size=2)
     a = prefilled(s, seq("a", prompt_len=2, first=1, max_tokens=50))

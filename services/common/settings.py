@@ -211,10 +211,14 @@ class EngineSettings:
                                             roles=("decode",))
     max_batch: int = setting(64, "most sequences in a decode worker's running batch", roles=("decode",))
     max_num_batched_tokens: int = setting(
-        0, "tokens one forward pass may hold: decode tokens plus prompt chunks (0: 4096 on prefill "
+        0, "tokens one forward pass may hold: decode tokens plus prompt chunks (0: 1024 on prefill "
            "workers, 512 on decode workers)")
     prefill_chunk_tokens: int = setting(0, "most tokens of one prompt in a forward pass (0: as many as the "
                                            "token budget leaves)")
+    mixed_prefill_tokens: int = setting(
+        -1, "decode workers: most prompt tokens in a forward pass that also decodes running sequences; it bounds "
+            "the gap between their tokens while prompts are computed alongside (0: as many as the token budget "
+            "leaves; -1: 64 on a CPU, 512 on a GPU)", roles=("decode",))
     prefix_cache_tokens: int = setting(16384, "prefill workers: prompt KV kept for reuse by later prompts with "
                                               "the same prefix (0: off)", roles=("prefill",))
     kv_transport: str = setting("auto", "KV transfer backend; auto offers/uses the fastest that works for each "
@@ -238,6 +242,8 @@ class EngineSettings:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.prefill_chunk_tokens < 0:
             raise ValueError("--prefill-chunk-tokens must be 0 (as the budget allows) or more")
+        if self.mixed_prefill_tokens < -1:
+            raise ValueError("--mixed-prefill-tokens must be -1 (automatic), 0 (as the budget allows) or more")
         if self.prefix_cache_tokens < 0:
             raise ValueError("--prefix-cache-tokens must be 0 (off) or more")
         if self.max_batch < 1:

@@ -55,7 +55,7 @@ class DecodeWorker:
         self.eos = eos_token_ids
         self.metrics = metrics
         self.epoch = uuid.uuid4().hex[:12]
-        config = scheduler_config(settings)
+        config = scheduler_config(settings, runner.device.type)
         tokens = runner.kv_tokens(settings.kv_cache_tokens, settings.gpu_memory_utilization,
                                   config.max_num_batched_tokens, config.max_num_seqs)
         num_blocks = tokens // settings.block_size

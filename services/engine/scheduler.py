@@ -6,7 +6,10 @@ every running sequence's next token (decode, or the next chunk of a prompt alrea
 started), then new prompts from the waiting queue, oldest first. A prompt started in an
 earlier step goes on before a new one starts, so long prompts are never starved, and
 several short prompts share one forward pass with the decode tokens: the whole plan
-runs as one forward over a ragged batch.
+runs as one forward over a ragged batch. A step that decodes takes at most
+`max_mixed_prefill` prompt tokens, all prompts together (Sarathi-Serve's stall-free
+batching): the running sequences then see their next token a bounded time later while
+prompts are computed beside them, instead of waiting out whole prompts.
 
 A sequence's life here:
   add()            -> waiting -> blocks for its prompt (a cached prefix is reused)
@@ -159,6 +162,10 @@ class SchedulerConfig:
     max_num_seqs: int = 64              # sequences running at once
     max_num_batched_tokens: int = 2048  # tokens in one forward pass
     max_prefill_chunk: int = 0          # most tokens of one prompt in a step (0: the budget)
+    # Most prompt tokens, all prompts together, in a step that also decodes (0: the
+    # budget). A prompt chunk lengthens the step every running sequence waits on for its
+    # next token; this bounds that gap while prompts are computed alongside.
+    max_mixed_prefill: int = 0
     prefill_only: bool = False          # each sequence ends with its first token (prefill worker)
     retain_finished: bool = False       # finished sequences keep their blocks until release()
 
@@ -170,6 +177,8 @@ class SchedulerConfig:
                              f"of each of the {self.max_num_seqs} running sequences")
         if self.max_prefill_chunk < 0:
             raise ValueError("max_prefill_chunk must be 0 (the budget) or more")
+        if self.max_mixed_prefill < 0:
+            raise ValueError("max_mixed_prefill must be 0 (the budget) or more")
 
 
 class Scheduler:
@@ -250,34 +259,45 @@ class Scheduler:
             self.running.append(seq)
             plan.joined.append(seq)
         preempted = False
+        # Prompt tokens this step may take: all the budget leaves, unless it decodes too.
+        prompts = budget
+        if self.config.max_mixed_prefill and any(s.num_computed == len(s.token_ids) - 1 for s in self.running):
+            prompts = self.config.max_mixed_prefill
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SeqStatus.RUNNING:        # preempted earlier in this pass
                 continue
-            n = self._chunk_len(seq, budget)
+            n = self._chunk_len(seq, budget, prompts)
+            if n == 0:
+                continue
             freed = self._make_room(seq, seq.num_computed + n, plan)
             preempted = preempted or freed is not None
             budget += freed or 0
             if seq.status is SeqStatus.RUNNING:
                 plan._add(Chunk(seq, seq.num_computed, n))
                 budget -= n
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                prompts -= n if n > 1 else 0
+        while (not preempted and self.waiting and min(budget, prompts) > 0
+               and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
             if not self._admit(seq):
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            n = self._chunk_len(seq, budget)
+            n = self._chunk_len(seq, budget, prompts)
             plan._add(Chunk(seq, seq.num_computed, n))
             budget -= n
+            prompts -= n if n > 1 else 0
         return plan
 
-    def _chunk_len(self, seq: Sequence, budget: int) -> int:
+    def _chunk_len(self, seq: Sequence, budget: int, prompts: int) -> int:
+        """Tokens of `seq` in this step: its next token, or as much of its prompt as the
+        budget, the prompt-token allowance `prompts` and the chunk limit leave."""
         n = min(len(seq.token_ids) - seq.num_computed, budget)
-        if self.config.max_prefill_chunk and n > 1:
-            n = min(n, self.config.max_prefill_chunk)
+        if n > 1:
+            n = max(min(n, prompts, self.config.max_prefill_chunk or n), 0)
         return n
 
     def _admit(self, seq: Sequence) -> bool:
