@@ -92,3 +92,15 @@ def test_dtype_auto_fits_the_cpu():
     assert (cpu_kind(avx2), cpu_kind(bf16)) == ("avx2", "avx512-bf16")
     with pytest.raises(ValueError):
         pick_dtype("float8", cpu, bf16)
+
+
+def test_mixed_prefill_cap_defaults_by_role_and_device():
+    from services.worker.main import MIXED_PREFILL_CPU, MIXED_PREFILL_GPU, scheduler_config
+    decode = WorkerSettings(role="decode")
+    assert scheduler_config(decode, "cpu").max_mixed_prefill == MIXED_PREFILL_CPU
+    assert scheduler_config(decode, "cuda").max_mixed_prefill == MIXED_PREFILL_GPU
+    assert scheduler_config(WorkerSettings(role="decode", mixed_prefill_tokens=0)).max_mixed_prefill == 0
+    assert scheduler_config(WorkerSettings(role="decode", mixed_prefill_tokens=96)).max_mixed_prefill == 96
+    assert scheduler_config(WorkerSettings(role="prefill")).max_mixed_prefill == 0   # nothing decodes there
+    with pytest.raises(ValueError):
+        WorkerSettings(role="decode", mixed_prefill_tokens=-2)
