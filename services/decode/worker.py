@@ -19,7 +19,6 @@ import asyncio
 import logging
 import threading
 import uuid
-from dataclasses import replace
 
 import grpc
 
@@ -35,14 +34,11 @@ from services.engine.runner import ModelRunner
 from services.engine.scheduler import Scheduler, Sequence
 from services.rpc import worker_pb2, worker_pb2_grpc
 from services.worker.main import EngineStatus, WorkerParts, grammars_for, prepare, scheduler_config
-from services.engine.sampling import SamplingParams
+from services.engine.sampling import MAX_CHOICES, SamplingParams
 from services.worker.wire import (check_request_id, check_tokens, logprob_to_proto, prompt_logprobs_to_proto,
                                   sampling_from_proto)
 
 log = logging.getLogger(__name__)
-
-MAX_CHOICES = 16                        # n per request, as the router allows
-SEED_MASK = (1 << 63) - 1
 
 
 class DecodeWorker:
@@ -279,7 +275,7 @@ class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
             constraint = await asyncio.to_thread(prepare, params, e.runner.vocab_size, e.grammars, taken)
             forks = []
             for i in range(1, n):           # each its own seed, and its own place in the grammar
-                p = replace(params, seed=(params.seed + i) & SEED_MASK)
+                p = params.for_choice(i)
                 forks.append(Sequence(f"{request.request_id}#{i}", [], len(prompt), p, e.eos,
                                       constraint=await asyncio.to_thread(prepare, p, e.runner.vocab_size, e.grammars)))
         except ValueError as exc:

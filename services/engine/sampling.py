@@ -4,7 +4,7 @@ reaches its port, and one bad value must fail its own request, never a batch."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 class InvalidSampling(ValueError):
@@ -74,6 +74,11 @@ class SamplingParams:
             if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
                 raise InvalidSampling(name, f"{name} must be between 0 and {MAX_TOP_LOGPROBS}, not {value}")
 
+    def for_choice(self, index: int) -> "SamplingParams":
+        """Choice `index` of a request asking for several (n): its own seed, the request's
+        plus the index (vLLM's rule), so choices differ and a seeded request repeats."""
+        return self if index == 0 else replace(self, seed=(self.seed + index) & SEED_MASK)
+
     def token_ids_named(self) -> list[int]:
         """Every token id these parameters name, for a vocabulary check."""
         return [t for t, _ in self.logit_bias] + list(self.stop_token_ids)
@@ -89,6 +94,8 @@ class TokenLogprob:
 
 
 MAX_TOP_LOGPROBS = 20                   # OpenAI's limit
+MAX_CHOICES = 16                        # n: choices of one request
+SEED_MASK = (1 << 63) - 1
 MAX_LOGIT_BIAS = 1024
 MAX_STOP_TOKEN_IDS = 64
 MAX_REPETITION_PENALTY = 10.0

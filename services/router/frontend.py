@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from services.engine.sampling import SamplingParams, TokenLogprob
@@ -128,15 +128,10 @@ class FrontEnd:
 
 
 def choices(request_id: str, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Generation]:
-    """One generation per choice, each with its own seed: the request's plus the choice's
-    index (vLLM's rule), so choices differ and a seeded request repeats."""
+    """One generation per choice, each with its own seed (SamplingParams.for_choice)."""
     if n == 1:
         return [Generation(request_id, prompt_ids, params)]
-    return [Generation(f"{request_id}-{i}", prompt_ids, replace(params, seed=(params.seed + i) & SEED_MASK))
-            for i in range(n)]
-
-
-SEED_MASK = (1 << 63) - 1
+    return [Generation(f"{request_id}-{i}", prompt_ids, params.for_choice(i)) for i in range(n)]
 
 
 def check_unicode(text: str, param: str) -> str:

@@ -14,6 +14,8 @@ from typing import Annotated, Literal
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator,
                       model_validator)
 
+from services.engine.sampling import MAX_CHOICES, MAX_TOP_LOGPROBS
+
 Number = Annotated[float, Field(strict=False)]      # an int is a float here, as in JSON
 
 
@@ -42,8 +44,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 STRICT = ConfigDict(extra="forbid")
 # Completions' logprobs: OpenAI allows 5; vLLM (and this) as many as chat's top_logprobs.
-MAX_LOGPROBS = 20
-MAX_CHOICES = 16
+MAX_LOGPROBS = MAX_TOP_LOGPROBS
 
 
 class TextPart(BaseModel):

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import secrets
 
-from services.engine.sampling import InvalidSampling, SamplingParams
+from services.engine.sampling import SEED_MASK, InvalidSampling, SamplingParams
 from services.router.protocol import APIError, bad_request
-
-_U63 = (1 << 63) - 1
 
 
 def context_error(prompt_len: int, max_model_len: int, max_tokens: int | None = None) -> APIError:
@@ -51,7 +49,7 @@ def resolve_sampling(*, prompt_len: int, max_model_len: int, vocab_size: int, ma
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if temperature is None else float(temperature),
             top_p=1.0 if top_p is None else float(top_p), top_k=0 if top_k in (None, -1) else top_k,
-            seed=secrets.randbits(63) if seed is None else seed & _U63, stop=tuple(stop), ignore_eos=ignore_eos,
+            seed=secrets.randbits(63) if seed is None else seed & SEED_MASK, stop=tuple(stop), ignore_eos=ignore_eos,
             min_tokens=min_tokens, presence_penalty=float(presence_penalty or 0.0),
             frequency_penalty=float(frequency_penalty or 0.0),
             repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
