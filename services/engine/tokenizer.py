@@ -4,10 +4,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from services.engine.model_store import generic_config
+
 
 def load_tokenizer(model_dir: Path):
+    """The tokenizer class AutoTokenizer picks for the model, handed the generic config
+    (model_store.generic_config: the same model type, without the model's own config
+    class and the imports it drags in)."""
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(model_dir)
+    try:
+        config = generic_config(model_dir)
+    except (OSError, ValueError):            # no config.json: AutoTokenizer finds its own way
+        return AutoTokenizer.from_pretrained(model_dir)
+    return AutoTokenizer.from_pretrained(model_dir, config=config)
 
 
 def eos_token_ids(model_dir: Path) -> frozenset[int]:

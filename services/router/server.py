@@ -13,7 +13,7 @@ from services.common.lifecycle import announce, settle_garbage_collector, stop_e
 from services.common.metrics import RouterMetrics
 from services.common.security import KeyCheck, RequireBearer, TLSFiles, read_api_keys
 from services.common.settings import RouterSettings
-from services.engine.model_store import resolve_model
+from services.engine.model_store import context_length, generic_config, resolve_model
 from services.engine.tokenizer import load_tokenizer
 from services.router.cluster import Cluster
 from services.router.grpc_api import GeneratorService
@@ -25,8 +25,7 @@ log = logging.getLogger(__name__)
 
 
 def _max_model_len(model_dir, limit: int) -> int:
-    from transformers import AutoConfig
-    context = int(getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", 2048))
+    context = context_length(generic_config(model_dir))
     return min(limit, context) if limit else context
 
 
