@@ -3,7 +3,9 @@
 Start order: the registry (the --redis given, else a private redis-server on a unix
 socket if one is installed, else none: the router is given the workers' addresses),
 then M decode and N prefill workers (in parallel, each announces its ports when its
-model is loaded), then the router. Stop order is the reverse. Once up, a service that
+model is loaded), and the router: alongside them when there is a registry (it learns
+of each worker as it registers, and `up` is up once the router's /ready counts them
+all), after them otherwise (it is given their ports). Stop order is the reverse. Once up, a service that
 dies is started again, on the same ports, after a backoff (1 s, doubling to 30 s) while
 the others keep serving; a dead decode worker's shared KV memory is removed first.
 Children also get SIGTERM if `up` itself is killed, so nothing is left running.
@@ -263,6 +265,10 @@ class LocalCluster:
         if self.settings.redis:
             print(f"pdserve: registry: {redact_url(self.settings.redis)}", flush=True)
             return self.settings.redis
+        if not self.settings.private_registry:
+            print("pdserve: registry: none (--no-private-registry); the router is given the workers' addresses",
+                  flush=True)
+            return None
         started = start_private_redis(self.workdir)
         if started is None:
             print("pdserve: registry: none (redis-server is not installed); "
@@ -292,6 +298,38 @@ class LocalCluster:
                 return ports
             if time.monotonic() > deadline:
                 raise RuntimeError("services did not become ready in time")
+            time.sleep(0.05)
+
+    def _wait_routable(self, rports: dict, workers: dict[str, int]) -> None:
+        """Until the router's /ready counts `workers` of each role: the workers it was not
+        given join through the registry, at its next refresh after they register. The
+        probe checks no certificate, as a Kubernetes HTTPS probe does not: it reaches
+        this cluster's own router on a loopback address."""
+        import ssl
+        import urllib.error
+        import urllib.request
+        scheme = "https" if self.settings.tls_cert else "http"
+        host = self.settings.host if self.settings.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        url = f"{scheme}://{host if ':' not in host else f'[{host}]'}:{rports['http_port']}/ready"
+        unverified = ssl._create_unverified_context() if scheme == "https" else None
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            if self._stop:
+                raise KeyboardInterrupt
+            try:
+                with urllib.request.urlopen(url, timeout=5, context=unverified) as r:
+                    seen = json.loads(r.read()).get("workers", {})
+            except urllib.error.HTTPError as e:          # 503 until a worker of each role is in
+                seen = json.loads(e.read() or b"{}").get("workers", {})
+            except (OSError, ValueError):
+                seen = {}
+            if all(seen.get(role, 0) >= n for role, n in workers.items()):
+                return
+            for c in self.children:
+                if c.proc.poll() is not None:
+                    raise RuntimeError(f"{c.name} exited with code {c.proc.returncode} during start-up")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the router did not see the workers in time (it sees {seen or 'none'})")
             time.sleep(0.05)
 
     def run(self) -> int:
@@ -330,13 +368,17 @@ class LocalCluster:
             prefills = [self._spawn_worker("prefill", pins[num_decode + i]) for i in range(num_prefill)]
             print(f"pdserve: {s.mode}: {num_decode} decode + {num_prefill} prefill worker(s), {self._threads} torch "
                   f"thread(s) each" + (", one core each" if pins[0] else ""), flush=True)
+            keys = self._api_keys()
+            if redis:                            # the router's ~3 s start overlaps the workers' loading
+                router = self._spawn("router", "router", s.router(redis=redis, cluster_secret_file=secret, **keys), 1)
             ports = self._wait_ready(decodes + prefills)
             dports, pports = ports[:len(decodes)], ports[len(decodes):]
-            static = {} if redis else {"decode": [f"127.0.0.1:{w['grpc_port']}" for w in dports],
-                                       "prefill": [f"127.0.0.1:{w['grpc_port']}" for w in pports]}
-            router = self._spawn("router", "router", s.router(redis=redis, cluster_secret_file=secret,
-                                                              **self._api_keys(), **static), 1)
+            if not redis:
+                router = self._spawn("router", "router", s.router(
+                    cluster_secret_file=secret, decode=[f"127.0.0.1:{w['grpc_port']}" for w in dports],
+                    prefill=[f"127.0.0.1:{w['grpc_port']}" for w in pports], **keys), 1)
             (rports,) = self._wait_ready([router])
+            self._wait_routable(rports, {"prefill": num_prefill, "decode": num_decode})
             self._banner(rports, pports, dports, redis)
             if self.autoscaling:
                 self._start_autoscaler(redis)

@@ -112,7 +112,8 @@ def test_unknown_model_is_404_model_not_found(cluster):
 
 def test_models_health_ready(cluster):
     assert httpx.get(f"{cluster.http}/health").json() == {"status": "ok"}
-    assert httpx.get(f"{cluster.http}/ready").status_code == 200
+    ready = httpx.get(f"{cluster.http}/ready")           # `up` announced only once the router saw both workers
+    assert ready.status_code == 200 and ready.json()["workers"] == {"prefill": 1, "decode": 1}
     models = httpx.get(f"{cluster.http}/v1/models").json()["data"]
     assert [m["id"] for m in models] == ["SmolLM2-135M-Instruct"]
 

@@ -181,6 +181,12 @@ class FakeCluster:
     def ready(self) -> bool:
         return False
 
+    def pool_sizes(self) -> dict[str, int]:
+        return {"prefill": 0, "decode": 0}
+
+    def awaited(self) -> str:
+        return "a prefill and a decode worker"
+
     def admit(self) -> None:
         raise AssertionError("nothing is generated here")
 
@@ -198,7 +204,8 @@ def test_http_requests_are_counted_by_route_and_status_and_logged(access_records
     fe = SimpleNamespace(cluster=cluster, served_model_name="m", max_model_len=2048, max_body_bytes=1024)
     with TestClient(create_app(fe, cluster.metrics.render)) as client:
         assert client.get("/v1/models", headers={"x-request-id": "given-1"}).status_code == 200
-        assert client.get("/ready").status_code == 503
+        ready = client.get("/ready")
+        assert ready.status_code == 503 and ready.json()["workers"] == {"prefill": 0, "decode": 0}
         assert client.post("/v1/completions", content="x", headers={"content-type": "text/plain"}).status_code == 415
         assert client.get("/v1/completions").status_code == 405
         assert client.get("/nothing/here").status_code == 404

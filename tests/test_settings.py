@@ -31,6 +31,15 @@ def test_router_needs_a_registry_or_addresses():
         WorkerSettings(role="prefill", prefix_cache_tokens=-1)
 
 
+def test_without_a_private_registry_up_cannot_autoscale_or_use_ray_unless_given_one():
+    from services.common.settings import ClusterSettings
+    assert not ClusterSettings(private_registry=False).private_registry
+    for flag in ("autoscale", "ray"):
+        with pytest.raises(ValueError, match=f"--{flag} needs a registry"):
+            ClusterSettings(private_registry=False, **{flag: True})
+        assert ClusterSettings(private_registry=False, redis="redis://x", **{flag: True}).redis
+
+
 def test_flags_come_from_the_settings_fields_and_booleans_switch_both_ways():
     parser = _parser()
     assert parser.parse_args(["up"]).pin_cpus is True

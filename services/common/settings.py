@@ -434,6 +434,9 @@ class ClusterSettings(RoutingSettings, EngineSettings):
                                       "one's share with --gpu-memory-utilization)")
     redis: str | None = setting(None, "registry to use; default: start a private redis-server if one is "
                                       "installed, else give the router the workers' addresses", metavar="URL")
+    private_registry: bool = setting(True, "without --redis, start a private redis-server as the registry when "
+                                           "one is installed (off: the router is given the workers' addresses; "
+                                           "not with --autoscale or --ray)")
     announce_file: str | None = setting(None, "write the cluster's addresses here as JSON")
     autoscale: bool = setting(False, "grow and shrink each pool on its own signal within --min/--max-prefill/"
                                      "decode (needs the Redis registry); --prefill/--decode are the starting sizes")
@@ -452,6 +455,9 @@ class ClusterSettings(RoutingSettings, EngineSettings):
             raise ValueError("--prefill and --decode are worker counts")
         if self.gpus_per_worker < 1:
             raise ValueError("--gpus-per-worker must be at least 1")
+        if not self.redis and not self.private_registry and (self.autoscale or self.ray):
+            raise ValueError(f"{'--autoscale' if self.autoscale else '--ray'} needs a registry: --redis URL, "
+                             "or drop --no-private-registry")
 
     @property
     def aggregated(self) -> bool:

@@ -277,6 +277,10 @@ class Cluster:
         return any(w.healthy for w in self.decode) and (self.settings.aggregated
                                                           or any(w.healthy for w in self.prefill))
 
+    def awaited(self) -> str:
+        """What `ready` waits for, in words."""
+        return "a decode worker" if self.settings.aggregated else "a prefill and a decode worker"
+
     def max_model_len(self) -> int | None:
         lens = [w.info.max_model_len for w in self.decode + self.prefill if w.healthy]
         return min(lens) if lens else None

@@ -267,10 +267,12 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
 
     @app.get("/ready")
     async def ready():
+        """200 once requests can be placed; either way, the healthy workers by role."""
+        workers = fe.cluster.pool_sizes()
         if fe.cluster.ready():
-            return {"status": "ready"}
-        return JSONResponse({"status": "not ready", "detail": "waiting for a prefill and a decode worker"},
-                            status_code=503)
+            return {"status": "ready", "workers": workers}
+        return JSONResponse({"status": "not ready", "detail": f"waiting for {fe.cluster.awaited()}",
+                             "workers": workers}, status_code=503)
 
     @app.get("/metrics")
     async def metrics():
