@@ -16,8 +16,8 @@ from services.engine.kv_cache import live_segments
 from services.rpc import worker_pb2, worker_pb2_grpc
 from tests.conftest import Services
 
-LONG = [{"role": "user", "content": "Summarise: " + "the tide comes in and the tide goes out. " * 330}]
-OTHER_LONG = [{"role": "user", "content": "Summarise: " + "the wind rises and the wind falls again. " * 330}]
+LONG = [{"role": "user", "content": "Summarise: " + "the tide comes in and the tide goes out. " * 120}]
+OTHER_LONG = [{"role": "user", "content": "Summarise: " + "the wind rises and the wind falls again. " * 120}]
 
 
 @pytest.fixture(scope="module")
