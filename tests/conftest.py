@@ -181,11 +181,36 @@ def wait_announced(proc: subprocess.Popen, announce: Path, log_path: Path, name:
 def spawn_service(tmp: Path, name: str, role: str, argv: list[str]) -> tuple[subprocess.Popen, dict]:
     """`pdserve <role> argv` logging to tmp/<name>.log; returns once it has announced
     its ports: (process, announcement)."""
-    announce, log_path = tmp / f"{name}.json", tmp / f"{name}.log"
-    announce.unlink(missing_ok=True)
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", role, *argv, "--announce-file", str(announce)],
-                            cwd=ROOT, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
-    return proc, wait_announced(proc, announce, log_path, name)
+    (started,) = spawn_services(tmp, [(name, role, argv)])
+    return started
+
+
+def spawn_services(tmp: Path, services: list[tuple[str, str, list[str]]]) -> list[tuple[subprocess.Popen, dict]]:
+    """Several `spawn_service`s (name, role, argv) started at once, so their imports and
+    model loads overlap; returns once every one has announced its ports."""
+    started = []
+    for name, role, argv in services:
+        announce, log_path = tmp / f"{name}.json", tmp / f"{name}.log"
+        announce.unlink(missing_ok=True)
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", role, *argv, "--announce-file", str(announce)],
+                                cwd=ROOT, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
+        started.append((name, proc, announce, log_path))
+    return [(proc, wait_announced(proc, announce, log_path, name)) for name, proc, announce, log_path in started]
+
+
+def wait_ready(http: str, workers: dict[str, int], timeout: float = 60.0) -> None:
+    """Until the router at `http` counts `workers` healthy workers of each role."""
+    import httpx
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            seen = httpx.get(f"{http}/ready", timeout=10).json().get("workers", {})
+        except httpx.TransportError:
+            seen = {}
+        if all(seen.get(role, 0) >= n for role, n in workers.items()):
+            return
+        assert time.monotonic() < deadline, f"the router sees {seen}, not {workers}"
+        time.sleep(0.1)
 
 
 def terminate(proc: subprocess.Popen, timeout: float = 20.0, sig: int = signal.SIGTERM) -> int:
@@ -218,22 +243,29 @@ class Services:
         self.procs[role], self.info[role] = spawn_service(self.tmp, role, role, argv)
         return self.info[role]
 
-    def start_worker(self, role: str, *extra: str) -> dict:
+    def _worker_argv(self, role: str, *extra: str) -> list[str]:
         argv = [*self.common, "--port", str(self.ports[role]), *extra]
-        if role == "decode":
-            argv += ["--kv-cache-tokens", "16384"]
-        return self._spawn(role, argv)
+        return argv + ["--kv-cache-tokens", "16384"] if role == "decode" else argv
+
+    def _router_argv(self, *extra: str) -> list[str]:
+        return ["--http-port", "0", "--grpc-port", "0", "--log-level", "warning",
+                "--cluster-secret-file", self.secret_file, "--local-prefill-max-tokens", "0",
+                "--decode", self.addr("decode"), "--prefill", self.addr("prefill"), *extra]
+
+    def start_worker(self, role: str, *extra: str) -> dict:
+        return self._spawn(role, self._worker_argv(role, *extra))
 
     def start_router(self, *extra: str) -> dict:
-        return self._spawn("router", ["--http-port", "0", "--grpc-port", "0", "--log-level", "warning",
-                                      "--cluster-secret-file", self.secret_file,
-                                      "--local-prefill-max-tokens", "0", "--decode", self.addr("decode"),
-                                      "--prefill", self.addr("prefill"), *extra])
+        return self._spawn("router", self._router_argv(*extra))
 
     def start_all(self) -> "Services":
-        self.start_worker("decode")
-        self.start_worker("prefill")
-        self.start_router()
+        """All three at once (the workers' ports are fixed, so the router knows them
+        before they listen); returns once the router has seen both."""
+        roles = ("decode", "prefill", "router")
+        argvs = [self._worker_argv("decode"), self._worker_argv("prefill"), self._router_argv()]
+        for role, (proc, info) in zip(roles, spawn_services(self.tmp, [(r, r, a) for r, a in zip(roles, argvs)])):
+            self.procs[role], self.info[role] = proc, info
+        wait_ready(self.http, {"prefill": 1, "decode": 1})
         return self
 
     def addr(self, role: str) -> str:

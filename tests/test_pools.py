@@ -19,7 +19,7 @@ import pytest
 
 from services.common.security import ClusterSecret, new_secret_file
 from services.local_cluster import start_private_redis
-from tests.conftest import free_port, spawn_service, terminate, worker_stats
+from tests.conftest import free_port, spawn_service, spawn_services, terminate, wait_ready, worker_stats
 from tests.parity_cases import CASES
 
 TTL = 2.0
@@ -39,26 +39,41 @@ class Pools:
         self.procs: dict[str, subprocess.Popen] = {}
         self.info: dict[str, dict] = {}
 
-    def spawn(self, name: str, *argv: str) -> dict:
-        argv = [*argv, "--redis", self.url, "--registry-ttl", str(TTL), "--log-level", "warning",
+    def argv(self, name: str, *argv: str) -> list[str]:
+        return [*argv, "--redis", self.url, "--registry-ttl", str(TTL), "--log-level", "warning",
                 "--cluster-secret-file", self.secret_file]
-        self.procs[name], self.info[name] = spawn_service(self.tmp, name, name.split("-")[0], argv)
+
+    def spawn(self, name: str, *argv: str) -> dict:
+        self.procs[name], self.info[name] = spawn_service(self.tmp, name, name.split("-")[0], self.argv(name, *argv))
         return self.info[name]
 
-    def worker(self, name: str, *extra: str) -> dict:
+    def worker_argv(self, name: str, *extra: str) -> list[str]:
         argv = ["--dtype", "float32", "--threads", "1"]
         if name.startswith("decode"):
             argv += ["--kv-cache-tokens", "16384"]
-        return self.spawn(name, *argv, *extra)
+        return [*argv, *extra]
+
+    def worker(self, name: str, *extra: str) -> dict:
+        return self.spawn(name, *self.worker_argv(name, *extra))
+
+    def router_argv(self, *extra: str) -> list[str]:
+        return ["--http-port", "0", "--grpc-port", "0", "--local-prefill-max-tokens", "0", *extra]
 
     def router(self, name: str = "router", *extra: str) -> str:
-        info = self.spawn(name, "--http-port", "0", "--grpc-port", "0", "--local-prefill-max-tokens", "0", *extra)
+        info = self.spawn(name, *self.router_argv(*extra))
         url = f"http://127.0.0.1:{info['http_port']}"
-        deadline = time.monotonic() + 30
-        while httpx.get(f"{url}/health").status_code != 200:            # it has seen both pools
-            assert time.monotonic() < deadline, "router never saw the workers"
-            time.sleep(0.2)
+        wait_ready(url, {"prefill": 1, "decode": 1})
         return url
+
+    def start(self, workers: list[str]) -> None:
+        """`workers` and a router, all at once; returns once the router counts them all."""
+        names = [*workers, "router"]
+        argvs = [self.argv(n, *self.worker_argv(n)) for n in workers] + [self.argv("router", *self.router_argv())]
+        for name, (proc, info) in zip(names, spawn_services(
+                self.tmp, [(n, n.split("-")[0], a) for n, a in zip(names, argvs)])):
+            self.procs[name], self.info[name] = proc, info
+        self.http = f"http://127.0.0.1:{self.info['router']['http_port']}"
+        wait_ready(self.http, {role: sum(n.startswith(role) for n in workers) for role in ("prefill", "decode")})
 
     def addr(self, name: str) -> str:
         return f"127.0.0.1:{self.info[name]['grpc_port']}"
@@ -89,9 +104,7 @@ class Pools:
 def pools(model_dir):
     p = Pools()
     try:
-        for name in ("decode-0", "decode-1", "prefill-0", "prefill-1"):
-            p.worker(name)
-        p.http = p.router()
+        p.start(["decode-0", "decode-1", "prefill-0", "prefill-1"])
         yield p
     finally:
         p.stop()
