@@ -5,7 +5,8 @@ or a clear 4xx (gRPC: a status naming the caller's mistake), never a 5xx, INTERN
 hang or a dead process; afterwards the cluster still serves and no KV block is held.
 
 `make test` runs PDSERVE_FUZZ_EXAMPLES (default 10) examples per case; `make test-slow`
-runs many more. The cluster serves a 64-token context, so every valid request is quick.
+runs many more. The cluster serves a 48-token context (the chat template alone takes
+~30), so every valid request is quick.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ CALLER_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, gr
 
 @pytest.fixture(scope="module")
 def fuzz_cluster(model_dir):
-    c = start_cluster("--max-model-len", "64")
+    c = start_cluster("--max-model-len", "48")
     yield c
     counts = {f"{kind} {status}": n for (kind, status), n in sorted(TALLY.items())}
     print(f"\nfuzzing: {sum(TALLY.values())} answers at {EXAMPLES} examples per case: {counts}")
