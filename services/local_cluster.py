@@ -5,9 +5,10 @@ socket if one is installed, else none: the router is given the workers' addresse
 then M decode and N prefill workers (in parallel, each announces its ports when its
 model is loaded), and the router: alongside them when there is a registry (it learns
 of each worker as it registers, and `up` is up once the router's /ready counts them
-all), after them otherwise (it is given their ports). Stop order is the reverse. Once up, a service that
-dies is started again, on the same ports, after a backoff (1 s, doubling to 30 s) while
-the others keep serving; a dead decode worker's shared KV memory is removed first.
+all), after them otherwise (it is given their ports). Stop order is the reverse.
+Once up, a service that dies is started again, on the same ports, after a backoff (1 s,
+doubling to 30 s) while the others keep serving; a dead decode worker's shared KV
+memory is removed first.
 Children also get SIGTERM if `up` itself is killed, so nothing is left running.
 
 With --autoscale an autoscaler thread (services/autoscaler) resizes the pools through
@@ -71,6 +72,45 @@ def plan_cpus(roles: list[str], available: list[int]) -> list[set[int] | None]:
     if len(roles) > len(available):
         return [None] * len(roles)
     return [{cpu} for cpu in available[:len(roles)]]
+
+
+def router_url(settings, port: int, loopback: bool = True) -> str:
+    """The base URL of a router started with `settings` (its host and TLS files) on
+    `port`; with `loopback`, a wildcard host is reached on this machine's loopback."""
+    host = settings.host
+    if loopback:
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"{'https' if settings.tls_cert else 'http'}://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def wait_router_sees(url: str, workers: dict[str, int], timeout: float, check: Callable[[], None]) -> None:
+    """Until the router at `url` counts at least `workers` healthy workers of each role on
+    /ready: workers it was not given join through the registry, at its first refresh
+    after they register. `check()` runs between probes and raises to give up. The probe
+    checks no certificate, as a Kubernetes HTTPS probe does not: it reaches this
+    cluster's own router."""
+    import ssl
+    import urllib.error
+    import urllib.request
+    unverified = None
+    if url.startswith("https:"):
+        unverified = ssl.create_default_context()
+        unverified.check_hostname, unverified.verify_mode = False, ssl.CERT_NONE
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/ready", timeout=5, context=unverified) as r:
+                seen = json.loads(r.read()).get("workers", {})
+        except urllib.error.HTTPError as e:          # 503 until a worker of each role is in
+            seen = json.loads(e.read() or b"{}").get("workers", {})
+        except (OSError, ValueError):
+            seen = {}
+        if all(seen.get(role, 0) >= n for role, n in workers.items()):
+            return
+        check()
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the router did not see the workers in {timeout:.0f} s (it sees {seen or 'none'})")
+        time.sleep(0.05)
 
 
 def start_private_redis(workdir: Path) -> tuple[subprocess.Popen, str] | None:
@@ -300,37 +340,12 @@ class LocalCluster:
                 raise RuntimeError("services did not become ready in time")
             time.sleep(0.05)
 
-    def _wait_routable(self, rports: dict, workers: dict[str, int]) -> None:
-        """Until the router's /ready counts `workers` of each role: the workers it was not
-        given join through the registry, at its next refresh after they register. The
-        probe checks no certificate, as a Kubernetes HTTPS probe does not: it reaches
-        this cluster's own router on a loopback address."""
-        import ssl
-        import urllib.error
-        import urllib.request
-        scheme = "https" if self.settings.tls_cert else "http"
-        host = self.settings.host if self.settings.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-        url = f"{scheme}://{host if ':' not in host else f'[{host}]'}:{rports['http_port']}/ready"
-        unverified = ssl._create_unverified_context() if scheme == "https" else None
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            if self._stop:
-                raise KeyboardInterrupt
-            try:
-                with urllib.request.urlopen(url, timeout=5, context=unverified) as r:
-                    seen = json.loads(r.read()).get("workers", {})
-            except urllib.error.HTTPError as e:          # 503 until a worker of each role is in
-                seen = json.loads(e.read() or b"{}").get("workers", {})
-            except (OSError, ValueError):
-                seen = {}
-            if all(seen.get(role, 0) >= n for role, n in workers.items()):
-                return
-            for c in self.children:
-                if c.proc.poll() is not None:
-                    raise RuntimeError(f"{c.name} exited with code {c.proc.returncode} during start-up")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the router did not see the workers in time (it sees {seen or 'none'})")
-            time.sleep(0.05)
+    def _check_children(self) -> None:
+        if self._stop:
+            raise KeyboardInterrupt
+        for c in self.children:
+            if c.proc.poll() is not None:
+                raise RuntimeError(f"{c.name} exited with code {c.proc.returncode} during start-up")
 
     def run(self) -> int:
         s = self.settings
@@ -378,7 +393,8 @@ class LocalCluster:
                     cluster_secret_file=secret, decode=[f"127.0.0.1:{w['grpc_port']}" for w in dports],
                     prefill=[f"127.0.0.1:{w['grpc_port']}" for w in pports], **keys), 1)
             (rports,) = self._wait_ready([router])
-            self._wait_routable(rports, {"prefill": num_prefill, "decode": num_decode})
+            wait_router_sees(router_url(s, rports["http_port"]), {"prefill": num_prefill, "decode": num_decode},
+                             START_TIMEOUT, self._check_children)
             self._banner(rports, pports, dports, redis)
             if self.autoscaling:
                 self._start_autoscaler(redis)
@@ -467,8 +483,8 @@ class LocalCluster:
 
     def _banner(self, r: dict, prefills: list[dict], decodes: list[dict], redis: str | None,
                 quiet: bool = False) -> None:
-        host = self.settings.host
-        summary = {"http": f"http://{host}:{r['http_port']}", "grpc": f"{host}:{r['grpc_port']}",
+        host, http = self.settings.host, router_url(self.settings, r["http_port"], loopback=False)
+        summary = {"http": http, "grpc": f"{host}:{r['grpc_port']}",
                    "router_pid": r["pid"], "prefill": prefills[0] if prefills else None, "decode": decodes[0],
                    "prefills": prefills, "decodes": decodes, "redis": redis,
                    "cluster_secret_file": str(self.workdir / "cluster-secret"),
@@ -476,7 +492,7 @@ class LocalCluster:
         workers = [f"{role} worker pid {w['pid']} (gRPC :{w['grpc_port']}, metrics :{w['metrics_port']})"
                    for role, group in (("prefill", prefills), ("decode", decodes)) for w in group]
         if not quiet:
-            print(f"pdserve is up: OpenAI-compatible HTTP on http://{host}:{r['http_port']}/v1, "
+            print(f"pdserve is up: OpenAI-compatible HTTP on {http}/v1, "
                   f"gRPC on {host}:{r['grpc_port']}\n  " + "\n  ".join(workers) + "\n  Ctrl-C stops everything.",
                   flush=True)
         if self.settings.announce_file:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from services.common.lifecycle import announce, setup_logging
 from services.common.settings import ClusterSettings, RouterSettings, WorkerSettings
+from services.local_cluster import router_url, start_private_redis, wait_router_sees
 
 log = logging.getLogger(__name__)
 
@@ -355,9 +356,10 @@ class RayCluster:
             self.registry_url = self._registry()
             pools = RayPools(self.ray, self._worker_template(self.registry_url))
             router_ready = self._start_router(self.registry_url)    # finds the workers in the registry
-            workers = pools.apply({"decode": a.num_decode or 1, "prefill": a.num_prefill})
+            sizes = {"decode": a.num_decode or 1, "prefill": a.num_prefill}
+            workers = pools.apply(sizes)
             router = self.ray.get(router_ready)
-            self._wait_routable(router)
+            wait_router_sees(router_url(a, router["http_port"]), sizes, ROUTABLE_TIMEOUT, lambda: None)
             self._banner(router, workers)
             done = self.router.wait.remote()
             while not self.ray.wait([done], timeout=1.0)[0]:
@@ -383,7 +385,6 @@ class RayCluster:
             return self.settings.redis
         if sum(node["Alive"] for node in self.ray.nodes()) > 1:
             raise RuntimeError("a Ray cluster of several nodes needs --redis URL, a Redis every node reaches")
-        from services.local_cluster import start_private_redis
         started = start_private_redis(self.workdir)
         if started is None:
             raise RuntimeError("pdserve up --ray needs --redis URL, or redis-server installed to start one")
@@ -404,21 +405,6 @@ class RayCluster:
         self.router = actor.remote(ROUTER, settings)
         return self.router.start.remote(START_TIMEOUT)
 
-    def _wait_routable(self, router: dict) -> None:
-        """The router started beside the workers: wait until its registry refresh has seen them."""
-        import httpx
-        host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(self.settings.host, self.settings.host)
-        url = f"http://{host}:{router['http_port']}/ready"
-        deadline = time.monotonic() + ROUTABLE_TIMEOUT
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url, timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"the router did not see the workers in {ROUTABLE_TIMEOUT:.0f} s")
-
     def _banner(self, router: dict, workers: list[dict]) -> None:
         host, address = self.settings.host, self.ray.get_runtime_context().gcs_address
         for w in workers:
@@ -426,11 +412,12 @@ class RayCluster:
         by_role = {role: [w for w in workers if w["name"].startswith(f"pdserve-{role}-")] for role in ROLES}
         lines = [f"{w['name']} pid {w['pid']} on {w['address']} (metrics :{w['metrics_port']})" for w in workers]
         where = f"a Ray instance on this machine at {address}" if self.started_ray else f"the Ray cluster at {address}"
-        print(f"pdserve is up on {where}: OpenAI-compatible HTTP on http://{host}:{router['http_port']}/v1, "
+        http = router_url(self.settings, router["http_port"], loopback=False)
+        print(f"pdserve is up on {where}: OpenAI-compatible HTTP on {http}/v1, "
               f"gRPC on {host}:{router['grpc_port']}\n  " + "\n  ".join(lines) +
               f"\n  `pdserve scale --address {address} decode=N prefill=N` resizes the pools; "
               "Ctrl-C stops everything.", flush=True)
-        announce(self.settings.announce_file, http=f"http://{host}:{router['http_port']}",
+        announce(self.settings.announce_file, http=http,
                  grpc=f"{host}:{router['grpc_port']}", router_pid=router["pid"], ray_address=address,
                  ray_started=self.started_ray, redis=self.registry_url, prefills=by_role["prefill"],
                  decodes=by_role["decode"])

@@ -113,3 +113,14 @@ def test_mixed_prefill_cap_defaults_by_role_and_device():
     assert scheduler_config(WorkerSettings(role="prefill")).max_mixed_prefill == 0   # nothing decodes there
     with pytest.raises(ValueError):
         WorkerSettings(role="decode", mixed_prefill_tokens=-2)
+
+
+def test_the_router_url_reaches_a_wildcard_bind_on_loopback_and_names_https():
+    from types import SimpleNamespace
+
+    from services.local_cluster import router_url
+    plain, tls = SimpleNamespace(host="0.0.0.0", tls_cert=None), SimpleNamespace(host="::", tls_cert="cert.pem")
+    assert router_url(plain, 8000) == "http://127.0.0.1:8000"
+    assert router_url(plain, 8000, loopback=False) == "http://0.0.0.0:8000"
+    assert router_url(tls, 8443) == "https://[::1]:8443"
+    assert router_url(SimpleNamespace(host="10.1.2.3", tls_cert=None), 80) == "http://10.1.2.3:80"
