@@ -118,9 +118,10 @@ def test_same_seed_same_output(cluster):
     assert runs[0]["choices"][0]["token_ids"] != other["choices"][0]["token_ids"]
 
 
-def test_up_stops_every_process_on_ctrl_c_bfloat16(model_dir):
-    """A separate cluster in the default dtype: serve one request, SIGINT, nothing left."""
-    c = start_cluster(dtype="bfloat16")
+def test_up_stops_every_process_on_ctrl_c_in_the_default_dtype(model_dir):
+    """A separate cluster in the default dtype (auto: bfloat16 where the CPU computes it,
+    float32 elsewhere): serve one request, SIGINT, nothing left."""
+    c = start_cluster(dtype="auto")
     try:
         r = httpx.post(f"{c.http}/v1/chat/completions", timeout=60, json={"messages": STORY, "max_tokens": 5})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
