@@ -1,0 +1,87 @@
+"""What int8 weights would buy on this CPU: a whole model's linear layers (SmolLM2-135M's
+shapes, 30 layers of distinct weights, so they stream from memory as in a real step)
+at several row counts, bfloat16 packed for oneDNN (what pdserve runs) against torch's
+dynamic int8 (weights int8 per tensor, activations quantized per call; fbgemm, VNNI
+where the CPU has it). One thread, medians; weights random (the time does not depend on
+their values). No accuracy is measured here: int8 is a quality trade to weigh apart.
+
+    python -m bench.int8_gemm --json build/int8-gemm.json [--rows 16,64,256]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import warnings
+
+import torch
+
+# (out, in) of each projection: q|k|v fused, o, gate|up fused, down (SmolLM2-135M)
+SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+LAYERS = 30
+
+
+def _median_s(fn, repeats: int = 15, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(rows: int) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    packed = [[torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k, generator=gen).bfloat16() * 0.02, 32)
+               for n, k in SHAPES] for _ in range(LAYERS)]
+    layers = torch.nn.ModuleList([torch.nn.ModuleList([torch.nn.Linear(k, n, bias=False) for n, k in SHAPES])
+                                  for _ in range(LAYERS)])
+    with warnings.catch_warnings():             # torch.ao's eager quantization is deprecated for torchao
+        warnings.simplefilter("ignore")
+        int8 = torch.ao.quantization.quantize_dynamic(layers, {torch.nn.Linear}, dtype=torch.qint8)
+    x_bf16 = {k: torch.randn(1, rows, k, generator=gen).bfloat16() for _, k in SHAPES}
+    x_f32 = {k: torch.randn(rows, k, generator=gen) for _, k in SHAPES}
+
+    def bf16_pass():
+        for layer in packed:
+            for (_, k), w in zip(SHAPES, layer):
+                torch.ops.mkldnn._linear_pointwise(x_bf16[k], w, None, "none", [], "")
+
+    def int8_pass():
+        for layer in int8:
+            for (_, k), module in zip(SHAPES, layer):
+                module(x_f32[k])
+
+    flops = 2 * rows * LAYERS * sum(n * k for n, k in SHAPES)
+    with torch.inference_mode():
+        bf16_s, int8_s = _median_s(bf16_pass), _median_s(int8_pass)
+    return {"rows": rows, "bf16_ms": 1000 * bf16_s, "int8_ms": 1000 * int8_s, "bf16_gflops": flops / bf16_s / 1e9,
+            "int8_gflops": flops / int8_s / 1e9, "int8_speedup": bf16_s / int8_s}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.int8_gemm", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="16,64,256", help="rows per matmul (decode batch, prompt chunk)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    from services.engine.hardware import cpu_flags, cpu_kind
+    flags = cpu_flags()
+    kind, vnni = cpu_kind(flags), bool({"avx512_vnni", "avx_vnni"} & flags)
+    results = [measure(int(r)) for r in args.rows.split(",")]
+    print(f"one core, {kind} ({'VNNI' if vnni else 'no VNNI'}), {LAYERS} layers of SmolLM2-135M's projections")
+    print("| rows | bf16 packed | int8 dynamic | int8 speed-up |\n|---|---|---|---|")
+    for r in results:
+        print(f"| {r['rows']} | {r['bf16_ms']:.1f} ms ({r['bf16_gflops']:.0f} GFLOP/s) | {r['int8_ms']:.1f} ms "
+              f"({r['int8_gflops']:.0f} GFLOP/s) | {r['int8_speedup']:.2f}x |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpu": kind, "vnni": vnni, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
