@@ -26,7 +26,7 @@ from services.engine.kv_cache import KVPoolMemory
 BLOCK = 16
 
 
-def _median_ms(fn, repeats: int, warmup: int = 3) -> float:
+def median_ms(fn, repeats: int, warmup: int = 3) -> float:
     for _ in range(warmup):
         fn()
     times = []
@@ -51,7 +51,7 @@ def pdserve_decode_ms(runner, batch: int, context: int, repeats: int) -> float:
     tokens = torch.randint(100, 10000, (batch,)).tolist()
     positions = [context] * batch
     try:
-        return _median_ms(lambda: runner.decode(pool, tokens, positions, tables), repeats)
+        return median_ms(lambda: runner.decode(pool, tokens, positions, tables), repeats)
     finally:
         pool.close()
 
@@ -72,7 +72,7 @@ def hf_decode_ms(model, batch: int, context: int, repeats: int) -> float:
     def step():
         model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
         cache.crop(-1)                    # back to `context` tokens
-    return _median_ms(step, repeats)
+    return median_ms(step, repeats)
 
 
 def pdserve_prefill_ms(runner, tokens: int, repeats: int) -> float:
@@ -80,7 +80,7 @@ def pdserve_prefill_ms(runner, tokens: int, repeats: int) -> float:
     pool = KVPoolMemory.allocate(runner.layout(blocks, BLOCK))
     ids = torch.randint(100, 10000, (tokens,)).tolist()
     try:
-        return _median_ms(lambda: runner.prefill(pool, ids, list(range(blocks))), repeats, warmup=1)
+        return median_ms(lambda: runner.prefill(pool, ids, list(range(blocks))), repeats, warmup=1)
     finally:
         pool.close()
 
@@ -94,7 +94,7 @@ def hf_prefill_ms(model, tokens: int, repeats: int) -> float:
         out = model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True,
                     logits_to_keep=1)
         return out.logits
-    return _median_ms(run, repeats, warmup=1)
+    return median_ms(run, repeats, warmup=1)
 
 
 def main() -> None:

@@ -11,26 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 import warnings
 
 import torch
 
+from bench.engine import median_ms
+
 # (out, in) of each projection: q|k|v fused, o, gate|up fused, down (SmolLM2-135M)
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 LAYERS = 30
-
-
-def _median_s(fn, repeats: int = 15, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def measure(rows: int) -> dict:
@@ -57,9 +46,9 @@ def measure(rows: int) -> dict:
 
     flops = 2 * rows * LAYERS * sum(n * k for n, k in SHAPES)
     with torch.inference_mode():
-        bf16_s, int8_s = _median_s(bf16_pass), _median_s(int8_pass)
-    return {"rows": rows, "bf16_ms": 1000 * bf16_s, "int8_ms": 1000 * int8_s, "bf16_gflops": flops / bf16_s / 1e9,
-            "int8_gflops": flops / int8_s / 1e9, "int8_speedup": bf16_s / int8_s}
+        bf16_ms, int8_ms = median_ms(bf16_pass, 15), median_ms(int8_pass, 15)
+    return {"rows": rows, "bf16_ms": bf16_ms, "int8_ms": int8_ms, "bf16_gflops": flops / bf16_ms / 1e6,
+            "int8_gflops": flops / int8_ms / 1e6, "int8_speedup": bf16_ms / int8_ms}
 
 
 def main() -> None:
