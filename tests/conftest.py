@@ -195,7 +195,12 @@ def spawn_services(tmp: Path, services: list[tuple[str, str, list[str]]]) -> lis
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", role, *argv, "--announce-file", str(announce)],
                                 cwd=ROOT, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
         started.append((name, proc, announce, log_path))
-    return [(proc, wait_announced(proc, announce, log_path, name)) for name, proc, announce, log_path in started]
+    try:
+        return [(proc, wait_announced(proc, announce, log_path, name)) for name, proc, announce, log_path in started]
+    except BaseException:                    # one failed to start: stop the others, by PID
+        for _, proc, _, _ in started:
+            terminate(proc)
+        raise
 
 
 def wait_ready(http: str, workers: dict[str, int], timeout: float = 60.0) -> None:

@@ -39,12 +39,12 @@ class Pools:
         self.procs: dict[str, subprocess.Popen] = {}
         self.info: dict[str, dict] = {}
 
-    def argv(self, name: str, *argv: str) -> list[str]:
+    def argv(self, *argv: str) -> list[str]:
         return [*argv, "--redis", self.url, "--registry-ttl", str(TTL), "--log-level", "warning",
                 "--cluster-secret-file", self.secret_file]
 
     def spawn(self, name: str, *argv: str) -> dict:
-        self.procs[name], self.info[name] = spawn_service(self.tmp, name, name.split("-")[0], self.argv(name, *argv))
+        self.procs[name], self.info[name] = spawn_service(self.tmp, name, name.split("-")[0], self.argv(*argv))
         return self.info[name]
 
     def worker_argv(self, name: str, *extra: str) -> list[str]:
@@ -68,7 +68,7 @@ class Pools:
     def start(self, workers: list[str]) -> None:
         """`workers` and a router, all at once; returns once the router counts them all."""
         names = [*workers, "router"]
-        argvs = [self.argv(n, *self.worker_argv(n)) for n in workers] + [self.argv("router", *self.router_argv())]
+        argvs = [self.argv(*self.worker_argv(n)) for n in workers] + [self.argv(*self.router_argv())]
         for name, (proc, info) in zip(names, spawn_services(
                 self.tmp, [(n, n.split("-")[0], a) for n, a in zip(names, argvs)])):
             self.procs[name], self.info[name] = proc, info
