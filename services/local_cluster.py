@@ -99,11 +99,13 @@ def wait_router_sees(url: str, workers: dict[str, int], timeout: float, check: C
     deadline = time.monotonic() + timeout
     while True:
         try:
-            with urllib.request.urlopen(f"{url}/ready", timeout=5, context=unverified) as r:
-                seen = json.loads(r.read()).get("workers", {})
-        except urllib.error.HTTPError as e:          # 503 until a worker of each role is in
-            seen = json.loads(e.read() or b"{}").get("workers", {})
-        except (OSError, ValueError):
+            try:
+                with urllib.request.urlopen(f"{url}/ready", timeout=5, context=unverified) as r:
+                    body = r.read()
+            except urllib.error.HTTPError as e:      # 503 until a worker of each role is in
+                body = e.read()
+            seen = json.loads(body or b"{}").get("workers", {})
+        except (OSError, ValueError):                # not listening yet, or not JSON
             seen = {}
         if all(seen.get(role, 0) >= n for role, n in workers.items()):
             return
@@ -328,11 +330,7 @@ class LocalCluster:
     def _wait_ready(self, children: list[Child]) -> list[dict]:
         deadline = time.monotonic() + START_TIMEOUT
         while True:
-            if self._stop:
-                raise KeyboardInterrupt
-            for c in children:
-                if c.proc.poll() is not None:
-                    raise RuntimeError(f"{c.name} exited with code {c.proc.returncode} during start-up")
+            self._check_children(children)
             ports = [c.ports() for c in children]
             if all(ports):
                 return ports
@@ -340,10 +338,11 @@ class LocalCluster:
                 raise RuntimeError("services did not become ready in time")
             time.sleep(0.05)
 
-    def _check_children(self) -> None:
+    def _check_children(self, children: list[Child] | None = None) -> None:
+        """Raises if `up` is stopping or one of `children` (default: all) has exited."""
         if self._stop:
             raise KeyboardInterrupt
-        for c in self.children:
+        for c in self.children if children is None else children:
             if c.proc.poll() is not None:
                 raise RuntimeError(f"{c.name} exited with code {c.proc.returncode} during start-up")
 

@@ -204,18 +204,10 @@ def spawn_services(tmp: Path, services: list[tuple[str, str, list[str]]]) -> lis
 
 
 def wait_ready(http: str, workers: dict[str, int], timeout: float = 60.0) -> None:
-    """Until the router at `http` counts `workers` healthy workers of each role."""
-    import httpx
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            seen = httpx.get(f"{http}/ready", timeout=10).json().get("workers", {})
-        except httpx.TransportError:
-            seen = {}
-        if all(seen.get(role, 0) >= n for role, n in workers.items()):
-            return
-        assert time.monotonic() < deadline, f"the router sees {seen}, not {workers}"
-        time.sleep(0.1)
+    """Until the router at `http` counts `workers` healthy workers of each role (the
+    probe `pdserve up` itself waits on)."""
+    from services.local_cluster import wait_router_sees
+    wait_router_sees(http, workers, timeout, lambda: None)
 
 
 def terminate(proc: subprocess.Popen, timeout: float = 20.0, sig: int = signal.SIGTERM) -> int:

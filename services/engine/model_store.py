@@ -26,11 +26,13 @@ CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_le
 DEFAULT_CONTEXT = 2048
 
 
-def context_length(config) -> int:
+def context_length(config, limit: int = 0) -> int:
     """The model's context length from `config`, a transformers config object of any
-    class (its own or the generic PretrainedConfig): 2048 when it names none."""
+    class (its own or the generic PretrainedConfig): 2048 when it names none; at most
+    `limit` when one is given (--max-model-len)."""
     lengths = [int(v) for v in (getattr(config, k, None) for k in CONTEXT_KEYS) if isinstance(v, int) and v > 0]
-    return min(lengths) if lengths else DEFAULT_CONTEXT
+    context = min(lengths) if lengths else DEFAULT_CONTEXT
+    return min(limit, context) if limit else context
 
 
 def generic_config(model_dir: Path):

@@ -102,8 +102,7 @@ class ModelRunner:
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        context = context_length(config)
-        self.max_model_len = min(max_model_len, context) if max_model_len else context
+        self.max_model_len = context_length(config, max_model_len)
         self.vocab_size = config.vocab_size
         self.workspace = Workspace()
         if kernel_cache is None:

@@ -24,11 +24,6 @@ from services.rpc import generate_pb2_grpc
 log = logging.getLogger(__name__)
 
 
-def _max_model_len(model_dir, limit: int) -> int:
-    context = context_length(generic_config(model_dir))
-    return min(limit, context) if limit else context
-
-
 async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> None:
     """Serve until `stop` is set (default: SIGTERM/SIGINT)."""
     model_dir = resolve_model(settings.model, settings.revision)
@@ -39,9 +34,9 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     metrics = RouterMetrics(served_model_name)
     cluster = Cluster(settings, tokenizer, metrics)
     await cluster.start()
-    fe = FrontEnd(cluster, tokenizer, served_model_name,
-                  _max_model_len(model_dir, settings.max_model_len), settings.max_body_bytes, settings.request_timeout,
-                  sse_keepalive=settings.sse_keepalive_seconds)
+    max_model_len = context_length(generic_config(model_dir), settings.max_model_len)
+    fe = FrontEnd(cluster, tokenizer, served_model_name, max_model_len, settings.max_body_bytes,
+                  settings.request_timeout, sse_keepalive=settings.sse_keepalive_seconds)
 
     keys = KeyCheck(read_api_keys(settings.api_key, settings.api_key_file))
     tls = TLSFiles(settings.tls_cert, settings.tls_key)
