@@ -29,6 +29,7 @@ from services.common.security import TLSFiles
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 KV_TRANSPORTS = ("auto", "shm", "nixl", "tcp")
 ATTENTION_KERNELS = ("auto", "native", "torch")
+QUANTIZATIONS = ("none", "int8")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
 LOG_FORMAT_HELP = "text: one line per record; json: one JSON object per record, for log collectors"
@@ -196,6 +197,10 @@ class EngineSettings:
     revision: str | None = setting(None, "with a Hub id: the branch, tag or commit (default: main)")
     dtype: str = setting("auto", "weights and KV cache dtype; auto: bfloat16 on GPUs and on CPUs that "
                                  "compute it natively (AVX512-BF16, AMX), float32 on other CPUs", choices=DTYPES)
+    quantization: str = setting("none", "int8: the decoder layers' matmuls with int8 weights (per channel) and "
+                                        "activations quantized per token, like vLLM's dynamic W8A8; CPU only, "
+                                        "Llama-family models; faster, not bit-exact (opt-in)",
+                                choices=QUANTIZATIONS)
     device: str = setting("auto", "cpu, cuda, cuda:N or auto")
     block_size: int = setting(16, "tokens per KV block")
     max_model_len: int = setting(0, "longest sequence (prompt and output) served, in tokens (0: the model's own "
@@ -231,6 +236,8 @@ class EngineSettings:
             raise ValueError(f"--kv-transport must be one of {', '.join(KV_TRANSPORTS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}")
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(f"--attention-kernel must be one of {', '.join(ATTENTION_KERNELS)}")
         check_log_format(self.log_format)

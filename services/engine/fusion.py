@@ -161,14 +161,8 @@ class LeanDecoderLayer(nn.Module):
 
     def __init__(self, layer: nn.Module, kernels: NativeLayers | None, pack: bool, fuse: bool) -> None:
         super().__init__()
+        self._take_shape(layer)
         attn, mlp = layer.self_attn, layer.mlp
-        self.layer_idx = attn.layer_idx
-        self.head_dim = attn.head_dim
-        self.scaling = attn.scaling
-        self.num_heads = attn.q_proj.out_features // attn.head_dim
-        self.num_kv_heads = attn.k_proj.out_features // attn.head_dim
-        self.norm_weights = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        self.eps = (float(layer.input_layernorm.variance_epsilon), float(layer.post_attention_layernorm.variance_epsilon))
         self.qkv = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj], pack) if fuse else None
         self.pack = pack
         if pack:           # silu(gate) and "* silu(gate)", "+ residual" all in oneDNN epilogues
@@ -184,18 +178,27 @@ class LeanDecoderLayer(nn.Module):
         self.down_proj = _linear(mlp.down_proj.weight, mlp.down_proj.bias, pack)
         object.__setattr__(self, "kernels", kernels)
 
+    def _take_shape(self, layer: nn.Module) -> None:
+        attn = layer.self_attn
+        self.layer_idx = attn.layer_idx
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        self.num_heads = attn.q_proj.out_features // attn.head_dim
+        self.num_kv_heads = attn.k_proj.out_features // attn.head_dim
+        self.norm_weights = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        self.eps = (float(layer.input_layernorm.variance_epsilon), float(layer.post_attention_layernorm.variance_epsilon))
+
     def _norm(self, x: torch.Tensor, i: int) -> torch.Tensor:
         if self.kernels is not None:
             return self.kernels.rms_norm(x, self.norm_weights[i], self.eps[i], torch.get_num_threads())
         return _rms_norm_torch(x, self.norm_weights[i], self.eps[i])
 
-    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, pdserve_batch=None, **_):
-        tokens = hidden_states.shape[1]
-        x = self._norm(hidden_states, 0)
-        if self.qkv is not None:
-            q, k, v = self.qkv.linear(x).split(self.qkv.sizes, dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_embeddings,
+                   pdserve_batch) -> torch.Tensor:
+        """Rotary then paged attention over this layer's q, k, v ([1, tokens, heads *
+        dim] each; q and k are rotated in place where the kernels do it); returns [1,
+        tokens, heads * dim]."""
+        tokens = q.shape[1]
         q = q.view(1, tokens, self.num_heads, self.head_dim)
         k = k.view(1, tokens, self.num_kv_heads, self.head_dim)
         v = v.view(1, tokens, self.num_kv_heads, self.head_dim)
@@ -211,12 +214,21 @@ class LeanDecoderLayer(nn.Module):
             q, k = (q * cos) + (_rotate_half(q) * sin), (k * cos) + (_rotate_half(k) * sin)
         out, _ = paged_attention(self, q, k, v.transpose(1, 2), None, scaling=self.scaling,
                                  pdserve_batch=pdserve_batch)
+        return out.reshape(1, tokens, -1)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, pdserve_batch=None, **_):
+        x = self._norm(hidden_states, 0)
+        if self.qkv is not None:
+            q, k, v = self.qkv.linear(x).split(self.qkv.sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        out = self._attention(q, k, v, position_embeddings, pdserve_batch)
         if self.pack:
-            hidden_states = self.o_proj.then(out.reshape(1, tokens, -1), hidden_states, "add")
+            hidden_states = self.o_proj.then(out, hidden_states, "add")
             x = self._norm(hidden_states, 1)
             x = self.up_proj.then(x, self.gate_proj(x, "swish"), "mul")
             return self.down_proj.then(x, hidden_states, "add")
-        hidden_states = hidden_states + self.o_proj(out.reshape(1, tokens, -1))
+        hidden_states = hidden_states + self.o_proj(out)
         x = self._norm(hidden_states, 1)
         if self.gate_up is not None:
             gate_up = self.gate_up.linear(x)
@@ -228,6 +240,141 @@ class LeanDecoderLayer(nn.Module):
         else:
             x = F.silu(self.gate_proj(x)) * self.up_proj(x)
         return hidden_states + self.down_proj(x)
+
+
+class Int8Linear(nn.Module):
+    """A linear layer with int8 weights: per output channel, symmetric (scale = max |w|
+    / 127). Its input comes quantized per token (`NativeLayers.quantize_rows`: uint8
+    with zero point 128); oneDNN's u8 x s8 matmul (VNNI where the CPU has it) returns
+    float32 products, which the caller scales back per row and adds `bias` to
+    (`NativeLayers.dequant_rows`)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        w = weight.detach().float()
+        self.out_features, self.in_features = w.shape
+        scale = w.abs().amax(dim=1) / 127
+        self.scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.packed = torch.ops.onednn.qlinear_prepack(q, [PACK_FOR_ROWS, self.in_features])
+        self.zero_points = torch.zeros(self.out_features, dtype=torch.int64)
+        self.bias = None if bias is None else bias.detach()
+
+    def products(self, quantized: torch.Tensor) -> torch.Tensor:
+        """[rows, in] uint8 (value + 128) -> [rows, out] float32, before the rows' scales."""
+        return torch.ops.onednn.qlinear_pointwise(quantized, 1.0, 128, self.packed, self.scale, self.zero_points,
+                                                  None, 1.0, 0, torch.float32, "none", [], "")
+
+
+def _cat_linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> Int8Linear:
+    """One int8 matmul for several projections of one input."""
+    bias = None if biases[0] is None else torch.cat(biases)
+    return Int8Linear(torch.cat([w.float() for w in weights]), bias)
+
+
+# SmoothQuant's migration strength: how much of an input channel's range moves into the
+# weights (0: none, 1: all). 0.5 is the paper's default for most models.
+SMOOTHING_ALPHA = 0.5
+# What the int8 layers are calibrated on at load: where each input channel's range lies.
+CALIBRATION_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based ink and a wooden screw press. Within fifty years, "
+    "presses were running in more than two hundred European cities, and the price of books fell "
+    "sharply.\n\nQ: How do I reverse a list in Python?\nA: Use `items[::-1]` for a reversed copy, or "
+    "`items.reverse()` to reverse it in place.\n\ndef fibonacci(n):\n    a, b = 0, 1\n    for _ in "
+    "range(n):\n        a, b = b, a + b\n    return a\n\nPhotosynthesis converts light energy into "
+    "chemical energy: plants take in carbon dioxide and water and release oxygen. Dear team, the "
+    "meeting on Thursday moves to 3 pm; please send your slides by noon. 1, 2, 3, 5, 8, 13, 21. "
+    "Paris, Tokyo, Nairobi, Lima and Sydney are capitals or large cities on five continents.")
+
+
+def _smoothing(act_max: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    """SmoothQuant's per-input-channel factors for matmuls that share one input: divide
+    the input's channel j by s_j and multiply the weights' column j by it, so outlier
+    channels of the activations (which per-token int8 quantizes badly) are tamed at
+    the cost of the weights' (quantized per output channel, which takes it better)."""
+    w_max = torch.stack([w.float().abs().amax(dim=0) for w in weights]).amax(dim=0)
+    s = act_max.clamp_min(1e-5).pow(SMOOTHING_ALPHA) / w_max.clamp_min(1e-5).pow(1 - SMOOTHING_ALPHA)
+    return s.clamp_min(1e-5)
+
+
+@torch.inference_mode()
+def calibrate(model: nn.Module, input_ids: list[int]) -> dict[nn.Module, dict[str, torch.Tensor]]:
+    """Each decoder layer's per-channel max |input| of its q, gate and down projections
+    over `input_ids`, one forward pass with torch's SDPA attention."""
+    stats: dict[nn.Module, dict[str, torch.Tensor]] = {}
+    hooks = []
+
+    def watch(layer: nn.Module, name: str, linear: nn.Module) -> None:
+        def hook(_module, inputs, _output):
+            x = inputs[0].detach().float().reshape(-1, inputs[0].shape[-1]).abs().amax(dim=0)
+            seen = stats.setdefault(layer, {})
+            seen[name] = torch.maximum(seen[name], x) if name in seen else x
+        hooks.append(linear.register_forward_hook(hook))
+
+    for layer in model.modules():
+        if _lean_compatible(layer):
+            watch(layer, "qkv", layer.self_attn.q_proj)
+            watch(layer, "gate_up", layer.mlp.gate_proj)
+            watch(layer, "down", layer.mlp.down_proj)
+    attention = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        model(input_ids=torch.tensor([input_ids], device=model.device), use_cache=False)
+    finally:
+        model.set_attn_implementation(attention)
+        for h in hooks:
+            h.remove()
+    return stats
+
+
+class Int8DecoderLayer(LeanDecoderLayer):
+    """`LeanDecoderLayer` with int8 weights in its four matmuls (q|k|v, o, gate|up,
+    down), activations quantized per token as they enter each, in the native kernels:
+    RMSNorm and quantize in one pass, scale back plus bias plus residual in one, and
+    SiLU-and-multiply between gate|up and down on the float32 products. Attention, the
+    KV cache and the vocabulary projection keep the model's dtype. With `stats` from
+    `calibrate`, SmoothQuant's factors are folded into the RMSNorm weights (for q|k|v
+    and gate|up) and into up's rows (for down) before quantizing. An approximation,
+    like vLLM's W8A8 (per-channel weights, dynamic per-token activations): opt-in."""
+
+    def __init__(self, layer: nn.Module, kernels: NativeLayers, stats: dict[str, torch.Tensor] | None = None) -> None:
+        nn.Module.__init__(self)                     # none of LeanDecoderLayer's matmuls
+        self._take_shape(layer)
+        attn, mlp = layer.self_attn, layer.mlp
+        self.dtype = attn.q_proj.weight.dtype
+        qkv = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+        gate_up = [mlp.gate_proj.weight, mlp.up_proj.weight]
+        down = mlp.down_proj.weight
+        if stats:
+            norms = []
+            for i, (name, weights) in enumerate((("qkv", qkv), ("gate_up", gate_up))):
+                s = _smoothing(stats[name], weights)
+                norms.append((self.norm_weights[i].float() / s).to(self.dtype))
+                weights[:] = [w.float() * s for w in weights]
+            self.norm_weights = tuple(norms)
+            s = _smoothing(stats["down"], [down])
+            gate_up[1] = gate_up[1] / s[:, None]             # silu(gate) * up / s = the input / s
+            down = down.float() * s
+        self.qkv = _cat_linear(qkv, [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+        self.qkv_sizes = [w.shape[0] for w in qkv]
+        self.o_proj = Int8Linear(attn.o_proj.weight, attn.o_proj.bias)
+        self.gate_up = _cat_linear(gate_up, [None, None])
+        self.down_proj = Int8Linear(down, mlp.down_proj.bias)
+        object.__setattr__(self, "kernels", kernels)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, pdserve_batch=None, **_):
+        k, threads, shape = self.kernels, torch.get_num_threads(), hidden_states.shape
+        x, scales = k.rms_norm_quantize(hidden_states, self.norm_weights[0], self.eps[0], threads)
+        qkv = k.dequant_rows(self.qkv.products(x), scales, self.qkv.bias, None, self.dtype, threads)
+        q, key, value = qkv.view(1, shape[1], -1).split(self.qkv_sizes, dim=-1)
+        x, scales = k.quantize_rows(self._attention(q, key, value, position_embeddings, pdserve_batch), threads)
+        hidden_states = k.dequant_rows(self.o_proj.products(x), scales, self.o_proj.bias, hidden_states, self.dtype,
+                                       threads)
+        x, scales = k.rms_norm_quantize(hidden_states, self.norm_weights[1], self.eps[1], threads)
+        x, scales = k.silu_mul_quantize(self.gate_up.products(x), scales, threads)
+        return k.dequant_rows(self.down_proj.products(x), scales, self.down_proj.bias, hidden_states, self.dtype,
+                              threads).view(shape)
 
 
 def _lean_compatible(layer: nn.Module) -> bool:
@@ -260,8 +407,11 @@ def _silu(mlp: nn.Module) -> bool:
     return type(act).__name__ in ("SiLU", "SiLUActivation") or act is F.silu
 
 
-def apply(model: nn.Module, kernels: NativeLayers | None) -> list[str]:
-    """Swap faster equivalents into `model` (in place); returns what was applied."""
+def apply(model: nn.Module, kernels: NativeLayers | None, quantization: str = "none",
+          calibration_ids: list[int] | None = None) -> list[str]:
+    """Swap faster equivalents into `model` (in place); returns what was applied.
+    `quantization` "int8": the decoder layers' matmuls in int8 (`Int8DecoderLayer`),
+    calibrated on `calibration_ids` (CALIBRATION_TEXT, tokenized) where given."""
     dtype, device = model.dtype, model.device
     cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
     pack = cpu_bf16 and _packs_bf16()
@@ -270,6 +420,9 @@ def apply(model: nn.Module, kernels: NativeLayers | None) -> list[str]:
     owners = [m for m in model.modules() if all(isinstance(getattr(m, n, None), nn.Linear) for n in qkv)]
     fuse = dtype != torch.float32 or not owners or _exact_in_float32([getattr(owners[0], n) for n in qkv])
     applied: set[str] = set()
+    if quantization == "int8":
+        _quantize_layers(model, kernels, calibration_ids)
+        applied.add("int8 decoder layers" + (" (smoothed)" if calibration_ids else ""))
     for module in list(model.modules()):
         if _lean_compatible(module):
             _replace(model, module, LeanDecoderLayer(module, native, pack, fuse))
@@ -303,6 +456,23 @@ def apply(model: nn.Module, kernels: NativeLayers | None) -> list[str]:
     if dtype == torch.float32 and not fuse:
         log.info("float32 projections stay separate: a fused matmul is not bit-identical on this CPU")
     return sorted(applied)
+
+
+def _quantize_layers(model: nn.Module, kernels: NativeLayers | None, calibration_ids: list[int] | None) -> None:
+    """Every decoder layer as an `Int8DecoderLayer` (smoothed where `calibration_ids`
+    are given), or ValueError saying why not."""
+    if model.device.type != "cpu" or kernels is None or not hasattr(torch.ops.onednn, "qlinear_pointwise"):
+        raise ValueError("--quantization int8 runs on CPU with the native layer kernels and torch's oneDNN int8 "
+                         "matmul (not with --attention-kernel torch, nor on GPUs)")
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    unfit = sorted({type(m).__name__ for m in layers if not _lean_compatible(m)
+                    or m.mlp.gate_proj.bias is not None or m.mlp.up_proj.bias is not None})
+    if not layers or unfit:
+        raise ValueError(f"--quantization int8 takes Llama-family decoder layers ({', '.join(LEAN_LAYERS)}) "
+                         f"without MLP biases; this model has {', '.join(unfit) or 'none found'}")
+    stats = calibrate(model, calibration_ids) if calibration_ids else {}
+    for layer in layers:
+        _replace(model, layer, Int8DecoderLayer(layer, kernels, stats.get(layer)))
 
 
 def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> None:

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from services.common.settings import ATTENTION_KERNELS
+from services.common.settings import ATTENTION_KERNELS, QUANTIZATIONS
 from services.engine.device import Fence, stream_for
 from services.engine.hardware import has_amx, pick_dtype
 from services.engine.kv_cache import (CPU_KV_TOKENS, KVLayout, KVPoolMemory, compat_hash, device_memory,
@@ -83,8 +83,12 @@ class ModelRunner:
     """Loads the model once; runs forward passes over a given KV pool."""
 
     def __init__(self, model_dir: Path, dtype: str = "auto", device: str | None = None,
-                 attention: str = "auto", kernel_cache: Path | None = None, max_model_len: int = 0) -> None:
+                 attention: str = "auto", kernel_cache: Path | None = None, max_model_len: int = 0,
+                 quantization: str = "none") -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {quantization!r}")
+        self.quantization = quantization
         _register_attention()
         self.device = pick_device(device)
         self.stream = stream_for(self.device)           # where KV writes run; see device.py
@@ -109,7 +113,12 @@ class ModelRunner:
             from services.engine.model_store import cache_dir
             kernel_cache = cache_dir()
         self.native = self._native(attention, kernel_cache)
-        self.fusions = fusion.apply(self.model, self._layer_kernels(attention, kernel_cache))
+        calibration = None
+        if quantization != "none":
+            from transformers import AutoTokenizer
+            calibration = AutoTokenizer.from_pretrained(self.model_dir)(fusion.CALIBRATION_TEXT)["input_ids"]
+        self.fusions = fusion.apply(self.model, self._layer_kernels(attention, kernel_cache), quantization,
+                                    calibration)
         # With AMX, torch's SDPA (oneDNN on AMX tiles) beats the vdpbf16ps kernel: measured
         # 2.3 ms against ~7 ms a layer at 512 tokens on a Sapphire Rapids core.
         self.native_prefill = (self.native is not None and self.native.prefills
@@ -149,7 +158,8 @@ class ModelRunner:
     def describe(self) -> str:
         decode = "native" if self.native is not None else "torch"
         prefill = "native" if self.native_prefill else "torch SDPA"
-        return (f"{self.dtype_name} ({self.dtype_reason}) on {self.device}; attention: decode {decode}, "
+        weights = "" if self.quantization == "none" else f", {self.quantization} weights"
+        return (f"{self.dtype_name} ({self.dtype_reason}){weights} on {self.device}; attention: decode {decode}, "
                 f"prefill {prefill}; fused: {', '.join(self.fusions) or 'nothing'}")
 
     def activation_bytes(self, tokens: int, rows: int) -> int:
@@ -180,6 +190,8 @@ class ModelRunner:
 
     def compat_hash(self, layout: KVLayout) -> str:
         model_id = f"{self.config.model_type}:{self.config.vocab_size}:{self.config.hidden_size}:{self.model_dir.name}"
+        if self.quantization != "none":             # the same prompt makes other KV bytes
+            model_id += f":{self.quantization}"
         return compat_hash(model_id, layout)
 
     # ---- one forward pass ----

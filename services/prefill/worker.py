@@ -109,7 +109,8 @@ class PrefillWorker:
     def _pair(self, handle) -> tuple[KVTransport, PeerHandle, bool]:
         if handle.compat_hash != self.compat_hash:
             raise IncompatiblePeer(f"decode worker KV layout {handle.compat_hash} differs from ours "
-                                   f"{self.compat_hash} (model, dtype, block size or protocol): refusing to pair")
+                                   f"{self.compat_hash} (model, dtype, quantization, block size or protocol): "
+                                   "refusing to pair")
         with self._pair_lock:
             return pair([(o.backend, o.meta) for o in handle.offers], self.transports, self.compat_hash,
                         lambda failed, used: self.metrics.transport_fallbacks.labels(failed, used or "none").inc())

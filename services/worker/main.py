@@ -123,7 +123,7 @@ async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]
     keep_freed_memory()
     model_dir = resolve_model(settings.model, settings.revision)
     runner = ModelRunner(model_dir, settings.dtype, settings.device, attention=settings.attention_kernel,
-                         max_model_len=settings.max_model_len)
+                         max_model_len=settings.max_model_len, quantization=settings.quantization)
     metrics = WorkerMetrics(settings.role, settings.served_model_name or model_dir.name)
     parts = build(settings, runner, eos_token_ids(model_dir), metrics)
     secret = ClusterSecret.from_file(settings.cluster_secret_file)

@@ -2,7 +2,8 @@
 
 `attention.c` runs decode attention straight from the paged KV cache, and causal
 prefill attention in bfloat16 on CPUs with AVX512-BF16; `layers.c` the element-wise
-work around the matmuls (RMSNorm, SiLU-and-multiply) in one pass each. Each is
+work around the matmuls (RMSNorm, SiLU-and-multiply; with int8 weights, quantizing
+activations per token and scaling products back) in one pass each. Each is
 compiled for the CPU it runs on (-march=native) into the cache directory, under a name
 keyed by its source, flags, compiler and CPU, so a cache shared between machines never
 hands one machine another's build; building takes about a second. Where there is no
@@ -184,6 +185,16 @@ class NativeLayers:
         self._rotary = lib.pdserve_rotary
         self._rotary.argtypes = [p, i64, i64, p, p, i64, i32, i32, i32, i32, i32]
         self._rotary.restype = i32
+        self._quantize = lib.pdserve_quantize_rows
+        self._quantize.argtypes = [p, i64, p, i64, p, i32, i32, i32, i32]
+        self._norm_quantize = lib.pdserve_rms_norm_quantize
+        self._norm_quantize.argtypes = [p, i64, p, p, i64, p, i32, i32, f32, i32, i32]
+        self._dequant = lib.pdserve_dequant_rows
+        self._dequant.argtypes = [p, i64, p, p, p, i64, p, i64, i32, i32, i32, i32]
+        self._silu_quantize = lib.pdserve_silu_mul_quantize
+        self._silu_quantize.argtypes = [p, i64, p, p, i64, p, i32, i32, i32]
+        for fn in (self._quantize, self._norm_quantize, self._dequant, self._silu_quantize):
+            fn.restype = i32
         self._lib = lib
 
     @staticmethod
@@ -215,6 +226,66 @@ class NativeLayers:
             raise ValueError(f"silu_mul refused its arguments (code {rc})")
         return out.view(*gate_up.shape[:-1], inter)
 
+    # ---- int8 activations: uint8 rows (value + 128) and a float32 scale per row ----
+    @staticmethod
+    def _quantized(rows: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.empty(rows, dim, dtype=torch.uint8), torch.empty(rows, dtype=torch.float32)
+
+    def quantize_rows(self, x: torch.Tensor, threads: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row of x to int8 with its own scale (max |x| / 127), as uint8 offset by
+        128: returns ([rows, dim] uint8, [rows] float32 scales)."""
+        rows = self._rows(x)
+        out, scales = self._quantized(*rows.shape)
+        rc = self._quantize(rows.data_ptr(), rows.stride(0), out.data_ptr(), out.stride(0), scales.data_ptr(),
+                            rows.shape[0], rows.shape[1], DTYPES[x.dtype], threads)
+        if rc:
+            raise ValueError(f"quantize_rows refused its arguments (code {rc})")
+        return out, scales
+
+    def rms_norm_quantize(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                          threads: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rms_norm` then `quantize_rows`, in one pass."""
+        rows = self._rows(x)
+        weight = weight.to(x.dtype).contiguous()
+        out, scales = self._quantized(*rows.shape)
+        rc = self._norm_quantize(rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0),
+                                 scales.data_ptr(), rows.shape[0], rows.shape[1], eps, DTYPES[x.dtype], threads)
+        if rc:
+            raise ValueError(f"rms_norm_quantize refused its arguments (code {rc})")
+        return out, scales
+
+    def dequant_rows(self, products: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                     residual: torch.Tensor | None, dtype: torch.dtype, threads: int = 1) -> torch.Tensor:
+        """products [rows, n] (float32) times each row's scale, plus bias [n] and
+        residual (rows of n) where given, in `dtype`: an int8 matmul's output."""
+        if products.dtype != torch.float32 or products.stride(-1) != 1 or dtype not in DTYPES:
+            raise ValueError("dequant_rows takes float32 products (last dimension contiguous) into float32 "
+                             "or bfloat16")
+        n = products.shape[-1]
+        res = None if residual is None else self._rows(residual.to(dtype))
+        bias = None if bias is None else bias.to(dtype).contiguous()
+        out = torch.empty(products.shape[0], n, dtype=dtype)
+        rc = self._dequant(products.data_ptr(), products.stride(0), scales.data_ptr(),
+                           None if bias is None else bias.data_ptr(), None if res is None else res.data_ptr(),
+                           0 if res is None else res.stride(0), out.data_ptr(), out.stride(0), products.shape[0],
+                           n, DTYPES[dtype], threads)
+        if rc:
+            raise ValueError(f"dequant_rows refused its arguments (code {rc})")
+        return out
+
+    def silu_mul_quantize(self, products: torch.Tensor, scales: torch.Tensor,
+                          threads: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """An int8 gate|up matmul's float32 products [rows, 2 * inter], scaled back per
+        row, through silu(gate) * up, and quantized per row for the next int8 matmul."""
+        if products.dtype != torch.float32 or products.stride(-1) != 1:
+            raise ValueError("silu_mul_quantize takes float32 products, last dimension contiguous")
+        inter = products.shape[1] // 2
+        out, out_scales = self._quantized(products.shape[0], inter)
+        rc = self._silu_quantize(products.data_ptr(), products.stride(0), scales.data_ptr(), out.data_ptr(),
+                                 out.stride(0), out_scales.data_ptr(), products.shape[0], inter, threads)
+        if rc:
+            raise ValueError(f"silu_mul_quantize refused its arguments (code {rc})")
+        return out, out_scales
 
     def rotary_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, threads: int = 1) -> None:
         """Rotate x [tokens, heads, dim] in place ("rotate half" layout) by cos and sin

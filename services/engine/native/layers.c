@@ -6,6 +6,8 @@
  *   rms_norm   out = x / sqrt(mean(x^2) + eps) * weight          (Llama-family RMSNorm)
  *   silu_mul   out = silu(gate) * up, from one [rows, 2 * inter] gate|up product
  *   rotary     q and k rotated in place by the cos/sin of each token's position
+ *   quantize   each row to int8 with its own scale (amax / 127), stored offset by 128 as
+ *              uint8: the activations of an int8 matmul (dynamic, per token)
  *
  * All math is float32; bfloat16 tensors are widened on load and rounded to nearest even
  * on store. Rows may be strided; the last dimension is contiguous. Rows are split over
@@ -81,8 +83,8 @@ typedef struct {
     float eps;
 } NormArgs;
 
-static void norm_row(const void *a, int r, float *buf) {
-    const NormArgs *n = (const NormArgs *)a;
+/* Row r of n->x, normalized, into buf (float32; buf holds 2 x dim). */
+static float *norm_into(const NormArgs *n, int r, float *buf) {
     float *x = buf, *w = buf + n->dim;
     load(n->x, (int64_t)r * n->x_stride, n->dim, n->bf16, x);
     load(n->w, 0, n->dim, n->bf16, w);
@@ -94,7 +96,12 @@ static void norm_row(const void *a, int r, float *buf) {
 #pragma omp simd
     for (int i = 0; i < n->dim; i++)
         x[i] = x[i] * inv * w[i];
-    store(n->out, (int64_t)r * n->out_stride, n->dim, n->bf16, x);
+    return x;
+}
+
+static void norm_row(const void *a, int r, float *buf) {
+    const NormArgs *n = (const NormArgs *)a;
+    store(n->out, (int64_t)r * n->out_stride, n->dim, n->bf16, norm_into(n, r, buf));
 }
 
 int pdserve_rms_norm(const void *x, int64_t x_stride, const void *w, void *out, int64_t out_stride, int rows,
@@ -168,4 +175,143 @@ int pdserve_rotary(void *x, int64_t token_stride, int64_t head_stride, const voi
         return 1;
     RotaryArgs a = {x, cos, sin, token_stride, head_stride, cs_stride, heads, dim, bf16};
     return run_rows(rotary_row, &a, tokens, threads);
+}
+
+/* ---- per-row (per-token) symmetric int8 quantization, stored as uint8 + 128 ----
+ * scale = max|x| / 127 (1 for an all-zero row); q = round(x / scale) + 128, in [1, 255]
+ * (halves round up).
+ * oneDNN's u8 x s8 kernels take the 128 as the activations' zero point. */
+typedef struct {
+    const void *x;
+    uint8_t *out;
+    float *scales;
+    int64_t x_stride, out_stride;
+    int dim, bf16;
+} QuantArgs;
+
+static void quantize_buf(const float *x, int n, uint8_t *o, float *scale_out) {
+    float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+    for (int i = 0; i < n; i++)
+        amax = fmaxf(amax, fabsf(x[i]));
+    const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+    const float inv = 1.0f / scale;
+#pragma omp simd
+    for (int i = 0; i < n; i++) {
+        float v = fminf(fmaxf(x[i] * inv, -127.0f), 127.0f);
+        o[i] = (uint8_t)(int)(v + 128.5f);           /* positive here: truncation rounds */
+    }
+    *scale_out = scale;
+}
+
+static void quantize_row(const void *a, int r, float *buf) {
+    const QuantArgs *q = (const QuantArgs *)a;
+    load(q->x, (int64_t)r * q->x_stride, q->dim, q->bf16, buf);
+    quantize_buf(buf, q->dim, q->out + (int64_t)r * q->out_stride, q->scales + r);
+}
+
+int pdserve_quantize_rows(const void *x, int64_t x_stride, uint8_t *out, int64_t out_stride, float *scales,
+                          int rows, int dim, int bf16, int threads) {
+    if (dim < 1 || dim > 32768 || rows < 0)
+        return 1;
+    QuantArgs a = {x, out, scales, x_stride, out_stride, dim, bf16};
+    return run_rows(quantize_row, &a, rows, threads);
+}
+
+/* RMSNorm straight into per-row int8 (the norm's output feeds only an int8 matmul). */
+typedef struct {
+    NormArgs norm;
+    uint8_t *out;
+    float *scales;
+    int64_t out_stride;
+} NormQuantArgs;
+
+static void norm_quant_row(const void *a, int r, float *buf) {
+    const NormQuantArgs *q = (const NormQuantArgs *)a;
+    quantize_buf(norm_into(&q->norm, r, buf), q->norm.dim, q->out + (int64_t)r * q->out_stride, q->scales + r);
+}
+
+int pdserve_rms_norm_quantize(const void *x, int64_t x_stride, const void *w, uint8_t *out, int64_t out_stride,
+                              float *scales, int rows, int dim, float eps, int bf16, int threads) {
+    if (dim < 1 || dim > 16384 || rows < 0)
+        return 1;
+    NormQuantArgs a = {{x, w, NULL, x_stride, 0, dim, bf16, eps}, out, scales, out_stride};
+    return run_rows(norm_quant_row, &a, rows, threads);
+}
+
+/* ---- after an int8 matmul: y (float32, [rows, n]) times each row's activation scale,
+ * plus an optional bias [n] and residual [rows, n], stored in the model's dtype ---- */
+typedef struct {
+    const float *y;
+    const float *scales;
+    const void *bias, *residual;
+    void *out;
+    int64_t y_stride, res_stride, out_stride;
+    int n, bf16;
+} DequantArgs;
+
+static void dequant_row(const void *a, int r, float *buf) {
+    const DequantArgs *d = (const DequantArgs *)a;
+    const float *y = d->y + (int64_t)r * d->y_stride;
+    const float s = d->scales[r];
+    for (int c = 0; c < d->n; c += 8192) {
+        int m = d->n - c < 8192 ? d->n - c : 8192;
+        float *o = buf, *t = buf + 8192;
+#pragma omp simd
+        for (int i = 0; i < m; i++)
+            o[i] = y[c + i] * s;
+        if (d->bias) {
+            load(d->bias, c, m, d->bf16, t);
+#pragma omp simd
+            for (int i = 0; i < m; i++)
+                o[i] += t[i];
+        }
+        if (d->residual) {
+            load(d->residual, (int64_t)r * d->res_stride + c, m, d->bf16, t);
+#pragma omp simd
+            for (int i = 0; i < m; i++)
+                o[i] += t[i];
+        }
+        store(d->out, (int64_t)r * d->out_stride + c, m, d->bf16, o);
+    }
+}
+
+int pdserve_dequant_rows(const float *y, int64_t y_stride, const float *scales, const void *bias,
+                         const void *residual, int64_t res_stride, void *out, int64_t out_stride, int rows, int n,
+                         int bf16, int threads) {
+    if (n < 1 || rows < 0)
+        return 1;
+    DequantArgs a = {y, scales, bias, residual, out, y_stride, res_stride, out_stride, n, bf16};
+    return run_rows(dequant_row, &a, rows, threads);
+}
+
+/* ---- an int8 gate|up product ([rows, 2 * inter], float32) scaled back, SiLU-and-multiply,
+ * and quantized per row for the down projection ---- */
+typedef struct {
+    const float *y;
+    const float *scales;
+    uint8_t *out;
+    float *out_scales;
+    int64_t y_stride, out_stride;
+    int inter;
+} SiluQuantArgs;
+
+static void silu_quant_row(const void *a, int r, float *buf) {
+    const SiluQuantArgs *q = (const SiluQuantArgs *)a;
+    const float *g = q->y + (int64_t)r * q->y_stride, *u = g + q->inter;
+    const float s = q->scales[r];
+#pragma omp simd
+    for (int i = 0; i < q->inter; i++) {
+        float x = g[i] * s;
+        buf[i] = x / (1.0f + fast_expf(-x)) * (u[i] * s);
+    }
+    quantize_buf(buf, q->inter, q->out + (int64_t)r * q->out_stride, q->out_scales + r);
+}
+
+int pdserve_silu_mul_quantize(const float *y, int64_t y_stride, const float *scales, uint8_t *out,
+                              int64_t out_stride, float *out_scales, int rows, int inter, int threads) {
+    if (inter < 1 || inter > 32768 || rows < 0)
+        return 1;
+    SiluQuantArgs a = {y, scales, out, out_scales, y_stride, out_stride, inter};
+    return run_rows(silu_quant_row, &a, rows, threads);
 }

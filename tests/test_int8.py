@@ -1,0 +1,145 @@
+"""`--quantization int8`: the native kernels around the int8 matmuls against torch
+references (per-token quantization, RMSNorm into it, scaling back with bias and
+residual, SiLU-and-multiply into it), one int8 linear layer against its float product,
+the real model quantized (it follows float32's greedy continuation closely and its KV
+is labelled apart), a disaggregated cluster quantized end to end, and its refusals."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.common.settings import EngineSettings
+from services.engine import native
+from services.engine.fusion import Int8DecoderLayer, Int8Linear
+from services.engine.runner import ModelRunner
+from tests.conftest import start_cluster, stop_cluster
+
+
+@pytest.fixture(scope="module")
+def kernel_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def layers(kernel_cache):
+    return native.load_layers(kernel_cache)
+
+
+def dequantized(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return (q.float() - 128) * scales[:, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_rows_keeps_each_row_within_half_a_step(layers, dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(37, 600, generator=gen) * torch.logspace(-2, 2, 37)[:, None]).to(dtype)
+    x[5] = 0                                     # an all-zero row: scale 1, every value 128
+    strided = torch.zeros(37, 700, dtype=dtype)
+    strided[:, :600] = x
+    q, scales = layers.quantize_rows(strided[:, :600])
+    assert q.dtype == torch.uint8 and q.shape == (37, 600) and scales.shape == (37,)
+    ref = x.float()
+    expected = ref.abs().amax(dim=1) / 127
+    assert torch.allclose(scales[torch.arange(37) != 5], expected[torch.arange(37) != 5], rtol=1e-6)
+    assert scales[5] == 1 and bool((q[5] == 128).all())
+    assert int(q.min()) >= 1 and int(q.max()) <= 255
+    assert bool(((dequantized(q, scales) - ref).abs() <= scales[:, None] / 2 * 1.0001).all())
+
+
+def test_rms_norm_quantize_is_the_norm_then_quantize_in_one_pass(layers):
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(19, 576, generator=gen), torch.rand(576, generator=gen) * 3
+    q, scales = layers.rms_norm_quantize(x, w, 1e-5)
+    q2, scales2 = layers.quantize_rows(layers.rms_norm(x, w, 1e-5))
+    assert torch.equal(q, q2) and torch.equal(scales, scales2)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_dequant_rows_scales_back_and_adds_bias_and_residual(layers, dtype, tol):
+    gen = torch.Generator().manual_seed(2)
+    products, scales = torch.randn(11, 960, generator=gen) * 100, torch.rand(11, generator=gen)
+    bias, residual = torch.randn(960, generator=gen).to(dtype), torch.randn(11, 960, generator=gen).to(dtype)
+    out = layers.dequant_rows(products, scales, bias, residual, dtype)
+    ref = products * scales[:, None] + bias.float() + residual.float()
+    assert out.dtype == dtype and torch.allclose(out.float(), ref, rtol=tol, atol=tol)
+    bare = layers.dequant_rows(products, scales, None, None, dtype)
+    assert torch.allclose(bare.float(), products * scales[:, None], rtol=tol, atol=tol)
+    with pytest.raises(ValueError):
+        layers.dequant_rows(products.to(torch.bfloat16), scales, None, None, dtype)
+
+
+def test_silu_mul_quantize_follows_torch(layers):
+    gen = torch.Generator().manual_seed(3)
+    products, scales = torch.randn(9, 2 * 1536, generator=gen) * 50, torch.rand(9, generator=gen) / 20
+    q, out_scales = layers.silu_mul_quantize(products, scales)
+    gate, up = (products * scales[:, None]).split(1536, dim=-1)
+    ref = F.silu(gate) * up
+    assert q.shape == (9, 1536)
+    assert bool(((dequantized(q, out_scales) - ref).abs() <= out_scales[:, None] * 0.51).all())
+
+
+def test_int8_linear_is_within_quantization_error_of_the_float_product(layers):
+    gen = torch.Generator().manual_seed(4)
+    weight, x = torch.randn(1536, 576, generator=gen) * 0.05, torch.randn(40, 576, generator=gen)
+    linear = Int8Linear(weight, None)
+    q, scales = layers.quantize_rows(x)
+    out = layers.dequant_rows(linear.products(q), scales, None, None, torch.float32)
+    ref = x @ weight.t()
+    assert float((out - ref).norm() / ref.norm()) < 0.02
+
+
+def _teacher_forced_agreement(runner, reference, prompts):
+    """The share of positions where `runner`'s top token is float32's greedy one,
+    fed float32's continuation."""
+    from bench.int8_quality import continuation
+    hits = total = 0
+    for ids in prompts:
+        tokens, _ = reference[tuple(ids)]
+        _, logprobs = continuation(runner, ids, len(tokens), forced=tokens)
+        hits += sum(int(lp.argmax()) == t for t, lp in zip(tokens, logprobs))
+        total += len(tokens)
+    return hits / total
+
+
+def test_the_quantized_model_follows_float32_and_labels_its_kv_apart(model_dir, kernel_cache):
+    """Calibrated (smoothed) int8 layers in the dtype auto picks: top-1 agreement with
+    float32 along its own greedy continuation well above chance (measured ~92 % here,
+    bfloat16 alone ~98 %; bench/int8_quality.py), and a compatibility hash of its own,
+    so a quantized prefill worker's KV never reaches an unquantized decode worker."""
+    from transformers import AutoTokenizer
+    from bench.int8_quality import PROMPTS, _chat_ids, continuation
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [_chat_ids(tokenizer, p) for p in PROMPTS[:3]]
+    reference_runner = ModelRunner(model_dir, "float32", "cpu", kernel_cache=kernel_cache)
+    reference = {tuple(ids): continuation(reference_runner, ids, 16) for ids in prompts}
+    int8 = ModelRunner(model_dir, "auto", "cpu", kernel_cache=kernel_cache, quantization="int8")
+    assert "int8 decoder layers (smoothed)" in int8.fusions and "int8 weights" in int8.describe()
+    assert sum(isinstance(m, Int8DecoderLayer) for m in int8.model.modules()) == int8.num_layers
+    assert _teacher_forced_agreement(int8, reference, prompts) >= 0.8
+    layout = int8.layout(4, 16)
+    assert layout.dtype == int8.dtype_name
+    assert int8.compat_hash(layout) != reference_runner.compat_hash(layout)   # same layout, unquantized
+
+
+def test_int8_needs_the_native_kernels_and_a_known_name(model_dir):
+    with pytest.raises(ValueError, match="--quantization int8 runs on CPU"):
+        ModelRunner(model_dir, "auto", "cpu", attention="torch", quantization="int8")
+    with pytest.raises(ValueError, match="--quantization must be one of none, int8"):
+        EngineSettings(quantization="fp8")
+
+
+def test_a_quantized_cluster_serves_with_the_kv_crossing_between_workers(model_dir):
+    """`up --quantization int8`: both workers quantize alike (the router pairs them by
+    the compatibility hash), the prompt's KV crosses to the decode worker, and the
+    official client gets the greedy answer, the same on a second ask."""
+    from openai import OpenAI
+    c = start_cluster("--quantization", "int8", dtype="auto")
+    try:
+        client = OpenAI(base_url=f"{c.http}/v1", api_key="unused")
+        ask = [{"role": "user", "content": "What is the capital of France?"}]
+        answers = [client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ask, max_tokens=12,
+                                                  temperature=0) for _ in range(2)]
+        assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+        assert "Paris" in answers[0].choices[0].message.content
+        assert c.stats("decode").kv_bytes_received > 0 and c.stats("prefill").prompt_tokens_computed > 0
+    finally:
+        stop_cluster(c)
