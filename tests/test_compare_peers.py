@@ -8,7 +8,7 @@ import pytest
 
 from bench.peers.command import run, settings_from_argv
 from bench.peers.summary import add_ratios, format_table, system_result
-from bench.peers.systems import SYSTEMS, TRANSFORMERS_NO_EOS
+from bench.peers.systems import DEFAULT_SYSTEMS, TRANSFORMERS_NO_EOS, Context
 
 
 def run_summary(tok_s: float, ttft: float, failed: int = 0) -> dict:
@@ -24,7 +24,12 @@ def test_bench_flags_pass_through_and_chat_is_the_default_endpoint(tmp_path):
     assert s.bench_args == ("--endpoint", "chat", "--workload", "chat", "--num-prompts", "4") and s.ignore_eos
     s = settings_from_argv(["--endpoint", "completions", "--no-ignore-eos"])
     assert s.bench_args == ("--endpoint", "completions", "--no-ignore-eos") and not s.ignore_eos
-    assert [x.name for x in s.systems] == list(SYSTEMS)
+    assert [x.name for x in s.systems] == list(DEFAULT_SYSTEMS)
+    # The int8 systems are asked for by name: a quality trade, not the model's own output.
+    assert not any(n.endswith("-int8") for n in DEFAULT_SYSTEMS)
+    int8 = settings_from_argv(["--systems", "pdserve-aggregated-int8"]).systems[0]
+    argv = int8.launch(Context(tmp_path, None, "python"), 8000, tmp_path).argv
+    assert argv[argv.index("--quantization") + 1] == "int8" and argv[argv.index("--mode") + 1] == "aggregated"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -55,7 +60,7 @@ def test_dry_run_prints_every_step_and_creates_nothing(tmp_path, capsys):
     assert "VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_NUM_OF_RESERVED_CPU=0" in plan and "--no-enable-prefix-caching" in plan
     assert "serve" in plan and "--continuous-batching" in plan
     assert "services.cli up --mode disaggregated" in plan and "services.cli up --mode aggregated" in plan
-    assert plan.count("services.cli bench") == 2 * len(SYSTEMS)
+    assert plan.count("services.cli bench") == 2 * len(DEFAULT_SYSTEMS)
     assert f"--no-ignore-eos --extra-body '{TRANSFORMERS_NO_EOS}'" in plan    # transformers serve only
     assert plan.count("--extra-body") == 2
     assert not peers.exists() and not out.exists()

@@ -49,9 +49,9 @@ class System:
     launch: Callable[[Context, int, Path], Launch]
 
 
-def _pdserve(mode: str) -> Callable[[Context, int, Path], Launch]:
+def _pdserve(mode: str, *flags: str) -> Callable[[Context, int, Path], Launch]:
     def launch(c: Context, port: int, workdir: Path) -> Launch:
-        return Launch([c.python, "-m", "services.cli", "up", "--mode", mode, "--dtype", c.dtype,
+        return Launch([c.python, "-m", "services.cli", "up", "--mode", mode, "--dtype", c.dtype, *flags,
                        "--host", "127.0.0.1",
                        "--http-port", str(port), "--grpc-port", "0", "--announce-file",
                        str(workdir / "announce.json"), "--log-level", "warning"])
@@ -82,10 +82,13 @@ def _transformers_serve(c: Context, port: int, workdir: Path) -> Launch:
 SYSTEMS = {s.name: s for s in (
     System("pdserve-disaggregated", None, _pdserve("disaggregated")),
     System("pdserve-aggregated", None, _pdserve("aggregated")),
+    # Opt-in int8 weights (not in the default set: a quality trade, not the same model's output).
+    System("pdserve-aggregated-int8", None, _pdserve("aggregated", "--quantization", "int8")),
+    System("pdserve-disaggregated-int8", None, _pdserve("disaggregated", "--quantization", "int8")),
     System("vllm", "vllm", _vllm),
     System("transformers-serve", "transformers", _transformers_serve),
 )}
-DEFAULT_SYSTEMS = tuple(SYSTEMS)
+DEFAULT_SYSTEMS = tuple(name for name in SYSTEMS if not name.endswith("-int8"))
 
 
 def parse_systems(text: str) -> list[System]:
