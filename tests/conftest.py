@@ -30,6 +30,13 @@ def model_dir() -> Path:
     return ensure_default_model()
 
 
+@pytest.fixture(scope="module")
+def kernel_cache(tmp_path_factory):
+    """Where a module's native kernels are built, once for its runners and kernels (a
+    build takes a few seconds)."""
+    return tmp_path_factory.mktemp("cache")
+
+
 @pytest.fixture(scope="session")
 def expected(model_dir):
     from tests.parity_cases import generate_expected

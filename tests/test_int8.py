@@ -15,11 +15,6 @@ from tests.conftest import start_cluster, stop_cluster
 
 
 @pytest.fixture(scope="module")
-def kernel_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture(scope="module")
 def layers(kernel_cache):
     return native.load_layers(kernel_cache)
 

@@ -18,12 +18,6 @@ from services.engine.runner import ModelRunner
 
 
 @pytest.fixture(scope="module")
-def kernel_cache(tmp_path_factory):
-    """One build for the module's runners and kernel (a build takes a few seconds)."""
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture(scope="module")
 def kernel(kernel_cache):
     return native.load_attention(kernel_cache)
 
