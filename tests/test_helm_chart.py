@@ -887,6 +887,16 @@ def test_served_model_name_and_extra_args_reach_the_command_line(helm):
     assert env_of(m.container("prefill"))["PDSERVE_BLOCK_SIZE"]["value"] == "32"
 
 
+def test_one_quantization_reaches_both_worker_pools_and_not_the_router(helm):
+    plain = render(helm)
+    assert all("quantization" not in flags(plain.container(role)) for role in SERVICES)
+    m = render(helm, "--set", "model.quantization=int8")
+    assert flags(m.container("prefill"))["quantization"] == flags(m.container("decode"))["quantization"] == "int8"
+    assert "quantization" not in flags(m.container("router"))
+    bad = run_helm(helm, "template", "pdserve", str(CHART), "--set", "model.quantization=fp4")
+    assert bad.returncode != 0 and "quantization" in bad.stderr
+
+
 def test_settings_render_as_flags_through_one_helper(helm):
     """Every component's command line comes from its settings map, rendered in name order:
     numbers as integers, booleans as --flag / --no-flag, lists as repeated flags; the

@@ -15,6 +15,8 @@ only in what their values say:
       "device" $pool.device "threads" (int $pool.threads) }}
 {{- with include "pdserve.modelDir" $root }}{{ $_ := set $settings "model" . }}{{ end }}
 {{- with $root.Values.model.servedModelName }}{{ $_ := set $settings "served-model-name" . }}{{ end }}
+{{- /* One quantization for both pools: the router pairs only workers whose KV agree. */}}
+{{- if ne ($root.Values.model.quantization | default "none") "none" }}{{ $_ := set $settings "quantization" $root.Values.model.quantization }}{{ end }}
 {{- $credentials := include "pdserve.credentials" $ctx | fromJson }}
 {{- $settings = merge $settings $credentials.settings }}
 {{- $args := prepend (include "pdserve.settingsArgs" (dict "settings" $settings "extra" $pool.settings) | fromJsonArray) $role }}
