@@ -293,15 +293,18 @@ def _smoothing(act_max: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tens
     the input's channel j by s_j and multiply the weights' column j by it, so outlier
     channels of the activations (which per-token int8 quantizes badly) are tamed at
     the cost of the weights' (quantized per output channel, which takes it better)."""
-    w_max = torch.stack([w.float().abs().amax(dim=0) for w in weights]).amax(dim=0)
+    return _factors(act_max, torch.stack([w.float().abs().amax(dim=0) for w in weights]).amax(dim=0))
+
+
+def _factors(act_max: torch.Tensor, w_max: torch.Tensor) -> torch.Tensor:
     s = act_max.clamp_min(1e-5).pow(SMOOTHING_ALPHA) / w_max.clamp_min(1e-5).pow(1 - SMOOTHING_ALPHA)
     return s.clamp_min(1e-5)
 
 
 @torch.inference_mode()
 def calibrate(model: nn.Module, input_ids: list[int]) -> dict[nn.Module, dict[str, torch.Tensor]]:
-    """Each decoder layer's per-channel max |input| of its q, gate and down projections
-    over `input_ids`, one forward pass with torch's SDPA attention."""
+    """Each decoder layer's per-channel max |input| of its q, o, gate and down
+    projections over `input_ids`, one forward pass with torch's SDPA attention."""
     stats: dict[nn.Module, dict[str, torch.Tensor]] = {}
     hooks = []
 
@@ -317,6 +320,7 @@ def calibrate(model: nn.Module, input_ids: list[int]) -> dict[nn.Module, dict[st
             watch(layer, "qkv", layer.self_attn.q_proj)
             watch(layer, "gate_up", layer.mlp.gate_proj)
             watch(layer, "down", layer.mlp.down_proj)
+            watch(layer, "o", layer.self_attn.o_proj)
     attention = model.config._attn_implementation
     model.set_attn_implementation("sdpa")
     try:
@@ -335,7 +339,8 @@ class Int8DecoderLayer(LeanDecoderLayer):
     SiLU-and-multiply between gate|up and down on the float32 products. Attention, the
     KV cache and the vocabulary projection keep the model's dtype. With `stats` from
     `calibrate`, SmoothQuant's factors are folded into the RMSNorm weights (for q|k|v
-    and gate|up) and into up's rows (for down) before quantizing. An approximation,
+    and gate|up), into up's rows (for down) and into v's rows (for o: the KV cache
+    then holds V / s) before quantizing. An approximation,
     like vLLM's W8A8 (per-channel weights, dynamic per-token activations): opt-in."""
 
     def __init__(self, layer: nn.Module, kernels: NativeLayers, stats: dict[str, torch.Tensor] | None = None) -> None:
@@ -345,7 +350,7 @@ class Int8DecoderLayer(LeanDecoderLayer):
         self.dtype = attn.q_proj.weight.dtype
         qkv = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
         gate_up = [mlp.gate_proj.weight, mlp.up_proj.weight]
-        down = mlp.down_proj.weight
+        down, o, v_bias = mlp.down_proj.weight, attn.o_proj.weight, attn.v_proj.bias
         if stats:
             norms = []
             for i, (name, weights) in enumerate((("qkv", qkv), ("gate_up", gate_up))):
@@ -356,9 +361,18 @@ class Int8DecoderLayer(LeanDecoderLayer):
             s = _smoothing(stats["down"], [down])
             gate_up[1] = gate_up[1] / s[:, None]             # silu(gate) * up / s = the input / s
             down = down.float() * s
-        self.qkv = _cat_linear(qkv, [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+            # o's input is attention's output, a mix of V rows: V / s gives input / s. One
+            # factor per V channel, shared by the query heads that read that KV head.
+            kv, dim = self.num_kv_heads, self.head_dim
+            per_head = (kv, self.num_heads // kv, dim)
+            s = _factors(stats["o"].view(per_head).amax(dim=1),
+                         o.float().abs().amax(dim=0).view(per_head).amax(dim=1)).reshape(-1)
+            qkv[2] = qkv[2].float() / s[:, None]
+            v_bias = None if v_bias is None else v_bias / s
+            o = o.float() * s.view(kv, 1, dim).expand(per_head).reshape(-1)
+        self.qkv = _cat_linear(qkv, [attn.q_proj.bias, attn.k_proj.bias, v_bias])
         self.qkv_sizes = [w.shape[0] for w in qkv]
-        self.o_proj = Int8Linear(attn.o_proj.weight, attn.o_proj.bias)
+        self.o_proj = Int8Linear(o, attn.o_proj.bias)
         self.gate_up = _cat_linear(gate_up, [None, None])
         self.down_proj = Int8Linear(down, mlp.down_proj.bias)
         object.__setattr__(self, "kernels", kernels)
