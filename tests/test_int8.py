@@ -149,3 +149,35 @@ def test_a_quantized_cluster_serves_what_the_quantized_engine_computes(model_dir
         assert c.stats("decode").kv_bytes_received > 0 and c.stats("prefill").prompt_tokens_computed > 0
     finally:
         stop_cluster(c)
+
+
+def test_a_model_with_qkv_biases_quantizes_close_to_its_float32_self(model_dir, tmp_path, kernel_cache):
+    """A small random Qwen2 (q/k/v biases, grouped KV heads; the tokenizer borrowed from
+    the default model for calibration): the biases survive the smoothing of v's rows,
+    so the int8 model's logits stay close to its own float32 logits."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from services.engine.kv_cache import KVPoolMemory
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():                        # biases big enough to matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    ids = tokenizer("The quick brown fox jumps over the lazy dog, again and again.")["input_ids"]
+
+    def logits(runner):
+        pool = KVPoolMemory.allocate(runner.layout(4, 16))
+        try:
+            return runner.prefill(pool, ids, [0, 1, 2, 3]).float()
+        finally:
+            pool.close()
+    exact = logits(ModelRunner(tmp_path, "float32", "cpu", kernel_cache=kernel_cache))
+    int8 = ModelRunner(tmp_path, "float32", "cpu", kernel_cache=kernel_cache, quantization="int8")
+    assert sum(isinstance(m, Int8DecoderLayer) for m in int8.model.modules()) == 2
+    assert int8.model.model.layers[0].qkv.bias is not None
+    assert float(F.cosine_similarity(logits(int8), exact, dim=0)) > 0.99

@@ -249,7 +249,8 @@ class Int8Linear(nn.Module):
     float32 products, which the caller scales back per row and adds `bias` to
     (`NativeLayers.dequant_rows`)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None = None) -> None:
+        """`dtype`: the outputs' (and so the bias's) dtype, default the bias's own."""
         super().__init__()
         w = weight.detach().float()
         self.out_features, self.in_features = w.shape
@@ -258,7 +259,7 @@ class Int8Linear(nn.Module):
         q = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8)
         self.packed = torch.ops.onednn.qlinear_prepack(q, [PACK_FOR_ROWS, self.in_features])
         self.zero_points = torch.zeros(self.out_features, dtype=torch.int64)
-        self.bias = None if bias is None else bias.detach()
+        self.bias = None if bias is None else bias.detach().to(dtype or bias.dtype)
 
     def products(self, quantized: torch.Tensor) -> torch.Tensor:
         """[rows, in] uint8 (value + 128) -> [rows, out] float32, before the rows' scales."""
@@ -266,10 +267,10 @@ class Int8Linear(nn.Module):
                                                   None, 1.0, 0, torch.float32, "none", [], "")
 
 
-def _cat_linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> Int8Linear:
+def _cat_linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None], dtype: torch.dtype) -> Int8Linear:
     """One int8 matmul for several projections of one input."""
-    bias = None if biases[0] is None else torch.cat(biases)
-    return Int8Linear(torch.cat([w.float() for w in weights]), bias)
+    bias = None if biases[0] is None else torch.cat([b.float() for b in biases])
+    return Int8Linear(torch.cat([w.float() for w in weights]), bias, dtype)
 
 
 # SmoothQuant's migration strength: how much of an input channel's range moves into the
@@ -340,8 +341,8 @@ class Int8DecoderLayer(LeanDecoderLayer):
     KV cache and the vocabulary projection keep the model's dtype. With `stats` from
     `calibrate`, SmoothQuant's factors are folded into the RMSNorm weights (for q|k|v
     and gate|up), into up's rows (for down) and into v's rows (for o: the KV cache
-    then holds V / s) before quantizing. An approximation,
-    like vLLM's W8A8 (per-channel weights, dynamic per-token activations): opt-in."""
+    then holds V / s) before quantizing. An approximation, like vLLM's W8A8
+    (per-channel weights, dynamic per-token activations): opt-in."""
 
     def __init__(self, layer: nn.Module, kernels: NativeLayers, stats: dict[str, torch.Tensor] | None = None) -> None:
         nn.Module.__init__(self)                     # none of LeanDecoderLayer's matmuls
@@ -370,11 +371,11 @@ class Int8DecoderLayer(LeanDecoderLayer):
             qkv[2] = qkv[2].float() / s[:, None]
             v_bias = None if v_bias is None else v_bias / s
             o = o.float() * s.view(kv, 1, dim).expand(per_head).reshape(-1)
-        self.qkv = _cat_linear(qkv, [attn.q_proj.bias, attn.k_proj.bias, v_bias])
+        self.qkv = _cat_linear(qkv, [attn.q_proj.bias, attn.k_proj.bias, v_bias], self.dtype)
         self.qkv_sizes = [w.shape[0] for w in qkv]
-        self.o_proj = Int8Linear(o, attn.o_proj.bias)
-        self.gate_up = _cat_linear(gate_up, [None, None])
-        self.down_proj = Int8Linear(down, mlp.down_proj.bias)
+        self.o_proj = Int8Linear(o, attn.o_proj.bias, self.dtype)
+        self.gate_up = _cat_linear(gate_up, [None, None], self.dtype)
+        self.down_proj = Int8Linear(down, mlp.down_proj.bias, self.dtype)
         object.__setattr__(self, "kernels", kernels)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, pdserve_batch=None, **_):
