@@ -121,8 +121,9 @@ def test_the_quantized_model_follows_float32_and_labels_its_kv_apart(model_dir, 
 
 
 def test_int8_needs_the_native_kernels_and_a_known_name(model_dir):
-    with pytest.raises(ValueError, match="--quantization int8 runs on CPU"):
-        ModelRunner(model_dir, "auto", "cpu", attention="torch", quantization="int8")
+    for dtype, attention in (("auto", "torch"), ("float16", "auto")):
+        with pytest.raises(ValueError, match="--quantization int8 runs on CPU in float32 or bfloat16"):
+            ModelRunner(model_dir, dtype, "cpu", attention=attention, quantization="int8")
     with pytest.raises(ValueError, match="--quantization must be one of none, int8"):
         EngineSettings(quantization="fp8")
 

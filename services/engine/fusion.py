@@ -477,8 +477,8 @@ def _quantize_layers(model: nn.Module, kernels: NativeLayers | None, calibration
     """Every decoder layer as an `Int8DecoderLayer` (smoothed where `calibration_ids`
     are given), or ValueError saying why not."""
     if model.device.type != "cpu" or kernels is None or not hasattr(torch.ops.onednn, "qlinear_pointwise"):
-        raise ValueError("--quantization int8 runs on CPU with the native layer kernels and torch's oneDNN int8 "
-                         "matmul (not with --attention-kernel torch, nor on GPUs)")
+        raise ValueError("--quantization int8 runs on CPU in float32 or bfloat16, with the native layer kernels "
+                         "and torch's oneDNN int8 matmul (not in float16, with --attention-kernel torch, or on GPUs)")
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
     unfit = sorted({type(m).__name__ for m in layers if not _lean_compatible(m)
                     or m.mlp.gate_proj.bias is not None or m.mlp.up_proj.bias is not None})

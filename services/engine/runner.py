@@ -115,8 +115,8 @@ class ModelRunner:
         self.native = self._native(attention, kernel_cache)
         calibration = None
         if quantization != "none":
-            from transformers import AutoTokenizer
-            calibration = AutoTokenizer.from_pretrained(self.model_dir)(fusion.CALIBRATION_TEXT)["input_ids"]
+            from services.engine.tokenizer import load_tokenizer
+            calibration = load_tokenizer(self.model_dir)(fusion.CALIBRATION_TEXT)["input_ids"]
         self.fusions = fusion.apply(self.model, self._layer_kernels(attention, kernel_cache), quantization,
                                     calibration)
         # With AMX, torch's SDPA (oneDNN on AMX tiles) beats the vdpbf16ps kernel: measured
