@@ -2,7 +2,8 @@
 references (per-token quantization, RMSNorm into it, scaling back with bias and
 residual, SiLU-and-multiply into it), one int8 linear layer against its float product,
 the real model quantized (it follows float32's greedy continuation closely and its KV
-is labelled apart), a disaggregated cluster quantized end to end, and its refusals."""
+is labelled apart), a Qwen2-shaped model's q/k/v biases through the smoothing, a
+disaggregated cluster quantized end to end, and the refusals."""
 import pytest
 import torch
 import torch.nn.functional as F
