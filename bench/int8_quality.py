@@ -65,17 +65,27 @@ def continuation(runner, prompt: list[int], tokens: int, forced: list[int] | Non
         pool.close()
 
 
-def compare(runner, reference: dict, prompts: list[list[int]], tokens: int) -> dict:
-    same, agree, drift, split = 0, [], [], []
+def teacher_forced(runner, reference: dict, prompts: list[list[int]]) -> tuple[list[bool], list[float]]:
+    """Fed each reference continuation: per position, whether `runner`'s top token is
+    the reference's, and |log p - log p_ref| of the reference's token."""
+    agree, drift = [], []
     for ids in prompts:
         ref_out, ref_lp = reference[tuple(ids)]
-        free, _ = continuation(runner, ids, tokens)
-        same += free == ref_out
-        split.append(next((i for i, (a, b) in enumerate(zip(free, ref_out)) if a != b), tokens))
-        _, lps = continuation(runner, ids, tokens, forced=ref_out)
+        _, lps = continuation(runner, ids, len(ref_out), forced=ref_out)
         for tok, lp, rlp in zip(ref_out, lps, ref_lp):
             agree.append(int(lp.argmax()) == tok)
             drift.append(abs(float(lp[tok]) - float(rlp[tok])))
+    return agree, drift
+
+
+def compare(runner, reference: dict, prompts: list[list[int]], tokens: int) -> dict:
+    same, split = 0, []
+    for ids in prompts:
+        ref_out, _ = reference[tuple(ids)]
+        free, _ = continuation(runner, ids, tokens)
+        same += free == ref_out
+        split.append(next((i for i, (a, b) in enumerate(zip(free, ref_out)) if a != b), tokens))
+    agree, drift = teacher_forced(runner, reference, prompts)
     return {"same_output": same / len(prompts), "agreement": sum(agree) / len(agree),
             "logprob_drift": statistics.fmean(drift), "first_split": statistics.fmean(split)}
 

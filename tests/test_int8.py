@@ -83,19 +83,6 @@ def test_int8_linear_is_within_quantization_error_of_the_float_product(layers):
     assert float((out - ref).norm() / ref.norm()) < 0.02
 
 
-def _teacher_forced_agreement(runner, reference, prompts):
-    """The share of positions where `runner`'s top token is float32's greedy one,
-    fed float32's continuation."""
-    from bench.int8_quality import continuation
-    hits = total = 0
-    for ids in prompts:
-        tokens, _ = reference[tuple(ids)]
-        _, logprobs = continuation(runner, ids, len(tokens), forced=tokens)
-        hits += sum(int(lp.argmax()) == t for t, lp in zip(tokens, logprobs))
-        total += len(tokens)
-    return hits / total
-
-
 @pytest.fixture(scope="module")
 def int8_runner(model_dir, kernel_cache):
     return ModelRunner(model_dir, "auto", "cpu", kernel_cache=kernel_cache, quantization="int8")
@@ -107,7 +94,7 @@ def test_the_quantized_model_follows_float32_and_labels_its_kv_apart(model_dir, 
     bfloat16 alone ~97 %; bench/int8_quality.py), and a compatibility hash of its own,
     so a quantized prefill worker's KV never reaches an unquantized decode worker."""
     from transformers import AutoTokenizer
-    from bench.int8_quality import PROMPTS, _chat_ids, continuation
+    from bench.int8_quality import PROMPTS, _chat_ids, continuation, teacher_forced
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [_chat_ids(tokenizer, p) for p in PROMPTS[:3]]
     reference_runner = ModelRunner(model_dir, "float32", "cpu", kernel_cache=kernel_cache)
@@ -115,7 +102,8 @@ def test_the_quantized_model_follows_float32_and_labels_its_kv_apart(model_dir, 
     int8 = int8_runner
     assert "int8 decoder layers (smoothed)" in int8.fusions and "int8 weights" in int8.describe()
     assert sum(isinstance(m, Int8DecoderLayer) for m in int8.model.modules()) == int8.num_layers
-    assert _teacher_forced_agreement(int8, reference, prompts) >= 0.8
+    agree, _ = teacher_forced(int8, reference, prompts)
+    assert sum(agree) / len(agree) >= 0.8
     layout = int8.layout(4, 16)
     assert layout.dtype == int8.dtype_name
     assert int8.compat_hash(layout) != reference_runner.compat_hash(layout)   # same layout, unquantized
@@ -141,7 +129,7 @@ def test_a_quantized_cluster_serves_what_the_quantized_engine_computes(model_dir
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompt = _chat_ids(tokenizer, PROMPTS[2])
     expected, _ = continuation(int8_runner, prompt, 12)
-    assert not set(expected) & set(int(i) for i in [tokenizer.eos_token_id])   # 12 tokens, no early stop
+    assert tokenizer.eos_token_id not in expected              # 12 tokens, no early stop
     c = start_cluster("--quantization", "int8", dtype="auto")
     try:
         client = OpenAI(base_url=f"{c.http}/v1", api_key="unused")

@@ -431,13 +431,13 @@ def apply(model: nn.Module, kernels: NativeLayers | None, quantization: str = "n
     cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
     pack = cpu_bf16 and _packs_bf16()
     native = kernels if cpu_bf16 else None
+    applied: set[str] = set()
+    if quantization == "int8":               # first: the float32 check below then finds no q/k/v left
+        _quantize_layers(model, kernels, calibration_ids)
+        applied.add("int8 decoder layers" + (" (smoothed)" if calibration_ids else ""))
     qkv = FUSED_PROJECTIONS[0]
     owners = [m for m in model.modules() if all(isinstance(getattr(m, n, None), nn.Linear) for n in qkv)]
     fuse = dtype != torch.float32 or not owners or _exact_in_float32([getattr(owners[0], n) for n in qkv])
-    applied: set[str] = set()
-    if quantization == "int8":
-        _quantize_layers(model, kernels, calibration_ids)
-        applied.add("int8 decoder layers" + (" (smoothed)" if calibration_ids else ""))
     for module in list(model.modules()):
         if _lean_compatible(module):
             _replace(model, module, LeanDecoderLayer(module, native, pack, fuse))
