@@ -11,8 +11,10 @@ The model keeps running its own modelling code; only modules are replaced:
   one pass over the activations and one wider GEMM instead of two or three narrow
   ones. In float32 this is done only where the fused product equals the separate ones
   bit for bit on this machine (checked at load), so float32 output is unchanged.
-- bfloat16 on CPU: every linear layer's weight is packed once for oneDNN (`PackedLinear`;
-  torch otherwise re-lays it out on every call), and RMSNorm, SiLU-and-multiply and
+- bfloat16 on CPU: every linear layer's weight is packed once, for pdserve's own matmul
+  on CPUs with AVX512-BF16 and no AMX (`NativeLinear`, `services/engine/native/matmul.c`:
+  1.4-1.8x oneDNN's speed at decode's 1-4 rows, level from 64 up), else for oneDNN
+  (`PackedLinear`; torch otherwise re-lays it out on every call), and RMSNorm, SiLU-and-multiply and
   rotary embedding run in native one-pass kernels (`services/engine/native/layers.c`)
   instead of a chain of element-wise ops. Float32 keeps torch's own ops there, for
   exact parity.
@@ -27,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.native import NativeLayers
+from services.engine.native import NativeLayers, NativeMatmul
 from services.engine.attention import paged_attention
 
 log = logging.getLogger(__name__)
@@ -68,7 +70,42 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, op)
 
 
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> nn.Module:
+class NativeLinear(nn.Module):
+    """A bfloat16 linear layer in pdserve's own matmul (`NativeMatmul`), its weight packed
+    once; with `up` (a second linear of the same input), gate|up as one matmul that
+    writes silu(gate) * up. A residual add, like `PackedLinear.then`, is applied as each
+    output tile is written."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, matmul: NativeMatmul,
+                 up: nn.Linear | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.gated = up is not None
+        self.packed, self.bias = matmul.pack(weight, bias, None if up is None else (up.weight, up.bias))
+        self.columns = self.out_features * (2 if self.gated else 1)
+        object.__setattr__(self, "matmul", matmul)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul.linear(x, self.packed, self.columns, self.bias, gated=self.gated,
+                                  threads=torch.get_num_threads())
+
+    def then(self, x: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
+        """linear(x) + other (op "add", the only one)."""
+        if op != "add" or self.gated:
+            raise ValueError(f"NativeLinear.then does a residual add, not {op!r}")
+        return self.matmul.linear(x, self.packed, self.columns, self.bias, residual=other,
+                                  threads=torch.get_num_threads())
+
+    @staticmethod
+    def fits(weight: torch.Tensor, gated: bool = False) -> bool:
+        """Whether the kernel takes this weight's shape (gated: whole 16-column groups)."""
+        return weight.shape[1] % 2 == 0 and (not gated or weight.shape[0] % NativeMatmul.GROUP == 0)
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool,
+            matmul: NativeMatmul | None = None) -> nn.Module:
+    if matmul is not None and NativeLinear.fits(weight):
+        return NativeLinear(weight, bias, matmul)
     if pack:
         return PackedLinear(weight, bias)
     out = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype,
@@ -85,10 +122,10 @@ class FusedLinear(nn.Module):
     others take their share of that result. A part called with another input than its
     siblings computes the product again, so any calling order stays correct."""
 
-    def __init__(self, linears: list[nn.Linear], pack: bool) -> None:
+    def __init__(self, linears: list[nn.Linear], pack: bool, matmul: NativeMatmul | None = None) -> None:
         super().__init__()
         bias = None if linears[0].bias is None else torch.cat([lin.bias for lin in linears])
-        self.linear = _linear(torch.cat([lin.weight for lin in linears]), bias, pack)
+        self.linear = _linear(torch.cat([lin.weight for lin in linears]), bias, pack, matmul)
         self.sizes = [lin.out_features for lin in linears]
         self._input: torch.Tensor | None = None
         self._outputs: tuple[torch.Tensor, ...] = ()
@@ -130,14 +167,24 @@ class NativeRMSNorm(nn.Module):
 class NativeSiluMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate|up as one matmul and the activation in one pass."""
 
-    def __init__(self, mlp: nn.Module, kernels: NativeLayers, pack: bool) -> None:
+    def __init__(self, mlp: nn.Module, kernels: NativeLayers, pack: bool, matmul: NativeMatmul | None = None) -> None:
         super().__init__()
-        self.gate_up = FusedLinear([mlp.gate_proj, mlp.up_proj], pack).linear
-        self.down_proj = _linear(mlp.down_proj.weight, mlp.down_proj.bias, pack)
+        self.gated = _gated(mlp, matmul)
+        self.gate_up = None if self.gated is not None else FusedLinear([mlp.gate_proj, mlp.up_proj], pack).linear
+        self.down_proj = _linear(mlp.down_proj.weight, mlp.down_proj.bias, pack, matmul)
         object.__setattr__(self, "kernels", kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated is not None:
+            return self.down_proj(self.gated(x))
         return self.down_proj(self.kernels.silu_mul(self.gate_up(x), torch.get_num_threads()))
+
+
+def _gated(mlp: nn.Module, matmul: NativeMatmul | None) -> NativeLinear | None:
+    """gate|up and SiLU-and-multiply as one native matmul, where the kernel takes them."""
+    if matmul is None or not NativeLinear.fits(mlp.gate_proj.weight, gated=True):
+        return None
+    return NativeLinear(mlp.gate_proj.weight, mlp.gate_proj.bias, matmul, up=mlp.up_proj)
 
 
 def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -159,13 +206,16 @@ class LeanDecoderLayer(nn.Module):
     and multiply -> down + residual. Native kernels for the element-wise steps in
     bfloat16; torch's ops in the model's own order otherwise."""
 
-    def __init__(self, layer: nn.Module, kernels: NativeLayers | None, pack: bool, fuse: bool) -> None:
+    def __init__(self, layer: nn.Module, kernels: NativeLayers | None, pack: bool, fuse: bool,
+                 matmul: NativeMatmul | None = None) -> None:
         super().__init__()
         self._take_shape(layer)
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj], pack) if fuse else None
-        self.pack = pack
-        if pack:           # silu(gate) and "* silu(gate)", "+ residual" all in oneDNN epilogues
+        self.qkv = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj], pack, matmul) if fuse else None
+        self.gated = _gated(mlp, matmul) if fuse else None
+        if self.gated is not None:      # gate|up, silu and "*"; "+ residual" in the native matmul's epilogue
+            self.gate_up = None
+        elif pack:         # silu(gate) and "* silu(gate)", "+ residual" all in oneDNN epilogues
             self.gate_proj = _linear(mlp.gate_proj.weight, mlp.gate_proj.bias, pack)
             self.up_proj = _linear(mlp.up_proj.weight, mlp.up_proj.bias, pack)
             self.gate_up = None
@@ -174,8 +224,10 @@ class LeanDecoderLayer(nn.Module):
         if not fuse:                                   # float32 where a fused matmul is not bit-exact
             self.q_proj, self.k_proj, self.v_proj = attn.q_proj, attn.k_proj, attn.v_proj
             self.gate_proj, self.up_proj = mlp.gate_proj, mlp.up_proj
-        self.o_proj = _linear(attn.o_proj.weight, attn.o_proj.bias, pack)
-        self.down_proj = _linear(mlp.down_proj.weight, mlp.down_proj.bias, pack)
+        self.o_proj = _linear(attn.o_proj.weight, attn.o_proj.bias, pack, matmul)
+        self.down_proj = _linear(mlp.down_proj.weight, mlp.down_proj.bias, pack, matmul)
+        # Epilogue form: "+ residual" (and the gating) inside the matmuls.
+        self.pack = (pack or self.gated is not None) and all(hasattr(m, "then") for m in (self.o_proj, self.down_proj))
         object.__setattr__(self, "kernels", kernels)
 
     def _take_shape(self, layer: nn.Module) -> None:
@@ -226,11 +278,13 @@ class LeanDecoderLayer(nn.Module):
         if self.pack:
             hidden_states = self.o_proj.then(out, hidden_states, "add")
             x = self._norm(hidden_states, 1)
-            x = self.up_proj.then(x, self.gate_proj(x, "swish"), "mul")
+            x = self.gated(x) if self.gated is not None else self.up_proj.then(x, self.gate_proj(x, "swish"), "mul")
             return self.down_proj.then(x, hidden_states, "add")
         hidden_states = hidden_states + self.o_proj(out)
         x = self._norm(hidden_states, 1)
-        if self.gate_up is not None:
+        if self.gated is not None:
+            x = self.gated(x)
+        elif self.gate_up is not None:
             gate_up = self.gate_up.linear(x)
             if self.kernels is not None:
                 x = self.kernels.silu_mul(gate_up, torch.get_num_threads())
@@ -423,14 +477,17 @@ def _silu(mlp: nn.Module) -> bool:
 
 
 def apply(model: nn.Module, kernels: NativeLayers | None, quantization: str = "none",
-          calibration_ids: list[int] | None = None) -> list[str]:
+          calibration_ids: list[int] | None = None, matmul: NativeMatmul | None = None) -> list[str]:
     """Swap faster equivalents into `model` (in place); returns what was applied.
     `quantization` "int8": the decoder layers' matmuls in int8 (`Int8DecoderLayer`),
-    calibrated on `calibration_ids` (CALIBRATION_TEXT, tokenized) where given."""
+    calibrated on `calibration_ids` (CALIBRATION_TEXT, tokenized) where given.
+    `matmul`: pdserve's bfloat16 matmul, used for every bfloat16 linear layer it takes
+    (the caller decides where it beats oneDNN's)."""
     dtype, device = model.dtype, model.device
     cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
     pack = cpu_bf16 and _packs_bf16()
     native = kernels if cpu_bf16 else None
+    matmul = matmul if cpu_bf16 else None
     applied: set[str] = set()
     if quantization == "int8":               # first: the float32 check below then finds no q/k/v left
         _quantize_layers(model, kernels, calibration_ids)
@@ -440,11 +497,11 @@ def apply(model: nn.Module, kernels: NativeLayers | None, quantization: str = "n
     fuse = dtype != torch.float32 or not owners or _exact_in_float32([getattr(owners[0], n) for n in qkv])
     for module in list(model.modules()):
         if _lean_compatible(module):
-            _replace(model, module, LeanDecoderLayer(module, native, pack, fuse))
+            _replace(model, module, LeanDecoderLayer(module, native, pack, fuse, matmul))
             applied.add("lean decoder layers")
     for module in list(model.modules()):
         if native is not None and type(module).__name__ in SILU_MLPS and _silu(module):
-            _replace(model, module, NativeSiluMLP(module, native, pack))
+            _replace(model, module, NativeSiluMLP(module, native, pack, matmul))
             applied.add("gate|up+silu")
             continue
         if native is not None and type(module).__name__ in RMS_NORMS:
@@ -457,17 +514,21 @@ def apply(model: nn.Module, kernels: NativeLayers | None, quantization: str = "n
                 continue
             if len({p.in_features for p in parts}) != 1 or len({p.bias is None for p in parts}) != 1:
                 continue
-            fused = FusedLinear(parts, pack)
+            fused = FusedLinear(parts, pack, matmul)
             setattr(module, "_".join(n.split("_")[0] for n in names) + "_fused", fused)
             for i, n in enumerate(names):
                 setattr(module, n, ProjectionPart(fused, i))
             applied.add("|".join(n.split("_")[0] for n in names))
-    if pack:
+    if pack or matmul is not None:
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is nn.Linear:
-                    setattr(parent, name, _linear(child.weight, child.bias, True))
-        applied.add("packed bf16 weights")
+                    setattr(parent, name, _linear(child.weight, child.bias, pack, matmul))
+        kinds = {type(m) for m in model.modules()}
+        if NativeLinear in kinds:
+            applied.add("native bf16 matmul")
+        if PackedLinear in kinds:
+            applied.add("packed bf16 weights")
     if dtype == torch.float32 and not fuse:
         log.info("float32 projections stay separate: a fused matmul is not bit-identical on this CPU")
     return sorted(applied)

@@ -26,14 +26,15 @@ import torch
 
 from services.common.settings import ATTENTION_KERNELS, QUANTIZATIONS
 from services.engine.device import Fence, stream_for
-from services.engine.hardware import has_amx, pick_dtype
+from services.engine.hardware import cpu_flags, has_amx, pick_dtype
 from services.engine.kv_cache import (CPU_KV_TOKENS, KVLayout, KVPoolMemory, compat_hash, device_memory,
                                       tokens_for_memory)
 from services.engine.model_store import context_length
 from services.engine import fusion
 from services.engine.attention import (DecodeGroup, NativeDecode, PagedBatch, Segment, Workspace, length_groups,
                                        paged_attention)
-from services.engine.native import NativeAttention, NativeBuildError, NativeLayers, load_attention, load_layers
+from services.engine.native import (NativeAttention, NativeBuildError, NativeLayers, NativeMatmul, load_attention,
+                                   load_layers, load_matmul)
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ class ModelRunner:
             from services.engine.tokenizer import load_tokenizer
             calibration = load_tokenizer(self.model_dir)(fusion.CALIBRATION_TEXT)["input_ids"]
         self.fusions = fusion.apply(self.model, self._layer_kernels(attention, kernel_cache), quantization,
-                                    calibration)
+                                    calibration, self._matmul(attention, kernel_cache))
         # With AMX, torch's SDPA (oneDNN on AMX tiles) beats the vdpbf16ps kernel: measured
         # 2.3 ms against ~7 ms a layer at 512 tokens on a Sapphire Rapids core.
         self.native_prefill = (self.native is not None and self.native.prefills
@@ -153,6 +154,19 @@ class ModelRunner:
             if attention == "native":
                 raise
             log.warning("norms and activations stay on torch's own ops: %s", e)
+            return None
+
+    def _matmul(self, attention: str, kernel_cache: Path) -> NativeMatmul | None:
+        """pdserve's bfloat16 matmul where it beats oneDNN's: bfloat16 on a CPU with
+        AVX512-BF16 and without AMX (oneDNN runs AMX tiles there, which this kernel does
+        not; not measured against them). None keeps oneDNN."""
+        if (attention == "torch" or self.device.type != "cpu" or self.model.dtype != torch.bfloat16
+                or has_amx() or "avx512_bf16" not in cpu_flags()):
+            return None
+        try:
+            return load_matmul(kernel_cache)
+        except NativeBuildError as e:
+            log.warning("bfloat16 matmuls stay on oneDNN: %s", e)
             return None
 
     def describe(self) -> str:

@@ -1,7 +1,8 @@
 """Native CPU kernels, built on first use with the machine's C compiler.
 
 `attention.c` runs decode attention straight from the paged KV cache, and causal
-prefill attention in bfloat16 on CPUs with AVX512-BF16; `layers.c` the element-wise
+prefill attention in bfloat16 on CPUs with AVX512-BF16; `matmul.c` the bfloat16
+matmuls themselves on those CPUs; `layers.c` the element-wise
 work around the matmuls (RMSNorm, SiLU-and-multiply; with int8 weights, quantizing
 activations per token and scaling products back) in one pass each. Each is
 compiled for the CPU it runs on (-march=native) into the cache directory, under a name
@@ -23,11 +24,13 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("attention.c")
 LAYERS_SOURCE = Path(__file__).with_name("layers.c")
+MATMUL_SOURCE = Path(__file__).with_name("matmul.c")
 COMPILE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC"]
 # Linked without -ffast-math: linking with it would add crtfastmath.o, which turns on
 # flush-to-zero for the whole process when the library loads. -fopenmp links libgomp.so.1,
@@ -300,6 +303,71 @@ class NativeLayers:
             raise ValueError(f"rotary refused its arguments (code {rc})")
 
 
+class NativeMatmul:
+    """The bfloat16 matmul of one loaded library (matmul.c): weights packed once by
+    `pack`, then `linear` per call, with a residual add or SiLU-and-multiply applied as
+    the output is written. `supported` is false where the CPU lacks AVX512-BF16."""
+
+    GROUP = 16                              # output columns per packed group
+
+    def __init__(self, library: Path) -> None:
+        lib = _load(library)
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._linear = lib.pdserve_linear_bf16
+        self._linear.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, p, i64, i32, i32]
+        self._linear.restype = i32
+        self.supported = bool(lib.pdserve_matmul_supported())
+        self._lib = lib
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+             up: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`weight` [n, k] (and `bias` [n]) in the kernel's order: [groups, k/2, 16, 2]
+        bfloat16, n padded to whole groups, and the bias as float32 in the same order.
+        With `up` (its weight and bias), `weight` is the gate: gate and up groups alternate,
+        for `linear(..., gated=True)`."""
+        g = cls.GROUP
+        n, k = weight.shape
+        if k % 2:
+            raise ValueError(f"the native matmul takes an even number of input features, not {k}")
+        if up is not None:
+            if n % g or up[0].shape != weight.shape or (bias is None) != (up[1] is None):
+                raise ValueError(f"a gated pair needs gate and up of one shape with a multiple of {g} rows")
+            weight = torch.stack([weight.reshape(n // g, g, k), up[0].reshape(n // g, g, k)], 1).reshape(2 * n, k)
+            if bias is not None:
+                bias = torch.stack([bias.reshape(n // g, g), up[1].reshape(n // g, g)], 1).reshape(-1)
+            n *= 2
+        pad = -n % g
+        weight = F.pad(weight.detach().to(torch.bfloat16), (0, 0, 0, pad))
+        packed = weight.reshape(-1, g, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        if bias is not None:
+            bias = F.pad(bias.detach().float(), (0, pad)).contiguous()
+        return packed, bias
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None, gated: bool = False, threads: int = 1) -> torch.Tensor:
+        """x [..., k] (bfloat16) times the packed weight's n columns, plus `bias`, plus
+        `residual` [..., n]; `gated`: silu(gate) * up, n / 2 columns."""
+        k = packed.shape[1] * 2
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != k:
+            raise ValueError(f"the native matmul takes bfloat16 CPU rows of {k} features")
+        rows = x.reshape(-1, k)
+        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        width = n // 2 if gated else n
+        out = torch.empty(rows.shape[0], width, dtype=torch.bfloat16)
+        res, ldr = None, 0
+        if residual is not None:
+            res = residual.reshape(-1, n)
+            res = res if res.stride(-1) == 1 and res.dtype == torch.bfloat16 else res.to(torch.bfloat16).contiguous()
+            ldr = res.stride(0)
+        rc = self._linear(rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), n, k,
+                          None if bias is None else bias.data_ptr(), None if res is None else res.data_ptr(), ldr,
+                          out.data_ptr(), out.stride(0), int(gated), threads)
+        if rc:
+            raise ValueError(f"the native matmul refused its arguments (code {rc})")
+        return out.view(*x.shape[:-1], width)
+
+
 def _kernel_dir(cache_root: Path) -> Path:
     """`cache_root`/kernels, or the temp directory where that is read-only (a
     container's baked-in cache)."""
@@ -315,3 +383,12 @@ def load_attention(cache_root: Path) -> NativeAttention:
 def load_layers(cache_root: Path) -> NativeLayers:
     """Build (once per machine and source) and load the layer kernels."""
     return NativeLayers(_build(LAYERS_SOURCE, _kernel_dir(cache_root)))
+
+
+def load_matmul(cache_root: Path) -> NativeMatmul:
+    """Build (once per machine and source) and load the bfloat16 matmul; NativeBuildError
+    where this CPU has no AVX512-BF16 for it."""
+    matmul = NativeMatmul(_build(MATMUL_SOURCE, _kernel_dir(cache_root)))
+    if not matmul.supported:
+        raise NativeBuildError("the native bfloat16 matmul needs AVX512-BF16")
+    return matmul

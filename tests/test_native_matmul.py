@@ -1,0 +1,123 @@
+"""pdserve's bfloat16 matmul (services/engine/native/matmul.c) against float64
+references: plain with bias and residual, gated (silu(gate) * up), ragged shapes, strided
+rows and two threads; each row's result the same whatever rows share the call; the real
+model's decode and prefill logits against oneDNN's; and the refusals. The kernel needs
+AVX512-BF16: elsewhere the loader must refuse and the engine keep oneDNN."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.engine import native
+from services.engine.hardware import cpu_flags, cpu_kind
+from services.engine.runner import ModelRunner
+
+HAS_BF16 = "avx512_bf16" in cpu_flags()
+needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason=f"needs AVX512-BF16; this CPU is {cpu_kind()}")
+
+
+@pytest.fixture(scope="module")
+def matmul(kernel_cache):
+    if not HAS_BF16:
+        pytest.skip(f"needs AVX512-BF16; this CPU is {cpu_kind()}")
+    return native.load_matmul(kernel_cache)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    y = x.double() @ w.double().T
+    return y if b is None else y + b.double()
+
+
+def close(out: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Within bfloat16 rounding of the output (plus float32 summation over k)."""
+    return bool(((out.double() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-2).all())
+
+
+@needs_bf16
+@pytest.mark.parametrize("n,k", [(960, 576), (50, 64), (33, 1536), (4096, 96)])
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 9, 33])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_plain_matches_float64_with_bias_and_residual(matmul, n, k, rows, threads):
+    gen = torch.Generator().manual_seed(n + k + rows)
+    w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16()
+    wide = torch.randn(rows, k + 10, generator=gen).bfloat16()
+    x = wide[:, 3:3 + k]                                 # strided rows
+    residual = torch.randn(rows, n, generator=gen).bfloat16()
+    packed, bias = matmul.pack(w, b)
+    out = matmul.linear(x, packed, n, bias, residual, threads=threads)
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    assert close(out, reference(x, w, b) + residual.double())
+    assert close(matmul.linear(x, packed, n, threads=threads), reference(x, w))
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 2, 6, 12])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gated_is_silu_gate_times_up(matmul, rows, with_bias):
+    gen = torch.Generator().manual_seed(rows)
+    inter, k = 160, 576
+    gate, up = ((torch.randn(inter, k, generator=gen) * 0.05).bfloat16() for _ in range(2))
+    bg, bu = (torch.randn(inter, generator=gen).bfloat16() if with_bias else None for _ in range(2))
+    x = torch.randn(1, rows, k, generator=gen).bfloat16()
+    packed, bias = matmul.pack(gate, bg, (up, bu))
+    out = matmul.linear(x, packed, 2 * inter, bias, gated=True)
+    assert out.shape == (1, rows, inter)
+    assert close(out[0], F.silu(reference(x[0], gate, bg)) * reference(x[0], up, bu))
+
+
+@needs_bf16
+def test_each_rows_result_is_the_same_whatever_shares_the_call(matmul):
+    """Sums run in one k order per output whatever the tile: batch-invariant, and the
+    same with two threads (split by output columns, never by k)."""
+    gen = torch.Generator().manual_seed(7)
+    w = (torch.randn(3072, 576, generator=gen) * 0.05).bfloat16()
+    x = torch.randn(21, 576, generator=gen).bfloat16()
+    packed, _ = matmul.pack(w)
+    whole = matmul.linear(x, packed, 3072)
+    assert all(torch.equal(matmul.linear(x[i:i + 1], packed, 3072)[0], whole[i]) for i in range(21))
+    assert torch.equal(matmul.linear(x[4:11], packed, 3072, threads=2), whole[4:11])
+
+
+@needs_bf16
+def test_refuses_what_it_cannot_run(matmul):
+    w = torch.randn(64, 63).bfloat16()
+    with pytest.raises(ValueError, match="even number of input features"):
+        matmul.pack(w)
+    with pytest.raises(ValueError, match="gated pair"):
+        matmul.pack(torch.randn(40, 64).bfloat16(), None, (torch.randn(40, 64).bfloat16(), None))
+    packed, _ = matmul.pack(torch.randn(64, 64).bfloat16())
+    with pytest.raises(ValueError, match="bfloat16 CPU rows of 64"):
+        matmul.linear(torch.randn(2, 64), packed, 64)
+    with pytest.raises(ValueError, match="bfloat16 CPU rows of 64"):
+        matmul.linear(torch.randn(2, 32).bfloat16(), packed, 64)
+
+
+@pytest.mark.skipif(HAS_BF16, reason="this CPU has AVX512-BF16: the kernel builds and runs here")
+def test_without_avx512_bf16_the_loader_refuses(kernel_cache):
+    with pytest.raises(native.NativeBuildError, match="AVX512-BF16"):
+        native.load_matmul(kernel_cache)
+
+
+@needs_bf16
+def test_the_real_model_agrees_with_onednn(model_dir, kernel_cache, monkeypatch):
+    """SmolLM2 in bfloat16: a prompt's last logits and one decode step's, through the
+    native matmul and through oneDNN's; the same token or a tie within bfloat16's steps."""
+    fast = ModelRunner(model_dir, "bfloat16", "cpu", kernel_cache=kernel_cache)
+    monkeypatch.setattr(ModelRunner, "_matmul", lambda self, *args: None)
+    slow = ModelRunner(model_dir, "bfloat16", "cpu", kernel_cache=kernel_cache)
+    assert "native bf16 matmul" in fast.fusions and "packed bf16 weights" in slow.fusions
+    from services.engine.kv_cache import KVPoolMemory
+    ids = [1, 504, 3458, 282, 4649, 314, 7042, 30, 216, 1911, 1060, 2909, 3]
+    for runner in (fast, slow):
+        runner.pool = KVPoolMemory.allocate(runner.layout(4, 16))
+    try:
+        last = {r: r.prefill(r.pool, ids, [0]).float() for r in (fast, slow)}
+        step = {r: r.decode(r.pool, [ids[-1]], [len(ids)], [[0]]).float() for r in (fast, slow)}
+    finally:
+        for runner in (fast, slow):
+            runner.pool.close()
+    for logits in (last, step):
+        a, b = logits[fast].reshape(-1), logits[slow].reshape(-1)
+        spacing = 2.0 ** (torch.floor(torch.log2(b.abs().max())) - 7)
+        assert (a - b).abs().max() < 8 * spacing
+        assert b[a.argmax()] >= b.max() - 2 * spacing
