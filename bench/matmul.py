@@ -1,0 +1,101 @@
+"""The matmuls pdserve can run on this CPU, timed over a whole model's linear layers
+(SmolLM2-135M's shapes, 30 layers of distinct weights, so they stream from memory as in
+a real step) at several row counts:
+
+  onednn bf16   bfloat16 weights packed for oneDNN (pdserve's bf16 path on AMX CPUs)
+  native bf16   pdserve's own bfloat16 matmul (services/engine/native/matmul.c; its bf16
+                path on AVX512-BF16 CPUs without AMX; absent elsewhere)
+  int8          `--quantization int8` (services/engine/fusion.py `Int8Linear`: weights
+                int8 per channel, activations quantized per token by the native kernels,
+                oneDNN's u8 x s8 GEMM, VNNI where the CPU has it, products scaled back per
+                row), quantizing and scaling back included
+
+One thread, medians; weights random (the time does not depend on their values). Output
+quality is measured apart: `python -m bench.int8_quality`.
+
+    python -m bench.matmul --json build/matmul.json [--rows 1,4,16,64,256]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from bench.engine import median_ms
+
+# (out, in) of each projection: q|k|v fused, o, gate|up fused, down (SmolLM2-135M)
+SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+LAYERS = 30
+
+
+def measure(rows: int, kernels, matmul) -> dict:
+    from services.engine.fusion import Int8Linear
+    gen = torch.Generator().manual_seed(0)
+    weights = [[torch.randn(n, k, generator=gen).bfloat16() * 0.02 for n, k in SHAPES] for _ in range(LAYERS)]
+    packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in layer] for layer in weights]
+    native = [[matmul.pack(w)[0] for w in layer] for layer in weights] if matmul is not None else []
+    int8 = [[Int8Linear(w, None) for w in layer] for layer in weights]
+    x = {k: torch.randn(1, rows, k, generator=gen).bfloat16() for _, k in SHAPES}
+
+    def bf16_pass():
+        for layer in packed:
+            for (_, k), w in zip(SHAPES, layer):
+                torch.ops.mkldnn._linear_pointwise(x[k], w, None, "none", [], "")
+
+    def native_pass():
+        for layer in native:
+            for (n, k), w in zip(SHAPES, layer):
+                matmul.linear(x[k], w, n)
+
+    def int8_pass():
+        for layer in int8:
+            for (_, k), linear in zip(SHAPES, layer):
+                q, scales = kernels.quantize_rows(x[k])
+                kernels.dequant_rows(linear.products(q), scales, None, None, torch.bfloat16)
+
+    flops = 2 * rows * LAYERS * sum(n * k for n, k in SHAPES)
+    with torch.inference_mode():
+        times = {"onednn_bf16": median_ms(bf16_pass, 15), "int8": median_ms(int8_pass, 15)}
+        if native:
+            times["native_bf16"] = median_ms(native_pass, 15)
+    return {"rows": rows, **{f"{name}_ms": ms for name, ms in times.items()},
+            **{f"{name}_gflops": flops / ms / 1e6 for name, ms in times.items()},
+            **{f"{name}_speedup": times["onednn_bf16"] / ms for name, ms in times.items() if name != "onednn_bf16"}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.matmul", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,4,16,64,256", help="rows per matmul (decode batch, prompt chunk)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    from services.engine.hardware import cpu_flags, cpu_kind
+    from services.engine.model_store import cache_dir
+    from services.engine.native import NativeBuildError, load_layers, load_matmul
+    flags = cpu_flags()
+    kind, vnni = cpu_kind(flags), bool({"avx512_vnni", "avx_vnni"} & flags)
+    kernels = load_layers(cache_dir())
+    try:
+        matmul = load_matmul(cache_dir())
+    except NativeBuildError as e:
+        print(f"native bf16: not here ({e})")
+        matmul = None
+    results = [measure(int(r), kernels, matmul) for r in args.rows.split(",")]
+    print(f"one core, {kind} ({'VNNI' if vnni else 'no VNNI'}), {LAYERS} layers of SmolLM2-135M's projections; "
+          f"speed-ups against oneDNN bf16")
+    names = [n for n in ("onednn_bf16", "native_bf16", "int8") if f"{n}_ms" in results[0]]
+    print("| rows | " + " | ".join(n.replace("_", " ") for n in names) + " |")
+    print("|---" * (len(names) + 1) + "|")
+    for r in results:
+        cells = [f"{r[f'{n}_ms']:.1f} ms ({r[f'{n}_gflops']:.0f} GFLOP/s"
+                 + (f", {r[f'{n}_speedup']:.2f}x)" if n != "onednn_bf16" else ")") for n in names]
+        print(f"| {r['rows']} | " + " | ".join(cells) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpu": kind, "vnni": vnni, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
