@@ -5,10 +5,12 @@ a real step) at several row counts:
   onednn bf16   bfloat16 weights packed for oneDNN (pdserve's bf16 path on AMX CPUs)
   native bf16   pdserve's own bfloat16 matmul (services/engine/native/matmul.c; its bf16
                 path on AVX512-BF16 CPUs without AMX; absent elsewhere)
-  int8          `--quantization int8` (services/engine/fusion.py `Int8Linear`: weights
-                int8 per channel, activations quantized per token by the native kernels,
-                oneDNN's u8 x s8 GEMM, VNNI where the CPU has it, products scaled back per
-                row), quantizing and scaling back included
+  onednn int8   `--quantization int8`'s layers (services/engine/fusion.py `Int8Linear`:
+                weights int8 per channel, activations quantized per token by the native
+                kernels, oneDNN's u8 x s8 GEMM, VNNI where the CPU has it, products scaled
+                back per row), quantizing and scaling back included (its path on AMX CPUs)
+  native int8   the same with pdserve's own u8 x s8 matmul (its path on AVX512-VNNI CPUs
+                without AMX; the same products, bit for bit)
 
 One thread, medians; weights random (the time does not depend on their values). Output
 quality is measured apart: `python -m bench.int8_quality`.
@@ -34,8 +36,10 @@ def measure(rows: int, kernels, matmul) -> dict:
     gen = torch.Generator().manual_seed(0)
     weights = [[torch.randn(n, k, generator=gen).bfloat16() * 0.02 for n, k in SHAPES] for _ in range(LAYERS)]
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in layer] for layer in weights]
-    native = [[matmul.pack(w)[0] for w in layer] for layer in weights] if matmul is not None else []
+    native = [[matmul.pack(w)[0] for w in layer] for layer in weights] if matmul is not None and matmul.bf16 else []
     int8 = [[Int8Linear(w, None) for w in layer] for layer in weights]
+    native_int8 = ([[Int8Linear(w, None, matmul=matmul) for w in layer] for layer in weights]
+                   if matmul is not None and matmul.int8 else [])
     x = {k: torch.randn(1, rows, k, generator=gen).bfloat16() for _, k in SHAPES}
 
     def bf16_pass():
@@ -48,17 +52,19 @@ def measure(rows: int, kernels, matmul) -> dict:
             for (n, k), w in zip(SHAPES, layer):
                 matmul.linear(x[k], w, n)
 
-    def int8_pass():
-        for layer in int8:
+    def int8_pass(layers=int8):
+        for layer in layers:
             for (_, k), linear in zip(SHAPES, layer):
                 q, scales = kernels.quantize_rows(x[k])
                 kernels.dequant_rows(linear.products(q), scales, None, None, torch.bfloat16)
 
     flops = 2 * rows * LAYERS * sum(n * k for n, k in SHAPES)
     with torch.inference_mode():
-        times = {"onednn_bf16": median_ms(bf16_pass, 15), "int8": median_ms(int8_pass, 15)}
+        times = {"onednn_bf16": median_ms(bf16_pass, 15), "onednn_int8": median_ms(int8_pass, 15)}
         if native:
             times["native_bf16"] = median_ms(native_pass, 15)
+        if native_int8:
+            times["native_int8"] = median_ms(lambda: int8_pass(native_int8), 15)
     return {"rows": rows, **{f"{name}_ms": ms for name, ms in times.items()},
             **{f"{name}_gflops": flops / ms / 1e6 for name, ms in times.items()},
             **{f"{name}_speedup": times["onednn_bf16"] / ms for name, ms in times.items() if name != "onednn_bf16"}}
@@ -85,7 +91,7 @@ def main() -> None:
     results = [measure(int(r), kernels, matmul) for r in args.rows.split(",")]
     print(f"one core, {kind} ({'VNNI' if vnni else 'no VNNI'}), {LAYERS} layers of SmolLM2-135M's projections; "
           f"speed-ups against oneDNN bf16")
-    names = [n for n in ("onednn_bf16", "native_bf16", "int8") if f"{n}_ms" in results[0]]
+    names = [n for n in ("onednn_bf16", "native_bf16", "onednn_int8", "native_int8") if f"{n}_ms" in results[0]]
     print("| rows | " + " | ".join(n.replace("_", " ") for n in names) + " |")
     print("|---" * (len(names) + 1) + "|")
     for r in results:

@@ -1,25 +1,31 @@
-"""pdserve's bfloat16 matmul (services/engine/native/matmul.c) against float64
+"""pdserve's own matmuls (services/engine/native/matmul.c). bfloat16 against float64
 references: plain with bias and residual, gated (silu(gate) * up), ragged shapes, strided
 rows and two threads; each row's result the same whatever rows share the call; the real
-model's decode and prefill logits against oneDNN's; and the refusals. The kernel needs
-AVX512-BF16: elsewhere the loader must refuse and the engine keep oneDNN."""
+model's decode and prefill logits against oneDNN's; and the refusals. uint8 x int8 against
+oneDNN's products, bit for bit. The bfloat16 kernel needs AVX512-BF16, the int8 one
+AVX512-VNNI: where a CPU has neither the loader must refuse and the engine keep oneDNN."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from services.engine import native
 from services.engine.hardware import cpu_flags, cpu_kind
+from services.engine.fusion import Int8Linear
 from services.engine.runner import ModelRunner
 
 HAS_BF16 = "avx512_bf16" in cpu_flags()
+HAS_VNNI = "avx512_vnni" in cpu_flags()
 needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason=f"needs AVX512-BF16; this CPU is {cpu_kind()}")
+needs_vnni = pytest.mark.skipif(not HAS_VNNI, reason=f"needs AVX512-VNNI; this CPU is {cpu_kind()}")
 
 
 @pytest.fixture(scope="module")
 def matmul(kernel_cache):
-    if not HAS_BF16:
-        pytest.skip(f"needs AVX512-BF16; this CPU is {cpu_kind()}")
-    return native.load_matmul(kernel_cache)
+    if not (HAS_BF16 or HAS_VNNI):
+        pytest.skip(f"needs AVX512-BF16 or AVX512-VNNI; this CPU is {cpu_kind()}")
+    loaded = native.load_matmul(kernel_cache)
+    assert (loaded.bf16, loaded.int8) == (HAS_BF16, HAS_VNNI)
+    return loaded
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -92,10 +98,40 @@ def test_refuses_what_it_cannot_run(matmul):
         matmul.linear(torch.randn(2, 32).bfloat16(), packed, 64)
 
 
-@pytest.mark.skipif(HAS_BF16, reason="this CPU has AVX512-BF16: the kernel builds and runs here")
-def test_without_avx512_bf16_the_loader_refuses(kernel_cache):
+@pytest.mark.skipif(HAS_BF16 or HAS_VNNI, reason="this CPU has AVX512-BF16 or AVX512-VNNI: the kernels run here")
+def test_without_avx512_bf16_or_vnni_the_loader_refuses(kernel_cache):
     with pytest.raises(native.NativeBuildError, match="AVX512-BF16"):
         native.load_matmul(kernel_cache)
+
+
+@needs_vnni
+@pytest.mark.parametrize("n,k", [(960, 576), (50, 64), (3072, 576), (576, 1536)])
+@pytest.mark.parametrize("rows", [0, 1, 3, 5, 9, 70])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_products_are_onednns_bit_for_bit(matmul, n, k, rows, threads):
+    """Exact int32 sums, scaled once per column: the same float32 products as oneDNN's
+    u8 x s8 matmul, whatever the shape, rows or threads."""
+    gen = torch.Generator().manual_seed(n * k + rows)
+    weight = torch.randn(n, k, generator=gen) * torch.logspace(-3, 0, n)[:, None]
+    onednn, ours = Int8Linear(weight, None), Int8Linear(weight, None, matmul=matmul)
+    assert ours.native and not onednn.native
+    x = torch.randint(0, 256, (rows, k), generator=gen, dtype=torch.uint8)
+    torch.set_num_threads(threads)
+    try:
+        got = ours.products(x)
+    finally:
+        torch.set_num_threads(1)
+    assert got.shape == (rows, n) and torch.equal(got, onednn.products(x))
+
+
+@needs_vnni
+def test_int8_refuses_what_it_cannot_run(matmul):
+    with pytest.raises(ValueError, match="multiple of 4"):
+        matmul.pack_int8(torch.zeros(16, 30, dtype=torch.int8), torch.ones(16))
+    packed, comp, scale = matmul.pack_int8(torch.zeros(16, 32, dtype=torch.int8), torch.ones(16))
+    with pytest.raises(ValueError, match="uint8 rows of 32"):
+        matmul.products(torch.zeros(2, 32), packed, 16, comp, scale)
+    assert not Int8Linear(torch.randn(8, 30), None, matmul=matmul).native     # oneDNN takes the odd width
 
 
 @needs_bf16

@@ -157,16 +157,19 @@ class ModelRunner:
             return None
 
     def _matmul(self, attention: str, kernel_cache: Path) -> NativeMatmul | None:
-        """pdserve's bfloat16 matmul where it beats oneDNN's: bfloat16 on a CPU with
-        AVX512-BF16 and without AMX (oneDNN runs AMX tiles there, which this kernel does
-        not; not measured against them). None keeps oneDNN."""
-        if (attention == "torch" or self.device.type != "cpu" or self.model.dtype != torch.bfloat16
-                or has_amx() or "avx512_bf16" not in cpu_flags()):
+        """pdserve's own matmuls where they beat oneDNN's: bfloat16 on a CPU with
+        AVX512-BF16, int8 weights on one with AVX512-VNNI, neither with AMX (oneDNN runs
+        AMX tiles there, which these kernels do not; not measured against them). None
+        keeps oneDNN."""
+        flags = cpu_flags()
+        wanted = ((self.model.dtype == torch.bfloat16 and "avx512_bf16" in flags)
+                  or (self.quantization == "int8" and "avx512_vnni" in flags))
+        if attention == "torch" or self.device.type != "cpu" or has_amx() or not wanted:
             return None
         try:
             return load_matmul(kernel_cache)
         except NativeBuildError as e:
-            log.warning("bfloat16 matmuls stay on oneDNN: %s", e)
+            log.warning("matmuls stay on oneDNN: %s", e)
             return None
 
     def describe(self) -> str:

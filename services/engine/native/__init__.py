@@ -304,9 +304,10 @@ class NativeLayers:
 
 
 class NativeMatmul:
-    """The bfloat16 matmul of one loaded library (matmul.c): weights packed once by
-    `pack`, then `linear` per call, with a residual add or SiLU-and-multiply applied as
-    the output is written. `supported` is false where the CPU lacks AVX512-BF16."""
+    """The matmuls of one loaded library (matmul.c). bfloat16 (`bf16`: the CPU has
+    AVX512-BF16): weights packed once by `pack`, then `linear` per call, with a residual
+    add or SiLU-and-multiply applied as the output is written. uint8 x int8 (`int8`: the
+    CPU has AVX512-VNNI): `pack_int8`, then `products`, `Int8Linear`'s product."""
 
     GROUP = 16                              # output columns per packed group
 
@@ -316,7 +317,11 @@ class NativeMatmul:
         self._linear = lib.pdserve_linear_bf16
         self._linear.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, p, i64, i32, i32]
         self._linear.restype = i32
-        self.supported = bool(lib.pdserve_matmul_supported())
+        self._u8s8 = lib.pdserve_linear_u8s8
+        self._u8s8.argtypes = [p, i64, i64, p, i64, i64, p, p, p, i64, i32]
+        self._u8s8.restype = i32
+        self.bf16 = bool(lib.pdserve_matmul_supported())
+        self.int8 = bool(lib.pdserve_int8_supported())
         self._lib = lib
 
     @classmethod
@@ -343,6 +348,34 @@ class NativeMatmul:
         if bias is not None:
             bias = F.pad(bias.detach().float(), (0, pad)).contiguous()
         return packed, bias
+
+    @classmethod
+    def pack_int8(cls, weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """int8 `weight` [n, k] and its float32 column `scale` [n] in the kernel's order:
+        [groups, k/4, 16, 4] int8, n padded to whole groups; with 128 x each column's sum
+        (int32: the input comes stored + 128) and the scales, padded alike."""
+        g = cls.GROUP
+        n, k = weight.shape
+        if k % 4 or weight.dtype != torch.int8:
+            raise ValueError(f"the native int8 matmul takes int8 weights with a multiple of 4 inputs, not {k}")
+        pad = -n % g
+        weight = F.pad(weight, (0, 0, 0, pad))
+        packed = weight.reshape(-1, g, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+        comp = (weight.to(torch.int32).sum(dim=1) * 128).to(torch.int32).contiguous()
+        return packed, comp, F.pad(scale.float(), (0, pad), value=1.0).contiguous()
+
+    def products(self, x: torch.Tensor, packed: torch.Tensor, n: int, comp: torch.Tensor, scale: torch.Tensor,
+                 threads: int = 1) -> torch.Tensor:
+        """x [rows, k] uint8 (value + 128) -> [rows, n] float32: (x - 128) . w * scale."""
+        k = packed.shape[1] * 4
+        if x.dtype != torch.uint8 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+            raise ValueError(f"the native int8 matmul takes uint8 rows of {k} features")
+        out = torch.empty(x.shape[0], n, dtype=torch.float32)
+        rc = self._u8s8(x.data_ptr(), x.stride(0), x.shape[0], packed.data_ptr(), n, k, comp.data_ptr(),
+                        scale.data_ptr(), out.data_ptr(), out.stride(0), threads)
+        if rc:
+            raise ValueError(f"the native int8 matmul refused its arguments (code {rc})")
+        return out
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None, gated: bool = False, threads: int = 1) -> torch.Tensor:
@@ -386,9 +419,10 @@ def load_layers(cache_root: Path) -> NativeLayers:
 
 
 def load_matmul(cache_root: Path) -> NativeMatmul:
-    """Build (once per machine and source) and load the bfloat16 matmul; NativeBuildError
-    where this CPU has no AVX512-BF16 for it."""
+    """Build (once per machine and source) and load the matmuls; NativeBuildError where
+    this CPU has neither AVX512-BF16 nor AVX512-VNNI for them (`bf16` and `int8` say
+    which it has)."""
     matmul = NativeMatmul(_build(MATMUL_SOURCE, _kernel_dir(cache_root)))
-    if not matmul.supported:
-        raise NativeBuildError("the native bfloat16 matmul needs AVX512-BF16")
+    if not (matmul.bf16 or matmul.int8):
+        raise NativeBuildError("the native matmuls need AVX512-BF16 (bfloat16) or AVX512-VNNI (int8)")
     return matmul

@@ -27,25 +27,31 @@
 
 #include "fastmath.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    (defined(__AVX512BF16__) || defined(__AVX512VNNI__))
 #include <immintrin.h>
 
-#define GROUP 16            /* output columns per zmm of float32 sums */
+#define GROUP 16            /* output columns per zmm of 32-bit sums */
 #define PANEL 4             /* groups per panel: the unit of work split over threads */
+#define STEP 4              /* bytes of x (and of each column's weights) per instruction: 2 bf16 or 4 int8 */
 
-int pdserve_matmul_supported(void) { return 1; }
+enum kind { BF16, U8S8 };
 
+/* The call, in bytes where the element type differs: each k step takes 4 bytes of a row
+ * of x (a bf16 pair, or 4 uint8) and 64 bytes of a group's weights. */
 struct call {
-    const uint16_t *x;      /* [rows, k] bf16, row stride ldx */
+    const uint8_t *x;       /* [rows, k] bf16 or uint8, row stride ldx bytes */
     int64_t ldx;
-    const uint16_t *w;      /* packed, [groups][k/2][16][2] */
-    int64_t k, n;           /* n: real output columns (of the product, before gating) */
-    const float *bias;      /* [groups * 16] float32, packed order, or NULL */
-    const uint16_t *res;    /* [rows, n] bf16 residual, row stride ldr, or NULL */
+    const uint8_t *w;       /* packed: [groups][steps][16][4 bytes] */
+    int64_t steps, n;       /* n: real output columns (of the product, before gating) */
+    const float *bias;      /* bf16: [groups * 16] float32, packed order, or NULL */
+    const uint16_t *res;    /* bf16: [rows, n] residual, row stride ldr, or NULL */
     int64_t ldr;
-    uint16_t *y;            /* [rows, n or n/2] bf16, row stride ldy */
+    void *y;                /* bf16: [rows, n or n/2] bf16; u8s8: [rows, n] float32; row stride ldy elements */
     int64_t ldy;
     int gated;
+    const int32_t *comp;    /* u8s8: 128 * each column's weight sum (x is stored + 128) */
+    const float *scale;     /* u8s8: each column's weight scale */
 };
 
 static inline __mmask16 cols_mask(int64_t first, int64_t n) {
@@ -53,6 +59,7 @@ static inline __mmask16 cols_mask(int64_t first, int64_t n) {
     return left >= GROUP ? (__mmask16)0xffff : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
 }
 
+#ifdef __AVX512BF16__
 static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) {
     __m256i h = _mm256_maskz_loadu_epi16(m, p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -61,117 +68,169 @@ static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) {
 static inline void store_bf16(uint16_t *p, __m512 v, __mmask16 m) {
     _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
 }
+#endif
 
-/* rows [m0, m0 + MT) by groups [g, g + NT): MT x NT float32 sums in registers over all k. */
-static inline __attribute__((always_inline)) void tile(const struct call *c, const int MT, const int NT,
-                                                       int64_t m0, int64_t g) {
+/* rows [m0, m0 + MT) by groups [g, g + NT): MT x NT sums in registers over all k (float32
+ * for bf16, int32 in the same registers for u8s8). */
+static inline __attribute__((always_inline)) void tile(const struct call *c, const enum kind KIND, const int MT,
+                                                       const int NT, int64_t m0, int64_t g) {
     __m512 acc[8][4];
-    const int64_t gsize = c->k * GROUP;                 /* packed uint16 per group */
-    const uint16_t *w = c->w + g * gsize;
+    const int64_t gsize = c->steps * GROUP * STEP;      /* packed bytes per group */
+    const uint8_t *w = c->w + g * gsize;
     for (int j = 0; j < NT; j++) {
-        __m512 b = c->bias ? _mm512_loadu_ps(c->bias + (g + j) * GROUP) : _mm512_setzero_ps();
+        __m512 b = KIND == BF16 && c->bias ? _mm512_loadu_ps(c->bias + (g + j) * GROUP) : _mm512_setzero_ps();
         for (int m = 0; m < MT; m++)
             acc[m][j] = b;
     }
-    const uint16_t *x = c->x + m0 * c->ldx;
-    for (int64_t k = 0; k < c->k; k += 2) {
+    const uint8_t *x = c->x + m0 * c->ldx;
+    /* Two k steps per iteration: from 16 rows up, 5-7 % faster than one. */
+#pragma GCC unroll 2
+    for (int64_t s = 0; s < c->steps; s++) {
         __m512i wv[4];
         for (int j = 0; j < NT; j++)
-            wv[j] = _mm512_loadu_si512((const void *)(w + j * gsize + k * GROUP));
+            wv[j] = _mm512_loadu_si512((const void *)(w + j * gsize + s * GROUP * STEP));
         for (int m = 0; m < MT; m++) {
-            int32_t pair;
-            memcpy(&pair, x + m * c->ldx + k, sizeof pair);
-            __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-            for (int j = 0; j < NT; j++)
-                acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, (__m512bh)wv[j]);
-        }
-    }
-    if (c->gated) {                                     /* groups come in (gate, up) pairs */
-        for (int j = 0; j + 1 < NT; j += 2) {
-            int64_t col = (g + j) / 2 * GROUP;
-            __mmask16 mask = cols_mask(col, c->n / 2);
-            for (int m = 0; m < MT; m++) {
-                float gate[GROUP], out[GROUP];
-                _mm512_storeu_ps(gate, acc[m][j]);
-                for (int i = 0; i < GROUP; i++)
-                    out[i] = gate[i] / (1.0f + fast_expf(-gate[i]));
-                store_bf16(c->y + (m0 + m) * c->ldy + col, _mm512_mul_ps(_mm512_loadu_ps(out), acc[m][j + 1]),
-                           mask);
+            int32_t four;
+            memcpy(&four, x + m * c->ldx + s * STEP, sizeof four);
+            const __m512i xb = _mm512_set1_epi32(four);
+            for (int j = 0; j < NT; j++) {
+#ifdef __AVX512BF16__
+                if (KIND == BF16)
+                    acc[m][j] = _mm512_dpbf16_ps(acc[m][j], (__m512bh)xb, (__m512bh)wv[j]);
+#endif
+#ifdef __AVX512VNNI__
+                if (KIND == U8S8)
+                    acc[m][j] = _mm512_castsi512_ps(_mm512_dpbusd_epi32(_mm512_castps_si512(acc[m][j]), xb, wv[j]));
+#endif
             }
         }
-        return;
     }
-    for (int j = 0; j < NT; j++) {
-        int64_t col = (g + j) * GROUP;
-        __mmask16 mask = cols_mask(col, c->n);
-        for (int m = 0; m < MT; m++) {
-            __m512 v = acc[m][j];
-            if (c->res)
-                v = _mm512_add_ps(v, load_bf16(c->res + (m0 + m) * c->ldr + col, mask));
-            store_bf16(c->y + (m0 + m) * c->ldy + col, v, mask);
+#ifdef __AVX512BF16__
+    if (KIND == BF16) {             /* plain (+ residual), or gated: (gate, up) group pairs */
+        uint16_t *y = (uint16_t *)c->y;
+        if (c->gated) {
+            for (int j = 0; j + 1 < NT; j += 2) {
+                int64_t col = (g + j) / 2 * GROUP;
+                __mmask16 mask = cols_mask(col, c->n / 2);
+                for (int m = 0; m < MT; m++) {
+                    float gate[GROUP], out[GROUP];
+                    _mm512_storeu_ps(gate, acc[m][j]);
+                    for (int i = 0; i < GROUP; i++)
+                        out[i] = gate[i] / (1.0f + fast_expf(-gate[i]));
+                    store_bf16(y + (m0 + m) * c->ldy + col, _mm512_mul_ps(_mm512_loadu_ps(out), acc[m][j + 1]),
+                               mask);
+                }
+            }
+            return;
+        }
+        for (int j = 0; j < NT; j++) {
+            int64_t col = (g + j) * GROUP;
+            __mmask16 mask = cols_mask(col, c->n);
+            for (int m = 0; m < MT; m++) {
+                __m512 v = acc[m][j];
+                if (c->res)
+                    v = _mm512_add_ps(v, load_bf16(c->res + (m0 + m) * c->ldr + col, mask));
+                store_bf16(y + (m0 + m) * c->ldy + col, v, mask);
+            }
         }
     }
+#endif
+#ifdef __AVX512VNNI__
+    if (KIND == U8S8) {             /* (sum - 128 * column sum) * column scale, as float32 */
+        float *y = (float *)c->y;
+        for (int j = 0; j < NT; j++) {
+            int64_t col = (g + j) * GROUP;
+            __mmask16 mask = cols_mask(col, c->n);
+            const __m512i comp = _mm512_loadu_si512((const void *)(c->comp + col));
+            const __m512 scale = _mm512_loadu_ps(c->scale + col);
+            for (int m = 0; m < MT; m++) {
+                __m512i sum = _mm512_sub_epi32(_mm512_castps_si512(acc[m][j]), comp);
+                _mm512_mask_storeu_ps(y + (m0 + m) * c->ldy + col, mask,
+                                      _mm512_mul_ps(_mm512_cvtepi32_ps(sum), scale));
+            }
+        }
+    }
+#endif
 }
 
 /* Tiles with compile-time shapes (so the sums stay in registers). */
-#define ROWS_BY(NT)                                                             \
+#define ROWS_BY(KIND, NT)                                                       \
     switch (mt) {                                                               \
-    case 1: tile(c, 1, NT, m0, g); break;                                       \
-    case 2: tile(c, 2, NT, m0, g); break;                                       \
-    case 3: tile(c, 3, NT, m0, g); break;                                       \
-    case 4: tile(c, 4, NT, m0, g); break;                                       \
-    case 5: tile(c, 5, NT, m0, g); break;                                       \
-    case 6: tile(c, 6, NT, m0, g); break;                                       \
-    case 7: tile(c, 7, NT, m0, g); break;                                       \
-    default: tile(c, 8, NT, m0, g); break;                                      \
+    case 1: tile(c, KIND, 1, NT, m0, g); break;                                 \
+    case 2: tile(c, KIND, 2, NT, m0, g); break;                                 \
+    case 3: tile(c, KIND, 3, NT, m0, g); break;                                 \
+    case 4: tile(c, KIND, 4, NT, m0, g); break;                                 \
+    case 5: tile(c, KIND, 5, NT, m0, g); break;                                 \
+    case 6: tile(c, KIND, 6, NT, m0, g); break;                                 \
+    case 7: tile(c, KIND, 7, NT, m0, g); break;                                 \
+    default: tile(c, KIND, 8, NT, m0, g); break;                                \
     }
 
 /* Rows [m0, m0 + mt) by groups [g0, g1). Up to 4 rows take 4 groups at a time (16 sums,
- * 4 weight loads per k pair); 5 to 8 rows take 2. Even group counts stay even, which the
+ * 4 weight loads per k step); 5 to 8 rows take 2. Even group counts stay even, which the
  * gated form needs (a gate group and its up group in one tile). */
-static void panel(const struct call *c, int64_t m0, int64_t mt, int64_t g0, int64_t g1) {
+static inline __attribute__((always_inline)) void panel(const struct call *c, const enum kind KIND, int64_t m0,
+                                                        int64_t mt, int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1;) {
         int64_t left = g1 - g;
         if (mt <= 4 && left >= 4) {
             switch (mt) {
-            case 1: tile(c, 1, 4, m0, g); break;
-            case 2: tile(c, 2, 4, m0, g); break;
-            case 3: tile(c, 3, 4, m0, g); break;
-            default: tile(c, 4, 4, m0, g); break;
+            case 1: tile(c, KIND, 1, 4, m0, g); break;
+            case 2: tile(c, KIND, 2, 4, m0, g); break;
+            case 3: tile(c, KIND, 3, 4, m0, g); break;
+            default: tile(c, KIND, 4, 4, m0, g); break;
             }
             g += 4;
         } else if (left >= 2) {
-            ROWS_BY(2)
+            ROWS_BY(KIND, 2)
             g += 2;
         } else {
-            ROWS_BY(1)
+            ROWS_BY(KIND, 1)
             g += 1;
         }
     }
 }
+
+/* One function per kind (each with its tiles inlined). */
+static __attribute__((noinline)) void panel_bf16(const struct call *c, int64_t m0, int64_t mt, int64_t g0,
+                                                 int64_t g1) {
+    panel(c, BF16, m0, mt, g0, g1);
+}
+
+static __attribute__((noinline)) void panel_u8s8(const struct call *c, int64_t m0, int64_t mt, int64_t g0,
+                                                 int64_t g1) {
+    panel(c, U8S8, m0, mt, g0, g1);
+}
+
+/* Each panel's weights (64 columns) are read from memory once and stay in L2 for the
+ * rest of the rows. */
+static void run(const struct call *c, const enum kind KIND, int64_t rows, int threads) {
+    const int64_t groups = (c->n + GROUP - 1) / GROUP;
+    const int64_t panels = (groups + PANEL - 1) / PANEL;
+    const int64_t mstep = rows <= 4 ? 4 : 8;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && panels > 1)
+    for (int64_t p = 0; p < panels; p++) {
+        int64_t g0 = p * PANEL, g1 = g0 + PANEL < groups ? g0 + PANEL : groups;
+        for (int64_t m0 = 0; m0 < rows; m0 += mstep)
+            (KIND == BF16 ? panel_bf16 : panel_u8s8)(c, m0, rows - m0 < mstep ? rows - m0 : mstep, g0, g1);
+    }
+}
+#endif
+
+#if defined(GROUP) && defined(__AVX512BF16__)
+int pdserve_matmul_supported(void) { return 1; }
 
 int pdserve_linear_bf16(const uint16_t *x, int64_t ldx, int64_t rows, const uint16_t *w, int64_t n, int64_t k,
                         const float *bias, const uint16_t *res, int64_t ldr, uint16_t *y, int64_t ldy, int gated,
                         int threads) {
     if (rows < 0 || n <= 0 || k <= 0 || k % 2 || (gated && (n % (2 * GROUP) || res)))
         return 1;
-    struct call c = {x, ldx, w, k, n, bias, res, ldr, y, ldy, gated};
-    const int64_t groups = (n + GROUP - 1) / GROUP;
-    const int64_t panels = (groups + PANEL - 1) / PANEL;
-    const int64_t mstep = rows <= 4 ? 4 : 8;
-    /* Each panel's weights (64 columns, k * 128 bytes) are read from memory once and stay
-     * in L2 for the rest of the rows. */
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && panels > 1)
-    for (int64_t p = 0; p < panels; p++) {
-        int64_t g0 = p * PANEL, g1 = g0 + PANEL < groups ? g0 + PANEL : groups;
-        for (int64_t m0 = 0; m0 < rows; m0 += mstep)
-            panel(&c, m0, rows - m0 < mstep ? rows - m0 : mstep, g0, g1);
-    }
+    struct call c = {(const uint8_t *)x, ldx * 2, (const uint8_t *)w, k / 2, n, bias, res, ldr, y, ldy, gated,
+                     NULL, NULL};
+    run(&c, BF16, rows, threads);
     return 0;
 }
-
 #else
-
 int pdserve_matmul_supported(void) { return 0; }
 
 int pdserve_linear_bf16(const uint16_t *x, int64_t ldx, int64_t rows, const uint16_t *w, int64_t n, int64_t k,
@@ -181,5 +240,27 @@ int pdserve_linear_bf16(const uint16_t *x, int64_t ldx, int64_t rows, const uint
     (void)ldy; (void)gated; (void)threads;
     return 2;
 }
+#endif
 
+#if defined(GROUP) && defined(__AVX512VNNI__)
+int pdserve_int8_supported(void) { return 1; }
+
+/* y = ((x_u8 - 128) . w_s8) * scale per column, as float32: `Int8Linear.products`. */
+int pdserve_linear_u8s8(const uint8_t *x, int64_t ldx, int64_t rows, const int8_t *w, int64_t n, int64_t k,
+                        const int32_t *comp, const float *scale, float *y, int64_t ldy, int threads) {
+    if (rows < 0 || n <= 0 || k <= 0 || k % 4)
+        return 1;
+    struct call c = {x, ldx, (const uint8_t *)w, k / 4, n, NULL, NULL, 0, y, ldy, 0, comp, scale};
+    run(&c, U8S8, rows, threads);
+    return 0;
+}
+#else
+int pdserve_int8_supported(void) { return 0; }
+
+int pdserve_linear_u8s8(const uint8_t *x, int64_t ldx, int64_t rows, const int8_t *w, int64_t n, int64_t k,
+                        const int32_t *comp, const float *scale, float *y, int64_t ldy, int threads) {
+    (void)x; (void)ldx; (void)rows; (void)w; (void)n; (void)k; (void)comp; (void)scale; (void)y; (void)ldy;
+    (void)threads;
+    return 2;
+}
 #endif
