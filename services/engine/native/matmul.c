@@ -1,22 +1,28 @@
-/* pdserve's bfloat16 matmul for CPUs with AVX512-BF16 (and no AMX): y = x W^T (+ bias),
- * with its epilogue applied as each output tile is written:
+/* pdserve's own matmuls for CPUs without AMX: bfloat16 (AVX512-BF16), y = x W^T (+ bias),
+ * with its epilogue applied as each output tile is written,
  *
  *   plain      y = x W^T + bias (+ residual)             (projections, o + residual, down + residual)
  *   gated      y = silu(x G^T + bg) * (x U^T + bu)        (gate|up and SiLU-and-multiply in one pass)
  *
+ * and uint8 x int8 (AVX512-VNNI) for `--quantization int8`: y = (x - 128) W^T * scale per
+ * column, float32, the input stored + 128 as the layer kernels quantize it.
+ *
  * Why not oneDNN's: at the row counts decode runs (1 to 32 sequences) its bfloat16 matmul
  * streamed SmolLM2's weights at 9-15 GB/s of a core's ~28, and a step of one sequence is
- * nothing but that stream. Here each tile of weights is read once for up to 4 rows (8 when
- * there are more), from a layout made for the instruction, and the kernel reaches ~23 GB/s
- * at 1 row and oneDNN's own ~220 GFLOP/s from 64 rows up (bench/int8_gemm.py, one core).
+ * nothing but that stream (its int8 one did no better with half the bytes). Here each
+ * tile of weights is read once for up to 4 rows (8 when there are more), from a layout
+ * made for the instruction: ~23 GB/s at 1 row, and oneDNN's own ~220 GFLOP/s (bf16) from
+ * 64 rows up (bench/matmul.py, one core).
  *
  * Weights are packed once ("VNNI" order): groups of 16 output columns, each group's K
- * values in pairs, [N/16][K/2][16][2], so one 64-byte load holds one k-pair of 16 columns
- * and vdpbf16ps multiplies it with one broadcast pair of x. For the gated form, gate and
- * up groups alternate (gate 0..15, up 0..15, gate 16..31, ...). N is padded to a multiple
- * of 16 with zero rows; the stores are masked to the real N. Sums are float32, in the same
- * k order for every row whatever the batch (no split-K): a row's result does not depend
- * on which other rows share the call. Output rounds to nearest even, once.
+ * values in 4-byte steps (bf16 pairs, int8 quads), [N/16][K/2][16][2] or
+ * [N/16][K/4][16][4], so one 64-byte load holds one step of 16 columns and vdpbf16ps
+ * (vpdpbusd) multiplies it with one broadcast step of x. For the gated form, gate and up
+ * groups alternate (gate 0..15, up 0..15, gate 16..31, ...). N is padded to a multiple of
+ * 16 with zero rows; the stores are masked to the real N. Sums (float32; int32, exact,
+ * for int8) run in the same k order for every row whatever the batch (no split-K): a
+ * row's result does not depend on which other rows share the call. bf16 output rounds to
+ * nearest even, once.
  *
  * Work is split over `threads` OpenMP threads by panels of 64 output columns (torch's own
  * team: see attention.c).
