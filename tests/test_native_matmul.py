@@ -96,6 +96,10 @@ def test_refuses_what_it_cannot_run(matmul):
         matmul.linear(torch.randn(2, 64), packed, 64)
     with pytest.raises(ValueError, match="bfloat16 CPU rows of 64"):
         matmul.linear(torch.randn(2, 32).bfloat16(), packed, 64)
+    with pytest.raises(ValueError, match="do not fit"):
+        matmul.linear(torch.randn(2, 64).bfloat16(), packed, 80)
+    with pytest.raises(ValueError, match="residual of 3 rows for 2"):
+        matmul.linear(torch.randn(2, 64).bfloat16(), packed, 64, residual=torch.randn(3, 64).bfloat16())
 
 
 @pytest.mark.skipif(HAS_BF16 or HAS_VNNI, reason="this CPU has AVX512-BF16 or AVX512-VNNI: the kernels run here")
@@ -131,6 +135,8 @@ def test_int8_refuses_what_it_cannot_run(matmul):
     packed, comp, scale = matmul.pack_int8(torch.zeros(16, 32, dtype=torch.int8), torch.ones(16))
     with pytest.raises(ValueError, match="uint8 rows of 32"):
         matmul.products(torch.zeros(2, 32), packed, 16, comp, scale)
+    with pytest.raises(ValueError, match="do not fit"):
+        matmul.products(torch.zeros(2, 32, dtype=torch.uint8), packed, 17, comp, scale)
     assert not Int8Linear(torch.randn(8, 30), None, matmul=matmul).native     # oneDNN takes the odd width
 
 

@@ -301,9 +301,9 @@ class Int8Linear(nn.Module):
     / 127). Its input comes quantized per token (`NativeLayers.quantize_rows`: uint8
     with zero point 128); a u8 x s8 matmul returns float32 products, which the caller
     scales back per row and adds `bias` to (`NativeLayers.dequant_rows`). The matmul is
-    pdserve's own where `matmul` is given and runs int8 (AVX512-VNNI; 2x oneDNN's speed
-    at one row, level at 64, 0.95x at 256), else oneDNN's; both give the same products,
-    bit for bit (exact int32 sums, scaled once)."""
+    pdserve's own where `matmul` is given and runs int8 (AVX512-VNNI; ~2x oneDNN's speed
+    at one row, about level from 64 rows up), else oneDNN's; both give the same
+    products, bit for bit (exact int32 sums, scaled once)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None = None,
                  matmul: NativeMatmul | None = None) -> None:

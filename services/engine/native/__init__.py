@@ -1,8 +1,9 @@
 """Native CPU kernels, built on first use with the machine's C compiler.
 
 `attention.c` runs decode attention straight from the paged KV cache, and causal
-prefill attention in bfloat16 on CPUs with AVX512-BF16; `matmul.c` the bfloat16
-matmuls themselves on those CPUs; `layers.c` the element-wise
+prefill attention in bfloat16 on CPUs with AVX512-BF16; `matmul.c` the matmuls
+themselves, bfloat16 on those CPUs and uint8 x int8 on CPUs with AVX512-VNNI;
+`layers.c` the element-wise
 work around the matmuls (RMSNorm, SiLU-and-multiply; with int8 weights, quantizing
 activations per token and scaling products back) in one pass each. Each is
 compiled for the CPU it runs on (-march=native) into the cache directory, under a name
@@ -370,6 +371,8 @@ class NativeMatmul:
         k = packed.shape[1] * 4
         if x.dtype != torch.uint8 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
             raise ValueError(f"the native int8 matmul takes uint8 rows of {k} features")
+        if not 0 < n <= packed.shape[0] * self.GROUP or comp.numel() < n or scale.numel() < n:
+            raise ValueError(f"{n} columns do not fit the packed weight")
         out = torch.empty(x.shape[0], n, dtype=torch.float32)
         rc = self._u8s8(x.data_ptr(), x.stride(0), x.shape[0], packed.data_ptr(), n, k, comp.data_ptr(),
                         scale.data_ptr(), out.data_ptr(), out.stride(0), threads)
@@ -384,6 +387,8 @@ class NativeMatmul:
         k = packed.shape[1] * 2
         if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != k:
             raise ValueError(f"the native matmul takes bfloat16 CPU rows of {k} features")
+        if not 0 < n <= packed.shape[0] * self.GROUP:
+            raise ValueError(f"{n} columns do not fit the packed weight")
         rows = x.reshape(-1, k)
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
         width = n // 2 if gated else n
@@ -393,6 +398,8 @@ class NativeMatmul:
             res = residual.reshape(-1, n)
             res = res if res.stride(-1) == 1 and res.dtype == torch.bfloat16 else res.to(torch.bfloat16).contiguous()
             ldr = res.stride(0)
+            if res.shape[0] != rows.shape[0]:
+                raise ValueError(f"a residual of {res.shape[0]} rows for {rows.shape[0]} rows of input")
         rc = self._linear(rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), n, k,
                           None if bias is None else bias.data_ptr(), None if res is None else res.data_ptr(), ldr,
                           out.data_ptr(), out.stride(0), int(gated), threads)
