@@ -371,7 +371,8 @@ class NativeMatmul:
         k = packed.shape[1] * 4
         if x.dtype != torch.uint8 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
             raise ValueError(f"the native int8 matmul takes uint8 rows of {k} features")
-        if not 0 < n <= packed.shape[0] * self.GROUP or comp.numel() < n or scale.numel() < n:
+        padded = packed.shape[0] * self.GROUP
+        if not 0 < n <= padded or comp.numel() != padded or scale.numel() != padded:
             raise ValueError(f"{n} columns do not fit the packed weight")
         out = torch.empty(x.shape[0], n, dtype=torch.float32)
         rc = self._u8s8(x.data_ptr(), x.stride(0), x.shape[0], packed.data_ptr(), n, k, comp.data_ptr(),
@@ -387,7 +388,8 @@ class NativeMatmul:
         k = packed.shape[1] * 2
         if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != k:
             raise ValueError(f"the native matmul takes bfloat16 CPU rows of {k} features")
-        if not 0 < n <= packed.shape[0] * self.GROUP:
+        padded = packed.shape[0] * self.GROUP
+        if not 0 < n <= padded or (bias is not None and bias.numel() != padded):
             raise ValueError(f"{n} columns do not fit the packed weight")
         rows = x.reshape(-1, k)
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
