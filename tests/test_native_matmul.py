@@ -40,7 +40,7 @@ def close(out: torch.Tensor, ref: torch.Tensor) -> bool:
 
 @needs_bf16
 @pytest.mark.parametrize("n,k", [(960, 576), (50, 64), (33, 1536), (4096, 96)])
-@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 9, 33])
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 9, 33, 70])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_plain_matches_float64_with_bias_and_residual(matmul, n, k, rows, threads):
     gen = torch.Generator().manual_seed(n + k + rows)
@@ -74,14 +74,17 @@ def test_gated_is_silu_gate_times_up(matmul, rows, with_bias):
 @needs_bf16
 def test_each_rows_result_is_the_same_whatever_shares_the_call(matmul):
     """Sums run in one k order per output whatever the tile: batch-invariant, and the
-    same with two threads (split by output columns, never by k)."""
+    same with two threads (split by output columns and, past 64 rows, by row blocks;
+    never by k)."""
     gen = torch.Generator().manual_seed(7)
     w = (torch.randn(3072, 576, generator=gen) * 0.05).bfloat16()
-    x = torch.randn(21, 576, generator=gen).bfloat16()
+    x = torch.randn(150, 576, generator=gen).bfloat16()
     packed, _ = matmul.pack(w)
     whole = matmul.linear(x, packed, 3072)
-    assert all(torch.equal(matmul.linear(x[i:i + 1], packed, 3072)[0], whole[i]) for i in range(21))
+    assert all(torch.equal(matmul.linear(x[i:i + 1], packed, 3072)[0], whole[i]) for i in range(0, 150, 7))
     assert torch.equal(matmul.linear(x[4:11], packed, 3072, threads=2), whole[4:11])
+    assert torch.equal(matmul.linear(x, packed, 3072, threads=2), whole)
+    assert torch.equal(matmul.linear(x[:1], packed, 3072, threads=2)[0], whole[0])
 
 
 @needs_bf16

@@ -372,7 +372,7 @@ typedef struct {
     uint16_t *out;              /* [queries, q_heads, dim] */
     int lq, lk, offset, q_heads, kv_heads, dim;
     float scale;
-    int thread, threads;
+    int *next;                  /* the next unclaimed item, shared by the team */
     int status;                 /* set by the thread: 0, or -2 when out of memory */
 } PrefillJob;
 
@@ -511,8 +511,9 @@ static void *prefill_thread(void *arg) {
     uint32_t *P = malloc(sizeof(uint32_t) * rows4 * KT / 2), *qrows = malloc(sizeof(uint32_t) * rows4 * j->dim / 2);
     if (S && O && m && l && P && qrows) {
         const int tiles = (j->lq + QT - 1) / QT, items = tiles * j->kv_heads;
-        /* longest tiles first, dealt round robin: the causal triangle makes later tiles dearer */
-        for (int item = j->thread; item < items; item += j->threads) {
+        /* Longest tiles first (the causal triangle makes later tiles dearer), each taken by
+         * whichever thread comes free: a thread on a shared core holds nobody back. */
+        for (int item; (item = __atomic_fetch_add(j->next, 1, __ATOMIC_RELAXED)) < items;) {
             const int tile = tiles - 1 - item / j->kv_heads;
             prefill_tile(j, item % j->kv_heads, tile * QT, S, P, O, m, l, qrows);
         }
@@ -565,9 +566,10 @@ int pdserve_prefill_attention(const void *q, int64_t q_tok, int64_t q_head, cons
     if (threads > 64)
         threads = 64;
     PrefillJob jobs[64];
+    int next = 0;
     for (int i = 0; i < threads; i++)
         jobs[i] = (PrefillJob){q, q_tok, q_head, kp, vp, keys_pad, out, lq, lk, offset, q_heads, kv_heads, dim,
-                               scale, i, threads, 0};
+                               scale, &next, 0};
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int i = 0; i < threads; i++)
         prefill_thread(&jobs[i]);

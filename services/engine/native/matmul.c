@@ -24,8 +24,8 @@
  * row's result does not depend on which other rows share the call. bf16 output rounds to
  * nearest even, once.
  *
- * Work is split over `threads` OpenMP threads by panels of 64 output columns (torch's own
- * team: see attention.c).
+ * Work is split over `threads` OpenMP threads (torch's own team: see attention.c) in units
+ * of 64 output columns by up to 64 rows, dealt dynamically (run() below).
  */
 #include <omp.h>
 #include <stdint.h>
@@ -208,17 +208,24 @@ static __attribute__((noinline)) void panel_u8s8(const struct call *c, int64_t m
     panel(c, U8S8, m0, mt, g0, g1);
 }
 
-/* Each panel's weights (64 columns) are read from memory once and stay in L2 for the
- * rest of the rows. */
+/* A unit of work is a panel (64 columns) over a block of up to BLOCK_ROWS rows: the
+ * panel's weights are read from memory once and stay in L2 for the block's rows. Units
+ * are dealt to threads as they come free (dynamic), not in fixed shares: a thread whose
+ * core is shared (a prefill worker borrowing a decode worker's core) does what it can
+ * and the others do the rest, instead of the whole team waiting for its share. */
+#define BLOCK_ROWS 64
 static void run(const struct call *c, const enum kind KIND, int64_t rows, int threads) {
     const int64_t groups = (c->n + GROUP - 1) / GROUP;
     const int64_t panels = (groups + PANEL - 1) / PANEL;
+    const int64_t blocks = rows > BLOCK_ROWS ? (rows + BLOCK_ROWS - 1) / BLOCK_ROWS : 1;
     const int64_t mstep = rows <= 4 ? 4 : 8;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && panels > 1)
-    for (int64_t p = 0; p < panels; p++) {
-        int64_t g0 = p * PANEL, g1 = g0 + PANEL < groups ? g0 + PANEL : groups;
-        for (int64_t m0 = 0; m0 < rows; m0 += mstep)
-            (KIND == BF16 ? panel_bf16 : panel_u8s8)(c, m0, rows - m0 < mstep ? rows - m0 : mstep, g0, g1);
+#pragma omp parallel for num_threads(threads) schedule(dynamic) if (threads > 1 && panels * blocks > 1)
+    for (int64_t u = 0; u < panels * blocks; u++) {
+        const int64_t p = u / blocks, r0 = (u % blocks) * BLOCK_ROWS;
+        const int64_t r1 = r0 + BLOCK_ROWS < rows && blocks > 1 ? r0 + BLOCK_ROWS : rows;
+        const int64_t g0 = p * PANEL, g1 = g0 + PANEL < groups ? g0 + PANEL : groups;
+        for (int64_t m0 = r0; m0 < r1; m0 += mstep)
+            (KIND == BF16 ? panel_bf16 : panel_u8s8)(c, m0, r1 - m0 < mstep ? r1 - m0 : mstep, g0, g1);
     }
 }
 #endif
