@@ -65,13 +65,23 @@ def _child_setup(cpus: set[int] | None):
     return setup
 
 
-def plan_cpus(roles: list[str], available: list[int]) -> list[set[int] | None]:
+def plan_cpus(roles: list[str], available: list[int], lend: bool = False) -> list[set[int] | None]:
     """One core of its own per worker when there are enough cores, else no pinning.
-    Prefill and decode then never steal each other's core: that isolation is what
-    disaggregation buys on one host."""
+    Decode workers then never wait behind a prompt on their core: that isolation is what
+    disaggregation buys on one host. With `lend`, each prefill worker also runs on the
+    decode workers' cores (dealt round robin among the prefill workers), a thread on
+    each: between decode steps, and while decode has little to do, those cores would
+    otherwise sit idle while a long prompt is computed on one. Decode keeps its own core
+    and competes there at equal priority; the kernels deal work dynamically, so a
+    prefill thread slowed by decode holds the rest of its team back by one unit at most."""
     if len(roles) > len(available):
         return [None] * len(roles)
-    return [{cpu} for cpu in available[:len(roles)]]
+    pins = [{cpu} for cpu in available[:len(roles)]]
+    prefill = [i for i, role in enumerate(roles) if role == "prefill"]
+    if lend and prefill:
+        for n, i in enumerate(i for i, role in enumerate(roles) if role == "decode"):
+            pins[prefill[n % len(prefill)]] |= pins[i]
+    return pins
 
 
 def router_url(settings, port: int, loopback: bool = True) -> str:
@@ -229,8 +239,9 @@ class LocalCluster:
         if self._num_gpus:
             held = [c.gpus for c in self.pools["prefill"] + self.pools["decode"] + self.draining_children]
             gpus = assign_gpus(held, self._num_gpus, self.settings.gpus_per_worker, self.settings.share_gpus)
-        child = self._spawn(f"{role}-{next(self._serial[role])}", role, self._workers[role], self._threads, cpus,
-                            gpus)
+        threads = len(cpus) if cpus else self._threads     # a thread per core it may run on
+        child = self._spawn(f"{role}-{next(self._serial[role])}", role,
+                            replace(self._workers[role], threads=threads), threads, cpus, gpus)
         self.pools[role].append(child)
         return child
 
@@ -363,7 +374,7 @@ class LocalCluster:
         # are planned once, at start.
         self._threads = s.threads or (max(1, len(cores) // workers) if s.aggregated else
                                       max(1, len(cores) // max(2, workers)))
-        pins = (plan_cpus(["decode"] * num_decode + ["prefill"] * num_prefill, cores)
+        pins = (plan_cpus(["decode"] * num_decode + ["prefill"] * num_prefill, cores, s.lend_decode_cores)
                 if s.pin_cpus and self._threads == 1 and not self.autoscaling else [None] * workers)
         self._num_gpus = self._gpus_to_hand_out()
         try:
@@ -380,8 +391,10 @@ class LocalCluster:
                              for role in ("decode", "prefill")}
             decodes = [self._spawn_worker("decode", pins[i]) for i in range(num_decode)]
             prefills = [self._spawn_worker("prefill", pins[num_decode + i]) for i in range(num_prefill)]
+            lent = max((len(p) for p in pins[num_decode:] if p), default=1)
             print(f"pdserve: {s.mode}: {num_decode} decode + {num_prefill} prefill worker(s), {self._threads} torch "
-                  f"thread(s) each" + (", one core each" if pins[0] else ""), flush=True)
+                  f"thread(s) each" + (", one core each" if pins[0] else "")
+                  + (f"; prefill also on the decode cores ({lent} threads)" if lent > 1 else ""), flush=True)
             keys = self._api_keys()
             if redis:                            # the router's ~3 s start overlaps the workers' loading
                 router = self._spawn("router", "router", s.router(redis=redis, cluster_secret_file=secret, **keys), 1)

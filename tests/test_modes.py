@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 
 from services.local_cluster import plan_cpus
 from tests.conftest import start_cluster, stop_cluster
@@ -14,6 +15,17 @@ from tests.parity_cases import CASES
 def test_disaggregated_workers_get_a_core_each_when_they_fit():
     assert plan_cpus(["decode", "prefill"], [0, 1]) == [{0}, {1}]
     assert plan_cpus(["decode", "decode", "prefill"], [0, 1]) == [None, None, None]
+
+
+def test_prefill_workers_may_also_run_on_the_decode_cores():
+    """Lent: a prefill worker's own core plus decode cores, dealt round robin; decode
+    workers keep exactly their own core."""
+    assert plan_cpus(["decode", "prefill"], [0, 1], lend=True) == [{0}, {0, 1}]
+    assert plan_cpus(["decode", "decode", "prefill"], [4, 5, 6], lend=True) == [{4}, {5}, {4, 5, 6}]
+    assert plan_cpus(["decode", "decode", "prefill", "prefill"], [0, 1, 2, 3], lend=True) == [
+        {0}, {1}, {0, 2}, {1, 3}]
+    assert plan_cpus(["decode", "decode"], [0, 1], lend=True) == [{0}, {1}]          # aggregated: nothing to lend
+    assert plan_cpus(["decode", "decode", "prefill"], [0, 1], lend=True) == [None, None, None]
 
 
 def test_aggregated_chunked_prefill_matches_generate(model_dir, expected):
@@ -44,3 +56,17 @@ def test_aggregated_on_cpu_runs_a_single_threaded_worker_per_core():
     agg = LocalCluster(ClusterSettings(mode="aggregated", device="cpu"))
     assert agg._default_decode_workers(2) == 2 and agg._default_decode_workers(8) == 8
     assert LocalCluster(ClusterSettings(device="cpu"))._default_decode_workers(8) == 1
+
+
+def test_the_prefill_worker_runs_on_the_decode_core_too(cluster):
+    """`up` on a host with a core per worker: the decode worker is pinned to its core
+    alone; the prefill worker to its own and the decode worker's, with a torch thread
+    for each (read from the live processes)."""
+    import os
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: the workers are not pinned")
+    decode, prefill = cluster.info["decode"]["pid"], cluster.info["prefill"]["pid"]
+    decode_cores, prefill_cores = os.sched_getaffinity(decode), os.sched_getaffinity(prefill)
+    assert len(decode_cores) == 1 and len(prefill_cores) == 2 and decode_cores < prefill_cores
+    environ = dict(e.split("=", 1) for e in open(f"/proc/{prefill}/environ").read().split("\0") if "=" in e)
+    assert environ["OMP_NUM_THREADS"] == "2"

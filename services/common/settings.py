@@ -436,6 +436,8 @@ class ClusterSettings(RoutingSettings, EngineSettings):
     http_port: int = setting(8000, "OpenAI-compatible HTTP port")
     grpc_port: int = setting(50051, "gRPC Generate API port")
     pin_cpus: bool = setting(True, "pin each disaggregated worker to a core of its own when they fit")
+    lend_decode_cores: bool = setting(True, "with --pin-cpus: each prefill worker also runs a thread on the decode "
+                                            "workers' cores, to use the time decode leaves idle there")
     gpus_per_worker: int = setting(1, "on a CUDA machine: GPUs each worker gets to itself (CUDA_VISIBLE_DEVICES)")
     share_gpus: bool = setting(False, "place workers on GPUs already in use when there are too few (size each "
                                       "one's share with --gpu-memory-utilization)")
