@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.peers.command import run, settings_from_argv
+from bench.peers.command import run, run_seed, settings_from_argv
 from bench.peers.summary import add_ratios, format_table, system_result
 from bench.peers.systems import DEFAULT_SYSTEMS, TRANSFORMERS_NO_EOS, Context
 
@@ -63,7 +63,15 @@ def test_dry_run_prints_every_step_and_creates_nothing(tmp_path, capsys):
     assert plan.count("services.cli bench") == 2 * len(DEFAULT_SYSTEMS)
     assert f"--no-ignore-eos --extra-body '{TRANSFORMERS_NO_EOS}'" in plan    # transformers serve only
     assert plan.count("--extra-body") == 2
+    # Each run its own prompts (a repeat would be served from pdserve's prefix cache).
+    assert plan.count("--seed 0") == plan.count("--seed 1") == len(DEFAULT_SYSTEMS)
     assert not peers.exists() and not out.exists()
+
+
+def test_each_run_draws_its_own_prompts_from_the_seed_given():
+    assert run_seed(["--workload", "mixed"], 1) == (["--workload", "mixed"], 0)
+    assert run_seed(["--seed", "7", "--workload", "mixed"], 3) == (["--workload", "mixed"], 9)
+    assert run_seed(["--seed=5"], 2) == ([], 6)
 
 
 def test_medians_and_ratios_to_the_best_peer():

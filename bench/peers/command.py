@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Sequence
 
 from bench.peers.install import ensure_peer
 from bench.peers.model import has_weights, is_bf16_safetensors
@@ -122,10 +123,30 @@ def prepare_model(s: PeersSettings, sh: Shell) -> Path:
     return target
 
 
+def run_seed(bench_args: Sequence[str], run: int) -> tuple[list[str], int]:
+    """`bench_args` without their --seed, and run `run`'s seed: the given one (default 0)
+    plus run - 1. Each run draws prompts no system has seen in an earlier run: a repeat
+    of the same prompts would be served from pdserve's prefix cache (the peers run with
+    theirs off), measuring the cache, not the engine."""
+    args, base, i = [], 0, 0
+    while i < len(bench_args):
+        a = bench_args[i]
+        if a == "--seed" and i + 1 < len(bench_args):
+            base, i = int(bench_args[i + 1]), i + 2
+            continue
+        if a.startswith("--seed="):
+            base = int(a.split("=", 1)[1])
+        else:
+            args.append(a)
+        i += 1
+    return args, base + run - 1
+
+
 def bench_argv(s: PeersSettings, system: str, base_url: str, server_args: list[str], run: int) -> list[str]:
     folder = s.out / system
+    args, seed = run_seed(s.bench_args, run)
     argv = [sys.executable, "-m", "services.cli", "bench", "--base-url", base_url, "--label", system,
-            "--json", str(folder / f"run-{run}.json"), *server_args, *s.bench_args]
+            "--json", str(folder / f"run-{run}.json"), *server_args, *args, "--seed", str(seed)]
     if s.plot:
         argv += ["--plot", str(folder / f"run-{run}.png")]
     return argv
