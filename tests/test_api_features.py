@@ -89,7 +89,10 @@ def test_float32_logprobs_equal_log_softmax_of_transformers_logits(cluster, hf):
         streamed = [c.logprob for chunk in client.chat.completions.create(
             model=MODEL, messages=messages, max_tokens=12, temperature=0, logprobs=True, stream=True)
             for ch in chunk.choices if ch.logprobs for c in ch.logprobs.content]
-        assert streamed == pytest.approx([c.logprob for c in content], abs=1e-6)
+        # The repeat finds the prompt's full blocks cached and computes only the rest: the
+        # prefill worker's float32 GEMMs (a thread per core it may use) then split other
+        # shapes and may sum in another order, a few ulps apart.
+        assert streamed == pytest.approx([c.logprob for c in content], abs=2e-5)
     for text in PROMPTS:
         prompt = tok.encode(text)
         r = client.completions.create(model=MODEL, prompt=text, max_tokens=12, temperature=0, logprobs=5,
