@@ -1,9 +1,10 @@
-"""pdserve's own matmuls (services/engine/native/matmul.c). bfloat16 against float64
-references: plain with bias and residual, gated (silu(gate) * up), ragged shapes, strided
-rows and two threads; each row's result the same whatever rows share the call; the real
-model's decode and prefill logits against oneDNN's; and the refusals. uint8 x int8 against
-oneDNN's products, bit for bit. The bfloat16 kernel needs AVX512-BF16, the int8 one
-AVX512-VNNI: where a CPU has neither the loader must refuse and the engine keep oneDNN."""
+"""pdserve's own matmuls (services/engine/native/matmul.c). bfloat16 and float32 against
+float64 references: plain with bias and residual, gated (silu(gate) * up), ragged shapes,
+strided rows and two threads; each row's result the same whatever rows share the call;
+the real model's decode and prefill logits against oneDNN's (bfloat16) and torch's own
+(float32); and the refusals. uint8 x int8 against oneDNN's products, bit for bit. The
+bfloat16 kernel needs AVX512-BF16, the int8 one AVX512-VNNI, the float32 one AVX2 and
+FMA: where a CPU has none of them the loader must refuse and the engine keep torch's."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,16 +16,18 @@ from services.engine.runner import ModelRunner
 
 HAS_BF16 = "avx512_bf16" in cpu_flags()
 HAS_VNNI = "avx512_vnni" in cpu_flags()
+HAS_F32 = {"avx2", "fma"} <= cpu_flags()
 needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason=f"needs AVX512-BF16; this CPU is {cpu_kind()}")
 needs_vnni = pytest.mark.skipif(not HAS_VNNI, reason=f"needs AVX512-VNNI; this CPU is {cpu_kind()}")
+needs_f32 = pytest.mark.skipif(not HAS_F32, reason=f"needs AVX2 and FMA; this CPU is {cpu_kind()}")
 
 
 @pytest.fixture(scope="module")
 def matmul(kernel_cache):
-    if not (HAS_BF16 or HAS_VNNI):
-        pytest.skip(f"needs AVX512-BF16 or AVX512-VNNI; this CPU is {cpu_kind()}")
+    if not (HAS_BF16 or HAS_VNNI or HAS_F32):
+        pytest.skip(f"needs AVX512-BF16, AVX512-VNNI or AVX2 with FMA; this CPU is {cpu_kind()}")
     loaded = native.load_matmul(kernel_cache)
-    assert (loaded.bf16, loaded.int8) == (HAS_BF16, HAS_VNNI)
+    assert (loaded.bf16, loaded.int8, loaded.f32) == (HAS_BF16, HAS_VNNI, HAS_F32)
     return loaded
 
 
@@ -105,8 +108,9 @@ def test_refuses_what_it_cannot_run(matmul):
         matmul.linear(torch.randn(2, 64).bfloat16(), packed, 64, residual=torch.randn(3, 64).bfloat16())
 
 
-@pytest.mark.skipif(HAS_BF16 or HAS_VNNI, reason="this CPU has AVX512-BF16 or AVX512-VNNI: the kernels run here")
-def test_without_avx512_bf16_or_vnni_the_loader_refuses(kernel_cache):
+@pytest.mark.skipif(HAS_BF16 or HAS_VNNI or HAS_F32, reason="this CPU has AVX512-BF16, AVX512-VNNI or AVX2 with "
+                                                         "FMA: the kernels run here")
+def test_without_any_of_their_instructions_the_loader_refuses(kernel_cache):
     with pytest.raises(native.NativeBuildError, match="AVX512-BF16"):
         native.load_matmul(kernel_cache)
 
@@ -168,3 +172,100 @@ def test_the_real_model_agrees_with_onednn(model_dir, kernel_cache, monkeypatch)
         spacing = 2.0 ** (torch.floor(torch.log2(b.abs().max())) - 7)
         assert (a - b).abs().max() < 8 * spacing
         assert b[a.argmax()] >= b.max() - 2 * spacing
+
+
+def close_f32(out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> bool:
+    """Within float32 summation over k: a few ulps of the sum of |x_k w_k| (`bound`)."""
+    return bool(((out.double() - ref).abs() <= bound * 2 ** -20 + 1e-6).all())
+
+
+@needs_f32
+@pytest.mark.parametrize("n,k", [(960, 576), (50, 64), (33, 1536), (4096, 95), (7, 3)])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 6, 7, 13, 70])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_float32_matches_float64_with_bias_and_residual(matmul, n, k, rows, threads):
+    gen = torch.Generator().manual_seed(n + k + rows)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    b = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k + 10, generator=gen)[:, 3:3 + k]          # strided rows
+    residual = torch.randn(rows, n, generator=gen)
+    packed, bias = matmul.pack(w, b, dtype=torch.float32)
+    bound = x.double().abs() @ w.double().abs().T + b.double().abs() + residual.double().abs()
+    out = matmul.linear(x, packed, n, bias, residual, threads=threads)
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    assert close_f32(out, reference(x, w, b) + residual.double(), bound)
+    assert close_f32(matmul.linear(x, packed, n, threads=threads), reference(x, w), bound)
+
+
+@needs_f32
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 12])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_float32_gated_is_silu_gate_times_up(matmul, rows, with_bias):
+    gen = torch.Generator().manual_seed(rows)
+    inter, k = 40, 576
+    gate, up = (torch.randn(inter, k, generator=gen) * 0.05 for _ in range(2))
+    bg, bu = (torch.randn(inter, generator=gen) if with_bias else None for _ in range(2))
+    x = torch.randn(1, rows, k, generator=gen)
+    packed, bias = matmul.pack(gate, bg, (up, bu), dtype=torch.float32)
+    out = matmul.linear(x, packed, 2 * inter, bias, gated=True)
+    assert out.shape == (1, rows, inter)
+    expected = F.silu(reference(x[0], gate, bg)) * reference(x[0], up, bu)
+    assert ((out[0].double() - expected).abs() <= expected.abs() * 1e-5 + 1e-5).all()
+
+
+@needs_f32
+def test_float32_each_rows_result_is_the_same_whatever_shares_the_call(matmul):
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(3072, 576, generator=gen) * 0.05
+    x = torch.randn(150, 576, generator=gen)
+    packed, _ = matmul.pack(w, dtype=torch.float32)
+    whole = matmul.linear(x, packed, 3072)
+    assert all(torch.equal(matmul.linear(x[i:i + 1], packed, 3072)[0], whole[i]) for i in range(0, 150, 7))
+    assert torch.equal(matmul.linear(x[4:11], packed, 3072, threads=2), whole[4:11])
+    assert torch.equal(matmul.linear(x, packed, 3072, threads=2), whole)
+    # A fused product's columns are its parts' products, bit for bit (q|k|v fused stays exact).
+    part, _ = matmul.pack(w[1000:1100], dtype=torch.float32)
+    assert torch.equal(matmul.linear(x[:9], part, 100), whole[:9, 1000:1100])
+
+
+@needs_f32
+def test_float32_refuses_what_it_cannot_run(matmul):
+    packed, _ = matmul.pack(torch.randn(64, 64), dtype=torch.float32)
+    with pytest.raises(ValueError, match="float32 CPU rows of 64"):
+        matmul.linear(torch.randn(2, 64).bfloat16(), packed, 64)
+    with pytest.raises(ValueError, match="float32 CPU rows of 64"):
+        matmul.linear(torch.randn(2, 32), packed, 64)
+    with pytest.raises(ValueError, match="do not fit"):
+        matmul.linear(torch.randn(2, 64), packed, 72)
+    with pytest.raises(ValueError, match="gated pair"):
+        matmul.pack(torch.randn(12, 64), None, (torch.randn(12, 64), None), dtype=torch.float32)
+    with pytest.raises(ValueError, match="packs bfloat16 or float32"):
+        matmul.pack(torch.randn(8, 64).half(), dtype=torch.float16)
+
+
+@needs_f32
+def test_float32_real_model_agrees_with_torch(model_dir, kernel_cache, monkeypatch):
+    """SmolLM2 in float32: a prompt's last logits and one decode step's, through the
+    native float32 matmul and through torch's own; within float32 summation noise, and
+    the same greedy token. (On CPUs with AVX-512 the engine keeps torch's float32
+    matmul; the native one is asked for here all the same.)"""
+    monkeypatch.setattr("services.engine.runner.cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr("services.engine.runner.has_amx", lambda: False)
+    fast = ModelRunner(model_dir, "float32", "cpu", kernel_cache=kernel_cache)
+    monkeypatch.setattr(ModelRunner, "_matmul", lambda self, *args: None)
+    slow = ModelRunner(model_dir, "float32", "cpu", kernel_cache=kernel_cache)
+    assert "native f32 matmul" in fast.fusions and "native f32 matmul" not in slow.fusions
+    from services.engine.kv_cache import KVPoolMemory
+    ids = [1, 504, 3458, 282, 4649, 314, 7042, 30, 216, 1911, 1060, 2909, 3]
+    for runner in (fast, slow):
+        runner.pool = KVPoolMemory.allocate(runner.layout(4, 16))
+    try:
+        last = {r: r.prefill(r.pool, ids, [0]) for r in (fast, slow)}
+        step = {r: r.decode(r.pool, [ids[-1]], [len(ids)], [[0]]) for r in (fast, slow)}
+    finally:
+        for runner in (fast, slow):
+            runner.pool.close()
+    for logits in (last, step):
+        a, b = logits[fast].reshape(-1), logits[slow].reshape(-1)
+        assert (a - b).abs().max() < 1e-3 * b.abs().max()
+        assert a.argmax() == b.argmax()

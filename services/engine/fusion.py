@@ -6,11 +6,20 @@ The model keeps running its own modelling code; only modules are replaced:
   as `LeanDecoderLayer`: the same math as its own forward in a dozen calls instead of
   some sixty (every module call and element-wise op costs Python and dispatch time,
   ~0.6 ms a layer here, a third of a small decode step); in float32 it uses torch's
-  ops in the model's own order, so the output is bit for bit the model's;
+  ops in the model's own order, so the output is bit for bit the model's (but see the
+  native float32 matmul below);
 - q/k/v and gate/up projections of one input become one matmul each (`FusedLinear`):
   one pass over the activations and one wider GEMM instead of two or three narrow
   ones. In float32 this is done only where the fused product equals the separate ones
-  bit for bit on this machine (checked at load), so float32 output is unchanged.
+  bit for bit on this machine (checked at load), or where the native matmul runs (it
+  sums each output column alone, so fused columns are the separate ones exactly).
+- float32 on a CPU with AVX2 and FMA but no AVX-512 (where `--dtype auto` picks
+  float32): every linear layer runs in pdserve's own float32 matmul (`NativeLinear`):
+  1.3-1.8x torch's at decode's 1-32 rows, level with it at prefill's hundreds
+  (`python -m bench.matmul`). Its sums are float32 sums in k order, a few ulps from
+  torch's, not bit for bit: greedy output through the cluster still matches
+  `generate` token for token (tests/test_parity.py); `--attention torch` keeps torch's
+  own matmul everywhere.
 - bfloat16 on CPU: every linear layer's weight is packed once, for pdserve's own matmul
   on CPUs with AVX512-BF16 and no AMX (`NativeLinear`, `services/engine/native/matmul.c`:
   1.4-1.8x oneDNN's speed at decode's 1-4 rows, level from 64 up), else for oneDNN
@@ -71,8 +80,8 @@ class PackedLinear(nn.Module):
 
 
 class NativeLinear(nn.Module):
-    """A bfloat16 linear layer in pdserve's own matmul (`NativeMatmul`), its weight packed
-    once; with `up` (a second linear of the same input), gate|up as one matmul that
+    """A bfloat16 or float32 linear layer in pdserve's own matmul (`NativeMatmul`), its
+    weight packed once; with `up` (a second linear of the same input), gate|up as one matmul that
     writes silu(gate) * up. A residual add, like `PackedLinear.then`, is applied as each
     output tile is written."""
 
@@ -81,7 +90,8 @@ class NativeLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.gated = up is not None
-        self.packed, self.bias = matmul.pack(weight, bias, None if up is None else (up.weight, up.bias))
+        self.packed, self.bias = matmul.pack(weight, bias, None if up is None else (up.weight, up.bias),
+                                             dtype=weight.dtype)
         self.columns = self.out_features * (2 if self.gated else 1)
         object.__setattr__(self, "matmul", matmul)
 
@@ -98,8 +108,10 @@ class NativeLinear(nn.Module):
 
     @staticmethod
     def fits(weight: torch.Tensor, gated: bool = False) -> bool:
-        """Whether the kernel takes this weight's shape (gated: whole 16-column groups)."""
-        return weight.shape[1] % 2 == 0 and (not gated or weight.shape[0] % NativeMatmul.GROUP == 0)
+        """Whether the kernel takes this weight's dtype and shape (bfloat16: an even number
+        of inputs; gated: whole column groups)."""
+        group, pair = NativeMatmul.GROUPS.get(weight.dtype), NativeMatmul.PAIRS.get(weight.dtype)
+        return group is not None and weight.shape[1] % pair == 0 and (not gated or weight.shape[0] % group == 0)
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool,
@@ -501,7 +513,7 @@ def apply(model: nn.Module, kernels: NativeLayers | None, quantization: str = "n
     pack = cpu_bf16 and _packs_bf16()
     native = kernels if cpu_bf16 else None
     int8_matmul = matmul if matmul is not None and matmul.int8 else None
-    matmul = matmul if cpu_bf16 and matmul is not None and matmul.bf16 else None
+    matmul = matmul if device.type == "cpu" and matmul is not None and matmul.supports(dtype) else None
     applied: set[str] = set()
     if quantization == "int8":               # first: the float32 check below then finds no q/k/v left
         _quantize_layers(model, kernels, calibration_ids, int8_matmul)
@@ -510,7 +522,9 @@ def apply(model: nn.Module, kernels: NativeLayers | None, quantization: str = "n
             applied.add("native int8 matmul")
     qkv = FUSED_PROJECTIONS[0]
     owners = [m for m in model.modules() if all(isinstance(getattr(m, n, None), nn.Linear) for n in qkv)]
-    fuse = dtype != torch.float32 or not owners or _exact_in_float32([getattr(owners[0], n) for n in qkv])
+    # The native matmul sums each output column alone, in one k order: fused is exact.
+    fuse = (dtype != torch.float32 or matmul is not None or not owners
+            or _exact_in_float32([getattr(owners[0], n) for n in qkv]))
     for module in list(model.modules()):
         if _lean_compatible(module):
             _replace(model, module, LeanDecoderLayer(module, native, pack, fuse, matmul))
@@ -542,7 +556,7 @@ def apply(model: nn.Module, kernels: NativeLayers | None, quantization: str = "n
                     setattr(parent, name, _linear(child.weight, child.bias, pack, matmul))
         kinds = {type(m) for m in model.modules()}
         if NativeLinear in kinds:
-            applied.add("native bf16 matmul")
+            applied.add("native bf16 matmul" if cpu_bf16 else "native f32 matmul")
         if PackedLinear in kinds:
             applied.add("packed bf16 weights")
     if dtype == torch.float32 and not fuse:

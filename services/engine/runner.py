@@ -158,12 +158,14 @@ class ModelRunner:
 
     def _matmul(self, attention: str, kernel_cache: Path) -> NativeMatmul | None:
         """pdserve's own matmuls where they beat oneDNN's: bfloat16 on a CPU with
-        AVX512-BF16, int8 weights on one with AVX512-VNNI, neither with AMX (oneDNN runs
-        AMX tiles there, which these kernels do not; not measured against them). None
-        keeps oneDNN."""
+        AVX512-BF16, int8 weights on one with AVX512-VNNI, float32 on one with AVX2 and
+        FMA but no AVX-512 (measured there; torch's AVX-512 float32 path is not measured
+        against it), none with AMX (oneDNN runs AMX tiles there, which these kernels do
+        not; not measured against them). None keeps torch's own."""
         flags = cpu_flags()
         wanted = ((self.model.dtype == torch.bfloat16 and "avx512_bf16" in flags)
-                  or (self.quantization == "int8" and "avx512_vnni" in flags))
+                  or (self.quantization == "int8" and "avx512_vnni" in flags)
+                  or (self.model.dtype == torch.float32 and {"avx2", "fma"} <= flags and "avx512f" not in flags))
         if attention == "torch" or self.device.type != "cpu" or has_amx() or not wanted:
             return None
         try:

@@ -2,7 +2,8 @@
 
 `attention.c` runs decode attention straight from the paged KV cache, and causal
 prefill attention in bfloat16 on CPUs with AVX512-BF16; `matmul.c` the matmuls
-themselves, bfloat16 on those CPUs and uint8 x int8 on CPUs with AVX512-VNNI;
+themselves, bfloat16 on those CPUs, uint8 x int8 on CPUs with AVX512-VNNI and float32 on
+CPUs with AVX2 and FMA;
 `layers.c` the element-wise
 work around the matmuls (RMSNorm, SiLU-and-multiply; with int8 weights, quantizing
 activations per token and scaling products back) in one pass each. Each is
@@ -306,35 +307,47 @@ class NativeLayers:
 
 class NativeMatmul:
     """The matmuls of one loaded library (matmul.c). bfloat16 (`bf16`: the CPU has
-    AVX512-BF16): weights packed once by `pack`, then `linear` per call, with a residual
-    add or SiLU-and-multiply applied as the output is written. uint8 x int8 (`int8`: the
-    CPU has AVX512-VNNI): `pack_int8`, then `products`, `Int8Linear`'s product."""
+    AVX512-BF16) and float32 (`f32`: AVX2 and FMA): weights packed once by `pack`, then
+    `linear` per call, with a residual add or SiLU-and-multiply applied as the output is
+    written. uint8 x int8 (`int8`: the CPU has AVX512-VNNI): `pack_int8`, then
+    `products`, `Int8Linear`'s product."""
 
-    GROUP = 16                              # output columns per packed group
+    GROUP = 16                              # output columns per packed group (bfloat16, int8)
+    GROUPS = {torch.bfloat16: 16, torch.float32: 8}
+    PAIRS = {torch.bfloat16: 2, torch.float32: 1}     # k values per packed step
 
     def __init__(self, library: Path) -> None:
         lib = _load(library)
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        self._linear = lib.pdserve_linear_bf16
-        self._linear.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, p, i64, i32, i32]
-        self._linear.restype = i32
+        self._linear = {torch.bfloat16: lib.pdserve_linear_bf16, torch.float32: lib.pdserve_linear_f32}
+        for fn in self._linear.values():
+            fn.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, p, i64, i32, i32]
+            fn.restype = i32
         self._u8s8 = lib.pdserve_linear_u8s8
         self._u8s8.argtypes = [p, i64, i64, p, i64, i64, p, p, p, i64, i32]
         self._u8s8.restype = i32
         self.bf16 = bool(lib.pdserve_matmul_supported())
         self.int8 = bool(lib.pdserve_int8_supported())
+        self.f32 = bool(lib.pdserve_f32_supported())
         self._lib = lib
+
+    def supports(self, dtype: torch.dtype) -> bool:
+        """Whether `linear` runs in `dtype` on this CPU."""
+        return {torch.bfloat16: self.bf16, torch.float32: self.f32}.get(dtype, False)
 
     @classmethod
     def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
-             up: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`weight` [n, k] (and `bias` [n]) in the kernel's order: [groups, k/2, 16, 2]
-        bfloat16, n padded to whole groups, and the bias as float32 in the same order.
-        With `up` (its weight and bias), `weight` is the gate: gate and up groups alternate,
-        for `linear(..., gated=True)`."""
-        g = cls.GROUP
+             up: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+             dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`weight` [n, k] (and `bias` [n]) in the kernel's order for `dtype`: bfloat16
+        [groups, k/2, 16, 2], float32 [groups, k, 8], n padded to whole groups, and the
+        bias as float32 in the same order. With `up` (its weight and bias), `weight` is
+        the gate: gate and up groups alternate, for `linear(..., gated=True)`."""
+        if dtype not in cls.GROUPS:
+            raise ValueError(f"the native matmul packs bfloat16 or float32, not {dtype}")
+        g, pair = cls.GROUPS[dtype], cls.PAIRS[dtype]
         n, k = weight.shape
-        if k % 2:
+        if k % pair:
             raise ValueError(f"the native matmul takes an even number of input features, not {k}")
         if up is not None:
             if n % g or up[0].shape != weight.shape or (bias is None) != (up[1] is None):
@@ -344,8 +357,10 @@ class NativeMatmul:
                 bias = torch.stack([bias.reshape(n // g, g), up[1].reshape(n // g, g)], 1).reshape(-1)
             n *= 2
         pad = -n % g
-        weight = F.pad(weight.detach().to(torch.bfloat16), (0, 0, 0, pad))
-        packed = weight.reshape(-1, g, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        weight = F.pad(weight.detach().to(dtype), (0, 0, 0, pad))
+        packed = weight.reshape(-1, g, k // pair, pair).permute(0, 2, 1, 3).contiguous()
+        if dtype == torch.float32:
+            packed = packed.reshape(-1, k, g)
         if bias is not None:
             bias = F.pad(bias.detach().float(), (0, pad)).contiguous()
         return packed, bias
@@ -383,28 +398,30 @@ class NativeMatmul:
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None, gated: bool = False, threads: int = 1) -> torch.Tensor:
-        """x [..., k] (bfloat16) times the packed weight's n columns, plus `bias`, plus
+        """x [..., k] (the packed weight's dtype) times its n columns, plus `bias`, plus
         `residual` [..., n]; `gated`: silu(gate) * up, n / 2 columns."""
-        k = packed.shape[1] * 2
-        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != k:
-            raise ValueError(f"the native matmul takes bfloat16 CPU rows of {k} features")
-        padded = packed.shape[0] * self.GROUP
+        dtype = packed.dtype
+        k = packed.shape[1] * self.PAIRS.get(dtype, 1)
+        if x.dtype != dtype or x.device.type != "cpu" or x.shape[-1] != k or not self.supports(dtype):
+            raise ValueError(f"the native matmul takes {dtype} CPU rows of {k} features, on a CPU that "
+                             f"computes {dtype} natively")
+        padded = packed.shape[0] * self.GROUPS[dtype]
         if not 0 < n <= padded or (bias is not None and bias.numel() != padded):
             raise ValueError(f"{n} columns do not fit the packed weight")
         rows = x.reshape(-1, k)
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
         width = n // 2 if gated else n
-        out = torch.empty(rows.shape[0], width, dtype=torch.bfloat16)
+        out = torch.empty(rows.shape[0], width, dtype=dtype)
         res, ldr = None, 0
         if residual is not None:
             res = residual.reshape(-1, n)
-            res = res if res.stride(-1) == 1 and res.dtype == torch.bfloat16 else res.to(torch.bfloat16).contiguous()
+            res = res if res.stride(-1) == 1 and res.dtype == dtype else res.to(dtype).contiguous()
             ldr = res.stride(0)
             if res.shape[0] != rows.shape[0]:
                 raise ValueError(f"a residual of {res.shape[0]} rows for {rows.shape[0]} rows of input")
-        rc = self._linear(rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), n, k,
-                          None if bias is None else bias.data_ptr(), None if res is None else res.data_ptr(), ldr,
-                          out.data_ptr(), out.stride(0), int(gated), threads)
+        rc = self._linear[dtype](rows.data_ptr(), rows.stride(0), rows.shape[0], packed.data_ptr(), n, k,
+                                 None if bias is None else bias.data_ptr(), None if res is None else res.data_ptr(),
+                                 ldr, out.data_ptr(), out.stride(0), int(gated), threads)
         if rc:
             raise ValueError(f"the native matmul refused its arguments (code {rc})")
         return out.view(*x.shape[:-1], width)
@@ -429,9 +446,10 @@ def load_layers(cache_root: Path) -> NativeLayers:
 
 def load_matmul(cache_root: Path) -> NativeMatmul:
     """Build (once per machine and source) and load the matmuls; NativeBuildError where
-    this CPU has neither AVX512-BF16 nor AVX512-VNNI for them (`bf16` and `int8` say
-    which it has)."""
+    this CPU has none of AVX512-BF16, AVX512-VNNI or AVX2 with FMA for them (`bf16`,
+    `int8` and `f32` say which it has)."""
     matmul = NativeMatmul(_build(MATMUL_SOURCE, _kernel_dir(cache_root)))
-    if not (matmul.bf16 or matmul.int8):
-        raise NativeBuildError("the native matmuls need AVX512-BF16 (bfloat16) or AVX512-VNNI (int8)")
+    if not (matmul.bf16 or matmul.int8 or matmul.f32):
+        raise NativeBuildError("the native matmuls need AVX512-BF16 (bfloat16), AVX512-VNNI (int8) or AVX2 "
+                               "with FMA (float32)")
     return matmul
