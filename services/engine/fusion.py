@@ -18,8 +18,8 @@ The model keeps running its own modelling code; only modules are replaced:
   1.3-1.8x torch's at decode's 1-32 rows, level with it at prefill's hundreds
   (`python -m bench.matmul`). Its sums are float32 sums in k order, a few ulps from
   torch's, not bit for bit: greedy output through the cluster still matches
-  `generate` token for token (tests/test_parity.py); `--attention torch` keeps torch's
-  own matmul everywhere.
+  `generate` token for token (tests/test_parity.py); `--attention-kernel torch`
+  keeps torch's own matmul everywhere.
 - bfloat16 on CPU: every linear layer's weight is packed once, for pdserve's own matmul
   on CPUs with AVX512-BF16 and no AMX (`NativeLinear`, `services/engine/native/matmul.c`:
   1.4-1.8x oneDNN's speed at decode's 1-4 rows, level from 64 up), else for oneDNN
