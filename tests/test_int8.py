@@ -84,6 +84,18 @@ def test_int8_linear_is_within_quantization_error_of_the_float_product(layers):
     assert float((out - ref).norm() / ref.norm()) < 0.02
 
 
+def test_int8_products_are_the_exact_integer_sums_on_this_cpu(layers):
+    """The u8 x s8 products equal int64 sums of the same integers, scaled: on CPUs without
+    VNNI oneDNN adds pairs of products in int16 and would saturate with 8-bit weights."""
+    gen = torch.Generator().manual_seed(4)
+    weight, x = torch.randn(1536, 576, generator=gen) * 0.05, torch.randn(40, 576, generator=gen)
+    linear = Int8Linear(weight, None)
+    q, _ = layers.quantize_rows(x)
+    levels = torch.round(weight / linear.scale[:, None]).to(torch.int64)
+    exact = ((q.to(torch.int64) - 128) @ levels.t()).double() * linear.scale.double()
+    assert (linear.products(q).double() - exact).abs().max() <= 1e-6 * exact.abs().max()
+
+
 @pytest.fixture(scope="module")
 def int8_runner(model_dir, kernel_cache):
     return ModelRunner(model_dir, "auto", "cpu", kernel_cache=kernel_cache, quantization="int8")

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.engine.hardware import cpu_flags
 from services.engine.native import NativeLayers, NativeMatmul
 from services.engine.attention import paged_attention
 
@@ -57,7 +58,9 @@ PACK_FOR_ROWS = 32
 
 
 def _packs_bf16() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    """Whether oneDNN takes packed bfloat16 weights here (it refuses on AVX2-only CPUs)."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(nn.Module):
@@ -310,7 +313,7 @@ class LeanDecoderLayer(nn.Module):
 
 class Int8Linear(nn.Module):
     """A linear layer with int8 weights: per output channel, symmetric (scale = max |w|
-    / 127). Its input comes quantized per token (`NativeLayers.quantize_rows`: uint8
+    / 127; / 63 on CPUs without VNNI, see below). Its input comes quantized per token (`NativeLayers.quantize_rows`: uint8
     with zero point 128); a u8 x s8 matmul returns float32 products, which the caller
     scales back per row and adds `bias` to (`NativeLayers.dequant_rows`). The matmul is
     pdserve's own where `matmul` is given and runs int8 (AVX512-VNNI; ~2x oneDNN's speed
@@ -323,10 +326,15 @@ class Int8Linear(nn.Module):
         super().__init__()
         w = weight.detach().float()
         self.out_features, self.in_features = w.shape
-        scale = w.abs().amax(dim=1) / 127
-        self.scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8)
         self.native = matmul is not None and matmul.int8 and self.in_features % 4 == 0
+        # Without VNNI, oneDNN multiplies u8 x s8 with vpmaddubsw, which adds each pair of
+        # products in int16 and saturates: 2 * 255 * 127 does not fit, 2 * 255 * 63 does.
+        # There the weights take 7 bits (measured on an AVX2 EPYC: with 8, products were
+        # off by up to 10 % of the largest).
+        limit = 127 if self.native or {"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_flags() else 63
+        scale = w.abs().amax(dim=1) / limit
+        self.scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(w / self.scale[:, None]).clamp(-limit, limit).to(torch.int8)
         if self.native:
             self.packed, self.comp, self.native_scale = matmul.pack_int8(q, self.scale)
             object.__setattr__(self, "matmul", matmul)
