@@ -33,8 +33,8 @@
  * rows by 2 groups (BLIS's 6x16 shape: 12 ymm sums), or 2 rows by 4 groups where there
  * are only 1 or 2 rows. Each tile's weights are read once from memory (prefetched ahead
  * on the first pass) and stay in cache while every strip of rows in the unit passes over
- * them. On an AVX2-only EPYC (Zen 3), one core: 13 GB/s at 1 row against torch's 8,
- * 1.3-1.5x torch's at 8-32 rows, level (~70 GFLOP/s) at 256.
+ * them. On an AVX2-only EPYC (Zen 3), one core: ~12 GB/s of weights at 1 row against
+ * torch's ~7, 1.1-2.3x torch's speed at 4-32 rows, level (~60-70 GFLOP/s) from 64 up.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -389,12 +389,12 @@ static inline __attribute__((always_inline)) void tile32(const struct call32 *c,
 
 #define ROWS_BY32(NT, MT, M)                                                    \
     switch (MT) {                                                               \
-    case 1: tile32(c, 1, NT, M, g, M == m0); break;                                      \
-    case 2: tile32(c, 2, NT, M, g, M == m0); break;                                      \
-    case 3: tile32(c, 3, NT, M, g, M == m0); break;                                      \
-    case 4: tile32(c, 4, NT, M, g, M == m0); break;                                      \
-    case 5: tile32(c, 5, NT, M, g, M == m0); break;                                      \
-    default: tile32(c, 6, NT, M, g, M == m0); break;                                     \
+    case 1: tile32(c, 1, NT, M, g, M == m0); break;                             \
+    case 2: tile32(c, 2, NT, M, g, M == m0); break;                             \
+    case 3: tile32(c, 3, NT, M, g, M == m0); break;                             \
+    case 4: tile32(c, 4, NT, M, g, M == m0); break;                             \
+    case 5: tile32(c, 5, NT, M, g, M == m0); break;                             \
+    default: tile32(c, 6, NT, M, g, M == m0); break;                            \
     }
 
 /* Rows [m0, m0 + mt) by groups [g0, g1): each tile's weights (2 or 4 groups, all of k)
