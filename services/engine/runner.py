@@ -163,16 +163,18 @@ class ModelRunner:
         against it), none with AMX (oneDNN runs AMX tiles there, which these kernels do
         not; not measured against them). None keeps torch's own."""
         flags = cpu_flags()
+        f32 = self.model.dtype == torch.float32 and {"avx2", "fma"} <= flags and "avx512f" not in flags
         wanted = ((self.model.dtype == torch.bfloat16 and "avx512_bf16" in flags)
-                  or (self.quantization == "int8" and "avx512_vnni" in flags)
-                  or (self.model.dtype == torch.float32 and {"avx2", "fma"} <= flags and "avx512f" not in flags))
+                  or (self.quantization == "int8" and "avx512_vnni" in flags) or f32)
         if attention == "torch" or self.device.type != "cpu" or has_amx() or not wanted:
             return None
         try:
-            return load_matmul(kernel_cache)
+            matmul = load_matmul(kernel_cache)
         except NativeBuildError as e:
             log.warning("matmuls stay on oneDNN: %s", e)
             return None
+        matmul.f32 = matmul.f32 and f32      # int8 on AVX-512 in float32: the other layers keep torch's
+        return matmul
 
     def describe(self) -> str:
         decode = "native" if self.native is not None else "torch"
