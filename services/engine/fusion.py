@@ -15,7 +15,7 @@ The model keeps running its own modelling code; only modules are replaced:
   sums each output column alone, so fused columns are the separate ones exactly).
 - float32 on a CPU with AVX2 and FMA but no AVX-512 (where `--dtype auto` picks
   float32): every linear layer runs in pdserve's own float32 matmul (`NativeLinear`):
-  1.3-1.8x torch's at decode's 1-32 rows, level with it at prefill's hundreds
+  1.1-2.3x torch's at decode's 1-32 rows, level with it at prefill's hundreds
   (`python -m bench.matmul`). Its sums are float32 sums in k order, a few ulps from
   torch's, not bit for bit: greedy output through the cluster still matches
   `generate` token for token (tests/test_parity.py); `--attention-kernel torch`
@@ -313,12 +313,13 @@ class LeanDecoderLayer(nn.Module):
 
 class Int8Linear(nn.Module):
     """A linear layer with int8 weights: per output channel, symmetric (scale = max |w|
-    / 127; / 63 on CPUs without VNNI, see below). Its input comes quantized per token (`NativeLayers.quantize_rows`: uint8
-    with zero point 128); a u8 x s8 matmul returns float32 products, which the caller
-    scales back per row and adds `bias` to (`NativeLayers.dequant_rows`). The matmul is
-    pdserve's own where `matmul` is given and runs int8 (AVX512-VNNI; ~2x oneDNN's speed
-    at one row, about level from 64 rows up), else oneDNN's; both give the same
-    products, bit for bit (exact int32 sums, scaled once)."""
+    / 127; / 63 on CPUs without VNNI, see below). Its input comes quantized per token
+    (`NativeLayers.quantize_rows`: uint8 with zero point 128); a u8 x s8 matmul returns
+    float32 products, which the caller scales back per row and adds `bias` to
+    (`NativeLayers.dequant_rows`). The matmul is pdserve's own where `matmul` is given
+    and runs int8 (AVX512-VNNI; ~2x oneDNN's speed at one row, about level from 64 rows
+    up), else oneDNN's; both give the same products, bit for bit (exact int32 sums,
+    scaled once)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None = None,
                  matmul: NativeMatmul | None = None) -> None:
