@@ -24,6 +24,7 @@ import grpc
 
 from kv_transfer.backends import open_transports
 from kv_transfer.handoff import HandoffError, HandoffState, HandoffTable
+from services.common.mailbox import Mailbox
 from services.common.metrics import WorkerMetrics
 from services.common.settings import WorkerSettings
 from services.engine.block_manager import BlockManager
@@ -234,6 +235,14 @@ class DecodeWorker:
 
 
 class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
+    _mailbox: Mailbox | None = None
+
+    def _mailbox_for(self, loop: asyncio.AbstractEventLoop) -> Mailbox:
+        """The streams' tokens reach the RPC handlers through one mailbox per event loop:
+        a step's tokens for every stream wake the loop once."""
+        if self._mailbox is None or self._mailbox.loop is not loop:
+            self._mailbox = Mailbox(loop)
+        return self._mailbox
 
     async def Reserve(self, request, context):
         e = self.engine
@@ -258,11 +267,11 @@ class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
 
     async def Decode(self, request, context):
         e = self.engine
-        loop = asyncio.get_running_loop()
+        mailbox = self._mailbox_for(asyncio.get_running_loop())
         out: asyncio.Queue = asyncio.Queue()
 
         def sink(index: int):
-            return lambda output: loop.call_soon_threadsafe(out.put_nowait, (index, output))
+            return lambda output: mailbox.post(out.put_nowait, (index, output))
 
         if self.draining and request.local_prefill:      # new work; a handoff in flight is finished
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this decode worker is draining")
