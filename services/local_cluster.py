@@ -387,8 +387,7 @@ class LocalCluster:
                                    "`make redis` or `apt-get install redis-server` installs it, or pass --redis URL")
             redis = self._registry()
             secret = str(new_secret_file(self.workdir / "cluster-secret"))
-            self._workers = {role: s.worker(role, threads=self._threads, redis=redis, cluster_secret_file=secret)
-                             for role in ("decode", "prefill")}
+            self._workers = {role: self._worker_settings(role, redis, secret) for role in ("decode", "prefill")}
             decodes = [self._spawn_worker("decode", pins[i]) for i in range(num_decode)]
             prefills = [self._spawn_worker("prefill", pins[num_decode + i]) for i in range(num_prefill)]
             lent = max((len(p) for p in pins[num_decode:] if p), default=1)
@@ -483,6 +482,20 @@ class LocalCluster:
         print(f"pdserve: {n} GPU(s); {self.settings.gpus_per_worker} per worker"
               + (", shared when too few" if self.settings.share_gpus else ""), flush=True)
         return n
+
+    def _worker_settings(self, role: str, redis: str | None, secret: str | None) -> WorkerSettings:
+        """What each worker of `role` is started with. Aggregated on CPU with
+        --mixed-prefill-tokens automatic, a decode worker's step may hold as many prompt
+        tokens as the token budget leaves, as vLLM's chunked prefill does
+        (MIXED_PREFILL_AGGREGATED_CPU says why)."""
+        from services.engine.runner import pick_device
+        from services.worker.main import MIXED_PREFILL_AGGREGATED_CPU
+        s = self.settings
+        overrides = {}
+        if (role == "decode" and s.aggregated and s.mixed_prefill_tokens == -1
+                and pick_device(s.device).type == "cpu"):
+            overrides["mixed_prefill_tokens"] = MIXED_PREFILL_AGGREGATED_CPU
+        return s.worker(role, threads=self._threads, redis=redis, cluster_secret_file=secret, **overrides)
 
     def _default_decode_workers(self, cores: int) -> int:
         """One, except aggregated on CPU: a single-threaded worker per core. Each then

@@ -58,6 +58,27 @@ def test_aggregated_on_cpu_runs_a_single_threaded_worker_per_core():
     assert LocalCluster(ClusterSettings(device="cpu"))._default_decode_workers(8) == 1
 
 
+def test_aggregated_on_cpu_prefills_with_the_whole_token_budget_unless_told():
+    """An aggregated decode worker on a CPU mixes as many prompt tokens into a step as
+    the budget leaves (vLLM's chunked prefill); disaggregated ones keep the CPU's 64, and
+    a cap the user gives is kept as given."""
+    from services.common.settings import ClusterSettings
+    from services.local_cluster import LocalCluster
+    from services.worker.main import DECODE_TOKEN_BUDGET, MIXED_PREFILL_CPU, scheduler_config
+
+    def decode_cap(**kw) -> int:
+        settings = LocalCluster(ClusterSettings(device="cpu", **kw))._worker_settings("decode", None, None)
+        return scheduler_config(settings, "cpu").max_mixed_prefill
+
+    assert decode_cap(mode="aggregated") == 0                  # 0: the whole budget
+    assert scheduler_config(LocalCluster(ClusterSettings(mode="aggregated", device="cpu"))._worker_settings(
+        "decode", None, None), "cpu").max_num_batched_tokens == DECODE_TOKEN_BUDGET
+    assert decode_cap() == MIXED_PREFILL_CPU
+    assert decode_cap(mode="aggregated", mixed_prefill_tokens=96) == 96
+    prefill = LocalCluster(ClusterSettings(mode="aggregated", device="cpu"))._worker_settings("prefill", None, None)
+    assert prefill.mixed_prefill_tokens == -1
+
+
 def test_the_prefill_worker_runs_on_the_decode_core_too(cluster):
     """`up` on a host with a core per worker: the decode worker is pinned to its core
     alone; the prefill worker to its own and the decode worker's, with a torch thread

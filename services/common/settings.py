@@ -223,7 +223,8 @@ class EngineSettings:
     mixed_prefill_tokens: int = setting(
         -1, "decode workers: most prompt tokens in a forward pass that also decodes running sequences; it bounds "
             "the gap between their tokens while prompts are computed alongside (0: as many as the token budget "
-            "leaves; -1: 64 on a CPU, 512 on a GPU)", roles=("decode",))
+            "leaves; -1: 64 on a CPU, 512 on a GPU, and as many as the budget leaves with --mode aggregated on a CPU)",
+        roles=("decode",))
     prefix_cache_tokens: int = setting(16384, "prefill workers: prompt KV kept for reuse by later prompts with "
                                               "the same prefix (0: off)", roles=("prefill",))
     kv_transport: str = setting("auto", "KV transfer backend; auto offers/uses the fastest that works for each "
