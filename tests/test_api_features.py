@@ -234,6 +234,25 @@ def test_logit_bias_stop_token_ids_and_min_p(cluster):
     assert sampled.choices[0].model_extra["token_ids"] == base
 
 
+def test_a_stream_has_a_chunk_per_token_while_its_text_is_held(cluster, model_dir):
+    """A token that ends in half a UTF-8 character adds no text until the rest comes, but
+    its chunk still goes out (empty), as vLLM's do: clients time each token by its chunk,
+    and a skipped one would read as one gap twice as long."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    lead = tokenizer.convert_tokens_to_ids("ä")               # byte 0xE4: the first of three
+    assert tokenizer.decode([lead]) == "\ufffd"
+    client = _client(cluster.http)
+    kw = dict(model=MODEL, max_tokens=4, temperature=0, logit_bias={str(lead): 100}, stream=True)
+    chat = list(client.chat.completions.create(messages=CHATS[0], **kw))
+    per_token = [c for c in chat if c.choices and c.choices[0].delta.role is None and not c.choices[0].finish_reason]
+    assert len(per_token) == 4
+    assert all(c.choices[0].delta.content == "" for c in per_token[:-1])     # held: nothing completes
+    assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices).startswith("\ufffd")
+    text = list(client.completions.create(prompt="Hello", **kw))
+    assert len([c for c in text if c.choices and not c.choices[0].finish_reason]) == 4
+
+
 def test_echo_returns_the_prompt_before_the_completion(cluster):
     client = _client(cluster.http)
     prompt = "Roses are red,"

@@ -442,8 +442,8 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
         return sse(event)
 
     def content(index: int, d: Delta) -> dict:
-        if tools is None:
-            return {"content": d.text} if d.text else {}
+        if tools is None:       # a chunk per token, text or not: clients time tokens by chunks
+            return {"content": d.text} if d.text or d.token_ids else {}
         if tools.streams_arguments:
             return {"tool_calls": [{"index": 0, "function": {"arguments": d.text}}]} if d.text else {}
         if tools.mode == "auto":
@@ -507,7 +507,7 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
                 delta = content(i, d)
                 if delta or ids or d.logprobs:
                     yield chunk(i, delta, token_ids=ids, logprobs=d.logprobs)
-            elif d.text or ids or d.logprobs:
+            elif d.text or d.token_ids or d.logprobs:
                 yield chunk(i, text=d.text, token_ids=ids, logprobs=d.logprobs)
             if d.finish_reason:
                 delta, finish = closing(i, d.finish_reason)
