@@ -44,6 +44,12 @@ STOP_TIMEOUT = 45.0                 # workers drain up to --drain-timeout (30 s)
 # A service that dies is started again after 1, 2, 4 ... up to 30 s; one that then lives
 # this long has its count of restarts in a row cleared.
 RESTART_BACKOFF = (1.0, 30.0)
+# The niceness of a prefill worker that also runs on the decode workers' cores: when both
+# want a decode core, decode gets ~90 % of it (weights 1024 against 110), so prefill uses
+# the time decode leaves and no step of a running stream waits behind it. Measured with
+# vLLM's long workload (1,024 in, 8 concurrent; AVX512-BF16 EPYC): ITL p99 / p50 1.71 at
+# equal priority, 1.24 at nice 10, 1.46 with no lending; output tok/s 44.3 / 43.6 / 42.4.
+LENT_CORE_NICE = 10
 STABLE_SECONDS = 60.0
 _PR_SET_PDEATHSIG = 1
 
@@ -55,13 +61,15 @@ def _die_with_parent() -> None:
         pass
 
 
-def _child_setup(cpus: set[int] | None):
-    """Runs in the child before exec: die with `up`, and keep to `cpus` if given (every
-    thread the service starts later inherits the mask)."""
+def _child_setup(cpus: set[int] | None, nice: int = 0):
+    """Runs in the child before exec: die with `up`, keep to `cpus` if given, and lower
+    its priority by `nice` (every thread the service starts later inherits both)."""
     def setup() -> None:
         _die_with_parent()
         if cpus:
             os.sched_setaffinity(0, cpus)
+        if nice:
+            os.nice(nice)
     return setup
 
 
@@ -72,8 +80,9 @@ def plan_cpus(roles: list[str], available: list[int], lend: bool = False) -> lis
     decode workers' cores (dealt round robin among the prefill workers), a thread on
     each: between decode steps, and while decode has little to do, those cores would
     otherwise sit idle while a long prompt is computed on one. Decode keeps its own core
-    and competes there at equal priority; the kernels deal work dynamically, so a
-    prefill thread slowed by decode holds the rest of its team back by one unit at most."""
+    and has it first (the prefill worker runs at LENT_CORE_NICE); the kernels deal work
+    dynamically, so a prefill thread slowed by decode holds the rest of its team back by
+    one unit at most."""
     if len(roles) > len(available):
         return [None] * len(roles)
     pins = [{cpu} for cpu in available[:len(roles)]]
@@ -205,7 +214,7 @@ class LocalCluster:
         self._num_gpus = 0                  # GPUs handed out to workers, one set each
 
     def _spawn(self, name: str, command: str, settings, threads: int, cpus: set[int] | None = None,
-               gpus: tuple[int, ...] = ()) -> Child:
+               gpus: tuple[int, ...] = (), nice: int = 0) -> Child:
         announce = self.workdir / f"{name}.json"
         env = dict(os.environ)
         if threads:
@@ -221,7 +230,7 @@ class LocalCluster:
         def popen(settings=settings) -> subprocess.Popen:
             argv = to_argv(replace(settings, announce_file=str(announce)), skip=("redis",))
             return subprocess.Popen([sys.executable, "-m", "services.cli", command, *argv], env=env,
-                                    preexec_fn=_child_setup(cpus))
+                                    preexec_fn=_child_setup(cpus, nice))
         child = Child(name, popen(), announce, gpus=gpus)
 
         def respawn() -> subprocess.Popen:
@@ -240,8 +249,10 @@ class LocalCluster:
             held = [c.gpus for c in self.pools["prefill"] + self.pools["decode"] + self.draining_children]
             gpus = assign_gpus(held, self._num_gpus, self.settings.gpus_per_worker, self.settings.share_gpus)
         threads = len(cpus) if cpus else self._threads     # a thread per core it may run on
+        lends = role == "prefill" and cpus is not None and len(cpus) > 1    # plan_cpus: on decode cores too
         child = self._spawn(f"{role}-{next(self._serial[role])}", role,
-                            replace(self._workers[role], threads=threads), threads, cpus, gpus)
+                            replace(self._workers[role], threads=threads), threads, cpus, gpus,
+                            LENT_CORE_NICE if lends else 0)
         self.pools[role].append(child)
         return child
 

@@ -82,7 +82,8 @@ def test_aggregated_on_cpu_prefills_with_the_whole_token_budget_unless_told():
 def test_the_prefill_worker_runs_on_the_decode_core_too(cluster):
     """`up` on a host with a core per worker: the decode worker is pinned to its core
     alone; the prefill worker to its own and the decode worker's, with a torch thread
-    for each (read from the live processes)."""
+    for each, and at a lower priority, so decode has its core first (read from the live
+    processes)."""
     import os
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one core: the workers are not pinned")
@@ -91,3 +92,7 @@ def test_the_prefill_worker_runs_on_the_decode_core_too(cluster):
     assert len(decode_cores) == 1 and len(prefill_cores) == 2 and decode_cores < prefill_cores
     environ = dict(e.split("=", 1) for e in open(f"/proc/{prefill}/environ").read().split("\0") if "=" in e)
     assert environ["OMP_NUM_THREADS"] == "2"
+    from services.local_cluster import LENT_CORE_NICE
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.getpriority(os.PRIO_PROCESS, decode) == ours
+    assert os.getpriority(os.PRIO_PROCESS, prefill) == min(19, ours + LENT_CORE_NICE)
