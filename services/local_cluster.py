@@ -44,13 +44,14 @@ STOP_TIMEOUT = 45.0                 # workers drain up to --drain-timeout (30 s)
 # A service that dies is started again after 1, 2, 4 ... up to 30 s; one that then lives
 # this long has its count of restarts in a row cleared.
 RESTART_BACKOFF = (1.0, 30.0)
+STABLE_SECONDS = 60.0
 # The niceness of a prefill worker that also runs on the decode workers' cores: when both
 # want a decode core, decode gets ~90 % of it (weights 1024 against 110), so prefill uses
 # the time decode leaves and no step of a running stream waits behind it. Measured with
 # vLLM's long workload (1,024 in, 8 concurrent; AVX512-BF16 EPYC): ITL p99 / p50 1.71 at
-# equal priority, 1.24 at nice 10, 1.46 with no lending; output tok/s 44.3 / 43.6 / 42.4.
+# equal priority, 1.31-1.36 at nice 10, 1.46 with no lending; output 44.3, 43.0-43.6 and
+# 42.4 tok/s.
 LENT_CORE_NICE = 10
-STABLE_SECONDS = 60.0
 _PR_SET_PDEATHSIG = 1
 
 
