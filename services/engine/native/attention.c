@@ -145,33 +145,57 @@ static inline uint32_t bf16_bits(float f) {
     return (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;      /* finite, non-negative weights */
 }
 
+/* A head's softmax weights, float32, rounded to bfloat16 in place: afterwards the row
+ * holds len bf16 values from its start, then a zero (the pair partner of an odd last
+ * token). Each store lands on floats already read. Rounding is to nearest even, as
+ * bf16_bits, in 16-wide vector steps. */
+static inline void weights_to_bf16(float *s, int len) {
+    char *p = (char *)s;        /* written through memcpy and may-alias vector stores only */
+    int t = 0;
+    for (; t + 16 <= len; t += 16)
+        _mm256_storeu_si256((__m256i *)(p + 2 * t), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + t)));
+    for (; t < len; t++) {
+        float f;
+        memcpy(&f, p + 4 * (size_t)t, sizeof f);
+        const uint16_t b = (uint16_t)bf16_bits(f);
+        memcpy(p + 2 * (size_t)t, &b, sizeof b);
+    }
+    const uint16_t zero = 0;
+    memcpy(p + 2 * (size_t)len, &zero, sizeof zero);
+}
+
 /* The V pass for bfloat16 with AVX512-BF16, one KV head at a time (its accumulators
  * stay in registers; the sequence's rows come back from L2 for the next head). Two
  * tokens per step: their V rows interleaved into bf16 pairs, weighed by their two
- * softmax weights in one vdpbf16ps. The interleave works within 128-bit lanes, so the
- * accumulators hold dims in the order (0-3, 8-11, ...) and (4-7, 12-15, ...); they are
- * put back in order once at the end. The weights are rounded to bf16, as the torch path
- * rounds its probabilities before its matmul. */
+ * softmax weights in one vdpbf16ps, the pair read as one 32-bit word from the weights
+ * rounded beforehand (weights_to_bf16). The interleave works within 128-bit lanes, so
+ * the accumulators hold dims in the order (0-3, 8-11, ...) and (4-7, 12-15, ...); they
+ * are put back in order once at the end. The weights are rounded to bf16, as the torch
+ * path rounds its probabilities before its matmul. */
 static inline __attribute__((always_inline)) void weigh_bf16(const Job *j, const int64_t *blocks, int len,
                                                              const int kv_heads, const int group, const int dim,
                                                              float *out) {
     const int chunks = dim / 32;
     const uint16_t *v = (const uint16_t *)j->v;
+    for (int head = 0; head < kv_heads * group; head++)
+        weights_to_bf16(j->scores + (int64_t)head * len, len);
     for (int h = 0; h < kv_heads; h++) {
         __m512 acc[4][MAX_DIM / 32][2];
         for (int g = 0; g < group; g++)
             for (int c = 0; c < chunks; c++)
                 acc[g][c][0] = acc[g][c][1] = _mm512_setzero_ps();
-        const float *sc = j->scores + (int64_t)h * group * len;
+        const uint16_t *pw[4];
+        for (int g = 0; g < group; g++)
+            pw[g] = (const uint16_t *)(j->scores + (int64_t)(h * group + g) * len);
         for (int t = 0; t < len; t += 2) {
             const int two = t + 1 < len;
             const uint16_t *r0 = v + token_offset(j, blocks, t) + h * dim;
             const uint16_t *r1 = two ? v + token_offset(j, blocks, t + 1) + h * dim : r0;
             __m512bh w[4];
             for (int g = 0; g < group; g++) {
-                const uint32_t p0 = bf16_bits(sc[(int64_t)g * len + t]);
-                const uint32_t p1 = two ? bf16_bits(sc[(int64_t)g * len + t + 1]) : 0;
-                w[g] = (__m512bh)_mm512_set1_epi32((int)(p0 | (p1 << 16)));
+                int32_t pair;                   /* weights t and t + 1 (0 past the end) */
+                memcpy(&pair, pw[g] + t, sizeof pair);
+                w[g] = (__m512bh)_mm512_set1_epi32(pair);
             }
             for (int c = 0; c < chunks; c++) {
                 const __m512i x0 = _mm512_loadu_si512(r0 + 32 * c), x1 = _mm512_loadu_si512(r1 + 32 * c);
