@@ -500,23 +500,22 @@ class LocalCluster:
         --mixed-prefill-tokens automatic, a decode worker's step may hold as many prompt
         tokens as the token budget leaves, as vLLM's chunked prefill does
         (MIXED_PREFILL_AGGREGATED_CPU says why)."""
-        from services.engine.runner import pick_device
         from services.worker.main import MIXED_PREFILL_AGGREGATED_CPU
         s = self.settings
         overrides = {}
-        if (role == "decode" and s.aggregated and s.mixed_prefill_tokens == -1
-                and pick_device(s.device).type == "cpu"):
+        if role == "decode" and s.mixed_prefill_tokens == -1 and self._aggregated_on_cpu():
             overrides["mixed_prefill_tokens"] = MIXED_PREFILL_AGGREGATED_CPU
         return s.worker(role, threads=self._threads, redis=redis, cluster_secret_file=secret, **overrides)
+
+    def _aggregated_on_cpu(self) -> bool:
+        from services.engine.runner import pick_device
+        return self.settings.aggregated and pick_device(self.settings.device).type == "cpu"
 
     def _default_decode_workers(self, cores: int) -> int:
         """One, except aggregated on CPU: a single-threaded worker per core. Each then
         runs its own mixed steps with no OpenMP team to keep in step: one worker with a
         thread per core measured 220 output tok/s on 2 cores against 320 for two."""
-        from services.engine.runner import pick_device
-        if self.settings.aggregated and pick_device(self.settings.device).type == "cpu":
-            return max(1, cores)
-        return 1
+        return max(1, cores) if self._aggregated_on_cpu() else 1
 
     def _banner(self, r: dict, prefills: list[dict], decodes: list[dict], redis: str | None,
                 quiet: bool = False) -> None:

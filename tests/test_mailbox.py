@@ -19,11 +19,10 @@ def test_calls_from_a_thread_run_on_the_loop_in_order_with_one_wake_up_per_burst
             return real(cb, *args)
 
         loop.call_soon_threadsafe = counting
-        seen, threads = [], []
+        seen = []
         done = asyncio.Event()
 
         def burst():
-            threads.append(threading.get_ident())
             for i in range(100):
                 box.post(seen.append, i)
             box.post(done.set)
