@@ -189,10 +189,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: li
         if logits.is_inference():
             logits = logits.clone()
         mask(logits)
-    out = logits.max(dim=-1).indices.tolist()      # the first maximum, as argmax; twice as fast on CPU
     rows = [row for row, p in enumerate(params) if not p.greedy]
-    if rows:
-        drawn = _draw(logits[rows], [params[r] for r in rows], [num_generated[r] for r in rows])
-        for row, token in zip(rows, drawn):
-            out[row] = token
+    if len(rows) == len(params):        # every row drawn: no argmax, no copy of the rows
+        out = _draw(logits, params, num_generated)
+    else:
+        out = logits.max(dim=-1).indices.tolist()      # the first maximum, as argmax; twice as fast on CPU
+        if rows:
+            drawn = _draw(logits[rows], [params[r] for r in rows], [num_generated[r] for r in rows])
+            for row, token in zip(rows, drawn):
+                out[row] = token
     return Sampled(out, _logprobs(logits, params, out))
