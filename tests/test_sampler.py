@@ -33,6 +33,9 @@ def _check_batch_independence(device: str) -> None:
         shuffled = [4, 2, 0, 3, 1]
         again = sample(logits[shuffled], [PARAMS[i] for i in shuffled], [step] * 5, frozenset()).token_ids
         assert again == [together[i] for i in shuffled]
+        drawn = sample(logits[1:], PARAMS[1:], [step] * 4, frozenset()).token_ids    # no greedy row
+        assert drawn == together[1:]
+    assert sample(logits[:0], [], [], frozenset()).token_ids == []
 
 
 def test_a_seeded_row_draws_the_same_token_whatever_its_batch():

@@ -190,7 +190,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: li
             logits = logits.clone()
         mask(logits)
     rows = [row for row, p in enumerate(params) if not p.greedy]
-    if len(rows) == len(params):        # every row drawn: no argmax, no copy of the rows
+    if rows and len(rows) == len(params):      # every row drawn: no argmax, no copy of the rows
         out = _draw(logits, params, num_generated)
     else:
         out = logits.max(dim=-1).indices.tolist()      # the first maximum, as argmax; twice as fast on CPU
