@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.local_cluster import plan_cpus
 from tests.conftest import start_cluster, stop_cluster
@@ -46,6 +48,50 @@ def test_aggregated_chunked_prefill_matches_generate(model_dir, expected):
         s = c.stats("decode")
         assert s.prompt_tokens_computed >= sum(len(expected[case.name].prompt_ids) for case in CASES)
         assert c.wait_idle().info.free_blocks == s.info.num_blocks
+
+        # Again, one at a time: every full block but the last token's is the prefix cache's
+        # now, and the output still matches generate's, token for token.
+        hits = 0
+        for case in CASES:
+            r = httpx.post(f"{c.http}/v1/chat/completions", timeout=300, json={
+                "messages": case.messages, "max_tokens": case.max_tokens, "temperature": 0,
+                "return_token_ids": True, **({"stop": case.stop} if case.stop else {})})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["choices"][0]["token_ids"] == expected[case.name].token_ids, case.name
+            cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached == (len(expected[case.name].prompt_ids) - 1) // 16 * 16, case.name
+            hits += cached
+        metrics = {s.name: s.value for f in text_string_to_metric_families(httpx.get(c.metrics_url("decode")).text)
+                   for s in f.samples}
+        assert metrics["vllm:prefix_cache_hits_total"] == hits
+        assert metrics["vllm:prefix_cache_queries_total"] == 2 * sum(len(e.prompt_ids) for e in expected.values())
+        assert c.stats("decode").prompt_tokens_computed < s.prompt_tokens_computed + hits
+        assert c.wait_idle().info.free_blocks == s.info.num_blocks      # cached blocks count as free
+    finally:
+        stop_cluster(c)
+
+
+def test_aggregated_conversation_returns_to_the_worker_holding_its_prefix(model_dir):
+    """Two aggregated workers: a conversation's next turn goes where its earlier turns
+    are cached (round robin would send it to the idle other one), and reuses them."""
+    c = start_cluster("--mode", "aggregated", "--decode", "2", "--threads", "1")
+    try:
+        client = openai.OpenAI(base_url=f"{c.http}/v1", api_key="none", max_retries=0)
+        messages = [{"role": "system", "content": "You answer in one short sentence. " * 8},
+                    {"role": "user", "content": "Name a large river in Africa."}]
+        workers = []
+        for turn in range(3):
+            raw = client.chat.completions.with_raw_response.create(
+                model="SmolLM2-135M-Instruct", messages=messages, max_tokens=8, temperature=0)
+            reply = raw.parse()
+            workers.append(dict(p.split("=", 1) for p in raw.headers["x-pdserve-route"].split(";"))["decode"])
+            if turn:
+                assert reply.usage.prompt_tokens_details.cached_tokens >= previous_prompt // 16 * 16, turn
+            previous_prompt = reply.usage.prompt_tokens
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                         {"role": "user", "content": f"And another one, number {turn + 2}?"}]
+        assert len(set(workers)) == 1, workers
     finally:
         stop_cluster(c)
 

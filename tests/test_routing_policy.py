@@ -1,7 +1,8 @@
 """Routing policies on their own: decode choice, remote-or-local prefill from the cost
 model, prefill choice by queue and prefix overlap, and the model's recalibration."""
 from services.engine.prefix_cache import block_hashes
-from services.router.policy import CostModel, DecodeLoad, PrefillLoad, pick_decode, plan_prefill
+from services.router.policy import (DECODE_AFFINITY_SLACK, CostModel, DecodeLoad, PrefillLoad, pick_decode,
+                                    plan_prefill)
 
 BS = 16
 PROMPT = list(range(1000, 1000 + 1088))          # 1,024-token shared prefix + 64 more
@@ -22,6 +23,15 @@ def test_decode_least_loaded_among_those_with_room():
     assert pick_decode([], 1) is None
     tie = [DecodeLoad("x", 100, 2, last_pick=5.0), DecodeLoad("y", 300, 2, last_pick=7.0)]
     assert pick_decode(tie, 10).key == "x"                   # equal load: round robin
+
+
+def test_decode_worker_holding_the_prefix_wins_unless_it_is_much_busier():
+    ws = [DecodeLoad("a", 500, running=2), DecodeLoad("b", 500, running=2 + DECODE_AFFINITY_SLACK, cached_blocks=3),
+          DecodeLoad("c", 500, running=3, cached_blocks=1)]
+    assert pick_decode(ws, 10).key == "b"                    # the longest prefix, within the slack
+    busier = [ws[0], DecodeLoad("b", 500, running=3 + DECODE_AFFINITY_SLACK, cached_blocks=3), ws[2]]
+    assert pick_decode(busier, 10).key == "c"                # b is too busy: the next longest prefix
+    assert pick_decode([ws[0], DecodeLoad("b", 5, 0, cached_blocks=9)], 10).key == "a"   # no room in b
 
 
 def test_prefix_holder_wins_while_not_overloaded():

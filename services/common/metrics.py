@@ -83,6 +83,13 @@ class WorkerMetrics:
         self.blocks_free.set(free)
         self.kv_cache_usage.set(1 - free / total if total else 0.0)
 
+    def observe_prefix(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """One prompt's prefix-cache lookup: of its `prompt_tokens`, `cached_tokens` hit."""
+        self.prefix_cache_tokens.labels("hit").inc(cached_tokens)
+        self.prefix_cache_tokens.labels("miss").inc(prompt_tokens - cached_tokens)
+        self.prefix_cache_queries.inc(prompt_tokens)
+        self.prefix_cache_hits.inc(cached_tokens)
+
     def set_queue(self, running: int, waiting: int) -> None:
         self.requests_running.set(running)
         self.requests_waiting.set(waiting)

@@ -227,6 +227,10 @@ class EngineSettings:
         roles=("decode",))
     prefix_cache_tokens: int = setting(16384, "prefill workers: prompt KV kept for reuse by later prompts with "
                                               "the same prefix (0: off)", roles=("prefill",))
+    enable_prefix_caching: bool = setting(
+        True, "decode workers: the prompts they compute themselves (every prompt with --mode aggregated; short ones "
+              "otherwise) leave their full KV blocks cached in the pool's free space for later prompts with the same "
+              "prefix, least recently used first out when the pool needs the room", roles=("decode",))
     kv_transport: str = setting("auto", "KV transfer backend; auto offers/uses the fastest that works for each "
                                         "pair", choices=KV_TRANSPORTS)
     log_level: str = setting("info", "", choices=LOG_LEVELS)

@@ -69,7 +69,8 @@ class DecodeWorker:
         self.offers = [worker_pb2.TransportOffer(backend=name, meta=t.register(self.memory, self.compat_hash))
                        for name, t in self.transports.items()]
         log.info("decode worker offers KV transports: %s", ", ".join(self.transports))
-        self.blocks = BlockManager(BlockPool(num_blocks, settings.block_size))
+        self.blocks = BlockManager(BlockPool(num_blocks, settings.block_size),
+                                   prefix_caching=settings.enable_prefix_caching)
         self.engine = LLMEngine(runner, self.memory, Scheduler(self.blocks, config))
         self.grammars = grammars_for(runner, eos_token_ids)
         self.loop = EngineLoop(self.engine, tick=self._tick, on_step=self._on_step, name="decode-engine")
@@ -136,6 +137,9 @@ class DecodeWorker:
         came through a handoff."""
         def deliver(request_id: str, sink):
             def to(output: EngineOutput) -> None:
+                if epoch is None and output.token_ids and request_id == seq.request_id \
+                        and seq.num_generated == 1:         # the prompt computed here
+                    self.metrics.observe_prefix(seq.prompt_len, output.cached_tokens)
                 if output.finish_reason:
                     self._retire(request_id, output.finish_reason)
                 sink(output)
@@ -231,7 +235,8 @@ class DecodeWorker:
             model_name=self.runner.model_dir.name, block_size=self.layout.block_size,
             num_blocks=self.blocks.num_blocks, free_blocks=self.blocks.num_available,
             running=len(sch.running), waiting=sch.num_waiting,
-            max_model_len=self.runner.max_model_len, kv_transports=list(self.transports))
+            max_model_len=self.runner.max_model_len, kv_transports=list(self.transports),
+            prefix_hashes=self.blocks.keys_newest_first())
 
 
 class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
@@ -308,7 +313,8 @@ class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
                     running.discard(index)
                 yield worker_pb2.DecodeChunk(token_ids=o.token_ids, finish_reason=reason, index=index,
                                              logprobs=[logprob_to_proto(lp) for lp in o.logprobs or ()],
-                                             prompt_logprobs=prompt_logprobs_to_proto(o.prompt_logprobs))
+                                             prompt_logprobs=prompt_logprobs_to_proto(o.prompt_logprobs),
+                                             cached_tokens=o.cached_tokens)
         finally:
             for index in running:               # client went away or the RPC was cancelled
                 e.abort(ids[index])

@@ -22,6 +22,10 @@ from services.engine.block_pool import BlockPool, NoFreeBlocks
 from services.engine.prefix_cache import block_hashes
 
 
+# Keys of cached blocks a worker advertises to the router (8 bytes each).
+SUMMARY_BLOCKS = 4096
+
+
 @dataclass
 class PrefixHit:
     block_ids: list[int]        # every block of the prompt, cached ones first
@@ -61,7 +65,7 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return self.pool.blocks_for(num_tokens)
 
-    def keys_newest_first(self, limit: int) -> list[int]:
+    def keys_newest_first(self, limit: int = SUMMARY_BLOCKS) -> list[int]:
         """A summary for the router: keys in use, then idle ones most recently used first."""
         with self._lock:
             busy = [self._key_of[b] for b in self._refs if b in self._key_of]

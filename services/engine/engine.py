@@ -49,6 +49,8 @@ class EngineOutput:
     # With a prompt computed here, on its first token, when asked: entry p is prompt token
     # p's (None for the first).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # With a prompt computed here, on its first token: its tokens the prefix cache held.
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -130,9 +132,10 @@ class LLMEngine:
             if lp is not None:
                 logprobs[c.seq] = [lp]
         for u in self.scheduler.update(plan, tokens):
-            prompt = u.seq.prompt_logprobs if u.seq.num_generated == 1 else None
+            first = u.seq.num_generated == 1
             outputs.append(EngineOutput(u.seq.request_id, [u.token_id], u.finish_reason, logprobs.get(u.seq),
-                                        prompt))
+                                        u.seq.prompt_logprobs if first else None,
+                                        u.seq.num_cached if first else 0))
         outputs += self._orphans()
         seconds = time.perf_counter() - t0
         prefill = sum(c.num_tokens for c in plan.prefill)

@@ -45,8 +45,6 @@ from services.worker.wire import (check_request_id, check_tokens, logprob_to_pro
 
 log = logging.getLogger(__name__)
 
-# Keys of cached blocks a worker advertises to the router (8 bytes each).
-PREFIX_SUMMARY_BLOCKS = 4096
 # After a failure, how long posted writes may take to end before the link is given up.
 DRAIN_SECONDS = 5.0
 # Smoothing of the measured compute time per prompt token (reported to the router).
@@ -161,10 +159,7 @@ class PrefillWorker:
         computed = len(tokens) - seq.num_cached
         kv_bytes = self.layout.block_bytes_per_layer * len(export.dst) * self.layout.num_layers
         self.kv_bytes_sent += kv_bytes
-        self.metrics.prefix_cache_tokens.labels("hit").inc(seq.num_cached)
-        self.metrics.prefix_cache_tokens.labels("miss").inc(computed)
-        self.metrics.prefix_cache_queries.inc(len(tokens))
-        self.metrics.prefix_cache_hits.inc(seq.num_cached)
+        self.metrics.observe_prefix(len(tokens), seq.num_cached)
         self.metrics.kv_bytes.labels("sent", transport.name).inc(kv_bytes)
         self.metrics.kv_transfer_seconds.labels(transport.name).observe(done - after_compute)
         self.metrics.requests.labels("prefilled").inc()
@@ -252,7 +247,7 @@ class PrefillWorker:
             block_size=self.layout.block_size, num_blocks=self.blocks.num_blocks, free_blocks=self.blocks.num_available,
             waiting=self.queued, max_model_len=self.runner.max_model_len, kv_transports=list(self.transports),
             queued_prefill_tokens=self.queued_tokens,
-            prefix_hashes=self.blocks.keys_newest_first(PREFIX_SUMMARY_BLOCKS),
+            prefix_hashes=self.blocks.keys_newest_first(),
             reported_at=time.time(), busy_seconds=self.engine.busy_seconds)
 
     def stats(self) -> worker_pb2.WorkerStats:

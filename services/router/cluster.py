@@ -28,7 +28,7 @@ from services.common.registry import RedisRegistry
 from services.common.security import ClusterSecret, call_interceptors
 from services.common.settings import RouterSettings
 from services.worker.wire import logprob_from_proto, sampling_to_proto
-from services.engine.prefix_cache import block_hashes
+from services.engine.prefix_cache import block_hashes, cached_prefix_blocks
 from services.engine.sampling import SamplingParams, TokenLogprob
 from services.engine.tokenizer import IncrementalDetokenizer, StopMatcher
 from services.router.latency import LatencyLedger
@@ -289,15 +289,18 @@ class Cluster:
         return {"prefill": sum(w.healthy for w in self.prefill), "decode": sum(w.healthy for w in self.decode)}
 
     # ---- selection ----
-    def _pick_decode(self, prompt_tokens: int) -> Worker:
+    def _pick_decode(self, prompt_ids: list[int]) -> Worker:
         live = {w.address + w.info.epoch: w for w in self.decode if w.healthy}
         if not live:
             raise APIError(503, "no decode worker is available", type_="service_unavailable",
                            grpc_code="UNAVAILABLE")
-        loads = [DecodeLoad(k, w.info.free_blocks, max(w.info.running + w.info.waiting, w.inflight), w.last_pick)
-                 for k, w in live.items()]
         bs = next(iter(live.values())).info.block_size or 16
-        chosen = live[pick_decode(loads, -(-(prompt_tokens + 1) // bs)).key]
+        keys = block_hashes(prompt_ids, bs)[:(len(prompt_ids) - 1) // bs]      # the last token is always computed
+        now = time.monotonic()
+        loads = [DecodeLoad(k, w.info.free_blocks, max(w.info.running + w.info.waiting, w.inflight), w.last_pick,
+                            cached_prefix_blocks(keys, w.held_keys(now)) if keys else 0)
+                 for k, w in live.items()]
+        chosen = live[pick_decode(loads, -(-(len(prompt_ids) + 1) // bs)).key]
         chosen.last_pick = time.monotonic()
         return chosen
 
@@ -394,7 +397,7 @@ class Cluster:
         still be writing into the reserved blocks. Release is idempotent on the worker."""
         gen.prefill_worker, gen.prefill_epoch, gen.transport, gen.transport_fallback = "", "", "", False
         gen.kv_bytes = gen.cached_tokens = 0
-        decode = self._pick_decode(len(gen.prompt_ids))
+        decode = self._pick_decode(gen.prompt_ids)
         gen.decode_worker, gen.decode_epoch = decode.name, decode.info.epoch
         self.metrics.routed.labels("decode", decode.address).inc()
         decode.inflight += 1
@@ -417,6 +420,8 @@ class Cluster:
                 req = self._decode_request(gen, first_token=0, local=True, epoch="", n=n)
                 local_tokens = len(gen.prompt_ids)      # in the decode worker's queue until its first token
                 decode.local_tokens += local_tokens
+                expiry = time.monotonic() + RECENT_KEYS_SECONDS     # its prefix is cached there from now on
+                decode.recent_keys.update((k, expiry) for k in keys)
             else:
                 gen.decision = "remote"
                 req = self._decode_request(gen, first_token=first, local=False, epoch=handle.epoch, n=n)
@@ -536,6 +541,9 @@ class Cluster:
             async for chunk in call:
                 if chunk.prompt_logprobs:               # a prompt computed there
                     gen.prompt_logprobs = [logprob_from_proto(lp) for lp in chunk.prompt_logprobs]
+                if chunk.cached_tokens:
+                    gen.cached_tokens = chunk.cached_tokens
+                    self.metrics.cached_tokens.inc(chunk.cached_tokens)
                 yield (chunk.index, list(chunk.token_ids), chunk.finish_reason,
                        [logprob_from_proto(lp) for lp in chunk.logprobs] if chunk.logprobs else None)
                 if chunk.finish_reason:

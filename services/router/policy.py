@@ -3,8 +3,11 @@
 Pure functions over snapshots of the workers (no I/O, no clocks), so every choice is
 unit-tested on its own. The order of decisions for one request:
 
-1. Decode worker: among those with room for the prompt's blocks, the least loaded
-   (sequences running or routed there), then the one picked least recently.
+1. Decode worker: among those with room for the prompt's blocks and within
+   DECODE_AFFINITY_SLACK sequences of the least loaded, the one holding the longest
+   cached prefix of the prompt (it prefills there with --mode aggregated, and short
+   prompts otherwise), then the least loaded (sequences running or routed there), then
+   the one picked least recently.
 2. Remote or local prefill, from a cost model of time to first token:
      remote(p) = overhead + (queued tokens at p + prompt tokens p has not cached) x c
                  + transfer tail
@@ -26,12 +29,18 @@ from typing import Sequence
 from services.engine.prefix_cache import cached_prefix_blocks
 
 
+# How many more sequences than the least loaded decode worker one may run and still win
+# a prompt by holding more of its prefix (SGLang's cache-aware router has the same knob).
+DECODE_AFFINITY_SLACK = 4
+
+
 @dataclass(frozen=True)
 class DecodeLoad:
     key: str
     free_blocks: int
     running: int                     # sequences running or waiting there (seen or routed)
     last_pick: float = 0.0           # when this router last chose it (ties go round robin)
+    cached_blocks: int = 0           # leading blocks of the prompt it holds in its prefix cache
 
 
 @dataclass(frozen=True)
@@ -42,13 +51,16 @@ class PrefillLoad:
 
 
 def pick_decode(workers: Sequence[DecodeLoad], need_blocks: int) -> DecodeLoad | None:
-    """Least loaded among those with room; if none has room, the one with the most
-    free blocks (the request waits there for blocks: that is the queue)."""
+    """Among those with room and load near the least, the longest cached prefix, then
+    the least loaded; if none has room, the one with the most free blocks (the request
+    waits there for blocks: that is the queue)."""
     if not workers:
         return None
     roomy = [w for w in workers if w.free_blocks >= need_blocks]
     if roomy:
-        return min(roomy, key=lambda w: (w.running, w.last_pick, w.key))
+        least = min(w.running for w in roomy)
+        near = [w for w in roomy if w.running <= least + DECODE_AFFINITY_SLACK]
+        return min(near, key=lambda w: (-w.cached_blocks, w.running, w.last_pick, w.key))
     return max(workers, key=lambda w: (w.free_blocks, -w.running))
 
 

@@ -160,18 +160,20 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., transport: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "logprobs", "index", "prompt_logprobs")
+    __slots__ = ("token_ids", "finish_reason", "logprobs", "index", "prompt_logprobs", "cached_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
     index: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("info", "prompt_tokens_computed", "kv_bytes_received", "kv_bytes_sent", "active_handoffs")
