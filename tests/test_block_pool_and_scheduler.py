@@ -191,6 +191,24 @@ def test_prefix_cache_hit_skips_cached_blocks():
     assert [(c.start, c.num_tokens) for c in plan.prefill] == [(8, 2)] and again.num_cached == 8
 
 
+def test_a_prompt_shares_the_blocks_a_running_sequence_has_computed():
+    s = Scheduler(BlockManager(BlockPool(16, 4), prefix_caching=True),
+                  SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_chunk=6))
+    first = seq("one", prompt_len=10, max_tokens=5)
+    s.add(first)
+    step(s)                                     # tokens 0-5: one full block computed, the second not yet
+    s.add(seq("two", prompt_len=10, max_tokens=5))
+    plan, _ = step(s)
+    assert [(c.seq.request_id, c.start, c.num_tokens) for c in plan.prefill] == [("one", 6, 4), ("two", 4, 6)]
+    s.add(late := seq("three", prompt_len=10, max_tokens=5))
+    plan, _ = step(s)                           # "one" is still running: its two full blocks are shared
+    assert late.num_cached == 8 and late.block_ids[:2] == first.block_ids[:2]
+    assert [(c.seq.request_id, c.start) for c in plan.prefill] == [("three", 8)]
+    while s.has_work():
+        step(s)
+    assert s.blocks.num_available == 16
+
+
 def test_admission_keeps_a_watermark_while_others_run():
     s = scheduler(blocks=200, block_size=4, max_num_batched_tokens=1024)
     prefilled(s, seq("r", prompt_len=4, first=5))

@@ -2,10 +2,11 @@
 
 Every block a worker hands out goes through one `BlockManager`: the scheduler's blocks
 for prompts and generated tokens, and a decode worker's reservations for handoffs. A
-block is reference counted while in use. With prefix caching on, a computed full
-prompt block is kept under its chained key (`prefix_cache.block_hashes`) once nobody
-uses it, least recently used first out; an allocation that finds the pool empty
-evicts such idle blocks. With it off, a released block is simply free again.
+block is reference counted while in use. With prefix caching on, a full prompt block
+is findable under its chained key (`prefix_cache.block_hashes`) from the step that
+computes it, and kept once nobody uses it, least recently used first out; an allocation
+that finds the pool empty evicts such idle blocks. With it off, a released block is
+simply free again.
 
 Plain Python on block ids, like BlockPool; the KV bytes live in the worker's pool
 tensor. One lock guards it: the engine thread changes it while RPC threads reserve
@@ -112,16 +113,28 @@ class BlockManager:
             for b in block_ids:
                 self._ref(b)
 
+    def cache(self, block_ids: Sequence[int], keys: Sequence[int], computed_tokens: int) -> None:
+        """The leading full blocks whose KV is computed (`computed_tokens`) become findable
+        under `keys` while their sequence still runs, as vLLM caches a block once it is
+        full: a prompt admitted later shares them instead of computing them again. The
+        first holder of a key keeps it. No-op with prefix caching off."""
+        if keys:
+            with self._lock:
+                self._cache(block_ids, keys, computed_tokens)
+
     def release(self, block_ids: Sequence[int], keys: Sequence[int] = (), computed_tokens: int = 0) -> None:
-        """A user is done with `block_ids`. The leading full blocks whose KV was computed
-        (`computed_tokens`) become cached under `keys` (the first holder of a key keeps it)."""
+        """A user is done with `block_ids`; their computed full blocks are cached first
+        (`cache`)."""
         with self._lock:
-            full = min(len(keys), computed_tokens // self.block_size)
-            for k, b in zip(keys[:full], block_ids):
-                if k not in self._by_key and b not in self._key_of:
-                    self._by_key[k] = b
-                    self._key_of[b] = k
+            self._cache(block_ids, keys, computed_tokens)
             self._unref(block_ids)
+
+    def _cache(self, block_ids: Sequence[int], keys: Sequence[int], computed_tokens: int) -> None:
+        full = min(len(keys), computed_tokens // self.block_size)
+        for k, b in zip(keys[:full], block_ids):
+            if k not in self._by_key and b not in self._key_of:
+                self._by_key[k] = b
+                self._key_of[b] = k
 
     def _ref(self, b: int) -> None:
         self._refs[b] = self._refs.get(b, 0) + 1

@@ -350,6 +350,8 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue
             seq.num_computed = c.start + c.num_tokens
+            if c.start < len(seq.keys) * self.blocks.block_size:     # full prompt blocks: shareable now
+                self.blocks.cache(seq.block_ids, seq.keys, seq.num_computed)
             if token is None:
                 continue
             seq.token_ids.append(token)
