@@ -135,10 +135,11 @@ class DecodeWorker:
         """Start decoding `seq` and the choices forked from it (`seq.forks`); sink i
         receives choice i's outputs from the engine thread. With an epoch the prompt KV
         came through a handoff."""
+        lookup = [epoch is None]            # a prompt computed here: its cache lookup, counted once
         def deliver(request_id: str, sink):
             def to(output: EngineOutput) -> None:
-                if epoch is None and output.token_ids and request_id == seq.request_id \
-                        and seq.num_generated == 1:         # the prompt computed here
+                if lookup[0] and output.token_ids and request_id == seq.request_id:
+                    lookup[0] = False
                     self.metrics.observe_prefix(seq.prompt_len, output.cached_tokens)
                 if output.finish_reason:
                     self._retire(request_id, output.finish_reason)

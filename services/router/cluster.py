@@ -129,6 +129,13 @@ class Generation:
     prompt_logprobs: list[TokenLogprob] | None = None    # prompt tokens 1.., when asked for
     started: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    _keys: tuple[int, list[int]] | None = field(default=None, repr=False)
+
+    def prefix_keys(self, block_size: int) -> list[int]:
+        """The prompt's chained block keys (computed once per block size)."""
+        if self._keys is None or self._keys[0] != block_size:
+            self._keys = (block_size, block_hashes(self.prompt_ids, block_size))
+        return self._keys[1]
 
     @property
     def ttft(self) -> float | None:
@@ -289,18 +296,19 @@ class Cluster:
         return {"prefill": sum(w.healthy for w in self.prefill), "decode": sum(w.healthy for w in self.decode)}
 
     # ---- selection ----
-    def _pick_decode(self, prompt_ids: list[int]) -> Worker:
+    def _pick_decode(self, gen: Generation) -> Worker:
         live = {w.address + w.info.epoch: w for w in self.decode if w.healthy}
         if not live:
             raise APIError(503, "no decode worker is available", type_="service_unavailable",
                            grpc_code="UNAVAILABLE")
         bs = next(iter(live.values())).info.block_size or 16
-        keys = block_hashes(prompt_ids, bs)[:(len(prompt_ids) - 1) // bs]      # the last token is always computed
+        n = len(gen.prompt_ids)
+        keys = gen.prefix_keys(bs)[:(n - 1) // bs]         # the last token is always computed
         now = time.monotonic()
         loads = [DecodeLoad(k, w.info.free_blocks, max(w.info.running + w.info.waiting, w.inflight), w.last_pick,
                             cached_prefix_blocks(keys, w.held_keys(now)) if keys else 0)
                  for k, w in live.items()]
-        chosen = live[pick_decode(loads, -(-(len(prompt_ids) + 1) // bs)).key]
+        chosen = live[pick_decode(loads, -(-(n + 1) // bs)).key]
         chosen.last_pick = time.monotonic()
         return chosen
 
@@ -312,7 +320,7 @@ class Cluster:
         now = time.monotonic()
         loads = [PrefillLoad(k, w.queued_tokens(), w.held_keys(now))
                  for k, w in live.items()]
-        keys = block_hashes(gen.prompt_ids, bs)
+        keys = gen.prefix_keys(bs)
         # What a local prefill would stall: the sequences in the decode worker's batch, not
         # requests still waiting for a remote prefill (they do not run there yet).
         plan = plan_prefill(loads, keys, len(gen.prompt_ids), bs, decode.decoding,
@@ -397,7 +405,7 @@ class Cluster:
         still be writing into the reserved blocks. Release is idempotent on the worker."""
         gen.prefill_worker, gen.prefill_epoch, gen.transport, gen.transport_fallback = "", "", "", False
         gen.kv_bytes = gen.cached_tokens = 0
-        decode = self._pick_decode(gen.prompt_ids)
+        decode = self._pick_decode(gen)
         gen.decode_worker, gen.decode_epoch = decode.name, decode.info.epoch
         self.metrics.routed.labels("decode", decode.address).inc()
         decode.inflight += 1
