@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Sequence
+from typing import Container, Sequence
 
 _SEED = 0x5044_5345_5256_4531        # any fixed value: "PDSERVE1"
 
@@ -27,7 +27,7 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     return keys
 
 
-def cached_prefix_blocks(keys: Sequence[int], held: set[int] | frozenset[int]) -> int:
+def cached_prefix_blocks(keys: Sequence[int], held: Container[int]) -> int:
     """How many leading blocks of a prompt (by its keys) a worker holding `held` has."""
     n = 0
     for k in keys:

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import ChainMap
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -74,6 +75,7 @@ class Worker:
     suspend_seconds: float = REFRESH_SECONDS    # how long a connection failure takes it out
     suspended_until: float = 0.0
     recent_keys: dict[int, float] = field(default_factory=dict)   # prefix key -> expiry
+    reported_keys: dict[int, None] = field(default_factory=dict)  # its last report's prefix keys, as a set
     answered: list[tuple[float, int]] = field(default_factory=list)  # (unix time, prompt tokens)
 
     @property
@@ -82,6 +84,7 @@ class Worker:
 
     def seen(self, info: worker_pb2.WorkerInfo) -> None:
         self.info, self.name = info, f"{self.role}-{info.epoch}"
+        self.reported_keys = dict.fromkeys(info.prefix_hashes)
 
     @property
     def label(self) -> str:
@@ -94,10 +97,13 @@ class Worker:
         self.answered = [(t, n) for t, n in self.answered if t >= since]
         return max(self.inflight_tokens, self.info.queued_prefill_tokens - sum(n for _, n in self.answered))
 
-    def held_keys(self, now: float) -> frozenset[int]:
+    def held_keys(self, now: float) -> ChainMap:
+        """The prefix keys it holds, for `in` tests: reported ones and ones routed there
+        lately. A view, not a copy: a report carries up to 4,096 keys, and every request
+        asks this of every worker."""
         for k in [k for k, t in self.recent_keys.items() if t < now]:
             del self.recent_keys[k]
-        return frozenset(self.info.prefix_hashes).union(self.recent_keys)
+        return ChainMap(self.recent_keys, self.reported_keys)
 
 
 @dataclass
@@ -309,7 +315,7 @@ class Cluster:
                             cached_prefix_blocks(keys, w.held_keys(now)) if keys else 0)
                  for k, w in live.items()]
         chosen = live[pick_decode(loads, -(-(n + 1) // bs)).key]
-        chosen.last_pick = time.monotonic()
+        chosen.last_pick = now
         return chosen
 
     def _plan(self, decode: Worker, gen: Generation):

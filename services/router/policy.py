@@ -24,7 +24,7 @@ averages of what the workers report, so the model recalibrates as load and hosts
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Container, Sequence
 
 from services.engine.prefix_cache import cached_prefix_blocks
 
@@ -47,7 +47,7 @@ class DecodeLoad:
 class PrefillLoad:
     key: str
     queued_tokens: int               # prompt tokens ahead of a new request
-    held: frozenset[int] = frozenset()   # prefix keys it holds
+    held: Container[int] = frozenset()   # prefix keys it holds
 
 
 def pick_decode(workers: Sequence[DecodeLoad], need_blocks: int) -> DecodeLoad | None:
