@@ -24,6 +24,14 @@ class Case:
     stop: list[str] | None = None
 
 
+def chat_body(case: Case, **kw) -> dict:
+    """The /v1/chat/completions body that asks for `case` greedily, with its token ids."""
+    body = {"messages": case.messages, "max_tokens": case.max_tokens, "temperature": 0, "return_token_ids": True}
+    if case.stop:
+        body["stop"] = case.stop
+    return {**body, **kw}
+
+
 CASES = [
     Case("short", [{"role": "user", "content": "What is the capital of France?"}]),
     Case("long", [{"role": "user", "content": _long_document()}]),

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.local_cluster import plan_cpus
 from tests.conftest import start_cluster, stop_cluster
-from tests.parity_cases import CASES
+from tests.parity_cases import CASES, chat_body
 
 
 def test_disaggregated_workers_get_a_core_each_when_they_fit():
@@ -37,9 +37,8 @@ def test_aggregated_chunked_prefill_matches_generate(model_dir, expected):
 
         async def run():
             async with httpx.AsyncClient(timeout=300) as client:
-                return await asyncio.gather(*(client.post(f"{c.http}/v1/chat/completions", json={
-                    "messages": case.messages, "max_tokens": case.max_tokens, "temperature": 0,
-                    "return_token_ids": True, **({"stop": case.stop} if case.stop else {})}) for case in CASES))
+                return await asyncio.gather(*(client.post(f"{c.http}/v1/chat/completions", json=chat_body(case))
+                                              for case in CASES))
 
         hits = 0                # prompts admitted while others ran may share their template's blocks
         for case, r in zip(CASES, asyncio.run(run())):
@@ -55,9 +54,7 @@ def test_aggregated_chunked_prefill_matches_generate(model_dir, expected):
         # now, and the output still matches generate's, token for token.
         again = 0
         for case in CASES:
-            r = httpx.post(f"{c.http}/v1/chat/completions", timeout=300, json={
-                "messages": case.messages, "max_tokens": case.max_tokens, "temperature": 0,
-                "return_token_ids": True, **({"stop": case.stop} if case.stop else {})})
+            r = httpx.post(f"{c.http}/v1/chat/completions", timeout=300, json=chat_body(case))
             assert r.status_code == 200, r.text
             body = r.json()
             assert body["choices"][0]["token_ids"] == expected[case.name].token_ids, case.name

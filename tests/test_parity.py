@@ -12,18 +12,11 @@ import pytest
 import torch
 
 from services.rpc import generate_pb2, generate_pb2_grpc
-from tests.parity_cases import CASES, Case
-
-def _body(case: Case, **kw) -> dict:
-    body = {"messages": case.messages, "max_tokens": case.max_tokens, "temperature": 0, "return_token_ids": True}
-    if case.stop:
-        body["stop"] = case.stop
-    return {**body, **kw}
-
+from tests.parity_cases import CASES, chat_body
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_http_matches_generate(cluster, expected, case):
-    r = httpx.post(f"{cluster.http}/v1/chat/completions", json=_body(case), timeout=120)
+    r = httpx.post(f"{cluster.http}/v1/chat/completions", json=chat_body(case), timeout=120)
     assert r.status_code == 200, r.text
     body = r.json()
     exp = expected[case.name]

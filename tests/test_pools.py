@@ -20,7 +20,7 @@ import pytest
 from services.common.security import ClusterSecret, new_secret_file
 from services.local_cluster import start_private_redis
 from tests.conftest import free_port, spawn_service, spawn_services, terminate, wait_ready, worker_stats
-from tests.parity_cases import CASES
+from tests.parity_cases import CASES, chat_body
 
 TTL = 2.0
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
@@ -138,9 +138,7 @@ def test_workers_register_with_epoch_address_and_capacity(pools):
 
 def test_parity_across_two_prefill_and_two_decode_workers(pools, expected):
     async def one(client, case):
-        body = {"messages": case.messages, "max_tokens": case.max_tokens, "temperature": 0,
-                "return_token_ids": True, **({"stop": case.stop} if case.stop else {})}
-        r = await client.post(f"{pools.http}/v1/chat/completions", json=body)
+        r = await client.post(f"{pools.http}/v1/chat/completions", json=chat_body(case))
         return case, r
 
     async def run():
