@@ -34,6 +34,12 @@ def test_the_kv_pool_is_what_the_memory_share_leaves():
     tokens = tokens_for_memory(free=64 * GiB, total=80 * GiB, utilization=0.9, bytes_per_token=128 * 1024,
                                reserve=2 * GiB)
     assert tokens == (int(80 * GiB * 0.9) - 16 * GiB - 2 * GiB) // (128 * 1024)
+    # a second worker sharing the card: the first one's 30 GiB do not come off its share
+    shared = tokens_for_memory(free=34 * GiB, total=80 * GiB, utilization=0.4, bytes_per_token=128 * 1024,
+                               reserve=GiB, own=16 * GiB)
+    assert shared == (int(80 * GiB * 0.4) - 16 * GiB - GiB) // (128 * 1024)
+    assert tokens_for_memory(free=10 * GiB, total=80 * GiB, utilization=0.4, bytes_per_token=128 * 1024,
+                             reserve=GiB, own=16 * GiB) == 9 * GiB // (128 * 1024)     # never more than is free
     with pytest.raises(ValueError, match="no memory is left for the KV cache.*--gpu-memory-utilization"):
         tokens_for_memory(free=7 * GiB, total=80 * GiB, utilization=0.9, bytes_per_token=128 * 1024, reserve=GiB)
 

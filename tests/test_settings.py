@@ -115,6 +115,17 @@ def test_mixed_prefill_cap_defaults_by_role_and_device():
         WorkerSettings(role="decode", mixed_prefill_tokens=-2)
 
 
+def test_token_budget_defaults_by_role_and_device():
+    from services.worker import main
+    budget = {(role, device): main.scheduler_config(WorkerSettings(role=role), device).max_num_batched_tokens
+              for role in ("prefill", "decode") for device in ("cpu", "cuda")}
+    assert budget == {("prefill", "cpu"): main.PREFILL_TOKEN_BUDGET, ("decode", "cpu"): main.DECODE_TOKEN_BUDGET,
+                      ("prefill", "cuda"): main.PREFILL_TOKEN_BUDGET_GPU,
+                      ("decode", "cuda"): main.DECODE_TOKEN_BUDGET_GPU}
+    assert main.scheduler_config(WorkerSettings(role="decode", max_num_batched_tokens=300),
+                                 "cuda").max_num_batched_tokens == 300
+
+
 def test_the_router_url_reaches_a_wildcard_bind_on_loopback_and_names_https():
     from types import SimpleNamespace
 

@@ -207,8 +207,12 @@ class EngineSettings:
                                     "context length)")
     threads: int = setting(0, "torch threads per worker (0: automatic)")
     attention_kernel: str = setting("auto", "attention: native (C kernels built on first use; CPU), torch "
-                                            "(torch's own ops), or auto (native where it is faster)",
+                                            "(torch's own ops), or auto (native where it is faster on a CPU; "
+                                            "Triton paged kernels on a GPU)",
                                     choices=ATTENTION_KERNELS)
+    enforce_eager: bool = setting(False, "on a GPU: run decode steps eagerly instead of replaying CUDA graphs "
+                                         "captured per batch size (as vLLM's --enforce-eager)",
+                                  roles=("decode",))
     kv_cache_tokens: int = setting(0, "decode workers' KV pool size in tokens (0: 65536 on a CPU; on a GPU what "
                                       "--gpu-memory-utilization leaves after the weights)", roles=("decode",))
     gpu_memory_utilization: float = setting(0.9, "on a GPU: the share of the card's memory this worker may use, "
@@ -217,7 +221,7 @@ class EngineSettings:
     max_batch: int = setting(64, "most sequences in a decode worker's running batch", roles=("decode",))
     max_num_batched_tokens: int = setting(
         0, "tokens one forward pass may hold: decode tokens plus prompt chunks (0: 1024 on prefill "
-           "workers, 512 on decode workers)")
+           "workers, 512 on decode workers; on a GPU 8192 and 2048)")
     prefill_chunk_tokens: int = setting(0, "most tokens of one prompt in a forward pass (0: as many as the "
                                            "token budget leaves)")
     mixed_prefill_tokens: int = setting(

@@ -5,8 +5,9 @@ come in two kinds: single tokens over a cached context (decode), first, then chu
 prompts (prefill), each attending causally to its own cached prefix and itself.
 
 Decode runs in the native kernel where it was built (it reads the blocks in place),
-else gathers each sequence's blocks and uses two batched matmuls. Prefill runs in
-torch's SDPA, or in the native bfloat16 kernel where the runner chose it.
+on a CUDA device in the Triton kernels of `gpu_kernels` (likewise in place), else
+gathers each sequence's blocks and uses two batched matmuls. Prefill runs in torch's
+SDPA, or in the native bfloat16 kernel where the runner chose it.
 """
 from __future__ import annotations
 
@@ -37,6 +38,16 @@ class NativeDecode:
 
 
 @dataclass
+class GPUDecode:
+    """Decode rows through `gpu_kernels.paged_decode`: int32 tables and lengths on the
+    device, the split count for this batch size, and the kernel's scratch."""
+    block_table: torch.Tensor                   # int32 [rows, width]
+    context_lens: torch.Tensor                  # int32 [rows]
+    splits: int
+    scratch: object                             # gpu_kernels.DecodeScratch
+
+
+@dataclass
 class DecodeGroup:
     """Decode rows `rows` (similar context lengths), with block table and mask [rows,
     width * block size] (True = attend) cut to the group's own width."""
@@ -52,6 +63,8 @@ class PagedBatch:
     slots: torch.Tensor                 # [tokens] flat slot of each new token's K/V
     num_decode: int = 0
     native: NativeDecode | None = None          # decode rows through the native kernel
+    gpu: GPUDecode | None = None                # decode rows through the Triton kernel
+    gpu_writes: bool = False                    # new K/V written by the Triton kernel (slot -1: skipped)
     groups: list[DecodeGroup] | None = None     # decode rows through torch's ops
     segments: list[Segment] = field(default_factory=list)
     prefill_kernel: NativeAttention | None = None
@@ -164,11 +177,20 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 
 def _attend(b: PagedBatch, layer: int, query, key, value, scale: float, out: torch.Tensor) -> None:
     """The layer's work on the device: write the new tokens' K/V, then attend."""
-    _write(b.kv, layer, b.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    if b.gpu_writes:
+        from services.engine import gpu_kernels
+        gpu_kernels.write_kv(b.kv[layer], b.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    else:
+        _write(b.kv, layer, b.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
     d = b.num_decode
     if d:
         q = query[0, :, :d].transpose(0, 1)                # [rows, heads, dim]
-        if b.native is not None:
+        if b.gpu is not None:
+            from services.engine import gpu_kernels
+            g = b.gpu
+            gpu_kernels.paged_decode(q, b.kv[layer], g.block_table, g.context_lens, scale, g.splits, g.scratch,
+                                     out=out[0, :d])
+        elif b.native is not None:
             n = b.native
             out[0, :d] = n.kernel.decode(q, b.kv[layer], n.block_table, n.context_lens, scale, b.threads)
         else:

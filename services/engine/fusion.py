@@ -27,6 +27,8 @@ The model keeps running its own modelling code; only modules are replaced:
   rotary embedding run in native one-pass kernels (`services/engine/native/layers.c`)
   instead of a chain of element-wise ops. Float32 keeps torch's own ops there, for
   exact parity.
+- bfloat16 or float16 on a CUDA device: the same three element-wise steps in Triton
+  kernels (`gpu_kernels.TritonLayers`), one launch each.
 
 What was applied is returned as a list of words for the start-up log.
 """
@@ -498,7 +500,7 @@ def _exact_in_float32(linears: list[nn.Linear]) -> bool:
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for rows in (1, 5, 64, 300):
-            x = torch.randn(rows, linears[0].in_features, generator=gen, dtype=weight.dtype)
+            x = torch.randn(rows, linears[0].in_features, generator=gen, dtype=weight.dtype).to(weight.device)
             fused = F.linear(x, weight).split([lin.out_features for lin in linears], dim=-1)
             if not all(torch.equal(f, F.linear(x, lin.weight)) for f, lin in zip(fused, linears)):
                 return False
@@ -520,7 +522,7 @@ def apply(model: nn.Module, kernels: NativeLayers | None, quantization: str = "n
     dtype, device = model.dtype, model.device
     cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
     pack = cpu_bf16 and _packs_bf16()
-    native = kernels if cpu_bf16 else None
+    native = kernels if cpu_bf16 or (device.type == "cuda" and dtype != torch.float32) else None
     int8_matmul = matmul if matmul is not None and matmul.int8 else None
     matmul = matmul if device.type == "cpu" and matmul is not None and matmul.supports(dtype) else None
     applied: set[str] = set()

@@ -63,15 +63,21 @@ def compat_hash(model_id: str, layout: KVLayout) -> str:
 CPU_KV_TOKENS = 65536
 
 
-def tokens_for_memory(free: int, total: int, utilization: float, bytes_per_token: int, reserve: int) -> int:
+def tokens_for_memory(free: int, total: int, utilization: float, bytes_per_token: int, reserve: int,
+                      own: int | None = None) -> int:
     """KV tokens that fit in a device's memory: this worker may use `utilization` of
-    `total`; what is already in use (its weights, anything else on the card) and
-    `reserve` (its activations) come off first. Raises when nothing is left."""
-    budget = int(total * utilization) - (total - free) - reserve
+    `total`; what it already holds (`own`: its weights) and `reserve` (its activations)
+    come off first, and the pool never takes more than is `free`. So workers sharing a
+    GPU each get their own share whatever order they start in (vLLM's per-instance
+    meaning). Without `own`, all memory in use counts as this worker's. Raises when
+    nothing is left."""
+    used = total - free if own is None else own
+    budget = min(int(total * utilization) - used, free) - reserve
     tokens = budget // bytes_per_token if budget > 0 else 0
     if tokens <= 0:
         raise ValueError(f"no memory is left for the KV cache: {total / 2**30:.1f} GiB x {utilization:g} leaves "
-                         f"{max(budget, 0) / 2**30:.2f} GiB after {(total - free) / 2**30:.1f} GiB in use and "
+                         f"{max(budget, 0) / 2**30:.2f} GiB after {used / 2**30:.1f} GiB in use "
+                         f"({free / 2**30:.1f} GiB free) and "
                          f"{reserve / 2**30:.2f} GiB for activations; raise --gpu-memory-utilization or use a "
                          "smaller model")
     return tokens

@@ -10,6 +10,11 @@ A forward pass runs every token of a step as one packed sequence [1, tokens]: th
 linear layers see one tall matrix, whatever mix of sequences it holds: single tokens
 over a cached context (decode) first, then chunks of prompts (prefill).
 
+On a CUDA device, decode attention and KV writes run in Triton kernels that read and
+write the blocks in place (`gpu_kernels`), and decode-only steps replay CUDA graphs
+captured per batch-size bucket (`cuda_graphs`); prefill runs in torch's SDPA (flash
+attention). `--attention-kernel torch` keeps torch's own ops there too.
+
 On CPU, attention runs in native kernels (`services/engine/native`) where they win:
 decode reads the blocks in place; bfloat16 prefill has a flash-style kernel for CPUs
 with AVX512-BF16 and no AMX (with AMX, torch's SDPA is faster and is used). Elsewhere,
@@ -31,8 +36,10 @@ from services.engine.kv_cache import (CPU_KV_TOKENS, KVLayout, KVPoolMemory, com
                                       tokens_for_memory)
 from services.engine.model_store import context_length
 from services.engine import fusion
-from services.engine.attention import (DecodeGroup, NativeDecode, PagedBatch, Segment, Workspace, length_groups,
-                                       paged_attention)
+from services.engine import gpu_kernels
+from services.engine.attention import (DecodeGroup, GPUDecode, NativeDecode, PagedBatch, Segment, Workspace,
+                                       length_groups, paged_attention)
+from services.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from services.engine.native import (NativeAttention, NativeBuildError, NativeLayers, NativeMatmul, load_attention,
                                    load_layers, load_matmul)
 
@@ -85,7 +92,11 @@ class ModelRunner:
 
     def __init__(self, model_dir: Path, dtype: str = "auto", device: str | None = None,
                  attention: str = "auto", kernel_cache: Path | None = None, max_model_len: int = 0,
-                 quantization: str = "none") -> None:
+                 quantization: str = "none", cuda_graphs: bool = True, max_batch: int = 64,
+                 model: torch.nn.Module | None = None) -> None:
+        """`model`: an already built model (random weights of a real shape, for
+        benchmarks) instead of loading `model_dir`'s; `max_batch`: the largest decode
+        step captured as a CUDA graph."""
         from transformers import AutoConfig, AutoModelForCausalLM
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {quantization!r}")
@@ -97,12 +108,21 @@ class ModelRunner:
         self.dtype_name = choice.name
         self.dtype_reason = choice.reason
         self.model_dir = Path(model_dir)
-        config = AutoConfig.from_pretrained(self.model_dir)
-        # Straight onto the device: loading a large model on the host first needs its whole
-        # size in host memory (more than a pod's limit above ~14B parameters in bf16).
-        placement = {} if self.device.type == "cpu" else {"device_map": str(self.device)}
-        self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_dir, dtype=choice.torch_dtype, attn_implementation=ATTN_IMPL, **placement).to(self.device).eval()
+        if model is not None:
+            config = model.config
+            if hasattr(model, "set_attn_implementation"):
+                model.set_attn_implementation(ATTN_IMPL)
+            else:
+                config._attn_implementation = ATTN_IMPL
+            self.model = model.to(self.device, choice.torch_dtype).eval()
+        else:
+            config = AutoConfig.from_pretrained(self.model_dir)
+            # Straight onto the device: loading a large model on the host first needs its whole
+            # size in host memory (more than a pod's limit above ~14B parameters in bf16).
+            placement = {} if self.device.type == "cpu" else {"device_map": str(self.device)}
+            self.model = AutoModelForCausalLM.from_pretrained(
+                self.model_dir, dtype=choice.torch_dtype, attn_implementation=ATTN_IMPL,
+                **placement).to(self.device).eval()
         self.config = config
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
@@ -124,6 +144,13 @@ class ModelRunner:
         # 2.3 ms against ~7 ms a layer at 512 tokens on a Sapphire Rapids core.
         self.native_prefill = (self.native is not None and self.native.prefills
                                and self.model.dtype == torch.bfloat16 and not has_amx())
+        self.gpu_kernels = self.device.type == "cuda" and attention != "torch" and gpu_kernels.available()
+        self.decode_scratch = gpu_kernels.DecodeScratch() if self.gpu_kernels else None
+        layers = getattr(getattr(self.model, "model", None), "layers", None) or []
+        lean = bool(layers) and all(isinstance(m, fusion.LeanDecoderLayer) for m in layers)
+        self.graph_sizes = (capture_sizes(max_batch) if self.gpu_kernels and cuda_graphs and lean
+                            and max_batch > 0 else [])
+        self._graphs: DecodeGraphs | None = None
 
     def _native(self, attention: str, kernel_cache: Path | None) -> NativeAttention | None:
         """The native kernels for `attention` "native" (required) or "auto" (where they
@@ -145,7 +172,12 @@ class ModelRunner:
             log.warning("attention stays on torch's own ops: %s", e)
             return None
 
-    def _layer_kernels(self, attention: str, kernel_cache: Path) -> NativeLayers | None:
+    def _layer_kernels(self, attention: str, kernel_cache: Path) -> NativeLayers | gpu_kernels.TritonLayers | None:
+        """Element-wise layer kernels: native ones on a CPU, Triton ones on a CUDA device
+        in bfloat16 or float16 (float32 keeps torch's ops there, for exact parity)."""
+        if self.device.type == "cuda":
+            usable = attention != "torch" and gpu_kernels.available() and self.model.dtype != torch.float32
+            return gpu_kernels.TritonLayers() if usable else None
         if attention == "torch" or not NativeAttention.supports(self.model.dtype, self.device):
             return None
         try:
@@ -177,7 +209,9 @@ class ModelRunner:
         return matmul
 
     def describe(self) -> str:
-        decode = "native" if self.native is not None else "torch"
+        decode = "native" if self.native is not None else "triton paged" if self.gpu_kernels else "torch"
+        if self.graph_sizes:
+            decode += f", CUDA graphs for 1-{self.graph_sizes[-1]} sequences"
         prefill = "native" if self.native_prefill else "torch SDPA"
         weights = "" if self.quantization == "none" else f", {self.quantization} weights"
         return (f"{self.dtype_name} ({self.dtype_reason}){weights} on {self.device}; attention: decode {decode}, "
@@ -201,7 +235,8 @@ class ModelRunner:
             return CPU_KV_TOKENS
         free, total = device_memory(self.device)
         per_token = self.layout(1, 1).block_bytes_per_layer * self.num_layers     # a block of one token
-        tokens = tokens_for_memory(free, total, utilization, per_token, self.activation_bytes(batched_tokens, rows))
+        tokens = tokens_for_memory(free, total, utilization, per_token, self.activation_bytes(batched_tokens, rows),
+                                   own=torch.cuda.memory_reserved(self.device))
         log.info("KV pool: %d tokens (%.1f GiB) from %.0f%% of %s's %.1f GiB", tokens, tokens * per_token / 2**30,
                  utilization * 100, self.device, total / 2**30)
         return tokens
@@ -223,9 +258,16 @@ class ModelRunner:
         [rows, vocab] float32.
         `on_layer(layer, fence)` is called as each layer's KV write is launched; the
         write is done once `fence.wait()` returns (services/engine/device.py)."""
+        if (self.graph_sizes and batch.decode_tokens and not batch.segments and not batch.logprob_rows
+                and on_layer is None and len(batch.decode_tokens) <= self.graph_sizes[-1]):
+            logits = self._decode_graphs(pool).run(batch.decode_tokens, batch.decode_positions,
+                                                   batch.decode_tables, pool.layout.num_blocks)
+            if batch.sample_rows != list(range(len(batch.decode_tokens))):
+                logits = logits[batch.sample_rows]
+            return logits
         bs = pool.layout.block_size
         paged = PagedBatch(kv=pool.tensor, slots=torch.empty(0, dtype=torch.long), on_layer=on_layer,
-                           stream=self.stream,
+                           stream=self.stream, gpu_writes=self.gpu_kernels,
                            num_decode=len(batch.decode_tokens), threads=torch.get_num_threads(),
                            prefill_kernel=self.native if self.native_prefill else None, workspace=self.workspace)
         slots: list[torch.Tensor] = []
@@ -236,7 +278,8 @@ class ModelRunner:
         for seg in batch.segments:
             seg_slots = self._slots(seg.block_ids, seg.start, seg.start + seg.num_tokens, bs)
             slots.append(seg_slots)
-            context = self._slots(seg.block_ids, 0, seg.start + seg.num_tokens, bs) if seg.start else None
+            context = (self._slots(seg.block_ids, 0, seg.start + seg.num_tokens, bs).to(self.device)
+                       if seg.start else None)
             paged.segments.append(Segment(row, seg.num_tokens, seg.start, context))
             positions.append(torch.arange(seg.start, seg.start + seg.num_tokens))
             row += seg.num_tokens
@@ -247,6 +290,20 @@ class ModelRunner:
                                   pdserve_batch=paged).last_hidden_state
         rows = torch.tensor(batch.sample_rows + batch.logprob_rows, dtype=torch.long, device=self.device)
         return self.model.lm_head(hidden[0].index_select(0, rows)).float()
+
+    def _decode_graphs(self, pool: KVPoolMemory) -> DecodeGraphs:
+        """The graphs over `pool`, captured on first use (a new pool: captured again)."""
+        if self._graphs is None or self._graphs.kv is not pool.tensor:
+            self._graphs = None
+            graphs = DecodeGraphs(self.model, pool.tensor, pool.layout.block_size, self.max_model_len,
+                                  self.graph_sizes)
+            graphs.capture()
+            self._graphs = graphs
+        return self._graphs
+
+    def drop_graphs(self) -> None:
+        """Free the captured graphs (and their hold on a pool's memory)."""
+        self._graphs = None
 
     def _slots(self, block_ids: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
         pos = torch.arange(start, end)
@@ -268,6 +325,11 @@ class ModelRunner:
             raise ValueError(f"block ids must lie in [0, {pool.layout.num_blocks})")
         pos = torch.tensor(positions, dtype=torch.long)
         slots = table[torch.arange(len(positions)), pos // bs] * bs + pos % bs
+        if self.gpu_kernels:
+            paged.gpu = GPUDecode(table.to(self.device, torch.int32, non_blocking=True),
+                                  (pos + 1).to(self.device, torch.int32, non_blocking=True),
+                                  gpu_kernels.splits_for(len(positions), self.num_kv_heads), self.decode_scratch)
+            return slots
         if self.native is not None:
             paged.native = NativeDecode(self.native, table, (pos + 1).to(torch.int32))
             return slots

@@ -78,7 +78,7 @@ class PrefillWorker:
         self.eos = eos
         self.metrics = metrics
         self.epoch = uuid.uuid4().hex[:12]
-        config = scheduler_config(settings)
+        config = scheduler_config(settings, runner.device.type)
         bs = settings.block_size
         # Room for a full context and a full step being computed (twice over, for the
         # blocks still being read by writes) plus the prefix cache.

@@ -36,6 +36,11 @@ SHUTDOWN_GRACE_SECONDS = 5.0
 # running batch's decode tokens, and a prompt chunk in it delays every one of them.
 PREFILL_TOKEN_BUDGET = 1024
 DECODE_TOKEN_BUDGET = 512
+# On a GPU a forward pass of a few thousand tokens still runs near the matmul peak
+# (bench/gpu_speed.py: an 8B-shaped 2k-token prompt at ~60 % of the GEMM rate, 512
+# tokens at ~38 %): vLLM's and SGLang's chunk sizes.
+PREFILL_TOKEN_BUDGET_GPU = 8192
+DECODE_TOKEN_BUDGET_GPU = 2048
 # Prompt tokens in a decode worker's step that also decodes, when --mixed-prefill-tokens
 # is automatic. On one CPU core 64 tokens add ~85 ms to a step (1.3 ms a token here): the
 # batch keeps a token every ~150 ms at most while a short prompt is computed alongside.
@@ -51,7 +56,10 @@ MIXED_PREFILL_AGGREGATED_CPU = 0
 
 def scheduler_config(settings: WorkerSettings, device: str = "cpu") -> SchedulerConfig:
     prefill = settings.role == "prefill"
-    budget = settings.max_num_batched_tokens or (PREFILL_TOKEN_BUDGET if prefill else DECODE_TOKEN_BUDGET)
+    gpu = device != "cpu"
+    budget = settings.max_num_batched_tokens or (
+        (PREFILL_TOKEN_BUDGET_GPU if gpu else PREFILL_TOKEN_BUDGET) if prefill
+        else (DECODE_TOKEN_BUDGET_GPU if gpu else DECODE_TOKEN_BUDGET))
     mixed = 0 if prefill else settings.mixed_prefill_tokens
     if mixed < 0:
         mixed = MIXED_PREFILL_CPU if device == "cpu" else MIXED_PREFILL_GPU
@@ -128,7 +136,9 @@ async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]
     keep_freed_memory()
     model_dir = resolve_model(settings.model, settings.revision)
     runner = ModelRunner(model_dir, settings.dtype, settings.device, attention=settings.attention_kernel,
-                         max_model_len=settings.max_model_len, quantization=settings.quantization)
+                         max_model_len=settings.max_model_len, quantization=settings.quantization,
+                         cuda_graphs=not settings.enforce_eager,
+                         max_batch=settings.max_batch)
     metrics = WorkerMetrics(settings.role, settings.served_model_name or model_dir.name)
     parts = build(settings, runner, eos_token_ids(model_dir), metrics)
     secret = ClusterSecret.from_file(settings.cluster_secret_file)

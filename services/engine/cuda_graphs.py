@@ -1,0 +1,155 @@
+"""Decode steps on a CUDA device as captured graphs, one per batch-size bucket.
+
+An eager decode step of an 8B model launches some 500 kernels, each paying Python and
+launch time that dwarfs its work at small batches. vLLM and SGLang capture the step
+once per batch size in a CUDA graph and replay it; so does this.
+
+A graph replays fixed addresses, so its inputs live in persistent device tensors (token
+ids, positions, KV slots, block table, context lengths) that each step overwrites from
+one pinned host staging buffer; its kernels' grids depend only on the bucket's size
+(gpu_kernels.paged_decode splits by batch size, never by context length). A step of n
+sequences replays the smallest bucket >= n; the rows past n are padding: slot -1 (their
+K/V is not written), context length 0 (their attention is zeros), logits ignored. The
+only host sync of the step is the sampler reading its tokens.
+
+Graphs are captured on the first decode-only step over a pool, for every bucket; a
+step with prompt rows, prompt log-probabilities, more rows than the largest bucket or
+a KV push (prefill) runs eagerly.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from itertools import chain
+
+import torch
+
+from services.engine import gpu_kernels
+from services.engine.attention import GPUDecode, PagedBatch
+
+log = logging.getLogger(__name__)
+
+# vLLM's capture sizes, to 512: 1, 2, 4, then multiples of 8.
+BASE_SIZES = (1, 2, 4)
+STEP = 8
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    sizes = [s for s in BASE_SIZES if s < max_batch] + list(range(STEP, max_batch, STEP)) + [max_batch]
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    """The graphs of one model over one KV pool."""
+
+    def __init__(self, model: torch.nn.Module, kv: torch.Tensor, block_size: int, max_model_len: int,
+                 sizes: list[int]) -> None:
+        self.model = model
+        self.kv = kv
+        self.block_size = block_size
+        self.sizes = sorted(sizes)
+        self.num_kv_heads = kv.shape[-2]
+        device = kv.device
+        top = self.sizes[-1]
+        self.width = -(-max_model_len // block_size)
+        self.ids = torch.zeros(top, dtype=torch.long, device=device)
+        self.positions = torch.zeros(top, dtype=torch.long, device=device)
+        self.slots = torch.full((top,), -1, dtype=torch.long, device=device)
+        self.lens = torch.zeros(top, dtype=torch.int32, device=device)
+        self.table = torch.zeros(top, self.width, dtype=torch.int32, device=device)
+        # host staging: ids, positions, slots (int64) | lengths, then the table (int32)
+        pinned = device.type == "cuda"
+        self.stage_rows = torch.empty(3, top, dtype=torch.long, pin_memory=pinned)
+        self.stage_lens = torch.empty(top, dtype=torch.int32, pin_memory=pinned)
+        self.stage_table = torch.empty(top * self.width, dtype=torch.int32, pin_memory=pinned)
+        # the last step's staging has been read (on a CPU, where tests run the steps
+        # eagerly through Triton's interpreter, copies are done when they return)
+        self.copied = torch.cuda.Event() if pinned else None
+        self.scratch = gpu_kernels.DecodeScratch()
+        config = model.config
+        heads = config.num_attention_heads
+        dim = kv.shape[-1]
+        # the largest the split kernel asks for: no allocation during a capture
+        self.scratch.take(top, heads, gpu_kernels.MAX_SPLITS, dim, device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def _forward(self, n: int) -> torch.Tensor:
+        """The decode step of rows [0, n) of the persistent inputs: logits [n, vocab] float32."""
+        body = self.model.model
+        paged = PagedBatch(kv=self.kv, slots=self.slots[:n], num_decode=n, gpu_writes=True,
+                           gpu=GPUDecode(self.table[:n], self.lens[:n],
+                                         gpu_kernels.splits_for(n, self.num_kv_heads), self.scratch))
+        hidden = body.embed_tokens(self.ids[:n]).unsqueeze(0)
+        position_embeddings = body.rotary_emb(hidden, position_ids=self.positions[:n].unsqueeze(0))
+        for layer in body.layers:
+            hidden = layer(hidden, position_embeddings=position_embeddings, pdserve_batch=paged)
+        hidden = body.norm(hidden)
+        return self.model.lm_head(hidden[0]).float()
+
+    def capture(self) -> None:
+        """Every bucket, largest first (the smaller ones reuse its memory pool). The
+        persistent inputs are all padding meanwhile: nothing is written to the pool.
+        Without CUDA (tests) nothing is captured: `run` does the step eagerly."""
+        started = time.perf_counter()
+        self.slots.fill_(-1)
+        self.lens.zero_()
+        if self.copied is None:
+            return
+        pool = torch.cuda.graph_pool_handle()
+        for n in reversed(self.sizes):
+            self._forward(n)                     # compiles the kernels, outside the capture
+            torch.cuda.synchronize(self.kv.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(n)
+            self.graphs[n] = (graph, logits)
+        torch.cuda.synchronize(self.kv.device)
+        log.info("captured CUDA graphs of decode steps for %d batch sizes (1-%d) in %.1f s", len(self.sizes),
+                 self.sizes[-1], time.perf_counter() - started)
+
+    def bucket(self, rows: int) -> int | None:
+        for size in self.sizes:
+            if size >= rows:
+                return size
+        return None
+
+    def run(self, tokens: list[int], positions: list[int], tables: list[list[int]], num_blocks: int) -> torch.Tensor:
+        """Logits [rows, vocab] (float32) of one decode step: row i is token tokens[i] at
+        positions[i] over blocks tables[i]."""
+        n = len(tokens)
+        size = self.bucket(n)
+        bs = self.block_size
+        widths = [p // bs + 1 for p in positions]
+        width = max(widths)
+        if width > self.width:
+            raise ValueError(f"position {max(positions)} is past the longest sequence ({self.width * bs} tokens)")
+        for t, w, p in zip(tables, widths, positions):
+            if len(t) < w:
+                raise ValueError(f"a block table of {len(t)} blocks cannot hold position {p}")
+        if self.copied is not None:
+            self.copied.synchronize()               # the staging is free again (at once, after a sampled step)
+        table = self.stage_table[:size * width].view(size, width)
+        flat = torch.tensor(list(chain.from_iterable(t[:w] + [0] * (width - w) for t, w in zip(tables, widths))),
+                            dtype=torch.int32)
+        if int(flat.min()) < 0 or int(flat.max()) >= num_blocks:              # the kernels trust their ids
+            raise ValueError(f"block ids must lie in [0, {num_blocks})")
+        table[:n] = flat.view(n, width)
+        rows = self.stage_rows[:, :size]
+        rows[0, :n] = torch.tensor(tokens)
+        rows[1, :n] = torch.tensor(positions)
+        pos = rows[1, :n]
+        rows[2, :n] = table[torch.arange(n), pos // bs].long() * bs + pos % bs
+        rows[0, n:], rows[1, n:], rows[2, n:] = 0, 0, -1
+        self.stage_lens[:n] = pos.int() + 1
+        self.stage_lens[n:size] = 0
+        self.ids[:size].copy_(rows[0], non_blocking=True)
+        self.positions[:size].copy_(rows[1], non_blocking=True)
+        self.slots[:size].copy_(rows[2], non_blocking=True)
+        self.lens[:size].copy_(self.stage_lens[:size], non_blocking=True)
+        self.table[:size, :width].copy_(table, non_blocking=True)
+        if self.copied is None:                     # no CUDA: the step itself, eagerly
+            return self._forward(size)[:n].clone()
+        self.copied.record()
+        graph, logits = self.graphs[size]
+        graph.replay()
+        return logits[:n].clone()
