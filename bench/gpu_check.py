@@ -45,9 +45,11 @@ SEED = 1234
 KV_SHAPES = {"1b": (16, 8, 64), "8b": (32, 8, 128)}
 
 
-def build_tiny_model(folder: Path, seed: int = SEED) -> Path:
+def build_tiny_model(folder: Path, seed: int = SEED, shape: dict | None = None,
+                     dtype: torch.dtype = torch.float32, device: str = "cpu") -> Path:
     """A 4-layer Llama with random weights and a byte-level tokenizer, saved as a local
-    Hugging Face folder the services load like any other."""
+    Hugging Face folder the services load like any other. `shape`: other LlamaConfig
+    sizes (bench/gpu_speed.py's 1B and 8B shapes), built on `device` in `dtype`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -62,13 +64,16 @@ def build_tiny_model(folder: Path, seed: int = SEED) -> Path:
                                   unk_token="<|endoftext|>", additional_special_tokens=specials)
     tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
-                         eos_token_id=vocab["<|im_end|>"], bos_token_id=vocab["<|im_start|>"], tie_word_embeddings=True)
+    sizes = shape or dict(vocab_size=len(vocab), hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                          num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)
+    config = LlamaConfig(**{"max_position_embeddings": 4096, **sizes}, eos_token_id=vocab["<|im_end|>"],
+                         bos_token_id=vocab["<|im_start|>"])
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():                                   # sharper logits: fewer near-ties in greedy parity
-        model.lm_head.weight.mul_(4.0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if shape is None:
+        with torch.no_grad():                               # sharper logits: fewer near-ties in greedy parity
+            model.lm_head.weight.mul_(4.0)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
@@ -96,16 +101,19 @@ def _reference(model_dir: Path, device: str, prompts: list[list[int]], max_token
 class Cluster:
     """`pdserve up` on `device` with the tiny model; stopped by PID."""
 
-    def __init__(self, model_dir: Path, device: str, work: Path) -> None:
+    # the parity checks' cluster: float32, every prompt prefilled remotely
+    PARITY = ("--dtype", "float32", "--prefill", "1", "--decode", "1", "--local-prefill-max-tokens", "0",
+              "--kv-cache-tokens", "65536", "--gpu-memory-utilization", "0.4")
+
+    def __init__(self, model_dir: Path, device: str, work: Path, args: tuple[str, ...] = PARITY) -> None:
         self.announce = work / "cluster.json"
+        self.announce.unlink(missing_ok=True)
         self.log = work / "up.log"
         cmd = [sys.executable, "-m", "services.cli", "up", "--model", str(model_dir), "--device", device,
-               "--dtype", "float32", "--kv-transport", "nixl", "--prefill", "1", "--decode", "1",
-               "--local-prefill-max-tokens", "0", "--kv-cache-tokens", "65536", "--http-port", "0",
+               "--kv-transport", "nixl", *args, "--http-port", "0",
                "--grpc-port", "0", "--announce-file", str(self.announce), "--log-level", "warning"]
-        if device.startswith("cuda"):
-            cmd += ["--share-gpus"] if torch.cuda.device_count() < 2 else []
-            cmd += ["--gpu-memory-utilization", "0.4"]
+        if device.startswith("cuda") and torch.cuda.device_count() < 2:
+            cmd += ["--share-gpus"]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 600
         while not self.announce.exists():
@@ -177,7 +185,8 @@ def check_api(cluster: Cluster, model_dir: Path, device: str, vocab: int) -> dic
     j = httpx.post(f"{cluster.info['http']}/v1/chat/completions", timeout=600, json={
         "messages": [{"role": "user", "content": "?"}], "max_tokens": 8, "temperature": 1.0, "seed": 5,
         "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}).json()
-    answer = j["choices"][0]["message"]["content"]
+    # an error answer (a worker without xgrammar, say) fails the check and says why
+    answer = j["choices"][0]["message"]["content"] if "choices" in j else f"error: {j.get('error', j)}"
     json_ok = answer in {json.dumps(v) for v in schema["enum"]}
     return {"choices_identical": choices_ok, "logprob_max_error": worst, "json_output": answer,
             "ok": choices_ok and worst < 1e-3 and json_ok}
@@ -270,9 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         results["parity"] = check_parity(cluster, model_dir, a.device, vocab, n=4, length=64 if a.quick else 300,
                                          max_tokens=8 if a.quick else 32, seed=1)
+        print("parity", json.dumps(results["parity"]), flush=True)
         results["race"] = check_parity(cluster, model_dir, a.device, vocab, n=8 if a.quick else 32,
                                        length=256 if a.quick else 2048, max_tokens=4 if a.quick else 16, seed=2)
+        print("race", json.dumps(results["race"]), flush=True)
         results["api"] = check_api(cluster, model_dir, a.device, vocab)
+        print("api", json.dumps(results["api"]), flush=True)
     finally:
         cluster.stop()
     blocks = 8 if a.quick else 256

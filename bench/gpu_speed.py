@@ -1,0 +1,352 @@
+"""pdserve's speed on one CUDA device against the device's own limits. No download.
+
+    python -m bench.gpu_check --speed --json out.json        (python -m bench.gpu_speed ...)
+    python -m bench.gpu_speed --device cpu --quick           (the script's own test, on a CPU)
+
+Models are random-initialised Llama shapes (bfloat16, fixed seed) built on the device:
+  1b   Llama-3.2-1B: hidden 2048, 16 layers, 32/8 heads, MLP 8192, tied embeddings
+  8b   Llama-3.1-8B: hidden 4096, 32 layers, 32/8 heads, MLP 14336
+
+Figures, each measured in this run:
+  copy      a device-to-device copy's rate (bytes read + written per second): the
+            memory roofline's rate
+  gemm      a bf16 8192^3 matmul's FLOP/s: the compute roofline's rate
+  decode    one decode step (host preparation, the forward, the logits' argmax read
+            back) at batch 1/16/64/128 x context 512/2k/8k, against the memory roofline:
+            (weight bytes + KV bytes read) / copy rate; where the KV does not fit, skipped
+  graphs    the same step eagerly (no CUDA graph) at batch 64, context 2k
+  attention one layer's decode attention: the Triton paged kernel against torch's gather
+            path (`--attention-kernel torch`), batch 64, context 2k
+  prefill   one prompt of 512/2k/4k/8k tokens against the GEMM rate: (2 x linear
+            weights x tokens + causal attention's matmul FLOPs) / GEMM rate
+  sweep     (--sweep) the decode kernel's tile, warps, stages and split target, timed
+            on one 8B-shaped layer: how services/engine/gpu_kernels.py's constants
+            were chosen
+Each time is the median of its repeats.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SEED = 1234
+SHAPES = {
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0),
+    "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True),
+}
+BATCHES = (1, 16, 64, 128)
+CONTEXTS = (512, 2048, 8192)
+PROMPTS = (512, 2048, 4096, 8192)
+BLOCK_SIZE = 16
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, repeats: int, warmup: int = 2) -> float:
+    """Median seconds of fn() over `repeats` calls, after `warmup`."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_rate(device: torch.device, nbytes: int, repeats: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    seconds = timed(lambda: dst.copy_(src), device, repeats)
+    return 2 * nbytes / seconds
+
+
+def gemm_rate(device: torch.device, n: int, dtype: torch.dtype, repeats: int) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    seconds = timed(lambda: a @ b, device, repeats)
+    return 2 * n ** 3 / seconds
+
+
+def build_model(shape: str, device: torch.device, dtype: torch.dtype, max_len: int):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=max_len)
+    torch.manual_seed(SEED)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def linear_params(c: dict) -> int:
+    """Weights of every decoder layer's matmuls."""
+    h, heads, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    dim = h // heads
+    return c["num_hidden_layers"] * (h * (heads + 2 * kv) * dim + heads * dim * h + 3 * h * c["intermediate_size"])
+
+
+def weight_bytes_read(c: dict, itemsize: int) -> int:
+    """What a decode step reads of the weights: the layers' matmuls, the LM head, the
+    norms (the embedding lookup reads a row per sequence: left out)."""
+    h = c["hidden_size"]
+    return itemsize * (linear_params(c) + c["vocab_size"] * h + (2 * c["num_hidden_layers"] + 1) * h)
+
+
+def kv_bytes(c: dict, tokens: int, itemsize: int) -> int:
+    dim = c["hidden_size"] // c["num_attention_heads"]
+    return tokens * c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * dim * itemsize
+
+
+def decode_case(runner, batch: int, context: int, repeats: int) -> float:
+    """Seconds of one decode step of `batch` sequences, each over `context` cached tokens."""
+    from services.engine.kv_cache import KVPoolMemory
+    from services.engine.runner import ForwardBatch
+    width = context // BLOCK_SIZE + 1
+    pool = KVPoolMemory.allocate(runner.layout(batch * width, BLOCK_SIZE), device=str(runner.device))
+    pool.tensor.normal_()
+    g = torch.Generator().manual_seed(batch + context)
+    tokens = torch.randint(0, runner.vocab_size, (batch,), generator=g).tolist()
+    tables = [list(range(i * width, (i + 1) * width)) for i in range(batch)]
+    step = ForwardBatch(decode_tokens=tokens, decode_positions=[context] * batch, decode_tables=tables,
+                        sample_rows=list(range(batch)))
+    try:
+        return timed(lambda: runner.execute(pool, step).argmax(-1).tolist(), runner.device, repeats)
+    finally:
+        runner.drop_graphs()
+        pool.close()
+        del pool
+        if runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def prefill_case(runner, tokens: int, repeats: int) -> float:
+    from services.engine.kv_cache import KVPoolMemory
+    width = tokens // BLOCK_SIZE + 1
+    pool = KVPoolMemory.allocate(runner.layout(width, BLOCK_SIZE), device=str(runner.device))
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.randint(0, runner.vocab_size, (tokens,), generator=g).tolist()
+    try:
+        return timed(lambda: runner.prefill(pool, ids, list(range(width))).argmax().item(), runner.device, repeats,
+                     warmup=1)
+    finally:
+        pool.close()
+        del pool
+        if runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def attention_case(runner, batch: int, context: int, repeats: int) -> dict:
+    """One layer's decode attention, Triton paged kernel against torch's gather path."""
+    from services.engine import gpu_kernels
+    from services.engine.attention import Workspace, _decode_attention
+    c = runner.config
+    dim = runner.head_dim
+    width = context // BLOCK_SIZE + 1
+    dev = runner.device
+    kv = torch.randn(2, batch * width, BLOCK_SIZE, runner.num_kv_heads, dim, dtype=runner.model.dtype, device=dev)
+    q = torch.randn(batch, c.num_attention_heads, dim, dtype=kv.dtype, device=dev)
+    table = torch.arange(batch * width, device=dev).view(batch, width)
+    lens = torch.full((batch,), context + 1, dtype=torch.int32, device=dev)
+    mask = torch.arange(width * BLOCK_SIZE, device=dev)[None, :] <= context
+    mask = mask.expand(batch, -1)
+    scratch, ws = gpu_kernels.DecodeScratch(), Workspace()
+    splits = gpu_kernels.splits_for(batch, runner.num_kv_heads)
+    out = {}
+    if gpu_kernels.available() and dev.type == "cuda":
+        t32 = table.int()
+        out["triton_s"] = timed(lambda: gpu_kernels.paged_decode(q, kv, t32, lens, dim ** -0.5, splits, scratch),
+                                dev, repeats)
+    out["torch_gather_s"] = timed(lambda: _decode_attention(q, kv, table, mask, dim ** -0.5, ws), dev, repeats)
+    out["kv_bytes"] = kv_bytes({"hidden_size": dim * c.num_attention_heads,
+                                "num_attention_heads": c.num_attention_heads, "num_hidden_layers": 1,
+                                "num_key_value_heads": runner.num_kv_heads}, batch * (context + 1), kv.element_size())
+    return out
+
+
+def sweep_attention(device: torch.device, quick: bool, log) -> list[dict]:
+    """The split kernel's tile, warps, stages and split target, timed on one 8B-shaped
+    layer (32 query heads, 8 KV heads of 128) at several batch sizes and contexts."""
+    from services.engine import gpu_kernels as gk
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    heads, kv_heads, dim = (32, 8, 128) if not quick else (8, 2, 32)
+    cases = ((64, 2048), (128, 2048), (16, 8192), (1, 8192)) if not quick else ((2, 64),)
+    configs = [(n, w, st, t) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3) for t in (1024, 4096)]
+    if quick:
+        configs = configs[:2]
+    saved = (gk.BLOCK_N, gk.NUM_WARPS, gk.NUM_STAGES, gk.TARGET_PROGRAMS)
+    rows = []
+    try:
+        for batch, context in cases:
+            width = context // BLOCK_SIZE + 1
+            kv = torch.randn(2, batch * width, BLOCK_SIZE, kv_heads, dim, dtype=dtype, device=device)
+            q = torch.randn(batch, heads, dim, dtype=dtype, device=device)
+            table = torch.arange(batch * width, device=device, dtype=torch.int32).view(batch, width)
+            lens = torch.full((batch,), context + 1, dtype=torch.int32, device=device)
+            nbytes = 2 * batch * (context + 1) * kv_heads * dim * kv.element_size()
+            scratch = gk.DecodeScratch()
+            for block_n, warps, stages, target in configs:
+                gk.BLOCK_N, gk.NUM_WARPS, gk.NUM_STAGES, gk.TARGET_PROGRAMS = block_n, warps, stages, target
+                splits = gk.splits_for(batch, kv_heads)
+                seconds = timed(lambda: gk.paged_decode(q, kv, table, lens, dim ** -0.5, splits, scratch), device,
+                                3 if quick else 20)
+                rows.append({"batch": batch, "context": context, "block_n": block_n, "warps": warps,
+                             "stages": stages, "target_programs": target, "us": seconds * 1e6,
+                             "gbps": nbytes / seconds / 1e9})
+                log(f"sweep {rows[-1]}")
+            del kv
+    finally:
+        gk.BLOCK_N, gk.NUM_WARPS, gk.NUM_STAGES, gk.TARGET_PROGRAMS = saved
+    return rows
+
+
+def speed(shape: str, device: torch.device, quick: bool, copy_bps: float, gemm_flops: float, log) -> dict:
+    from services.engine.runner import ModelRunner
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    c = dict(SHAPES[shape])
+    contexts = (64, 256) if quick else CONTEXTS
+    batches = (1, 4) if quick else BATCHES
+    prompts = (64, 256) if quick else PROMPTS
+    repeats = 3 if quick else 10
+    max_len = max(max(contexts), max(prompts)) + BLOCK_SIZE
+    model = build_model(shape, device, dtype, max_len)
+    runner = ModelRunner(Path(f"random-{shape}"), "bfloat16" if dtype == torch.bfloat16 else "float32",
+                         str(device), model=model, max_model_len=max_len, max_batch=max(batches))
+    item = dtype.itemsize
+    result = {"shape": shape, "config": c, "runner": runner.describe(), "decode": [], "prefill": []}
+    log(f"{shape}: {runner.describe()}")
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 1 << 62
+    for batch in batches:
+        for context in contexts:
+            kv = kv_bytes(c, batch * (context + 1), item)
+            row = {"batch": batch, "context": context, "kv_bytes": kv}
+            if kv > 0.85 * free:
+                row["skipped"] = f"KV {kv / 2**30:.0f} GiB > 85 % of the {free / 2**30:.0f} GiB free"
+            else:
+                seconds = decode_case(runner, batch, context, repeats)
+                moved = weight_bytes_read(c, item) + kv
+                row.update(step_ms=seconds * 1e3, bytes=moved, roofline_ms=moved / copy_bps * 1e3,
+                           roofline_pct=100 * moved / copy_bps / seconds, tokens_per_s=batch / seconds)
+            result["decode"].append(row)
+            log(f"{shape} decode {row}")
+    if runner.graph_sizes:
+        batch, context = (64, 2048) if not quick else (4, 256)
+        sizes, runner.graph_sizes = runner.graph_sizes, []
+        try:
+            seconds = decode_case(runner, batch, context, repeats)
+        finally:
+            runner.graph_sizes = sizes
+        moved = weight_bytes_read(c, item) + kv_bytes(c, batch * (context + 1), item)
+        result["eager"] = {"batch": batch, "context": context, "step_ms": seconds * 1e3,
+                           "roofline_pct": 100 * moved / copy_bps / seconds}
+        log(f"{shape} eager {result['eager']}")
+    batch, context = (64, 2048) if not quick else (4, 256)
+    result["attention"] = {"batch": batch, "context": context, **attention_case(runner, batch, context, repeats)}
+    log(f"{shape} attention {result['attention']}")
+    heads, layers = c["num_attention_heads"], c["num_hidden_layers"]
+    dim = c["hidden_size"] // heads
+    for tokens in prompts:
+        seconds = prefill_case(runner, tokens, max(3, repeats // 3))
+        flops = (2 * linear_params(c) * tokens + 2 * c["hidden_size"] * c["vocab_size"]
+                 + 4 * layers * heads * dim * tokens * (tokens + 1) // 2)
+        row = {"tokens": tokens, "ms": seconds * 1e3, "flops": flops, "tflops": flops / seconds / 1e12,
+               "gemm_pct": 100 * flops / gemm_flops / seconds}
+        result["prefill"].append(row)
+        log(f"{shape} prefill {row}")
+    del runner, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def describe(device: torch.device) -> str:
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        return f"{p.name}, {p.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}, torch {torch.__version__}"
+    from services.engine.hardware import cpu_kind
+    return f"{cpu_kind()} CPU, torch {torch.__version__}"
+
+
+def table(results: dict) -> str:
+    lines = [f"device: {results['device']}",
+             f"copy rate {results['copy_gbps']:.0f} GB/s (read + written), bf16 GEMM {results['gemm_tflops']:.0f} "
+             "TFLOP/s"]
+    for r in results["models"]:
+        lines.append(f"\n{r['shape']}: {r['runner']}")
+        lines.append("| batch | context | step ms | roofline ms | % of the memory roofline | tok/s |")
+        lines.append("|---|---|---|---|---|---|")
+        for d in r["decode"]:
+            if "skipped" in d:
+                lines.append(f"| {d['batch']} | {d['context']} | skipped: {d['skipped']} | | | |")
+            else:
+                lines.append(f"| {d['batch']} | {d['context']} | {d['step_ms']:.2f} | {d['roofline_ms']:.2f} | "
+                             f"{d['roofline_pct']:.0f} % | {d['tokens_per_s']:.0f} |")
+        if "eager" in r:
+            e = r["eager"]
+            lines.append(f"eager (no CUDA graph), batch {e['batch']}, context {e['context']}: {e['step_ms']:.2f} ms "
+                         f"= {e['roofline_pct']:.0f} % of the memory roofline")
+        a = r["attention"]
+        lines.append(f"one layer's decode attention, batch {a['batch']}, context {a['context']}: "
+                     + ", ".join(f"{k[:-2]} {v * 1e3:.3f} ms" for k, v in a.items() if k.endswith("_s")))
+        lines.append("| prompt tokens | ms | TFLOP/s | % of the GEMM rate |")
+        lines.append("|---|---|---|---|")
+        for p in r["prefill"]:
+            lines.append(f"| {p['tokens']} | {p['ms']:.1f} | {p['tflops']:.0f} | {p['gemm_pct']:.0f} % |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_speed", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--shapes", default="1b,8b", help="comma-separated: 1b, 8b (tiny: for --device cpu)")
+    p.add_argument("--quick", action="store_true", help="small batches, contexts and prompts (the script's test)")
+    p.add_argument("--sweep", action="store_true", help="also time the decode kernel's tile choices first")
+    p.add_argument("--json", default=None, metavar="OUT.json")
+    a = p.parse_args(argv)
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_speed: no CUDA device here; --device cpu --quick --shapes tiny tests the script", file=sys.stderr)
+        return 2
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+    big = device.type == "cuda" and not a.quick
+    results = {"device": describe(device), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+               "copy_gbps": copy_rate(device, (1 << 30) if big else (1 << 24), 10) / 1e9,
+               "gemm_tflops": gemm_rate(device, 8192 if big else 256,
+                                        torch.bfloat16 if device.type == "cuda" else torch.float32, 10) / 1e12,
+               "models": []}
+    log(f"{results['device']}: copy {results['copy_gbps']:.0f} GB/s, GEMM {results['gemm_tflops']:.1f} TFLOP/s")
+    if a.sweep:
+        results["sweep"] = sweep_attention(device, a.quick, log)
+        best = {}
+        for r in results["sweep"]:
+            key = (r["batch"], r["context"])
+            if key not in best or r["us"] < best[key]["us"]:
+                best[key] = r
+        for r in best.values():
+            log(f"best at batch {r['batch']}, context {r['context']}: {r}")
+    for shape in a.shapes.split(","):
+        results["models"].append(speed(shape, device, a.quick, results["copy_gbps"] * 1e9,
+                                       results["gemm_tflops"] * 1e12, log))
+        if a.json:
+            Path(a.json).write_text(json.dumps(results, indent=1) + "\n")
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
