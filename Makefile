@@ -6,7 +6,7 @@ PIP     := $(BIN)/pip
 STAMP   := $(VENV)/.installed
 ARGS    ?=
 
-.PHONY: run test test-slow install proto model clean redis helm-test gpu-check
+.PHONY: run test test-slow install proto model clean redis helm-test gpu-check gpu-bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -53,6 +53,13 @@ test-slow: model redis
 gpu-check: install
 	@mkdir -p build
 	$(BIN)/python -m bench.gpu_check --json build/gpu-check.json
+
+# On a CUDA machine: decode and prefill against the card's memory and GEMM rooflines, then
+# the cluster on one GPU against transformers' generate (docs/benchmarks-gpu.md)
+gpu-bench: install
+	@mkdir -p build
+	$(BIN)/python -m bench.gpu_speed --json build/gpu-speed.json
+	$(BIN)/python -m bench.gpu_cluster --shape 8b --json build/gpu-cluster.json
 
 # The Helm chart, offline: no Kubernetes API server runs here, so it is linted, rendered
 # and checked against the API's schemas (at the chart's floor, 1.27, and the newest), then

@@ -72,6 +72,7 @@ class DecodeWorker:
         self.blocks = BlockManager(BlockPool(num_blocks, settings.block_size),
                                    prefix_caching=settings.enable_prefix_caching)
         self.engine = LLMEngine(runner, self.memory, Scheduler(self.blocks, config))
+        runner.capture_graphs(self.memory)              # on a GPU; before the worker says it is ready
         self.grammars = grammars_for(runner, eos_token_ids)
         self.loop = EngineLoop(self.engine, tick=self._tick, on_step=self._on_step, name="decode-engine")
         self.handoffs = HandoffTable(self.epoch)

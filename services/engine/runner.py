@@ -301,6 +301,13 @@ class ModelRunner:
             self._graphs = graphs
         return self._graphs
 
+    def capture_graphs(self, pool: KVPoolMemory) -> None:
+        """Capture the decode graphs over `pool` now (a decode worker at start: its first
+        request then pays no capture), not on the first decode-only step. A no-op
+        without CUDA graphs."""
+        if self.graph_sizes:
+            self._decode_graphs(pool)
+
     def drop_graphs(self) -> None:
         """Free the captured graphs (and their hold on a pool's memory)."""
         self._graphs = None
