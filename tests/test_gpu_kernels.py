@@ -208,3 +208,26 @@ def test_kernels_match_torch_on_the_gpu():
 def test_runner_cuda_graphs_match_torch_path_on_the_gpu(tmp_path):
     from bench.gpu_check import build_tiny_model
     assert check_runner(str(build_tiny_model(tmp_path / "tiny")), "cuda") == []
+
+
+def test_a_failed_graph_capture_leaves_the_steps_eager(tmp_path, monkeypatch):
+    """A model whose decode step cannot be captured (a rotary embedding that reads its
+    positions back to the host, say) is served eagerly, with the same logits."""
+    from bench.gpu_check import build_tiny_model
+    from services.engine import cuda_graphs
+    from services.engine.kv_cache import KVPoolMemory
+    from services.engine.runner import ModelRunner
+
+    def refuse(self):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "capture", refuse)
+    model_dir = build_tiny_model(tmp_path / "tiny")
+    ref = ModelRunner(model_dir, "float32", "cpu", attention="torch")
+    runner = ModelRunner(model_dir, "float32", "cpu", attention="torch")
+    runner.graph_sizes = [1, 2, 4]                        # as on a GPU
+    pools = [KVPoolMemory.allocate(ref.layout(8, 16)) for _ in range(2)]
+    for r, pool in zip((ref, runner), pools):
+        r.prefill(pool, list(range(5, 25)), [3, 4])
+    want = ref.decode(pools[0], [7], [20], [[3, 4]])
+    got = runner.decode(pools[1], [7], [20], [[3, 4]])
+    assert runner.graph_sizes == [] and torch.equal(got, want)

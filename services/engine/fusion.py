@@ -547,7 +547,7 @@ def apply(model: nn.Module, kernels: NativeLayers | None, quantization: str = "n
             continue
         if native is not None and type(module).__name__ in RMS_NORMS:
             _replace(model, module, NativeRMSNorm(module, native))
-            applied.add("native rmsnorm")
+            applied.add("triton rmsnorm" if device.type == "cuda" else "native rmsnorm")
             continue
         for names in FUSED_PROJECTIONS if fuse else ():
             parts = [getattr(module, n, None) for n in names]

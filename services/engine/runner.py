@@ -260,11 +260,13 @@ class ModelRunner:
         write is done once `fence.wait()` returns (services/engine/device.py)."""
         if (self.graph_sizes and batch.decode_tokens and not batch.segments and not batch.logprob_rows
                 and on_layer is None and len(batch.decode_tokens) <= self.graph_sizes[-1]):
-            logits = self._decode_graphs(pool).run(batch.decode_tokens, batch.decode_positions,
-                                                   batch.decode_tables, pool.layout.num_blocks)
-            if batch.sample_rows != list(range(len(batch.decode_tokens))):
-                logits = logits[batch.sample_rows]
-            return logits
+            graphs = self._decode_graphs(pool)
+            if graphs is not None:
+                logits = graphs.run(batch.decode_tokens, batch.decode_positions, batch.decode_tables,
+                                    pool.layout.num_blocks)
+                if batch.sample_rows != list(range(len(batch.decode_tokens))):
+                    logits = logits[batch.sample_rows]
+                return logits
         bs = pool.layout.block_size
         paged = PagedBatch(kv=pool.tensor, slots=torch.empty(0, dtype=torch.long), on_layer=on_layer,
                            stream=self.stream, gpu_writes=self.gpu_kernels,
@@ -291,13 +293,21 @@ class ModelRunner:
         rows = torch.tensor(batch.sample_rows + batch.logprob_rows, dtype=torch.long, device=self.device)
         return self.model.lm_head(hidden[0].index_select(0, rows)).float()
 
-    def _decode_graphs(self, pool: KVPoolMemory) -> DecodeGraphs:
-        """The graphs over `pool`, captured on first use (a new pool: captured again)."""
+    def _decode_graphs(self, pool: KVPoolMemory) -> DecodeGraphs | None:
+        """The graphs over `pool`, captured on first use (a new pool: captured again);
+        None where capture failed (the steps then run eagerly)."""
         if self._graphs is None or self._graphs.kv is not pool.tensor:
             self._graphs = None
             graphs = DecodeGraphs(self.model, pool.tensor, pool.layout.block_size, self.max_model_len,
                                   self.graph_sizes)
-            graphs.capture()
+            try:
+                graphs.capture()
+            except RuntimeError as e:
+                # e.g. a rotary embedding that reads its positions back to the host (dynamic
+                # scaling): such a model's steps cannot be captured, and run eagerly
+                log.warning("decode steps run eagerly: capturing a CUDA graph failed (%s)", e)
+                self.graph_sizes = []
+                return None
             self._graphs = graphs
         return self._graphs
 
