@@ -25,10 +25,12 @@ Checks, each a row of the table and of the JSON:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
 import signal
+import string
 import subprocess
 import sys
 import tempfile
@@ -57,6 +59,15 @@ def build_tiny_model(folder: Path, seed: int = SEED, shape: dict | None = None,
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     for s in specials:
         vocab[s] = len(vocab)
+    # A shaped model's every id decodes to text (a served answer of random weights is
+    # then never empty): filler tokens up to its vocabulary, then word tokens (" bab",
+    # " bac", ...: one length, none a prefix of another), which encode back to
+    # themselves and which `pdserve bench` builds its prompts of exact lengths from.
+    words = [f" {a}{b}{c}" for a in "bcdfghjklmnprstv" for b in "aeiou" for c in "bdgklmnprst"][:400]
+    if shape is not None:
+        fillers = ("\u0120" + "".join(p) for p in itertools.product(string.ascii_lowercase, repeat=4))
+        while len(vocab) < shape["vocab_size"] - len(words):
+            vocab[next(fillers)] = len(vocab)
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
@@ -64,6 +75,9 @@ def build_tiny_model(folder: Path, seed: int = SEED, shape: dict | None = None,
                                   unk_token="<|endoftext|>", additional_special_tokens=specials)
     tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    if shape is not None:
+        from tokenizers import AddedToken
+        tok.add_tokens([AddedToken(w, normalized=False) for w in words])
     sizes = shape or dict(vocab_size=len(vocab), hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                           num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)
     config = LlamaConfig(**{"max_position_embeddings": 4096, **sizes}, eos_token_id=vocab["<|im_end|>"],

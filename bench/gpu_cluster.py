@@ -1,6 +1,7 @@
 """pdserve's cluster on one CUDA device against transformers' own generate. No download.
 
-    python -m bench.gpu_cluster --shape 8b --json out.json   (python -m bench.gpu_check --cluster ...)
+    python -m bench.gpu_cluster --shape 8b --json out.json   (make gpu-bench)
+    python -m bench.gpu_cluster --device cpu --quick         (the script's own test, on a CPU)
 
 One random-weight model of a real shape (bench/gpu_speed.py's SHAPES, bfloat16) with a
 byte-level tokenizer is saved once and served three ways on the same card:
@@ -36,19 +37,25 @@ from bench.gpu_speed import SHAPES, describe
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def generate_baseline(model_dir: Path, batch: int, input_len: int, output_len: int) -> dict:
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def generate_baseline(model_dir: Path, device: str, dtype: torch.dtype, batch: int, input_len: int,
+                      output_len: int) -> dict:
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, device_map="cuda").eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map=device).eval()
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 250, (batch, input_len), generator=g).cuda()
+    ids = torch.randint(3, 250, (batch, input_len), generator=g).to(device)
 
     def run(new: int) -> float:
-        torch.cuda.synchronize()
+        _sync(device)
         t0 = time.perf_counter()
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                                  do_sample=False, eos_token_id=None, pad_token_id=0, cache_implementation="static")
-        torch.cuda.synchronize()
+        _sync(device)
         assert out.shape[1] == input_len + new
         return time.perf_counter() - t0
     # warm-up at the measured shape: generate compiles the forward for a static cache
@@ -57,7 +64,8 @@ def generate_baseline(model_dir: Path, batch: int, input_len: int, output_len: i
     seconds = run(output_len)
     del model
     gc.collect()                                # the model's reference cycles hold its memory until then
-    torch.cuda.empty_cache()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
     return {"batch": batch, "input_len": input_len, "output_len": output_len, "seconds": seconds, "warmup_s": warm,
             "output_tok_s": batch * output_len / seconds}
 
@@ -71,7 +79,8 @@ def pdserve_bench(cluster: Cluster, model_dir: Path, concurrency: int, prompts: 
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     print(r.stdout[-3000:], r.stderr[-2000:], flush=True)
     r.check_returncode()
-    return json.loads(out.read_text())
+    doc = json.loads(out.read_text())
+    return {"config": doc["config"], **doc["summary"]}
 
 
 def long_prompt_ttft(cluster: Cluster, tokens: int, repeats: int) -> dict:
@@ -93,7 +102,9 @@ def long_prompt_ttft(cluster: Cluster, tokens: int, repeats: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_cluster", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", default="8b", choices=[s for s in SHAPES if s != "tiny"])
+    p.add_argument("--device", default="cuda", help="cuda (default), or cpu with --quick (the script's test)")
+    p.add_argument("--shape", default="8b", choices=list(SHAPES))
+    p.add_argument("--quick", action="store_true", help="a few short prompts on the tiny shape, float32")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--input-len", type=int, default=512)
@@ -103,27 +114,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory-share", type=float, default=0.4, help="--gpu-memory-utilization of each worker")
     p.add_argument("--json", default=None, metavar="OUT.json")
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("gpu_cluster: no CUDA device here", file=sys.stderr)
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        print("gpu_cluster: no CUDA device here; --device cpu --quick tests the script", file=sys.stderr)
         return 2
+    if a.quick:
+        a.shape, a.concurrency, a.num_prompts, a.input_len, a.output_len = "tiny", 4, 8, 32, 8
+        a.long_prompt, a.repeats = 256, 2
+    dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
+    dtype_name = str(dtype).removeprefix("torch.")
     work = Path(tempfile.mkdtemp(prefix="pdserve-gpu-cluster-"))
     t0 = time.perf_counter()
     model_dir = build_tiny_model(work / a.shape, shape=SHAPES[a.shape] | {"max_position_embeddings": 8192},
-                                 dtype=torch.bfloat16, device="cuda")
+                                 dtype=dtype, device=a.device)
     gc.collect()
-    torch.cuda.empty_cache()
-    results: dict = {"device": describe(torch.device("cuda")), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+    if a.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    results: dict = {"device": describe(torch.device(a.device)), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
                      "shape": a.shape, "build_s": time.perf_counter() - t0}
 
     def save() -> None:
-        print(json.dumps(results), flush=True)
+        print("gpu_cluster:", ", ".join(k for k in results if isinstance(results[k], dict)), "measured", flush=True)
         if a.json:
             Path(a.json).write_text(json.dumps(results, indent=1) + "\n")
-    results["generate"] = generate_baseline(model_dir, a.concurrency, a.input_len, a.output_len)
+    results["generate"] = generate_baseline(model_dir, a.device, dtype, a.concurrency, a.input_len, a.output_len)
     save()
-    common = ("--dtype", "bfloat16", "--max-batch", str(a.concurrency), "--max-model-len", "8192",
+    common = ("--dtype", dtype_name, "--max-batch", str(a.concurrency), "--max-model-len", "8192",
               "--gpu-memory-utilization", str(a.memory_share))
-    cluster = Cluster(model_dir, "cuda", work, common + ("--prefill", "1", "--decode", "1",
+    cluster = Cluster(model_dir, a.device, work, common + ("--prefill", "1", "--decode", "1",
                                                           "--local-prefill-max-tokens", "0"))
     try:
         results["disaggregated"] = pdserve_bench(cluster, model_dir, a.concurrency, a.num_prompts, a.input_len,
@@ -133,13 +150,13 @@ def main(argv: list[str] | None = None) -> int:
         save()
     finally:
         cluster.stop()
-    cluster = Cluster(model_dir, "cuda", work, common + ("--mode", "aggregated", "--decode", "1"))
+    cluster = Cluster(model_dir, a.device, work, common + ("--mode", "aggregated", "--decode", "1"))
     try:
         results["ttft_aggregated"] = long_prompt_ttft(cluster, a.long_prompt, a.repeats)
     finally:
         cluster.stop()
     d = results["disaggregated"]
-    tok_s = d.get("output_throughput") or d.get("output_tok_s") or 0.0
+    tok_s = d["output_throughput"]
     results["throughput_ratio"] = tok_s / results["generate"]["output_tok_s"]
     results["ttft_overhead"] = results["ttft_disaggregated"]["median_s"] / results["ttft_aggregated"]["median_s"] - 1
     save()

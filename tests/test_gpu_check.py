@@ -58,3 +58,20 @@ def test_gpu_speed_and_cluster_without_a_gpu_say_so():
     for module in ("bench.gpu_speed", "bench.gpu_cluster"):
         r = subprocess.run([sys.executable, "-m", module], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and "no CUDA device" in r.stderr, module
+
+
+def test_gpu_cluster_runs_its_three_ways_on_the_cpu(tmp_path):
+    """`python -m bench.gpu_cluster` end to end on the tiny shape in float32: generate's
+    baseline, `pdserve bench` through a disaggregated cluster (every prompt prefilled
+    remotely, KV through NIXL) and the long-prompt TTFT through an aggregated one."""
+    out = tmp_path / "cluster.json"
+    r = subprocess.run([sys.executable, "-m", "bench.gpu_cluster", "--device", "cpu", "--quick", "--json", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["generate"]["output_tok_s"] > 0
+    assert doc["disaggregated"]["completed"] == 8 and doc["disaggregated"]["failed"] == 0
+    assert doc["throughput_ratio"] > 0
+    assert all("decision=remote" in r and "transport=nixl" in r for r in doc["ttft_disaggregated"]["routes"])
+    assert all("decision=local" in r for r in doc["ttft_aggregated"]["routes"])
+    assert doc["ttft_overhead"] > -1
