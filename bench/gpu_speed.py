@@ -20,7 +20,7 @@ Figures, each measured in this run:
   prefill   one prompt of 512/2k/4k/8k tokens against the GEMM rate: (2 x linear
             weights x tokens + causal attention's matmul FLOPs) / GEMM rate
   sweep     (--sweep) the decode kernel's tile, warps, stages and split target, timed
-            on one 8B-shaped layer: how services/engine/gpu_kernels.py's constants
+            on one 8B-shaped layer: how services/engine/gpu_kernels.py's TILING
             were chosen
 Each time is the median of its repeats.
 """
@@ -184,32 +184,28 @@ def sweep_attention(device: torch.device, quick: bool, log) -> list[dict]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     heads, kv_heads, dim = (32, 8, 128) if not quick else (8, 2, 32)
     cases = ((64, 2048), (128, 2048), (16, 8192), (1, 8192)) if not quick else ((2, 64),)
-    configs = [(n, w, st, t) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3) for t in (1024, 4096)]
+    tilings = [gk.DecodeTiling(n, w, st, t) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3)
+               for t in (1024, 4096)]
     if quick:
-        configs = configs[:2]
-    saved = (gk.BLOCK_N, gk.NUM_WARPS, gk.NUM_STAGES, gk.TARGET_PROGRAMS)
+        tilings = tilings[:2]
     rows = []
-    try:
-        for batch, context in cases:
-            width = context // BLOCK_SIZE + 1
-            kv = torch.randn(2, batch * width, BLOCK_SIZE, kv_heads, dim, dtype=dtype, device=device)
-            q = torch.randn(batch, heads, dim, dtype=dtype, device=device)
-            table = torch.arange(batch * width, device=device, dtype=torch.int32).view(batch, width)
-            lens = torch.full((batch,), context + 1, dtype=torch.int32, device=device)
-            nbytes = 2 * batch * (context + 1) * kv_heads * dim * kv.element_size()
-            scratch = gk.DecodeScratch()
-            for block_n, warps, stages, target in configs:
-                gk.BLOCK_N, gk.NUM_WARPS, gk.NUM_STAGES, gk.TARGET_PROGRAMS = block_n, warps, stages, target
-                splits = gk.splits_for(batch, kv_heads)
-                seconds = timed(lambda: gk.paged_decode(q, kv, table, lens, dim ** -0.5, splits, scratch), device,
-                                3 if quick else 20)
-                rows.append({"batch": batch, "context": context, "block_n": block_n, "warps": warps,
-                             "stages": stages, "target_programs": target, "us": seconds * 1e6,
-                             "gbps": nbytes / seconds / 1e9})
-                log(f"sweep {rows[-1]}")
-            del kv
-    finally:
-        gk.BLOCK_N, gk.NUM_WARPS, gk.NUM_STAGES, gk.TARGET_PROGRAMS = saved
+    for batch, context in cases:
+        width = context // BLOCK_SIZE + 1
+        kv = torch.randn(2, batch * width, BLOCK_SIZE, kv_heads, dim, dtype=dtype, device=device)
+        q = torch.randn(batch, heads, dim, dtype=dtype, device=device)
+        table = torch.arange(batch * width, device=device, dtype=torch.int32).view(batch, width)
+        lens = torch.full((batch,), context + 1, dtype=torch.int32, device=device)
+        nbytes = 2 * batch * (context + 1) * kv_heads * dim * kv.element_size()
+        scratch = gk.DecodeScratch()
+        for tiling in tilings:
+            splits = gk.splits_for(batch, kv_heads, tiling)
+            seconds = timed(lambda: gk.paged_decode(q, kv, table, lens, dim ** -0.5, splits, scratch, tiling=tiling),
+                            device, 3 if quick else 20)
+            rows.append({"batch": batch, "context": context, "block_n": tiling.block_n, "warps": tiling.warps,
+                         "stages": tiling.stages, "target_programs": tiling.target_programs, "us": seconds * 1e6,
+                         "gbps": nbytes / seconds / 1e9})
+            log(f"sweep {rows[-1]}")
+        del kv
     return rows
 
 

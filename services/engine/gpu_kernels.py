@@ -25,6 +25,7 @@ torch's attention on the CPU.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -34,18 +35,26 @@ try:
 except ImportError:                                     # pragma: no cover - triton ships with CUDA torch
     triton = None
 
-# Tokens one program loads at a time, and the query-head rows a program computes (tl.dot
-# needs at least 16; GQA groups are 1-8 heads, padded); warps and pipeline stages of the
-# split kernel. `python -m bench.gpu_speed --sweep` measures the choices; these had the
-# best mean over four batch/context cases of an 8B-shaped layer on an H200
-# (docs/benchmarks-gpu.md): 190 us against 229 for 1,024 programs at batch 64, 2k.
-BLOCK_N = 32
+# The query-head rows a program computes (tl.dot needs at least 16; GQA groups of up to
+# 16 heads are padded to it), and the most parts a context is split into.
 BLOCK_H = 16
-NUM_WARPS = 4
-NUM_STAGES = 2
-# Programs a decode step aims for: several per multiprocessor, so loads overlap.
-TARGET_PROGRAMS = 4096
 MAX_SPLITS = 32
+
+
+@dataclass(frozen=True)
+class DecodeTiling:
+    """The split kernel's shape: tokens a program loads at a time, its warps and
+    pipeline stages, and the programs a step aims for (several per multiprocessor, so
+    loads overlap). `python -m bench.gpu_speed --sweep` measures the choices; TILING had
+    the best mean over four batch/context cases of an 8B-shaped layer on an H200
+    (docs/benchmarks-gpu.md): 190 us against 229 for 1,024 programs at batch 64, 2k."""
+    block_n: int = 32
+    warps: int = 4
+    stages: int = 2
+    target_programs: int = 4096
+
+
+TILING = DecodeTiling()
 # Triton's interpreter multiplies bfloat16 matrices as raw bits (Triton 3.9): there the
 # kernels upcast tl.dot's operands to float32, which gives the same products.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -55,10 +64,10 @@ def available() -> bool:
     return triton is not None
 
 
-def splits_for(batch: int, kv_heads: int) -> int:
+def splits_for(batch: int, kv_heads: int, tiling: DecodeTiling = TILING) -> int:
     """How many parts each sequence's context is split into at this batch size: enough
     programs to keep the device's load units busy, at most MAX_SPLITS."""
-    return max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // max(1, batch * kv_heads))))
+    return max(1, min(MAX_SPLITS, -(-tiling.target_programs // max(1, batch * kv_heads))))
 
 
 if triton is not None:
@@ -192,7 +201,8 @@ class DecodeScratch:
 
 
 def paged_decode(query: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor,
-                 scale: float, splits: int, scratch: DecodeScratch, out: torch.Tensor | None = None) -> torch.Tensor:
+                 scale: float, splits: int, scratch: DecodeScratch, out: torch.Tensor | None = None,
+                 tiling: DecodeTiling = TILING) -> torch.Tensor:
     """query [batch, q_heads, dim]; kv_layer [2, blocks, block_size, kv_heads, dim];
     block_table int32 [batch, width] (row i's blocks in order); context_lens int32
     [batch] (tokens attended, the new one's K/V already written; 0 gives zeros).
@@ -217,8 +227,8 @@ def paged_decode(query: torch.Tensor, kv_layer: torch.Tensor, block_table: torch
         query.stride(0), query.stride(1), block_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), splits,
         BLOCK_SIZE=block_size, KV_HEADS=kv_heads, GROUP=group, DIM=dim, BLOCK_D=block_d,
-        BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, IEEE=query.dtype == torch.float32, UPCAST=INTERPRETED,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        BLOCK_H=BLOCK_H, BLOCK_N=tiling.block_n, IEEE=query.dtype == torch.float32, UPCAST=INTERPRETED,
+        num_warps=tiling.warps, num_stages=tiling.stages)
     _decode_merge_kernel[(batch, q_heads)](
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
         mid_lse.stride(1), out.stride(0), out.stride(1), splits, DIM=dim, BLOCK_D=block_d,
