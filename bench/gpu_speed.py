@@ -111,6 +111,14 @@ def kv_bytes(c: dict, tokens: int, itemsize: int) -> int:
     return tokens * c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * dim * itemsize
 
 
+def _release(runner, pool) -> None:
+    """Give a case's pool (and graphs captured over it) back to the device."""
+    runner.drop_graphs()
+    pool.close()
+    if runner.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def decode_case(runner, batch: int, context: int, repeats: int) -> float:
     """Seconds of one decode step of `batch` sequences, each over `context` cached tokens."""
     from services.engine.kv_cache import KVPoolMemory
@@ -126,11 +134,7 @@ def decode_case(runner, batch: int, context: int, repeats: int) -> float:
     try:
         return timed(lambda: runner.execute(pool, step).argmax(-1).tolist(), runner.device, repeats)
     finally:
-        runner.drop_graphs()
-        pool.close()
-        del pool
-        if runner.device.type == "cuda":
-            torch.cuda.empty_cache()
+        _release(runner, pool)
 
 
 def prefill_case(runner, tokens: int, repeats: int) -> float:
@@ -143,10 +147,7 @@ def prefill_case(runner, tokens: int, repeats: int) -> float:
         return timed(lambda: runner.prefill(pool, ids, list(range(width))).argmax().item(), runner.device, repeats,
                      warmup=1)
     finally:
-        pool.close()
-        del pool
-        if runner.device.type == "cuda":
-            torch.cuda.empty_cache()
+        _release(runner, pool)
 
 
 def attention_case(runner, batch: int, context: int, repeats: int) -> dict:

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from services.engine import gpu_kernels
 from services.engine.device import Fence, HostStream
 from services.engine.native import NativeAttention
 
@@ -72,6 +73,22 @@ class PagedBatch:
     threads: int = 1
     on_layer: Callable[[int, Fence], None] | None = None     # layer L's KV is written (once the fence passes)
     stream: HostStream = field(default_factory=HostStream)
+
+
+def decode_widths(positions: list[int], tables: list[list[int]], block_size: int) -> list[int]:
+    """Each decode row's blocks in use (those holding positions 0..p); ValueError for a
+    table too short to hold its position."""
+    widths = [p // block_size + 1 for p in positions]
+    for t, w, p in zip(tables, widths, positions):
+        if len(t) < w:
+            raise ValueError(f"a block table of {len(t)} blocks cannot hold position {p}")
+    return widths
+
+
+def check_block_ids(lowest: int, highest: int, num_blocks: int) -> None:
+    """The kernels trust their block ids: ValueError for any outside the pool."""
+    if lowest < 0 or highest >= num_blocks:
+        raise ValueError(f"block ids must lie in [0, {num_blocks})")
 
 
 def length_groups(widths: list[int], min_width: int = 8) -> list[tuple[int, int]]:
@@ -178,7 +195,6 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 def _attend(b: PagedBatch, layer: int, query, key, value, scale: float, out: torch.Tensor) -> None:
     """The layer's work on the device: write the new tokens' K/V, then attend."""
     if b.gpu_writes:
-        from services.engine import gpu_kernels
         gpu_kernels.write_kv(b.kv[layer], b.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
     else:
         _write(b.kv, layer, b.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
@@ -186,7 +202,6 @@ def _attend(b: PagedBatch, layer: int, query, key, value, scale: float, out: tor
     if d:
         q = query[0, :, :d].transpose(0, 1)                # [rows, heads, dim]
         if b.gpu is not None:
-            from services.engine import gpu_kernels
             g = b.gpu
             gpu_kernels.paged_decode(q, b.kv[layer], g.block_table, g.context_lens, scale, g.splits, g.scratch,
                                      out=out[0, :d])

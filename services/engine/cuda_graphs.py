@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from services.engine import gpu_kernels
-from services.engine.attention import GPUDecode, PagedBatch
+from services.engine.attention import GPUDecode, PagedBatch, check_block_ids, decode_widths
 
 log = logging.getLogger(__name__)
 
@@ -120,13 +120,10 @@ class DecodeGraphs:
         n = len(tokens)
         size = self.bucket(n)
         bs = self.block_size
-        widths = [p // bs + 1 for p in positions]
+        widths = decode_widths(positions, tables, bs)
         width = max(widths)
         if width > self.width:
             raise ValueError(f"position {max(positions)} is past the longest sequence ({self.width * bs} tokens)")
-        for t, w, p in zip(tables, widths, positions):
-            if len(t) < w:
-                raise ValueError(f"a block table of {len(t)} blocks cannot hold position {p}")
         if self.copied is not None:
             self.copied.synchronize()               # the staging is free again (at once, after a sampled step)
         # numpy over the pinned staging: ~4x faster than building tensors from lists
@@ -134,8 +131,7 @@ class DecodeGraphs:
         table = self.stage_table[:size * width].view(size, width)
         flat = np.fromiter(chain.from_iterable(t[:w] if w == width else t[:w] + [0] * (width - w)
                                                for t, w in zip(tables, widths)), dtype=np.int32, count=n * width)
-        if int(flat.min()) < 0 or int(flat.max()) >= num_blocks:              # the kernels trust their ids
-            raise ValueError(f"block ids must lie in [0, {num_blocks})")
+        check_block_ids(int(flat.min()), int(flat.max()), num_blocks)
         grid = table.numpy()
         grid[:n] = flat.reshape(n, width)
         rows = self.stage_rows[:, :size]

@@ -38,7 +38,7 @@ from services.engine.model_store import context_length
 from services.engine import fusion
 from services.engine import gpu_kernels
 from services.engine.attention import (DecodeGroup, GPUDecode, NativeDecode, PagedBatch, Segment, Workspace,
-                                       length_groups, paged_attention)
+                                       check_block_ids, decode_widths, length_groups, paged_attention)
 from services.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from services.engine.native import (NativeAttention, NativeBuildError, NativeLayers, NativeMatmul, load_attention,
                                    load_layers, load_matmul)
@@ -332,14 +332,10 @@ class ModelRunner:
         """Decode rows' slots (CPU), with their block tables set up on `paged` for the
         native kernel or for torch's grouped path."""
         bs = pool.layout.block_size
-        widths = [p // bs + 1 for p in positions]           # blocks holding positions 0..p
-        for t, w, p in zip(tables, widths, positions):
-            if len(t) < w:
-                raise ValueError(f"a block table of {len(t)} blocks cannot hold position {p}")
+        widths = decode_widths(positions, tables, bs)
         width = max(widths)
         table = torch.tensor([list(t[:w]) + [0] * (width - w) for t, w in zip(tables, widths)], dtype=torch.long)
-        if int(table.min()) < 0 or int(table.max()) >= pool.layout.num_blocks:   # the kernel trusts its ids
-            raise ValueError(f"block ids must lie in [0, {pool.layout.num_blocks})")
+        check_block_ids(int(table.min()), int(table.max()), pool.layout.num_blocks)
         pos = torch.tensor(positions, dtype=torch.long)
         slots = table[torch.arange(len(positions)), pos // bs] * bs + pos % bs
         if self.gpu_kernels:

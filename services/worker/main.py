@@ -36,9 +36,9 @@ SHUTDOWN_GRACE_SECONDS = 5.0
 # running batch's decode tokens, and a prompt chunk in it delays every one of them.
 PREFILL_TOKEN_BUDGET = 1024
 DECODE_TOKEN_BUDGET = 512
-# On a GPU a forward pass of a few thousand tokens still runs near the matmul peak
-# (bench/gpu_speed.py: an 8B-shaped 2k-token prompt at ~60 % of the GEMM rate, 512
-# tokens at ~38 %): vLLM's and SGLang's chunk sizes.
+# On a GPU a forward pass of a few thousand tokens runs near the matmul peak and a short
+# one does not (bench/gpu_speed.py on an H200: an 8B-shaped 2k-token prompt at 84 % of
+# the GEMM rate, 512 tokens at 55 %): vLLM's and SGLang's chunk sizes.
 PREFILL_TOKEN_BUDGET_GPU = 8192
 DECODE_TOKEN_BUDGET_GPU = 2048
 # Prompt tokens in a decode worker's step that also decodes, when --mixed-prefill-tokens
