@@ -76,15 +76,17 @@ def test_gated_is_silu_gate_times_up(matmul, rows, with_bias):
 
 @needs_bf16
 def test_each_rows_result_is_the_same_whatever_shares_the_call(matmul):
-    """Sums run in one k order per output whatever the tile: batch-invariant, and the
-    same with two threads (split by output columns and, past 64 rows, by row blocks;
-    never by k)."""
+    """Sums run in one k order per output whatever the tile or the prefetching:
+    batch-invariant, and the same with two threads (split by output columns and, past 64
+    rows, by row blocks; never by k)."""
     gen = torch.Generator().manual_seed(7)
     w = (torch.randn(3072, 576, generator=gen) * 0.05).bfloat16()
     x = torch.randn(150, 576, generator=gen).bfloat16()
     packed, _ = matmul.pack(w)
     whole = matmul.linear(x, packed, 3072)
     assert all(torch.equal(matmul.linear(x[i:i + 1], packed, 3072)[0], whole[i]) for i in range(0, 150, 7))
+    # one thread over 3 to 64 rows prefetches the next panel as it goes: the same bits
+    assert all(torch.equal(matmul.linear(x[:rows], packed, 3072), whole[:rows]) for rows in (3, 8, 13, 16, 40, 64))
     assert torch.equal(matmul.linear(x[4:11], packed, 3072, threads=2), whole[4:11])
     assert torch.equal(matmul.linear(x, packed, 3072, threads=2), whole)
     assert torch.equal(matmul.linear(x[:1], packed, 3072, threads=2)[0], whole[0])
@@ -221,6 +223,8 @@ def test_float32_each_rows_result_is_the_same_whatever_shares_the_call(matmul):
     packed, _ = matmul.pack(w, dtype=torch.float32)
     whole = matmul.linear(x, packed, 3072)
     assert all(torch.equal(matmul.linear(x[i:i + 1], packed, 3072)[0], whole[i]) for i in range(0, 150, 7))
+    # one thread over 3 to 64 rows prefetches the next panel as it goes: the same bits
+    assert all(torch.equal(matmul.linear(x[:rows], packed, 3072), whole[:rows]) for rows in (3, 8, 13, 16, 40, 64))
     assert torch.equal(matmul.linear(x[4:11], packed, 3072, threads=2), whole[4:11])
     assert torch.equal(matmul.linear(x, packed, 3072, threads=2), whole)
     # A fused product's columns are its parts' products, bit for bit (q|k|v fused stays exact).
