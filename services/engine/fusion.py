@@ -35,13 +35,15 @@ What was applied is returned as a list of words for the start-up log.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from services.engine.hardware import cpu_flags
-from services.engine.native import NativeLayers, NativeMatmul
+from services.engine.native import (DecoderLayerWeights, NativeAttention, NativeDecoder, NativeLayers,
+                                    NativeMatmul)
 from services.engine.attention import paged_attention
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,9 @@ log = logging.getLogger(__name__)
 RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 # Decoder layers whose forward is Llama's (checked further in `_lean_compatible`).
 LEAN_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+# Models whose forward is embed -> rotary angles -> decoder layers -> norm, nothing else
+# (what `native_decoder`'s one-call decode step stands in for).
+DECODER_MODELS = ("LlamaModel", "MistralModel", "Qwen2Model")
 # Modules whose forward is down(silu(gate(x)) * up(x)).
 SILU_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
 FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -573,6 +578,34 @@ def apply(model: nn.Module, kernels: NativeLayers | None, quantization: str = "n
     if dtype == torch.float32 and not fuse:
         log.info("float32 projections stay separate: a fused matmul is not bit-identical on this CPU")
     return sorted(applied)
+
+
+def native_decoder(model: nn.Module, attention: NativeAttention | None, kernels, matmul: NativeMatmul | None,
+                   library: Path) -> NativeDecoder | None:
+    """The model's decoder layers as one native call for decode steps, where every layer
+    runs in the native kernels already (a bfloat16 Llama-family model on a CPU with
+    AVX512-BF16, after `apply`): `library` from `native.load_decoder`. None otherwise."""
+    inner = getattr(model, "model", None)
+    layers = list(getattr(inner, "layers", None) or [])
+    if (model.dtype != torch.bfloat16 or model.device.type != "cpu" or attention is None
+            or not isinstance(kernels, NativeLayers) or matmul is None or not matmul.bf16
+            or type(inner).__name__ not in DECODER_MODELS or not layers):
+        return None
+    weights = []
+    for layer in layers:
+        if not isinstance(layer, LeanDecoderLayer) or layer.kernels is not kernels or not layer.pack:
+            return None
+        qkv, o, gated, down = layer.qkv.linear if layer.qkv is not None else None, layer.o_proj, layer.gated, layer.down_proj
+        if (not all(isinstance(m, NativeLinear) for m in (qkv, o, gated, down)) or qkv.gated or not gated.gated
+                or (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scaling)
+                != (layers[0].num_heads, layers[0].num_kv_heads, layers[0].head_dim, layers[0].scaling)):
+            return None
+        weights.append(DecoderLayerWeights(layer.norm_weights[0], layer.norm_weights[1], layer.eps[0], layer.eps[1],
+                                           (qkv.packed, qkv.bias), (o.packed, o.bias), (gated.packed, gated.bias),
+                                           (down.packed, down.bias)))
+    first = layers[0]
+    return NativeDecoder(library, attention, kernels, matmul, weights, first.num_heads, first.num_kv_heads,
+                         first.head_dim, layers[0].gated.out_features, first.scaling)
 
 
 def _quantize_layers(model: nn.Module, kernels: NativeLayers | None, calibration_ids: list[int] | None,

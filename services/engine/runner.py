@@ -40,8 +40,8 @@ from services.engine import gpu_kernels
 from services.engine.attention import (DecodeGroup, GPUDecode, NativeDecode, PagedBatch, Segment, Workspace,
                                        check_block_ids, decode_widths, length_groups, paged_attention)
 from services.engine.cuda_graphs import DecodeGraphs, capture_sizes
-from services.engine.native import (NativeAttention, NativeBuildError, NativeLayers, NativeMatmul, load_attention,
-                                   load_layers, load_matmul)
+from services.engine.native import (NativeAttention, NativeBuildError, NativeDecoder, NativeLayers, NativeMatmul,
+                                   load_attention, load_decoder, load_layers, load_matmul)
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +138,9 @@ class ModelRunner:
         if quantization != "none":
             from services.engine.tokenizer import load_tokenizer
             calibration = load_tokenizer(self.model_dir)(fusion.CALIBRATION_TEXT)["input_ids"]
-        self.fusions = fusion.apply(self.model, self._layer_kernels(attention, kernel_cache), quantization,
-                                    calibration, self._matmul(attention, kernel_cache))
+        layer_kernels, matmul = self._layer_kernels(attention, kernel_cache), self._matmul(attention, kernel_cache)
+        self.fusions = fusion.apply(self.model, layer_kernels, quantization, calibration, matmul)
+        self.decoder = self._decoder(kernel_cache, layer_kernels, matmul)
         # With AMX, torch's SDPA (oneDNN on AMX tiles) beats the vdpbf16ps kernel: measured
         # 2.3 ms against ~7 ms a layer at 512 tokens on a Sapphire Rapids core.
         self.native_prefill = (self.native is not None and self.native.prefills
@@ -208,10 +209,25 @@ class ModelRunner:
         matmul.f32 = matmul.f32 and f32      # int8 on AVX-512 in float32: the other layers keep torch's
         return matmul
 
+    def _decoder(self, kernel_cache: Path, layer_kernels, matmul: NativeMatmul | None) -> NativeDecoder | None:
+        """Decode steps' decoder layers in one native call, where every layer already runs
+        in the native kernels (bfloat16 on a CPU with AVX512-BF16); None otherwise."""
+        if (self.native is None or self.quantization != "none" or self.model.dtype != torch.bfloat16
+                or not isinstance(layer_kernels, NativeLayers) or matmul is None or not matmul.bf16):
+            return None
+        try:
+            library = load_decoder(kernel_cache)
+        except NativeBuildError as e:
+            log.warning("decode steps call their layers one by one: %s", e)
+            return None
+        return fusion.native_decoder(self.model, self.native, layer_kernels, matmul, library)
+
     def describe(self) -> str:
         decode = "native" if self.native is not None else "triton paged" if self.gpu_kernels else "torch"
         if self.graph_sizes:
             decode += f", CUDA graphs for 1-{self.graph_sizes[-1]} sequences"
+        if self.decoder is not None:
+            decode += ", its layers in one call"
         prefill = "native" if self.native_prefill else "torch SDPA"
         weights = "" if self.quantization == "none" else f", {self.quantization} weights"
         return (f"{self.dtype_name} ({self.dtype_reason}){weights} on {self.device}; attention: decode {decode}, "
@@ -267,6 +283,8 @@ class ModelRunner:
                 if batch.sample_rows != list(range(len(batch.decode_tokens))):
                     logits = logits[batch.sample_rows]
                 return logits
+        if self.decoder is not None and batch.decode_tokens and not batch.segments and on_layer is None:
+            return self._native_decode(pool, batch)
         bs = pool.layout.block_size
         paged = PagedBatch(kv=pool.tensor, slots=torch.empty(0, dtype=torch.long), on_layer=on_layer,
                            stream=self.stream, gpu_writes=self.gpu_kernels,
@@ -292,6 +310,21 @@ class ModelRunner:
                                   pdserve_batch=paged).last_hidden_state
         rows = torch.tensor(batch.sample_rows + batch.logprob_rows, dtype=torch.long, device=self.device)
         return self.model.lm_head(hidden[0].index_select(0, rows)).float()
+
+    def _native_decode(self, pool: KVPoolMemory, batch: ForwardBatch) -> torch.Tensor:
+        """A decode-only step with its decoder layers in one native call (`NativeDecoder`):
+        the model's own embedding, rotary angles, final norm and head around it, as its
+        forward runs them."""
+        paged = PagedBatch(kv=pool.tensor, slots=torch.empty(0, dtype=torch.long))
+        slots = self._decode_slots(paged, batch.decode_positions, batch.decode_tables, pool)
+        inner = self.model.model
+        hidden = inner.embed_tokens(torch.tensor(batch.decode_tokens, dtype=torch.long)).contiguous()
+        cos, sin = inner.rotary_emb(hidden[None], torch.tensor([batch.decode_positions], dtype=torch.long))
+        self.decoder.run(hidden, pool.tensor, cos[0], sin[0], slots, paged.native.block_table,
+                         paged.native.context_lens, torch.get_num_threads())
+        hidden = inner.norm(hidden)
+        rows = torch.tensor(batch.sample_rows + batch.logprob_rows, dtype=torch.long)
+        return self.model.lm_head(hidden.index_select(0, rows)).float()
 
     def _decode_graphs(self, pool: KVPoolMemory) -> DecodeGraphs | None:
         """The graphs over `pool`, captured on first use (a new pool: captured again);

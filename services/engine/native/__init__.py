@@ -6,7 +6,8 @@ themselves, bfloat16 on those CPUs, uint8 x int8 on CPUs with AVX512-VNNI and fl
 CPUs with AVX2 and FMA;
 `layers.c` the element-wise
 work around the matmuls (RMSNorm, SiLU-and-multiply; with int8 weights, quantizing
-activations per token and scaling products back) in one pass each. Each is
+activations per token and scaling products back) in one pass each; `decoder.c` a decode
+step's decoder layers through those kernels in one call (bfloat16). Each is
 compiled for the CPU it runs on (-march=native) into the cache directory, under a name
 keyed by its source, flags, compiler and CPU, so a cache shared between machines never
 hands one machine another's build; building takes about a second. Where there is no
@@ -23,6 +24,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,6 +35,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("attention.c")
 LAYERS_SOURCE = Path(__file__).with_name("layers.c")
 MATMUL_SOURCE = Path(__file__).with_name("matmul.c")
+DECODER_SOURCE = Path(__file__).with_name("decoder.c")
 COMPILE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC"]
 # Linked without -ffast-math: linking with it would add crtfastmath.o, which turns on
 # flush-to-zero for the whole process when the library loads. -fopenmp links libgomp.so.1,
@@ -427,6 +430,103 @@ class NativeMatmul:
         return out.view(*x.shape[:-1], width)
 
 
+class _Kernels(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("linear", "norm", "rotary", "attend")]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = ([(name, ctypes.c_void_p) for name in ("norm_in", "norm_post", "qkv", "o", "gate_up", "down",
+                                                      "qkv_bias", "o_bias", "gate_up_bias", "down_bias")]
+                + [("eps_in", ctypes.c_float), ("eps_post", ctypes.c_float)])
+
+
+class _Model(ctypes.Structure):
+    _fields_ = ([(name, ctypes.c_int64) for name in ("layers", "hidden", "q_heads", "kv_heads", "dim", "inter",
+                                                     "layer_stride", "half_stride", "block_stride", "token_stride",
+                                                     "block_size")]
+                + [("scale", ctypes.c_float), ("layer", ctypes.POINTER(_Layer))])
+
+
+@dataclass(frozen=True)
+class DecoderLayerWeights:
+    """One Llama-family layer as `decoder.c` takes it: bfloat16 norm weights, and the
+    native matmul's packed weights (and packed float32 biases, or None) of q|k|v, o,
+    gate|up (gated) and down."""
+    norm_in: torch.Tensor
+    norm_post: torch.Tensor
+    eps_in: float
+    eps_post: float
+    qkv: tuple[torch.Tensor, torch.Tensor | None]
+    o: tuple[torch.Tensor, torch.Tensor | None]
+    gate_up: tuple[torch.Tensor, torch.Tensor | None]
+    down: tuple[torch.Tensor, torch.Tensor | None]
+
+
+class NativeDecoder:
+    """A decode step's decoder layers in one native call (decoder.c), bfloat16: the same
+    kernels, in the same order, as the layers' own forward calls one by one, so the
+    same bits, without ~180 us of Python per layer."""
+
+    def __init__(self, library: Path, attention: NativeAttention, layers: NativeLayers, matmul: NativeMatmul,
+                 weights: list[DecoderLayerWeights], q_heads: int, kv_heads: int, dim: int, inter: int,
+                 scale: float) -> None:
+        lib = _load(library)
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._run = lib.pdserve_decode_layers
+        self._run.argtypes = [p, p, p, p, p, i32, p, p, p, p, i64, p, i32]
+        self._run.restype = i32
+        self._scratch_size = lib.pdserve_decode_scratch
+        self._scratch_size.argtypes = [p, i64]
+        self._scratch_size.restype = i64
+        address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value     # noqa: E731
+        self._kernels = _Kernels(address(matmul._linear[torch.bfloat16]), address(layers._norm),
+                                 address(layers._rotary), address(attention._decode))
+        ptr = lambda t: None if t is None else t.data_ptr()              # noqa: E731
+        self._weights = [w for w in weights]            # the tensors the pointers below point into
+        self._norms = [(w.norm_in.to(torch.bfloat16).contiguous(), w.norm_post.to(torch.bfloat16).contiguous())
+                       for w in weights]
+        self._layers = (_Layer * len(weights))(*[
+            _Layer(n_in.data_ptr(), n_post.data_ptr(), w.qkv[0].data_ptr(), w.o[0].data_ptr(),
+                   w.gate_up[0].data_ptr(), w.down[0].data_ptr(), ptr(w.qkv[1]), ptr(w.o[1]), ptr(w.gate_up[1]),
+                   ptr(w.down[1]), w.eps_in, w.eps_post)
+            for w, (n_in, n_post) in zip(weights, self._norms)])
+        hidden = weights[0].norm_in.numel()
+        self._model = _Model(len(weights), hidden, q_heads, kv_heads, dim, inter, 0, 0, 0, 0, 0, scale,
+                             self._layers)
+        self._pool: tuple | None = None
+        self._scratch = torch.empty(0, dtype=torch.bfloat16)
+        self._lib = lib
+
+    def run(self, hidden: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            slots: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, threads: int = 1) -> None:
+        """hidden [rows, hidden] bfloat16, contiguous: the layers' input, overwritten with
+        the last layer's output; kv: the pool [layers, 2, blocks, block_size, kv_heads,
+        dim]; cos/sin [rows, dim]; slots int64 [rows]: each row's new K/V; table int64
+        [rows, width] and lens int32 [rows] as `NativeAttention.decode` takes them."""
+        rows = hidden.shape[0]
+        if (hidden.dtype != torch.bfloat16 or not hidden.is_contiguous() or kv.dtype != torch.bfloat16
+                or not kv.is_contiguous() or kv.shape[0] != self._model.layers):
+            raise ValueError("the native decoder takes contiguous bfloat16 rows and a bfloat16 pool of its layers")
+        if (slots.dtype != torch.int64 or not slots.is_contiguous() or table.dtype != torch.int64
+                or table.stride(1) != 1 or lens.dtype != torch.int32 or not lens.is_contiguous()
+                or not rows == slots.shape[0] == table.shape[0] == lens.shape[0] == cos.shape[0]):
+            raise ValueError("slots int64, block table int64 rows and lengths int32, one of each per row")
+        if self._pool != tuple(kv.shape):
+            self._pool = tuple(kv.shape)
+            m = self._model
+            m.layer_stride, m.half_stride, m.block_stride, m.token_stride = kv.stride()[:4]
+            m.block_size = kv.shape[3]
+        need = self._scratch_size(ctypes.byref(self._model), rows)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.bfloat16)
+        cos, sin = cos.to(torch.bfloat16).contiguous(), sin.to(torch.bfloat16).contiguous()
+        rc = self._run(ctypes.byref(self._kernels), ctypes.byref(self._model), kv.data_ptr(), hidden.data_ptr(),
+                       self._scratch.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                       table.data_ptr(), table.stride(0), lens.data_ptr(), threads)
+        if rc:
+            raise ValueError(f"the native decoder's step {rc} refused its arguments")
+
+
 def _kernel_dir(cache_root: Path) -> Path:
     """`cache_root`/kernels, or the temp directory where that is read-only (a
     container's baked-in cache)."""
@@ -442,6 +542,12 @@ def load_attention(cache_root: Path) -> NativeAttention:
 def load_layers(cache_root: Path) -> NativeLayers:
     """Build (once per machine and source) and load the layer kernels."""
     return NativeLayers(_build(LAYERS_SOURCE, _kernel_dir(cache_root)))
+
+
+def load_decoder(cache_root: Path) -> Path:
+    """Build (once per machine and source) the one-call decoder layers; the library's
+    path, for `NativeDecoder`."""
+    return _build(DECODER_SOURCE, _kernel_dir(cache_root))
 
 
 def load_matmul(cache_root: Path) -> NativeMatmul:

@@ -1,0 +1,80 @@
+"""Decode steps' decoder layers in one native call (services/engine/native/decoder.c):
+on the real model in bfloat16, a decode step through it gives the same logits and
+writes the same KV bytes, bit for bit, as the layers' own forward calls one by one;
+and it is used only where every layer already runs in the native kernels."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.hardware import cpu_flags, cpu_kind
+from services.engine.kv_cache import KVPoolMemory
+from services.engine.runner import ForwardBatch, ModelRunner
+
+BLOCK = 16
+needs_bf16 = pytest.mark.skipif("avx512_bf16" not in cpu_flags(),
+                                reason=f"the one-call decoder runs on AVX512-BF16; this CPU is {cpu_kind()}")
+
+
+@pytest.fixture(scope="module")
+def runner(model_dir, kernel_cache):
+    return ModelRunner(model_dir, "bfloat16", "cpu", kernel_cache=kernel_cache)
+
+
+def _step(runner, pool, batch: ForwardBatch, one_call: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    decoder = runner.decoder
+    if not one_call:
+        runner.decoder = None
+    try:
+        return runner.execute(pool, batch), pool.tensor.clone()
+    finally:
+        runner.decoder = decoder
+
+
+@needs_bf16
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("positions", [[0], [5, 17, 330, 31, 64, 100, 1, 16], [47] * 20])
+def test_one_call_is_bit_for_bit_the_layer_by_layer_step(runner, threads, positions):
+    assert runner.decoder is not None
+    gen = torch.Generator().manual_seed(len(positions))
+    widths = [p // BLOCK + 1 for p in positions]
+    num_blocks = sum(widths) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()          # scattered blocks
+    tables = [order[sum(widths[:i]):sum(widths[:i + 1])] for i in range(len(widths))]
+    tokens = torch.randint(100, 10000, (len(positions),), generator=gen).tolist()
+    # every row sampled but the second; the first also asks for its logprobs' row again
+    sample = [r for r in range(len(positions)) if r != 1]
+    batch = ForwardBatch(decode_tokens=tokens, decode_positions=positions, decode_tables=tables,
+                         sample_rows=sample, logprob_rows=[0])
+    pool = KVPoolMemory.allocate(runner.layout(num_blocks, BLOCK))
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        pool.tensor.normal_(generator=gen)
+        start = pool.tensor.clone()
+        logits, kv = _step(runner, pool, batch, one_call=True)
+        pool.tensor.copy_(start)
+        ref_logits, ref_kv = _step(runner, pool, batch, one_call=False)
+    finally:
+        torch.set_num_threads(threads_before)
+        pool.close()
+    assert logits.shape == (len(sample) + 1, runner.vocab_size)
+    assert torch.equal(logits, ref_logits)
+    assert torch.equal(kv, ref_kv) and not torch.equal(kv, start)
+
+
+@needs_bf16
+def test_a_block_outside_the_pool_is_refused_before_the_kernels(runner):
+    pool = KVPoolMemory.allocate(runner.layout(4, BLOCK))
+    try:
+        with pytest.raises(ValueError, match="block ids"):
+            runner.decode(pool, [100], [3], [[7]])
+    finally:
+        pool.close()
+
+
+def test_used_only_where_every_layer_runs_natively(model_dir, kernel_cache):
+    """float32 keeps torch's ops for exact parity, and `--attention-kernel torch` keeps
+    torch's everywhere: no one-call decoder in either."""
+    assert ModelRunner(model_dir, "float32", "cpu", kernel_cache=kernel_cache).decoder is None
+    assert ModelRunner(model_dir, "bfloat16", "cpu", attention="torch", kernel_cache=kernel_cache).decoder is None
