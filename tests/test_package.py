@@ -69,7 +69,7 @@ def test_the_wheel_serves_the_readme_example_from_a_fresh_venv(tmp_path, model_d
          "-w", dist, src)
     (wheel,) = dist.glob("pdserve-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    shipped = {f"services/engine/native/{name}.c" for name in ("attention", "layers", "matmul")} | {
+    shipped = {f"services/engine/native/{name}.c" for name in ("attention", "layers", "matmul", "decoder")} | {
         f"services/rpc/{stem}{suffix}" for stem in ("generate", "worker", "autoscaler")
         for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")}
     assert shipped <= names, shipped - names

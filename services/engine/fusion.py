@@ -30,6 +30,11 @@ The model keeps running its own modelling code; only modules are replaced:
 - bfloat16 or float16 on a CUDA device: the same three element-wise steps in Triton
   kernels (`gpu_kernels.TritonLayers`), one launch each.
 
+Where every decoder layer ends up in the native kernels (bfloat16 on AVX512-BF16),
+`native_decoder` hands the runner all of them as one native call for decode steps
+(`services/engine/native/decoder.c`): the same kernels in the same order, so the same
+bits, without Python between them.
+
 What was applied is returned as a list of words for the start-up log.
 """
 from __future__ import annotations

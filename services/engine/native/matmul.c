@@ -278,9 +278,9 @@ static inline __attribute__((always_inline)) void strips(const struct call *c, c
  * stream from memory runs under all this one's arithmetic. Otherwise the first strip
  * fetches each tile's weights as it goes and runs at memory speed, and the strips after
  * it have the core to themselves. One core, SmolLM2's 30 layers (bench/matmul.py), the
- * same bits: 4 rows 11.2 -> 10.0 ms, 8 rows 12.3 -> 11.5, 12 rows 16.0 -> 14.9, 16 rows
- * 20.0 -> 19.5, 32 rows 35.3 -> 34.1, 64 rows unchanged; 1 and 2 rows, where the stream
- * is all there is, gained nothing. */
+ * same bits: 4 rows 11.4-12.3 -> 10.5 ms, 8 rows 12.7-13.2 -> 11.4-11.8, 12 rows 16.3-16.6
+ * -> 14.9, 16 rows 20.2-20.4 -> 19.4-19.9, 32 rows 35.2-35.6 -> 33.9-34.2, 64 rows
+ * unchanged; 1 and 2 rows, where the stream is all there is, gained nothing. */
 static inline __attribute__((always_inline)) void ahead(const struct call *c, const enum kind KIND, int64_t m0,
                                                         int64_t mt, int64_t g0, int64_t g1, int64_t n0, int64_t n1) {
     const int64_t gsize = c->steps * GROUP * STEP, count = tiles(mt, g1 - g0);
