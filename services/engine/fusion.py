@@ -585,8 +585,8 @@ def apply(model: nn.Module, kernels: NativeLayers | None, quantization: str = "n
     return sorted(applied)
 
 
-def native_decoder(model: nn.Module, attention: NativeAttention | None, kernels, matmul: NativeMatmul | None,
-                   library: Path) -> NativeDecoder | None:
+def native_decoder(model: nn.Module, attention: NativeAttention | None, kernels: NativeLayers | None,
+                   matmul: NativeMatmul | None, library: Path) -> NativeDecoder | None:
     """The model's decoder layers as one native call for decode steps, where every layer
     runs in the native kernels already (a bfloat16 Llama-family model on a CPU with
     AVX512-BF16, after `apply`): `library` from `native.load_decoder`. None otherwise."""
@@ -596,21 +596,23 @@ def native_decoder(model: nn.Module, attention: NativeAttention | None, kernels,
             or not isinstance(kernels, NativeLayers) or matmul is None or not matmul.bf16
             or type(inner).__name__ not in DECODER_MODELS or not layers):
         return None
+    first = layers[0]
+    shape = (first.num_heads, first.num_kv_heads, first.head_dim, first.scaling) \
+        if isinstance(first, LeanDecoderLayer) else None
     weights = []
     for layer in layers:
         if not isinstance(layer, LeanDecoderLayer) or layer.kernels is not kernels or not layer.pack:
             return None
-        qkv, o, gated, down = layer.qkv.linear if layer.qkv is not None else None, layer.o_proj, layer.gated, layer.down_proj
+        qkv = layer.qkv.linear if layer.qkv is not None else None
+        o, gated, down = layer.o_proj, layer.gated, layer.down_proj
         if (not all(isinstance(m, NativeLinear) for m in (qkv, o, gated, down)) or qkv.gated or not gated.gated
-                or (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scaling)
-                != (layers[0].num_heads, layers[0].num_kv_heads, layers[0].head_dim, layers[0].scaling)):
+                or (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scaling) != shape):
             return None
         weights.append(DecoderLayerWeights(layer.norm_weights[0], layer.norm_weights[1], layer.eps[0], layer.eps[1],
                                            (qkv.packed, qkv.bias), (o.packed, o.bias), (gated.packed, gated.bias),
                                            (down.packed, down.bias)))
-    first = layers[0]
     return NativeDecoder(library, attention, kernels, matmul, weights, first.num_heads, first.num_kv_heads,
-                         first.head_dim, layers[0].gated.out_features, first.scaling)
+                         first.head_dim, first.gated.out_features, first.scaling)
 
 
 def _quantize_layers(model: nn.Module, kernels: NativeLayers | None, calibration_ids: list[int] | None,

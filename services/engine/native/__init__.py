@@ -482,7 +482,8 @@ class NativeDecoder:
         self._kernels = _Kernels(address(matmul._linear[torch.bfloat16]), address(layers._norm),
                                  address(layers._rotary), address(attention._decode))
         ptr = lambda t: None if t is None else t.data_ptr()              # noqa: E731
-        self._weights = [w for w in weights]            # the tensors the pointers below point into
+        # What the pointers below point into: the weights and the kernels' libraries.
+        self._weights, self._kernel_libraries = list(weights), (attention, layers, matmul)
         self._norms = [(w.norm_in.to(torch.bfloat16).contiguous(), w.norm_post.to(torch.bfloat16).contiguous())
                        for w in weights]
         self._layers = (_Layer * len(weights))(*[

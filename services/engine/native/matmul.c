@@ -67,7 +67,7 @@ static __attribute__((unused)) void deal(const void *call, panel_fn panel, int64
         const int64_t r1 = r0 + BLOCK_ROWS < rows && blocks > 1 ? r0 + BLOCK_ROWS : rows;
         const int64_t g0 = p * per_panel, g1 = g0 + per_panel < groups ? g0 + per_panel : groups;
         const int64_t n1 = in_order && p + 1 < panels ? (g1 + per_panel < groups ? g1 + per_panel : groups) : g1;
-        const int64_t step = in_order ? BLOCK_ROWS : mstep;     /* the whole block at once: see panel() */
+        const int64_t step = in_order ? BLOCK_ROWS : mstep;     /* the whole block at once: see ahead() */
         for (int64_t m0 = r0; m0 < r1; m0 += step)
             panel(call, m0, r1 - m0 < step ? r1 - m0 : step, g0, g1, g1, n1);
     }
