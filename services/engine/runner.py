@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
@@ -44,6 +44,7 @@ from services.engine.native import (NativeAttention, NativeBuildError, NativeDec
                                    load_attention, load_decoder, load_layers, load_matmul)
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ATTN_IMPL = "pdserve_paged"
 
@@ -85,6 +86,15 @@ def pick_device(requested: str | None = None) -> torch.device:
     if requested and requested != "auto":
         return torch.device(requested)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _built(load: Callable[[Path], T], kernel_cache: Path, otherwise: str) -> T | None:
+    """`load(kernel_cache)`, or None with a warning saying what runs `otherwise`."""
+    try:
+        return load(kernel_cache)
+    except NativeBuildError as e:
+        log.warning("%s: %s", otherwise, e)
+        return None
 
 
 class ModelRunner:
@@ -201,12 +211,9 @@ class ModelRunner:
                   or (self.quantization == "int8" and "avx512_vnni" in flags) or f32)
         if attention == "torch" or self.device.type != "cpu" or has_amx() or not wanted:
             return None
-        try:
-            matmul = load_matmul(kernel_cache)
-        except NativeBuildError as e:
-            log.warning("matmuls stay on oneDNN: %s", e)
-            return None
-        matmul.f32 = matmul.f32 and f32      # int8 on AVX-512 in float32: the other layers keep torch's
+        matmul = _built(load_matmul, kernel_cache, "matmuls stay on oneDNN")
+        if matmul is not None:
+            matmul.f32 = matmul.f32 and f32      # int8 on AVX-512 in float32: the other layers keep torch's
         return matmul
 
     def _decoder(self, kernel_cache: Path, layer_kernels, matmul: NativeMatmul | None) -> NativeDecoder | None:
@@ -215,12 +222,9 @@ class ModelRunner:
         if (self.native is None or self.quantization != "none" or self.model.dtype != torch.bfloat16
                 or not isinstance(layer_kernels, NativeLayers) or matmul is None or not matmul.bf16):
             return None
-        try:
-            library = load_decoder(kernel_cache)
-        except NativeBuildError as e:
-            log.warning("decode steps call their layers one by one: %s", e)
-            return None
-        return fusion.native_decoder(self.model, self.native, layer_kernels, matmul, library)
+        library = _built(load_decoder, kernel_cache, "decode steps call their layers one by one")
+        return None if library is None else fusion.native_decoder(self.model, self.native, layer_kernels, matmul,
+                                                                  library)
 
     def describe(self) -> str:
         decode = "native" if self.native is not None else "triton paged" if self.gpu_kernels else "torch"

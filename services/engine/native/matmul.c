@@ -290,31 +290,20 @@ static inline __attribute__((always_inline)) void ahead(const struct call *c, co
 
 /* One function per kind and prefetch mode, each with its tiles inlined. Kept apart, the
  * plain tiles compile as before (inlined in one function, 64 rows ran 5 % slower). */
-static __attribute__((noinline)) void ahead_bf16(const void *c, int64_t m0, int64_t mt, int64_t g0, int64_t g1,
-                                                 int64_t n0, int64_t n1) {
-    ahead(c, BF16, m0, mt, g0, g1, n0, n1);
-}
-
-static __attribute__((noinline)) void ahead_u8s8(const void *c, int64_t m0, int64_t mt, int64_t g0, int64_t g1,
-                                                 int64_t n0, int64_t n1) {
-    ahead(c, U8S8, m0, mt, g0, g1, n0, n1);
-}
-
-static __attribute__((noinline)) void panel_bf16(const void *c, int64_t m0, int64_t mt, int64_t g0, int64_t g1,
-                                                 int64_t n0, int64_t n1) {
-    if (n1 > n0)
-        ahead_bf16(c, m0, mt, g0, g1, n0, n1);
-    else
-        strips(c, BF16, m0, mt, g0, g1, 0, NULL);
-}
-
-static __attribute__((noinline)) void panel_u8s8(const void *c, int64_t m0, int64_t mt, int64_t g0, int64_t g1,
-                                                 int64_t n0, int64_t n1) {
-    if (n1 > n0)
-        ahead_u8s8(c, m0, mt, g0, g1, n0, n1);
-    else
-        strips(c, U8S8, m0, mt, g0, g1, 0, NULL);
-}
+#define PANELS(NAME, KIND)                                                                          \
+    static __attribute__((noinline)) void ahead_##NAME(const void *c, int64_t m0, int64_t mt, int64_t g0, \
+                                                       int64_t g1, int64_t n0, int64_t n1) {          \
+        ahead(c, KIND, m0, mt, g0, g1, n0, n1);                                                     \
+    }                                                                                               \
+    static __attribute__((noinline)) void panel_##NAME(const void *c, int64_t m0, int64_t mt, int64_t g0, \
+                                                       int64_t g1, int64_t n0, int64_t n1) {          \
+        if (n1 > n0)                                                                                \
+            ahead_##NAME(c, m0, mt, g0, g1, n0, n1);                                                \
+        else                                                                                        \
+            strips(c, KIND, m0, mt, g0, g1, 0, NULL);                                               \
+    }
+PANELS(bf16, BF16)
+PANELS(u8s8, U8S8)
 
 static void run(const struct call *c, const enum kind KIND, int64_t rows, int threads) {
     deal(c, KIND == BF16 ? panel_bf16 : panel_u8s8, (c->n + GROUP - 1) / GROUP, PANEL, rows, rows <= 4 ? 4 : 8,
