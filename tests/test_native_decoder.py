@@ -74,7 +74,8 @@ def test_a_block_outside_the_pool_is_refused_before_the_kernels(runner):
 
 
 def test_used_only_where_every_layer_runs_natively(model_dir, kernel_cache):
-    """float32 keeps torch's ops for exact parity, and `--attention-kernel torch` keeps
-    torch's everywhere: no one-call decoder in either."""
+    """float32 keeps torch's ops for exact parity, `--attention-kernel torch` keeps
+    torch's everywhere, and int8 layers run their own matmuls: no one-call decoder in any."""
     assert ModelRunner(model_dir, "float32", "cpu", kernel_cache=kernel_cache).decoder is None
     assert ModelRunner(model_dir, "bfloat16", "cpu", attention="torch", kernel_cache=kernel_cache).decoder is None
+    assert ModelRunner(model_dir, "bfloat16", "cpu", quantization="int8", kernel_cache=kernel_cache).decoder is None

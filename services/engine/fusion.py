@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -586,23 +587,24 @@ def apply(model: nn.Module, kernels: NativeLayers | None, quantization: str = "n
 
 
 def native_decoder(model: nn.Module, attention: NativeAttention | None, kernels: NativeLayers | None,
-                   matmul: NativeMatmul | None, library: Path) -> NativeDecoder | None:
+                   matmul: NativeMatmul | None, build: Callable[[], Path | None]) -> NativeDecoder | None:
     """The model's decoder layers as one native call for decode steps, where every layer
     runs in the native kernels already (a bfloat16 Llama-family model on a CPU with
-    AVX512-BF16, after `apply`): `library` from `native.load_decoder`. None otherwise."""
+    AVX512-BF16, after `apply`; not int8, whose layers are `Int8DecoderLayer`). `build`
+    gives the library (`native.load_decoder`), or None where it cannot be built; it is
+    called only for a model that qualifies. None otherwise."""
     inner = getattr(model, "model", None)
     layers = list(getattr(inner, "layers", None) or [])
     if (model.dtype != torch.bfloat16 or model.device.type != "cpu" or attention is None
             or not isinstance(kernels, NativeLayers) or matmul is None or not matmul.bf16
-            or type(inner).__name__ not in DECODER_MODELS or not layers):
+            or type(inner).__name__ not in DECODER_MODELS or not layers
+            or not all(type(layer) is LeanDecoderLayer and layer.kernels is kernels and layer.pack   # not int8's
+                       for layer in layers)):
         return None
     first = layers[0]
-    shape = (first.num_heads, first.num_kv_heads, first.head_dim, first.scaling) \
-        if isinstance(first, LeanDecoderLayer) else None
+    shape = (first.num_heads, first.num_kv_heads, first.head_dim, first.scaling)
     weights = []
     for layer in layers:
-        if not isinstance(layer, LeanDecoderLayer) or layer.kernels is not kernels or not layer.pack:
-            return None
         qkv = layer.qkv.linear if layer.qkv is not None else None
         o, gated, down = layer.o_proj, layer.gated, layer.down_proj
         if (not all(isinstance(m, NativeLinear) for m in (qkv, o, gated, down)) or qkv.gated or not gated.gated
@@ -611,6 +613,9 @@ def native_decoder(model: nn.Module, attention: NativeAttention | None, kernels:
         weights.append(DecoderLayerWeights(layer.norm_weights[0], layer.norm_weights[1], layer.eps[0], layer.eps[1],
                                            (qkv.packed, qkv.bias), (o.packed, o.bias), (gated.packed, gated.bias),
                                            (down.packed, down.bias)))
+    library = build()
+    if library is None:
+        return None
     return NativeDecoder(library, attention, kernels, matmul, weights, first.num_heads, first.num_kv_heads,
                          first.head_dim, first.gated.out_features, first.scaling)
 

@@ -218,13 +218,10 @@ class ModelRunner:
 
     def _decoder(self, kernel_cache: Path, layer_kernels, matmul: NativeMatmul | None) -> NativeDecoder | None:
         """Decode steps' decoder layers in one native call, where every layer already runs
-        in the native kernels (bfloat16 on a CPU with AVX512-BF16); None otherwise."""
-        if (self.native is None or self.quantization != "none" or self.model.dtype != torch.bfloat16
-                or not isinstance(layer_kernels, NativeLayers) or matmul is None or not matmul.bf16):
-            return None
-        library = _built(load_decoder, kernel_cache, "decode steps call their layers one by one")
-        return None if library is None else fusion.native_decoder(self.model, self.native, layer_kernels, matmul,
-                                                                  library)
+        in the native kernels (`fusion.native_decoder` decides); None otherwise."""
+        return fusion.native_decoder(
+            self.model, self.native, layer_kernels, matmul,
+            lambda: _built(load_decoder, kernel_cache, "decode steps call their layers one by one"))
 
     def describe(self) -> str:
         decode = "native" if self.native is not None else "triton paged" if self.gpu_kernels else "torch"
@@ -312,8 +309,13 @@ class ModelRunner:
         pos = torch.cat(positions).to(self.device).unsqueeze(0)
         hidden = self.model.model(input_ids=ids, position_ids=pos, use_cache=False,
                                   pdserve_batch=paged).last_hidden_state
+        return self._logits(hidden[0], batch)
+
+    def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The head over the rows of `hidden` [tokens, hidden] that `batch` samples, then
+        its log-probability rows: [rows, vocab] float32."""
         rows = torch.tensor(batch.sample_rows + batch.logprob_rows, dtype=torch.long, device=self.device)
-        return self.model.lm_head(hidden[0].index_select(0, rows)).float()
+        return self.model.lm_head(hidden.index_select(0, rows)).float()
 
     def _native_decode(self, pool: KVPoolMemory, batch: ForwardBatch) -> torch.Tensor:
         """A decode-only step with its decoder layers in one native call (`NativeDecoder`):
@@ -326,9 +328,7 @@ class ModelRunner:
         cos, sin = inner.rotary_emb(hidden[None], torch.tensor([batch.decode_positions], dtype=torch.long))
         self.decoder.run(hidden, pool.tensor, cos[0], sin[0], slots, paged.native.block_table,
                          paged.native.context_lens, torch.get_num_threads())
-        hidden = inner.norm(hidden)
-        rows = torch.tensor(batch.sample_rows + batch.logprob_rows, dtype=torch.long)
-        return self.model.lm_head(hidden.index_select(0, rows)).float()
+        return self._logits(inner.norm(hidden), batch)
 
     def _decode_graphs(self, pool: KVPoolMemory) -> DecodeGraphs | None:
         """The graphs over `pool`, captured on first use (a new pool: captured again);
