@@ -75,6 +75,19 @@ def stream_for(device: torch.device) -> HostStream:
     return CudaStream() if device.type == "cuda" else HostStream()
 
 
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` (a list or a host tensor) as a tensor on `device`, without waiting for
+    the work already queued there. A plain copy to a CUDA device from pageable memory
+    synchronizes the stream first, so it would wait out a step still running (async
+    scheduling); from pinned memory, without blocking, it is queued behind that step
+    (torch's pinned allocator keeps the buffer until the copy is done)."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    host = host.to(dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 LayerCallback = Callable[[int, object], None]
 
 

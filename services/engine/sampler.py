@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from services.engine.device import to_device
 from services.engine.sampling import SamplingParams, TokenLogprob
 
 _MASK64 = (1 << 64) - 1
@@ -32,11 +33,11 @@ def uniform(seed: int, index: int) -> float:
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Rows scaled by temperature, with everything outside each row's top-k set to -inf."""
     if any(p.temperature != 1.0 for p in params):
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+        temps = to_device([p.temperature for p in params], logits.dtype, logits.device)
         logits = logits / temps[:, None]
     top_k = [p.top_k if 0 < p.top_k < logits.shape[-1] else 0 for p in params]
     if any(top_k):
-        k = torch.tensor(top_k, device=logits.device)
+        k = to_device(top_k, torch.long, logits.device)
         kth = torch.topk(logits, max(top_k), dim=-1).values
         cut = kth.gather(1, (k - 1).clamp_(min=0)[:, None])          # each row's k-th largest, in one op
         cut.masked_fill_((k == 0)[:, None], float("-inf"))           # no top-k: keep everything
@@ -64,26 +65,25 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = 256) -> torc
     return b * block + torch.minimum(j, last)
 
 
-def _draw(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int]) -> list[int]:
+def _draw(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int]) -> torch.Tensor:
     probs = torch.softmax(_filter(logits, params), dim=-1)
     if any(p.min_p for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=probs.device)
+        min_p = to_device([p.min_p for p in params], probs.dtype, probs.device)
         probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
     nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
     if nucleus:
         # Only the top-p rows are sorted, to find the smallest probability their nucleus
         # keeps; the draw itself runs in vocabulary order for every row, so a row's token
         # does not depend on whether its neighbours in the batch asked for top-p.
-        rows = torch.tensor(nucleus, device=probs.device)
+        rows = to_device(nucleus, torch.long, probs.device)
         sub = probs.index_select(0, rows)
         ranked = torch.sort(sub, dim=-1, descending=True).values
-        top_p = torch.tensor([params[i].top_p for i in nucleus], dtype=probs.dtype, device=probs.device)
+        top_p = to_device([params[i].top_p for i in nucleus], probs.dtype, probs.device)
         kept = ((ranked.cumsum(-1) - ranked) < top_p[:, None]).sum(-1, keepdim=True)   # the smallest set reaching top_p
         floor = ranked.gather(1, kept.clamp_(min=1) - 1)
         probs.index_copy_(0, rows, sub.masked_fill(sub < floor, 0.0))
-    u = torch.tensor([uniform(p.seed, n) for p, n in zip(params, num_generated)], dtype=torch.float64,
-                     device=probs.device)
-    return _inverse_cdf(probs, u)[:, 0].tolist()
+    u = to_device([uniform(p.seed, n) for p, n in zip(params, num_generated)], torch.float64, probs.device)
+    return _inverse_cdf(probs, u)[:, 0]
 
 
 # A row's token history: (token ids, prompt length), for the penalties.
@@ -145,7 +145,8 @@ def _penalize(logits: torch.Tensor, params: list[SamplingParams], histories: lis
 LOGPROB_FLOOR = -9999.0
 
 
-def _logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]) -> list[TokenLogprob | None]:
+def chosen_logprobs(logits: torch.Tensor, params: list[SamplingParams],
+                    tokens: list[int]) -> list[TokenLogprob | None]:
     """Log probabilities of the chosen tokens and each row's likeliest, from the processed
     logits scaled by the row's temperature (greedy rows: unscaled), before top-k, top-p
     and min-p cut the distribution: what OpenAI and vLLM report."""
@@ -177,13 +178,13 @@ class Sampled:
     logprobs: list[TokenLogprob | None]
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int],
+def choose(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int],
            eos_token_ids: frozenset[int], histories: list[History] | None = None,
-           mask: LogitsMask | None = None) -> Sampled:
-    """One new token per row of `logits` ([batch, vocab]); `num_generated` is how many
-    tokens each row's sequence has produced so far (its next token's index); `histories`
-    each row's tokens, needed when a row asks for penalties; `mask` rules tokens out in
-    place (structured output)."""
+           mask: LogitsMask | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One new token per row of `logits` ([batch, vocab]): the processed logits and the
+    tokens (int64, on the logits' device), with nothing read back to the host, so the
+    host may go on while the device computes them (async scheduling). The arguments
+    are `sample`'s."""
     logits = _process(logits.float(), params, num_generated, eos_token_ids, histories)
     if mask is not None:
         if logits.is_inference():
@@ -191,11 +192,22 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: li
         mask(logits)
     rows = [row for row, p in enumerate(params) if not p.greedy]
     if rows and len(rows) == len(params):      # every row drawn: no argmax, no copy of the rows
-        out = _draw(logits, params, num_generated)
-    else:
-        out = logits.max(dim=-1).indices.tolist()      # the first maximum, as argmax; twice as fast on CPU
-        if rows:
-            drawn = _draw(logits[rows], [params[r] for r in rows], [num_generated[r] for r in rows])
-            for row, token in zip(rows, drawn):
-                out[row] = token
-    return Sampled(out, _logprobs(logits, params, out))
+        return logits, _draw(logits, params, num_generated)
+    out = logits.max(dim=-1).indices           # the first maximum, as argmax; twice as fast on CPU
+    if rows:
+        index = to_device(rows, torch.long, logits.device)
+        out.index_copy_(0, index, _draw(logits.index_select(0, index), [params[r] for r in rows],
+                                        [num_generated[r] for r in rows]))
+    return logits, out
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int],
+           eos_token_ids: frozenset[int], histories: list[History] | None = None,
+           mask: LogitsMask | None = None) -> Sampled:
+    """One new token per row of `logits` ([batch, vocab]); `num_generated` is how many
+    tokens each row's sequence has produced so far (its next token's index); `histories`
+    each row's tokens, needed when a row asks for penalties; `mask` rules tokens out in
+    place (structured output)."""
+    logits, chosen = choose(logits, params, num_generated, eos_token_ids, histories, mask)
+    out = chosen.tolist()
+    return Sampled(out, chosen_logprobs(logits, params, out))
