@@ -215,3 +215,47 @@ def test_admission_keeps_a_watermark_while_others_run():
     big = seq("big", prompt_len=4 * 198)      # would leave 1 block: under the 2-block watermark
     s.add(big)
     assert not s.schedule().prefill and big.status is SeqStatus.WAITING
+
+
+def test_a_launched_step_holds_pending_tokens_and_the_blocks_given_back_meanwhile():
+    """Async scheduling: a launched step's sampled tokens stand as PENDING until resolved;
+    the next step is planned over them; blocks given back while a step may still write
+    them (an abort, a sequence finished by the step before) wait until it lands."""
+    from services.engine.scheduler import PENDING
+    s = scheduler(blocks=8, block_size=4)
+    a = prefilled(s, seq("a", prompt_len=5, first=1, max_tokens=2))
+    b = prefilled(s, seq("b", prompt_len=5, first=1, max_tokens=10))
+    first = s.schedule()
+    rows = first.sampling()
+    n1 = s.launch()
+    s.launched(first, rows)
+    assert a.token_ids[-1] == b.token_ids[-1] == PENDING and s.in_flight
+    second = s.schedule()                     # planned over the pending tokens
+    assert [(c.seq, c.start) for c in second.decode] == [(a, 6), (b, 6)]
+    n2 = s.launch()
+    updates = s.resolve(rows, [8, 9])         # the first step's tokens: a reaches max_tokens
+    assert [(u.seq.request_id, u.token_id, u.finish_reason) for u in updates] == [("a", 8, "length"),
+                                                                                   ("b", 9, None)]
+    s.landed(n1)
+    # a's blocks stay held: the second step, still running, writes a row of a's
+    assert a.status is SeqStatus.FINISHED and s.blocks.num_available == 8 - 2 - 2
+    rows = second.sampling()                  # taken before launched(): the PENDING tokens change it
+    s.launched(second, rows)
+    assert a.token_ids[-1] == 8 and b.token_ids[-2:] == [9, PENDING]
+    s.abort("b")
+    assert s.resolve(rows, [5, 6]) == []      # both ended: their tokens are dropped
+    assert s.blocks.num_available == 4
+    s.landed(n2)
+    assert s.blocks.num_available == 8 and not s.in_flight
+
+
+def test_under_a_step_in_flight_a_sequence_short_of_a_block_waits_instead_of_preempting():
+    s = scheduler(blocks=3, block_size=2)
+    a = prefilled(s, seq("a", prompt_len=2, first=1, max_tokens=50))
+    b = prefilled(s, seq("b", prompt_len=2, first=1, max_tokens=50))
+    s.launch()                                # as if a step were on the device
+    plan = s.schedule()                       # each needs a 2nd block: 1 free -> a takes it, b waits
+    assert [c.seq for c in plan.decode] == [a] and b.status is SeqStatus.RUNNING
+    assert s.num_preemptions == 0 and s.num_sat_out == 1
+    s.add(seq("c", prompt_len=1))
+    assert s.schedule().prefill == []         # nor does a newcomer take what b waits for

@@ -1,7 +1,9 @@
 """The engine core in one process, float32: every parity prompt added at once runs in
 mixed steps (decode tokens and prompt chunks of several sequences in one forward pass),
 and each sequence's greedy output is token for token `model.generate`'s, whatever the
-token budget, the chunk size or the preemptions a small pool forces."""
+token budget, the chunk size or the preemptions a small pool forces, with and without
+async scheduling (each step planned and launched before the last one's tokens are
+read)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -28,10 +30,11 @@ def runner(model_dir):
     return ModelRunner(model_dir, "float32", "cpu")
 
 
-def run_all(runner, model_dir, expected, config: SchedulerConfig, num_blocks: int, prefix_caching=False):
+def run_all(runner, model_dir, expected, config: SchedulerConfig, num_blocks: int, prefix_caching=False,
+            async_scheduling=False):
     blocks = BlockManager(BlockPool(num_blocks, BLOCK), prefix_caching=prefix_caching)
     memory = KVPoolMemory.allocate(runner.layout(num_blocks, BLOCK))
-    engine = LLMEngine(runner, memory, Scheduler(blocks, config))
+    engine = LLMEngine(runner, memory, Scheduler(blocks, config), async_scheduling=async_scheduling)
     eos = eos_token_ids(model_dir)
     out: dict[str, list[int]] = {}
     finished: dict[str, str] = {}
@@ -53,16 +56,22 @@ def run_all(runner, model_dir, expected, config: SchedulerConfig, num_blocks: in
     return out, finished, mixed, engine
 
 
-def test_mixed_steps_match_generate(runner, model_dir, expected):
-    out, finished, mixed, _ = run_all(runner, model_dir, expected,
-                                      SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256), 512)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_mixed_steps_match_generate(runner, model_dir, expected, async_scheduling):
+    out, finished, mixed, engine = run_all(runner, model_dir, expected,
+                                           SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256), 512,
+                                           async_scheduling=async_scheduling)
     for case in CASES:
         assert out[case.name] == expected[case.name].token_ids, case.name
         assert finished[case.name] in ("stop", "length")
     assert mixed > 0                                      # decode tokens shared passes with prompt chunks
+    # with async scheduling, steps took their input tokens on the device from the step before
+    assert (engine.overlapped_steps > 0) == async_scheduling
+    assert "stop" in finished.values()                    # a row ran past its end and was dropped
 
 
-def test_small_chunks_and_preemption_still_match_generate(runner, model_dir, expected):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_small_chunks_and_preemption_still_match_generate(runner, model_dir, expected, async_scheduling):
     longest = max(len(e.prompt_ids) + len(e.token_ids) for e in expected.values())
     # Barely more than the longest sequence: a short one's decode runs out of blocks and
     # preempts the long one. The count is exact: every prompt shares its first block
@@ -70,10 +79,15 @@ def test_small_chunks_and_preemption_still_match_generate(runner, model_dir, exp
     blocks = -(-longest // BLOCK) + 3
     out, _, _, engine = run_all(runner, model_dir, expected,
                                 SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64, max_prefill_chunk=48),
-                                blocks, prefix_caching=True)
+                                blocks, prefix_caching=True, async_scheduling=async_scheduling)
     for case in CASES:
         assert out[case.name] == expected[case.name].token_ids, case.name
-    assert engine.scheduler.num_preemptions > 0
+    # Under a step in flight a sequence short of a block waits a step instead of
+    # preempting one (only a step with nothing in flight preempts).
+    if async_scheduling:
+        assert engine.scheduler.num_sat_out > 0
+    else:
+        assert engine.scheduler.num_preemptions > 0
 
 
 def test_a_sequence_that_breaks_the_forward_pass_fails_alone(runner, model_dir, expected):
@@ -184,3 +198,56 @@ def test_a_fork_without_a_free_block_waits_and_computes_its_prompt(runner, model
                               num_blocks=4)
     alone, _ = _run_choices(runner, model_dir, prompt, SamplingParams(max_tokens=4, temperature=0), 1)
     assert choices == [alone[0]] * 3
+
+
+def _run_mixed_requests(runner, model_dir, expected, async_scheduling: bool):
+    """Greedy, seeded sampling, log probabilities, a repetition penalty, two choices of one
+    prompt, and a request aborted once it has three tokens, all at once. Returns each
+    request's tokens, finish reason and log probabilities, and the engine."""
+    blocks = BlockManager(BlockPool(256, BLOCK))
+    memory = KVPoolMemory.allocate(runner.layout(256, BLOCK))
+    engine = LLMEngine(runner, memory, Scheduler(blocks, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128)),
+                       async_scheduling=async_scheduling)
+    eos = eos_token_ids(model_dir)
+    prompts = [expected[c.name].prompt_ids for c in CASES]
+    requests = {
+        "greedy": (prompts[0], SamplingParams(max_tokens=16, temperature=0)),
+        "sampled": (prompts[1][:90], SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=11)),
+        "logprobs": (prompts[2], SamplingParams(max_tokens=8, temperature=0, logprobs=2)),
+        "penalty": (prompts[0], SamplingParams(max_tokens=8, temperature=0, repetition_penalty=1.3)),
+        "aborted": (prompts[-1], SamplingParams(max_tokens=30, temperature=0)),
+    }
+    for rid, (prompt, params) in requests.items():
+        engine.add(Sequence(rid, list(prompt), len(prompt), params, eos))
+    forked = SamplingParams(max_tokens=10, temperature=1.0, seed=3)
+    fork = Sequence("choices#1", [], len(prompts[1][:50]), replace(forked, seed=4), eos)
+    engine.add(Sequence("choices#0", list(prompts[1][:50]), 50, forked, eos, forks=[fork]))
+    out: dict[str, list[int]] = {}
+    finished, logprobs = {}, {}
+    while engine.has_work():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+            if o.logprobs:
+                logprobs.setdefault(o.request_id, []).extend((lp.token_id, lp.logprob) for lp in o.logprobs)
+            if o.finish_reason:
+                finished[o.request_id] = o.finish_reason
+        if len(out.get("aborted", [])) >= 3 and "aborted" not in finished:
+            engine.abort("aborted")
+    memory.close()
+    assert blocks.num_available == 256                   # every block came back, held ones too
+    return out, finished, logprobs, engine
+
+
+def test_async_scheduling_gives_what_sync_gives(runner, model_dir, expected):
+    """Every kind of request, side by side: with async scheduling each gets the tokens,
+    finish and log probabilities it gets without; the aborted one stops early either way
+    (a step later or not), its tokens a prefix of the same greedy run."""
+    sync_out, sync_finished, sync_lp, _ = _run_mixed_requests(runner, model_dir, expected, False)
+    out, finished, lp, engine = _run_mixed_requests(runner, model_dir, expected, True)
+    assert engine.overlapped_steps > 0
+    assert finished.pop("aborted") == sync_finished.pop("aborted") == "abort"
+    a, b = out.pop("aborted"), sync_out.pop("aborted")
+    assert 3 <= len(a) < 30 and 3 <= len(b) < 30 and a[:3] == b[:3]
+    assert out == sync_out and finished == sync_finished
+    assert lp.keys() == {"logprobs"} and [t for t, _ in lp["logprobs"]] == [t for t, _ in sync_lp["logprobs"]]
+    assert lp["logprobs"] == pytest.approx(sync_lp["logprobs"])

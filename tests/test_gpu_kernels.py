@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -163,9 +164,23 @@ def check_runner(model_dir: str, device: str = "cpu") -> list[str]:
                           sample_rows=[0, 1, 2]),
              ForwardBatch(decode_tokens=[14, 15], decode_positions=[lens[0] + 1, lens[1] + 1],
                           decode_tables=tables[:2], prefill_tokens=[21, 22, 23, 24],
-                          segments=[PrefillSegment(lens[2] + 1, 4, tables[2])], sample_rows=[0, 1, 5])]
+                          segments=[PrefillSegment(lens[2] + 1, 4, tables[2])], sample_rows=[0, 1, 5]),
+             # async scheduling: some rows' tokens are still on the device, sampled by the
+             # step before (a decode-only step through the graph runner, then a mixed one)
+             ForwardBatch(decode_tokens=[16, 17, 18], decode_positions=[lens[0] + 2, lens[1] + 2, lens[2] + 5],
+                          decode_tables=tables, sample_rows=[0, 1, 2]),
+             ForwardBatch(decode_tokens=[19, 20], decode_positions=[lens[0] + 3, lens[1] + 3],
+                          decode_tables=tables[:2], prefill_tokens=[25, 26, 27],
+                          segments=[PrefillSegment(lens[2] + 6, 3, tables[2])], sample_rows=[0, 1, 4])]
+    pending = {2: [0, 2], 3: [1]}             # step: its rows whose tokens come from the device
     for i, step in enumerate(steps):
-        want, got = (r.execute(pool, step) for r, pool in zip((ref, gpu), pools))
+        mine = step
+        if i in pending:                      # the tokens sit in a device tensor, in another order
+            rows = pending[i]
+            held = torch.tensor([0] + [step.decode_tokens[r] for r in reversed(rows)], device=device)
+            mine = replace(step, decode_tokens=[0 if r in rows else t for r, t in enumerate(step.decode_tokens)],
+                           pending_rows=rows, pending_sources=list(range(len(rows), 0, -1)), pending_tokens=held)
+        want, got = ref.execute(pools[0], step), gpu.execute(pools[1], mine)
         err = float((want - got).abs().max())
         if not err < tol:
             failures.append(f"step {i}: logits differ by {err:.2e}")

@@ -64,6 +64,27 @@ def test_one_call_is_bit_for_bit_the_layer_by_layer_step(runner, threads, positi
 
 
 @needs_bf16
+def test_tokens_still_on_the_device_feed_the_one_call_step(runner):
+    """Async scheduling hands a step some rows' tokens as the step before's output
+    tensor: the one-call step takes them from there, the same bits as inline."""
+    positions, tables, tokens = [9, 40, 3], [[0], [1, 2, 3], [4]], [311, 4242, 77]
+    pending = ForwardBatch(decode_tokens=[0, 4242, 0], decode_positions=positions, decode_tables=tables,
+                           sample_rows=[0, 1, 2], pending_rows=[0, 2], pending_sources=[1, 0],
+                           pending_tokens=torch.tensor([77, 311]))
+    inline = ForwardBatch(decode_tokens=tokens, decode_positions=positions, decode_tables=tables,
+                          sample_rows=[0, 1, 2])
+    pool = KVPoolMemory.allocate(runner.layout(6, BLOCK))
+    try:
+        start = pool.tensor.normal_(generator=torch.Generator().manual_seed(1)).clone()
+        got, got_kv = _step(runner, pool, pending, one_call=True)
+        pool.tensor.copy_(start)
+        want, want_kv = _step(runner, pool, inline, one_call=True)
+    finally:
+        pool.close()
+    assert torch.equal(got, want) and torch.equal(got_kv, want_kv)
+
+
+@needs_bf16
 def test_a_block_outside_the_pool_is_refused_before_the_kernels(runner):
     pool = KVPoolMemory.allocate(runner.layout(4, BLOCK))
     try:

@@ -58,11 +58,15 @@ class DecodeGraphs:
         self.slots = torch.full((top,), -1, dtype=torch.long, device=device)
         self.lens = torch.zeros(top, dtype=torch.int32, device=device)
         self.table = torch.zeros(top, self.width, dtype=torch.int32, device=device)
+        # async scheduling: rows whose token comes from the step before's tokens on the
+        # device, then their places there
+        self.fill = torch.zeros(2 * top, dtype=torch.long, device=device)
         # host staging: ids, positions, slots (int64) | lengths, then the table (int32)
         pinned = device.type == "cuda"
         self.stage_rows = torch.empty(3, top, dtype=torch.long, pin_memory=pinned)
         self.stage_lens = torch.empty(top, dtype=torch.int32, pin_memory=pinned)
         self.stage_table = torch.empty(top * self.width, dtype=torch.int32, pin_memory=pinned)
+        self.stage_fill = torch.empty(2 * top, dtype=torch.long, pin_memory=pinned)
         # the last step's staging has been read (on a CPU, where tests run the steps
         # eagerly through Triton's interpreter, copies are done when they return)
         self.copied = torch.cuda.Event() if pinned else None
@@ -114,9 +118,11 @@ class DecodeGraphs:
                 return size
         return None
 
-    def run(self, tokens: list[int], positions: list[int], tables: list[list[int]], num_blocks: int) -> torch.Tensor:
+    def run(self, tokens: list[int], positions: list[int], tables: list[list[int]], num_blocks: int,
+            pending=None) -> torch.Tensor:
         """Logits [rows, vocab] (float32) of one decode step: row i is token tokens[i] at
-        positions[i] over blocks tables[i]."""
+        positions[i] over blocks tables[i]. `pending` (a ForwardBatch, async scheduling):
+        row pending_rows[j] takes pending_tokens[pending_sources[j]], on the device."""
         n = len(tokens)
         size = self.bucket(n)
         bs = self.block_size
@@ -149,6 +155,12 @@ class DecodeGraphs:
         self.slots[:size].copy_(rows[2], non_blocking=True)
         self.lens[:size].copy_(self.stage_lens[:size], non_blocking=True)
         self.table[:size, :width].copy_(table, non_blocking=True)
+        m = len(pending.pending_rows) if pending is not None else 0
+        if m:
+            fill = self.stage_fill.numpy()
+            fill[:m], fill[m:2 * m] = pending.pending_rows, pending.pending_sources
+            self.fill[:2 * m].copy_(self.stage_fill[:2 * m], non_blocking=True)
+            self.ids.index_copy_(0, self.fill[:m], pending.pending_tokens.index_select(0, self.fill[m:2 * m]))
         if self.copied is None:                     # no CUDA: the step itself, eagerly
             return self._forward(size)[:n].clone()
         self.copied.record()

@@ -10,6 +10,19 @@ uses changes under it. `step` runs on one thread, the engine thread (`EngineLoop
 
 A step that raises is run again one sequence at a time: only a sequence that fails by
 itself gets an "error" output (its blocks go back); the rest of the batch goes on.
+
+With `async_scheduling` (vLLM's --async-scheduling), a step's tokens are not read back
+when it is launched: the next step is planned and launched first, taking those tokens
+on the device as its inputs, and only then are they read, so the device computes step
+N+1 while the host turns step N's tokens into outputs and plans step N+2:
+
+    step N+1:  schedule -> pack -> launch forward and sampling -> read step N's tokens
+               -> outputs of step N -> step N+1 counts as launched (PENDING tokens)
+
+A sequence that finishes on step N's token has a row in step N+1 whose token is
+dropped. Rows that need their tokens on the host before the next step (structured
+output, penalties, log probabilities) make the engine read the step in flight before
+it plans: those steps run as without async scheduling.
 """
 from __future__ import annotations
 
@@ -26,9 +39,9 @@ import torch
 from services.engine.device import LayerPoster
 from services.engine.kv_cache import KVPoolMemory
 from services.engine.runner import ForwardBatch, ModelRunner, PrefillSegment
-from services.engine.sampler import Sampled, sample, token_logprobs
+from services.engine.sampler import Sampled, choose, chosen_logprobs, token_logprobs
 from services.engine.sampling import TokenLogprob
-from services.engine.scheduler import Scheduler, Sequence, StepPlan
+from services.engine.scheduler import PENDING, Chunk, Scheduler, Sequence, StepPlan
 from services.engine.structured import fill_masks
 
 log = logging.getLogger(__name__)
@@ -53,6 +66,32 @@ class EngineOutput:
     cached_tokens: int = 0
 
 
+@dataclass
+class Launched:
+    """A step on the device: its sampling chunks `rows` and their tokens `tokens`
+    ([rows] int64, on the device, maybe not computed yet); `logits` give the log
+    probabilities asked for once the tokens are read."""
+    plan: StepPlan
+    rows: list[Chunk]
+    tokens: torch.Tensor
+    logits: torch.Tensor
+    started: float
+    number: int = 0                     # with async scheduling: the scheduler's launch number
+
+    def read(self) -> Sampled:
+        """The tokens on the host (waits for the device)."""
+        tokens = self.tokens.tolist()
+        return Sampled(tokens, chosen_logprobs(self.logits, [c.seq.params for c in self.rows], tokens))
+
+
+def overlaps(seq: Sequence) -> bool:
+    """Whether `seq`'s next step may be planned before its last token is read: not when
+    the host needs that token first (a grammar to follow, penalties over the history)
+    or log probabilities are asked for."""
+    p = seq.params
+    return seq.constraint is None and not p.penalized and p.logprobs is None and p.prompt_logprobs is None
+
+
 @dataclass(frozen=True)
 class StepStats:
     prefill_tokens: int                 # prompt tokens computed (chunks of more than one token)
@@ -64,8 +103,15 @@ class StepStats:
 class LLMEngine:
     def __init__(self, runner: ModelRunner, memory: KVPoolMemory, scheduler: Scheduler,
                  layer_hook: LayerHook | None = None,
-                 on_joined: Callable[[list[str]], None] | None = None) -> None:
+                 on_joined: Callable[[list[str]], None] | None = None, async_scheduling: bool = False) -> None:
+        if async_scheduling and (layer_hook is not None or scheduler.config.prefill_only):
+            raise ValueError("async scheduling is for engines that decode: a prefill worker's step ends its "
+                             "sequences and ships their KV")
         self.runner = runner
+        self.async_scheduling = async_scheduling
+        self._flight: Launched | None = None       # the step on the device whose tokens are unread
+        self.overlapped_steps = 0                   # steps launched while the one before was in flight
+        self._last_end = 0.0                        # when the last step's outputs were made
         self.memory = memory
         self.scheduler = scheduler
         self._poster = None if layer_hook is None else LayerPoster(layer_hook, runner.stream.asynchronous)
@@ -104,45 +150,98 @@ class LLMEngine:
         self._inbox.put((request_id, lambda: self.scheduler.release(request_id) or []))
 
     def has_work(self) -> bool:
-        return not self._inbox.empty() or self.scheduler.has_work() or bool(self.scheduler.orphans)
+        return (not self._inbox.empty() or self.scheduler.has_work() or bool(self.scheduler.orphans)
+                or self.in_flight)
+
+    @property
+    def in_flight(self) -> bool:
+        """A step is on the device whose tokens are not read yet (async scheduling)."""
+        return self._flight is not None
 
     # ---- the engine thread ----
     def step(self) -> list[EngineOutput]:
         outputs = self._apply_inbox()
         outputs += self._orphans()
+        if self._flight is not None and not all(overlaps(s) for s in self.scheduler.running):
+            outputs += self._land()
         plan = self.scheduler.schedule()
         if self.scheduler.copies:               # forked choices' last prompt blocks
             self.memory.copy_blocks(self.scheduler.copies)
             self.scheduler.copies_made()
         if plan.joined and self.on_joined is not None:
             self.on_joined([seq.request_id for seq in plan.joined])
+        overlap = self.async_scheduling and all(overlaps(c.seq) for c in plan.chunks)
+        if not (plan and overlap):
+            outputs += self._land_before(plan)
         if not plan:
             return outputs
         t0 = time.perf_counter()
         try:
-            sampled = self._run(plan)
+            launched = self._launch(plan, t0)
         except Exception:
             log.exception("engine step over %d sequences failed; running them one by one", len(plan.chunks))
+            outputs += self._land_before(plan)
             plan, sampled = self._isolate(plan, outputs)
-        tokens = sampled.token_ids
+            outputs += self._record(plan, plan.sampling(), sampled, t0)
+            return outputs
+        if not overlap:
+            return outputs + self._record(plan, launched.rows, launched.read(), t0)
+        launched.number = self.scheduler.launch()
+        if self._flight is not None:
+            self.overlapped_steps += 1
+            outputs += self._land()
+        self.scheduler.launched(plan, launched.rows)
+        self._flight = launched
+        return outputs
+
+    def _land_before(self, plan: StepPlan) -> list[EngineOutput]:
+        """Land the step in flight, if any, before `plan` runs: the sequences that end on
+        its tokens leave `plan`."""
+        if self._flight is None:
+            return []
+        outputs = self._land()
+        for seq in [c.seq for c in plan.chunks if c.seq.finish_reason]:
+            plan._drop(seq)
+        return outputs
+
+    def _land(self) -> list[EngineOutput]:
+        """Read the tokens of the step in flight and make its outputs."""
+        flight, self._flight = self._flight, None
+        try:
+            sampled = flight.read()
+        finally:
+            self.scheduler.landed(flight.number)
+        return self._record(flight.plan, flight.rows, sampled, flight.started, resolved=False)
+
+    def _record(self, plan: StepPlan, rows: list[Chunk], sampled: Sampled, started: float,
+                resolved: bool = True) -> list[EngineOutput]:
+        """A step's tokens into its sequences (`resolved`: its plan is not launched yet as
+        far as the scheduler knows), and the outputs they make."""
+        outputs: list[EngineOutput] = []
         logprobs = {}
-        for c, token, lp in zip(plan.sampling(), tokens, sampled.logprobs):
+        for c, token, lp in zip(rows, sampled.token_ids, sampled.logprobs):
+            if c.seq.finish_reason:
+                continue                        # ended while the step ran: its token is dropped
             if c.seq.constraint is not None and not c.seq.constraint.accept(token):
                 log.warning("request %s: no token fits its JSON schema here; its output ends", c.seq.request_id)
             if lp is not None:
                 logprobs[c.seq] = [lp]
-        for u in self.scheduler.update(plan, tokens):
+        updates = self.scheduler.update(plan, sampled.token_ids) if resolved else \
+            self.scheduler.resolve(rows, sampled.token_ids)
+        for u in updates:
             first = u.seq.num_generated == 1
             outputs.append(EngineOutput(u.seq.request_id, [u.token_id], u.finish_reason, logprobs.get(u.seq),
                                         u.seq.prompt_logprobs if first else None,
                                         u.seq.num_cached if first else 0))
         outputs += self._orphans()
-        seconds = time.perf_counter() - t0
+        end = time.perf_counter()
+        seconds = end - max(started, self._last_end)      # overlapping steps: each second counted once
+        self._last_end = end
         prefill = sum(c.num_tokens for c in plan.prefill)
         self.last_step = StepStats(prefill, len(plan.decode), len(plan.chunks), seconds)
         self.prompt_tokens_computed += sum(min(c.num_tokens, max(0, c.seq.prompt_len - c.start))
                                            for c in plan.chunks)
-        self.generated_tokens += len(tokens)
+        self.generated_tokens += len(sampled.token_ids)
         self.busy_seconds += seconds
         return outputs
 
@@ -163,8 +262,13 @@ class LLMEngine:
                 log.exception("request %s could not be applied to the engine", request_id)
                 outputs.append(EngineOutput(request_id, [], "error"))
 
-    def _run(self, plan: StepPlan) -> Sampled:
-        batch, targets = pack(plan)
+    def _launch(self, plan: StepPlan, started: float) -> Launched:
+        """Run `plan`'s forward pass and choose its tokens, leaving them on the device."""
+        flight = self._flight
+        pending = {c.seq: i for i, c in enumerate(flight.rows)} if flight is not None else {}
+        batch, targets = pack(plan, pending)
+        if batch.pending_rows:
+            batch.pending_tokens = flight.tokens
         rows = plan.sampling()
         constraints = [c.seq.constraint for c in rows]
         # Structured output's masks are filled while the forward pass runs.
@@ -182,8 +286,9 @@ class LLMEngine:
             logits = logits[:len(batch.sample_rows)]
         histories = [(c.seq.token_ids, c.seq.prompt_len) for c in rows] \
             if any(c.seq.params.penalized for c in rows) else None
-        return sample(logits, [c.seq.params for c in rows], [c.seq.num_generated for c in rows],
-                      rows[0].seq.eos_token_ids if rows else frozenset(), histories, mask)
+        logits, tokens = choose(logits, [c.seq.params for c in rows], [c.seq.num_generated for c in rows],
+                                rows[0].seq.eos_token_ids if rows else frozenset(), histories, mask)
+        return Launched(plan, rows, tokens, logits, started)
 
     def _isolate(self, plan: StepPlan, outputs: list[EngineOutput]) -> tuple[StepPlan, Sampled]:
         """After a failed step: run each of its chunks alone, so a request that breaks the
@@ -195,7 +300,7 @@ class LLMEngine:
             alone = StepPlan()
             alone._add(c)
             try:
-                one = self._run(alone)
+                one = self._launch(alone, 0.0).read()
                 tokens.token_ids += one.token_ids
                 tokens.logprobs += one.logprobs
             except Exception:
@@ -207,9 +312,12 @@ class LLMEngine:
         return kept, tokens
 
 
-def pack(plan: StepPlan) -> tuple[ForwardBatch, list[tuple[Sequence, int]]]:
+def pack(plan: StepPlan, pending: dict[Sequence, int] | None = None
+         ) -> tuple[ForwardBatch, list[tuple[Sequence, int]]]:
     """The forward pass for `plan`: single-token rows first, then prompt chunks. Also
-    which (sequence, prompt position) each of its `logprob_rows` predicts the token of."""
+    which (sequence, prompt position) each of its `logprob_rows` predicts the token of.
+    `pending`: for a sequence whose input token is still PENDING, its row among the
+    tokens of the step in flight, which the runner takes on the device."""
     b = ForwardBatch()
     targets: list[tuple[Sequence, int]] = []
 
@@ -220,8 +328,13 @@ def pack(plan: StepPlan) -> tuple[ForwardBatch, list[tuple[Sequence, int]]]:
             if c.start + j + 1 < c.seq.prompt_len:          # position p's logits predict token p + 1
                 b.logprob_rows.append(row + j)
                 targets.append((c.seq, c.start + j + 1))
-    for c in plan.decode:
-        b.decode_tokens.append(c.seq.token_ids[c.start])
+    for row, c in enumerate(plan.decode):
+        token = c.seq.token_ids[c.start]
+        if token == PENDING:
+            b.pending_rows.append(row)
+            b.pending_sources.append(pending[c.seq])
+            token = 0
+        b.decode_tokens.append(token)
         b.decode_positions.append(c.start)
         b.decode_tables.append(c.seq.block_ids)
     row = 0
@@ -338,8 +451,9 @@ class EngineLoop:
             if self.on_step is not None and ran:
                 self.on_step(self.engine.last_step)
             self._deliver(outputs)
-            if not ran and not outputs:         # work that cannot run yet (no free blocks): wait
-                self._wake.wait(timeout=0.01)   # for a release instead of spinning
+            if not ran and not outputs and not self.engine.in_flight:
+                # work that cannot run yet (no free blocks): wait for a release instead of spinning
+                self._wake.wait(timeout=0.01)
                 self._wake.clear()
 
     def _deliver(self, outputs: list[EngineOutput]) -> None:

@@ -30,7 +30,7 @@ from typing import Callable, TypeVar
 import torch
 
 from services.common.settings import ATTENTION_KERNELS, QUANTIZATIONS
-from services.engine.device import Fence, stream_for
+from services.engine.device import Fence, stream_for, to_device
 from services.engine.hardware import cpu_flags, has_amx, pick_dtype
 from services.engine.kv_cache import (CPU_KV_TOKENS, KVLayout, KVPoolMemory, compat_hash, device_memory,
                                       tokens_for_memory)
@@ -71,6 +71,11 @@ class ForwardBatch:
     # Rows whose logits are returned after those: prompt positions whose next prompt
     # token's log probability was asked for (services/engine/engine.py).
     logprob_rows: list[int] = field(default_factory=list)
+    # Async scheduling: decode rows whose token the step before sampled and the host has
+    # not read: row pending_rows[i] takes pending_tokens[pending_sources[i]] on the device.
+    pending_rows: list[int] = field(default_factory=list)
+    pending_sources: list[int] = field(default_factory=list)
+    pending_tokens: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -280,7 +285,7 @@ class ModelRunner:
             graphs = self._decode_graphs(pool)
             if graphs is not None:
                 logits = graphs.run(batch.decode_tokens, batch.decode_positions, batch.decode_tables,
-                                    pool.layout.num_blocks)
+                                    pool.layout.num_blocks, batch)
                 if batch.sample_rows != list(range(len(batch.decode_tokens))):
                     logits = logits[batch.sample_rows]
                 return logits
@@ -299,14 +304,14 @@ class ModelRunner:
         for seg in batch.segments:
             seg_slots = self._slots(seg.block_ids, seg.start, seg.start + seg.num_tokens, bs)
             slots.append(seg_slots)
-            context = (self._slots(seg.block_ids, 0, seg.start + seg.num_tokens, bs).to(self.device)
-                       if seg.start else None)
+            context = (to_device(self._slots(seg.block_ids, 0, seg.start + seg.num_tokens, bs), torch.long,
+                                 self.device) if seg.start else None)
             paged.segments.append(Segment(row, seg.num_tokens, seg.start, context))
             positions.append(torch.arange(seg.start, seg.start + seg.num_tokens))
             row += seg.num_tokens
-        paged.slots = torch.cat(slots).to(self.device)
-        ids = torch.tensor([batch.decode_tokens + batch.prefill_tokens], dtype=torch.long, device=self.device)
-        pos = torch.cat(positions).to(self.device).unsqueeze(0)
+        paged.slots = to_device(torch.cat(slots), torch.long, self.device)
+        ids = self._input_ids(batch).unsqueeze(0)
+        pos = to_device(torch.cat(positions), torch.long, self.device).unsqueeze(0)
         hidden = self.model.model(input_ids=ids, position_ids=pos, use_cache=False,
                                   pdserve_batch=paged).last_hidden_state
         return self._logits(hidden[0], batch)
@@ -314,8 +319,18 @@ class ModelRunner:
     def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The head over the rows of `hidden` [tokens, hidden] that `batch` samples, then
         its log-probability rows: [rows, vocab] float32."""
-        rows = torch.tensor(batch.sample_rows + batch.logprob_rows, dtype=torch.long, device=self.device)
+        rows = to_device(batch.sample_rows + batch.logprob_rows, torch.long, self.device)
         return self.model.lm_head(hidden.index_select(0, rows)).float()
+
+    def _input_ids(self, batch: ForwardBatch) -> torch.Tensor:
+        """The step's token ids [tokens] on the device, the pending ones taken from the
+        step before's tokens there."""
+        ids = to_device(batch.decode_tokens + batch.prefill_tokens, torch.long, self.device)
+        if batch.pending_rows:
+            rows = to_device(batch.pending_rows, torch.long, self.device)
+            sources = to_device(batch.pending_sources, torch.long, self.device)
+            ids.index_copy_(0, rows, batch.pending_tokens.index_select(0, sources))
+        return ids
 
     def _native_decode(self, pool: KVPoolMemory, batch: ForwardBatch) -> torch.Tensor:
         """A decode-only step with its decoder layers in one native call (`NativeDecoder`):
@@ -324,7 +339,7 @@ class ModelRunner:
         paged = PagedBatch(kv=pool.tensor, slots=torch.empty(0, dtype=torch.long))
         slots = self._decode_slots(paged, batch.decode_positions, batch.decode_tables, pool)
         inner = self.model.model
-        hidden = inner.embed_tokens(torch.tensor(batch.decode_tokens, dtype=torch.long)).contiguous()
+        hidden = inner.embed_tokens(self._input_ids(batch)).contiguous()
         cos, sin = inner.rotary_emb(hidden[None], torch.tensor([batch.decode_positions], dtype=torch.long))
         self.decoder.run(hidden, pool.tensor, cos[0], sin[0], slots, paged.native.block_table,
                          paged.native.context_lens, torch.get_num_threads())
@@ -376,8 +391,8 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long)
         slots = table[torch.arange(len(positions)), pos // bs] * bs + pos % bs
         if self.gpu_kernels:
-            paged.gpu = GPUDecode(table.to(self.device, torch.int32, non_blocking=True),
-                                  (pos + 1).to(self.device, torch.int32, non_blocking=True),
+            paged.gpu = GPUDecode(to_device(table, torch.int32, self.device),
+                                  to_device(pos + 1, torch.int32, self.device),
                                   gpu_kernels.splits_for(len(positions), self.num_kv_heads), self.decode_scratch)
             return slots
         if self.native is not None:

@@ -31,6 +31,14 @@ A step samples a token for every chunk that reaches the end of its sequence's to
 a prompt's last chunk samples the first token, a decode step the next one, and the
 recompute of a preempted sequence the token after its last. The scheduler owns every
 block a sequence uses; the runner never allocates.
+
+With async scheduling (the engine's), a step is planned while the one before it still
+runs on the device: `launched()` counts the running step's tokens as computed and
+stands a PENDING token in for each it samples, and `resolve()` writes the sampled
+tokens in once they are read. Meanwhile nothing is preempted (a sequence short of a
+block sits a step out), and blocks given back wait in `_held` until every step that
+may still write them has landed (`landed()`): another thread may hand them out at once,
+and a transfer could then write them before the device does.
 """
 from __future__ import annotations
 
@@ -41,6 +49,10 @@ from dataclasses import dataclass, field
 from services.engine.block_manager import BlockManager
 from services.engine.block_pool import NoFreeBlocks
 from services.engine.sampling import SamplingParams
+
+# A token sampled by a step still running on the device (async scheduling): it stands in
+# a sequence's `token_ids` until the step's tokens are read.
+PENDING = -1
 
 # Blocks kept free when a new prompt is admitted, as a share of the pool, so that the
 # running sequences can grow without preempting the newcomer at once (vLLM's watermark).
@@ -191,6 +203,7 @@ class Scheduler:
         self.retained: dict[str, Sequence] = {}
         self._by_id: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self.num_sat_out = 0                # steps a sequence waited out for a block (async scheduling)
         self._watermark = int(WATERMARK * blocks.num_blocks)
         # (source, destination) block copies the engine makes before the next forward
         # pass; both hold a reference until the copy is made (copies_made()).
@@ -198,6 +211,11 @@ class Scheduler:
         # Choices that were waiting on a sequence that ended before its prompt was done
         # (aborted, failed): the engine reports them ended too.
         self.orphans: list[Sequence] = []
+        # Async scheduling: steps launched and landed so far, and blocks given back while
+        # a step was running, with the number of the last step launched then.
+        self.launches = 0
+        self.landed_upto = 0
+        self._held: list[tuple[int, list[int], list[int], int]] = []
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -211,6 +229,11 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.running or self.ready or self.waiting)
+
+    @property
+    def in_flight(self) -> bool:
+        """A launched step has not landed yet."""
+        return self.launches > self.landed_upto
 
     def add(self, seq: Sequence) -> None:
         """Admit a sequence whose prompt is computed here."""
@@ -271,6 +294,12 @@ class Scheduler:
             n = self._chunk_len(seq, budget, prompts)
             if n == 0:
                 continue
+            if self.in_flight and self._short(seq, seq.num_computed + n):
+                # no preemption under a running step: this one waits a step, and no
+                # newcomer takes the blocks it waits for
+                self.num_sat_out += 1
+                preempted = True
+                continue
             freed = self._make_room(seq, seq.num_computed + n, plan)
             preempted = preempted or freed is not None
             budget += freed or 0
@@ -315,6 +344,9 @@ class Scheduler:
             seq.num_cached = hit.cached_tokens
         return True
 
+    def _short(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.blocks.blocks_for(num_tokens) - len(seq.block_ids) > self.blocks.num_available
+
     def _make_room(self, seq: Sequence, num_tokens: int, plan: StepPlan) -> int | None:
         """Blocks for `seq`'s first `num_tokens` tokens, preempting the newest running
         sequences while the pool is short (`seq` itself, if it is the newest). Returns
@@ -342,19 +374,41 @@ class Scheduler:
 
     def update(self, plan: StepPlan, sampled: list[int]) -> list[SeqUpdate]:
         """Record a step's results: `sampled` holds one token per `plan.sampling()` chunk."""
-        out: list[SeqUpdate] = []
-        tokens = iter(sampled)
+        rows = plan.sampling()
+        self.launched(plan, rows)
+        return self.resolve(rows, sampled)
+
+    def launch(self) -> int:
+        """A step goes to the device and may not have run yet when this returns: its
+        number, for `landed()`. Blocks given back from now on are held until it lands."""
+        self.launches += 1
+        return self.launches
+
+    def launched(self, plan: StepPlan, rows: list[Chunk]) -> None:
+        """The tokens of `plan` count as computed; each of its sampling chunks `rows`
+        (`plan.sampling()`, taken before this call) gets a PENDING token until
+        `resolve()`."""
         for c in plan.chunks:
-            token = next(tokens) if c.samples else None
             seq = c.seq
             if seq.status is not SeqStatus.RUNNING:
                 continue
             seq.num_computed = c.start + c.num_tokens
             if c.start < len(seq.keys) * self.blocks.block_size:     # full prompt blocks: shareable now
                 self.blocks.cache(seq.block_ids, seq.keys, seq.num_computed)
-            if token is None:
+        for c in rows:
+            if c.seq.status is SeqStatus.RUNNING:
+                c.seq.token_ids.append(PENDING)
+
+    def resolve(self, rows: list[Chunk], sampled: list[int]) -> list[SeqUpdate]:
+        """The tokens sampled for `rows` (a launched step's sampling chunks) take their
+        PENDING places; a sequence that ended meanwhile (aborted, or finished by the
+        step before) ignores its token."""
+        out: list[SeqUpdate] = []
+        for c, token in zip(rows, sampled, strict=True):
+            seq = c.seq
+            if seq.status is not SeqStatus.RUNNING:
                 continue
-            seq.token_ids.append(token)
+            seq.token_ids[c.start + c.num_tokens] = token
             if seq.num_generated == 1:
                 self._fork(seq)
             reason = seq.check_finished() or ("prefilled" if self.config.prefill_only else None)
@@ -362,6 +416,17 @@ class Scheduler:
                 self._finish(seq, reason)
             out.append(SeqUpdate(seq, token, reason))
         return out
+
+    def landed(self, number: int) -> None:
+        """Step `number` (and every one before it) is done on the device: the blocks held
+        for it go back."""
+        self.landed_upto = max(self.landed_upto, number)
+        held, self._held = self._held, []
+        for launches, block_ids, keys, num_computed in held:
+            if launches <= self.landed_upto:
+                self.blocks.release(block_ids, keys, num_computed)
+            else:
+                self._held.append((launches, block_ids, keys, num_computed))
 
     def _fork(self, parent: Sequence) -> None:
         """Start the choices waiting on `parent`, whose prompt KV is now complete. Each
@@ -414,6 +479,8 @@ class Scheduler:
             self._free_blocks(seq)
 
     def _free_blocks(self, seq: Sequence) -> None:
-        if seq.block_ids:
+        if seq.block_ids and self.in_flight:
+            self._held.append((self.launches, seq.block_ids, seq.keys, seq.num_computed))
+        elif seq.block_ids:
             self.blocks.release(seq.block_ids, seq.keys, seq.num_computed)
         seq.block_ids, seq.keys = [], []
