@@ -30,8 +30,12 @@ def test_prefill_workers_may_also_run_on_the_decode_cores():
     assert plan_cpus(["decode", "decode", "prefill"], [0, 1], lend=True) == [None, None, None]
 
 
-def test_aggregated_chunked_prefill_matches_generate(model_dir, expected):
-    c = start_cluster("--mode", "aggregated", "--decode", "1", "--prefill-chunk-tokens", "64")
+def test_aggregated_chunked_prefill_with_async_scheduling_matches_generate(model_dir, expected):
+    """One aggregated worker, prompts in 64-token chunks beside the decodes, each step
+    launched before the last one's tokens are read (on a CPU only when asked): every
+    output is generate's, token for token, and every block comes back."""
+    c = start_cluster("--mode", "aggregated", "--decode", "1", "--prefill-chunk-tokens", "64",
+                      "--async-scheduling", "on")
     try:
         assert c.info["prefills"] == [] and len(c.info["decodes"]) == 1
 

@@ -30,6 +30,7 @@ DTYPES = ("auto", "bfloat16", "float32", "float16")
 KV_TRANSPORTS = ("auto", "shm", "nixl", "tcp")
 ATTENTION_KERNELS = ("auto", "native", "torch")
 QUANTIZATIONS = ("none", "int8")
+ASYNC_SCHEDULING = ("auto", "on", "off")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
 LOG_FORMAT_HELP = "text: one line per record; json: one JSON object per record, for log collectors"
@@ -213,6 +214,11 @@ class EngineSettings:
     enforce_eager: bool = setting(False, "on a GPU: run decode steps eagerly instead of replaying CUDA graphs "
                                          "captured per batch size (as vLLM's --enforce-eager)",
                                   roles=("decode",))
+    async_scheduling: str = setting(
+        "auto", "decode workers: plan and launch each step before reading the last one's tokens, so the device "
+                "computes a step while the host handles the one before (as vLLM's --async-scheduling); auto: on a "
+                "GPU (on a CPU the forward pass itself holds the host, so there is nothing to overlap)",
+        choices=ASYNC_SCHEDULING, roles=("decode",))
     kv_cache_tokens: int = setting(0, "decode workers' KV pool size in tokens (0: 65536 on a CPU; on a GPU what "
                                       "--gpu-memory-utilization leaves after the weights)", roles=("decode",))
     gpu_memory_utilization: float = setting(0.9, "on a GPU: the share of the card's memory this worker may use, "
@@ -249,6 +255,8 @@ class EngineSettings:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}")
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(f"--attention-kernel must be one of {', '.join(ATTENTION_KERNELS)}")
+        if self.async_scheduling not in ASYNC_SCHEDULING:
+            raise ValueError(f"--async-scheduling must be one of {', '.join(ASYNC_SCHEDULING)}")
         check_log_format(self.log_format)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("--block-size must be a power of two")

@@ -71,7 +71,11 @@ class DecodeWorker:
         log.info("decode worker offers KV transports: %s", ", ".join(self.transports))
         self.blocks = BlockManager(BlockPool(num_blocks, settings.block_size),
                                    prefix_caching=settings.enable_prefix_caching)
-        self.engine = LLMEngine(runner, self.memory, Scheduler(self.blocks, config))
+        overlap = settings.async_scheduling == "on" or (settings.async_scheduling == "auto"
+                                                        and runner.device.type == "cuda")
+        self.engine = LLMEngine(runner, self.memory, Scheduler(self.blocks, config), async_scheduling=overlap)
+        log.info("async scheduling: %s", "on (each step launched before the last one's tokens are read)"
+                 if overlap else "off")
         runner.capture_graphs(self.memory)              # on a GPU; before the worker says it is ready
         self.grammars = grammars_for(runner, eos_token_ids)
         self.loop = EngineLoop(self.engine, tick=self._tick, on_step=self._on_step, name="decode-engine")
