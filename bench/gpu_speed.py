@@ -15,6 +15,9 @@ Figures, each measured in this run:
             back) at batch 1/16/64/128 x context 512/2k/8k, against the memory roofline:
             (weight bytes + KV bytes read) / copy rate; where the KV does not fit, skipped
   graphs    the same step eagerly (no CUDA graph) at batch 64, context 2k
+  engine    the engine core decoding 64 sequences over 2k cached tokens each (the decode
+            worker's loop without its RPC: scheduling, the step, sampling, outputs),
+            output tokens/s without and with async scheduling
   attention one layer's decode attention: the Triton paged kernel against torch's gather
             path (`--attention-kernel torch`), batch 64, context 2k
   prefill   one prompt of 512/2k/4k/8k tokens against the GEMM rate: (2 x linear
@@ -137,6 +140,45 @@ def decode_case(runner, batch: int, context: int, repeats: int) -> float:
         _release(runner, pool)
 
 
+def engine_case(runner, batch: int, context: int, steps: int, async_scheduling: bool, repeats: int) -> float:
+    """Output tokens/s of the engine core decoding `batch` greedy sequences `steps`
+    tokens each, over `context` cached tokens apiece (random KV, as a prefill worker
+    would have handed it over)."""
+    from services.engine.block_manager import BlockManager
+    from services.engine.block_pool import BlockPool
+    from services.engine.engine import LLMEngine
+    from services.engine.kv_cache import KVPoolMemory
+    from services.engine.sampling import SamplingParams
+    from services.engine.scheduler import Scheduler, SchedulerConfig, Sequence
+    num_blocks = batch * ((context + steps) // BLOCK_SIZE + 1)
+    pool = KVPoolMemory.allocate(runner.layout(num_blocks, BLOCK_SIZE), device=str(runner.device))
+    pool.tensor.normal_()
+    blocks = BlockManager(BlockPool(num_blocks, BLOCK_SIZE))
+    engine = LLMEngine(runner, pool, Scheduler(blocks, SchedulerConfig(max_num_seqs=batch,
+                                                                       max_num_batched_tokens=max(batch, 256))),
+                       async_scheduling=async_scheduling)
+    g = torch.Generator().manual_seed(batch)
+    params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+
+    def run() -> float:
+        for i in range(batch):
+            prompt = torch.randint(3, runner.vocab_size, (context + 1,), generator=g).tolist()
+            seq = Sequence(f"s{i}", prompt, context, params, frozenset())
+            seq.block_ids = blocks.allocate(blocks.blocks_for(context))
+            engine.add_prefilled(seq)
+        _sync(runner.device)
+        t0 = time.perf_counter()
+        while engine.has_work():
+            engine.step()
+        _sync(runner.device)
+        return time.perf_counter() - t0
+    try:
+        run()                                   # the graphs are captured over this pool here
+        return batch * steps / statistics.median(run() for _ in range(repeats))
+    finally:
+        _release(runner, pool)
+
+
 def prefill_case(runner, tokens: int, repeats: int) -> float:
     from services.engine.kv_cache import KVPoolMemory
     width = tokens // BLOCK_SIZE + 1
@@ -251,6 +293,11 @@ def speed(shape: str, device: torch.device, quick: bool, copy_bps: float, gemm_f
                            "roofline_pct": 100 * moved / copy_bps / seconds}
         log(f"{shape} eager {result['eager']}")
     batch, context = (64, 2048) if not quick else (4, 256)
+    steps = 8 if quick else 32
+    rates = [engine_case(runner, batch, context, steps, overlap, max(2, repeats // 3)) for overlap in (False, True)]
+    result["engine"] = {"batch": batch, "context": context, "steps": steps, "sync_tok_s": rates[0],
+                        "async_tok_s": rates[1], "async_ratio": rates[1] / rates[0]}
+    log(f"{shape} engine {result['engine']}")
     result["attention"] = {"batch": batch, "context": context, **attention_case(runner, batch, context, repeats)}
     log(f"{shape} attention {result['attention']}")
     heads, layers = c["num_attention_heads"], c["num_hidden_layers"]
@@ -295,6 +342,10 @@ def table(results: dict) -> str:
             e = r["eager"]
             lines.append(f"eager (no CUDA graph), batch {e['batch']}, context {e['context']}: {e['step_ms']:.2f} ms "
                          f"= {e['roofline_pct']:.0f} % of the memory roofline")
+        e = r["engine"]
+        lines.append(f"engine core, {e['batch']} sequences over {e['context']} tokens, {e['steps']} steps: "
+                     f"{e['sync_tok_s']:.0f} output tok/s, with async scheduling {e['async_tok_s']:.0f} "
+                     f"({e['async_ratio']:.2f}x)")
         a = r["attention"]
         lines.append(f"one layer's decode attention, batch {a['batch']}, context {a['context']}: "
                      + ", ".join(f"{k[:-2]} {v * 1e3:.3f} ms" for k, v in a.items() if k.endswith("_s")))

@@ -51,7 +51,8 @@ def test_gpu_speed_measures_a_tiny_model_on_the_cpu(tmp_path):
     assert [(d["batch"], d["context"]) for d in model["decode"]] == [(1, 64), (1, 256), (4, 64), (4, 256)]
     assert all(0 < d["roofline_pct"] and d["bytes"] > d["kv_bytes"] for d in model["decode"])
     assert [p["tokens"] for p in model["prefill"]] == [64, 256] and all(p["gemm_pct"] > 0 for p in model["prefill"])
-    assert "% of the memory roofline" in r.stdout
+    assert model["engine"]["sync_tok_s"] > 0 and model["engine"]["async_tok_s"] > 0
+    assert "% of the memory roofline" in r.stdout and "with async scheduling" in r.stdout
 
 
 def test_gpu_speed_and_cluster_without_a_gpu_say_so():
