@@ -245,6 +245,7 @@ def test_async_scheduling_gives_what_sync_gives(runner, model_dir, expected):
     sync_out, sync_finished, sync_lp, _ = _run_mixed_requests(runner, model_dir, expected, False)
     out, finished, lp, engine = _run_mixed_requests(runner, model_dir, expected, True)
     assert engine.overlapped_steps > 0
+    assert engine.generated_tokens == sum(len(t) for t in out.values())    # dropped tokens not counted
     assert finished.pop("aborted") == sync_finished.pop("aborted") == "abort"
     a, b = out.pop("aborted"), sync_out.pop("aborted")
     assert 3 <= len(a) < 30 and 3 <= len(b) < 30 and a[:3] == b[:3]

@@ -20,9 +20,9 @@ N+1 while the host turns step N's tokens into outputs and plans step N+2:
                -> outputs of step N -> step N+1 counts as launched (PENDING tokens)
 
 A sequence that finishes on step N's token has a row in step N+1 whose token is
-dropped. Rows that need their tokens on the host before the next step (structured
-output, penalties, log probabilities) make the engine read the step in flight before
-it plans: those steps run as without async scheduling.
+dropped. Rows whose next step needs their token on the host first (structured output's
+grammar, penalties over the history) make the engine read the step in flight before it
+plans: those steps run as without async scheduling.
 """
 from __future__ import annotations
 
@@ -86,10 +86,9 @@ class Launched:
 
 def overlaps(seq: Sequence) -> bool:
     """Whether `seq`'s next step may be planned before its last token is read: not when
-    the host needs that token first (a grammar to follow, penalties over the history)
-    or log probabilities are asked for."""
-    p = seq.params
-    return seq.constraint is None and not p.penalized and p.logprobs is None and p.prompt_logprobs is None
+    the host needs that token to prepare the step (a grammar to follow, penalties over
+    the history)."""
+    return seq.constraint is None and not seq.params.penalized
 
 
 @dataclass(frozen=True)
@@ -241,7 +240,7 @@ class LLMEngine:
         self.last_step = StepStats(prefill, len(plan.decode), len(plan.chunks), seconds)
         self.prompt_tokens_computed += sum(min(c.num_tokens, max(0, c.seq.prompt_len - c.start))
                                            for c in plan.chunks)
-        self.generated_tokens += len(sampled.token_ids)
+        self.generated_tokens += len(updates)          # not the dropped tokens of ended sequences
         self.busy_seconds += seconds
         return outputs
 
