@@ -39,7 +39,7 @@ import torch
 from services.engine.device import LayerPoster
 from services.engine.kv_cache import KVPoolMemory
 from services.engine.runner import ForwardBatch, ModelRunner, PrefillSegment
-from services.engine.sampler import Sampled, choose, chosen_logprobs, token_logprobs
+from services.engine.sampler import Sampled, choose, read_back, token_logprobs
 from services.engine.sampling import TokenLogprob
 from services.engine.scheduler import PENDING, Chunk, Scheduler, Sequence, StepPlan
 from services.engine.structured import fill_masks
@@ -80,8 +80,7 @@ class Launched:
 
     def read(self) -> Sampled:
         """The tokens on the host (waits for the device)."""
-        tokens = self.tokens.tolist()
-        return Sampled(tokens, chosen_logprobs(self.logits, [c.seq.params for c in self.rows], tokens))
+        return read_back(self.logits, [c.seq.params for c in self.rows], self.tokens)
 
 
 def overlaps(seq: Sequence) -> bool:
@@ -181,9 +180,11 @@ class LLMEngine:
             log.exception("engine step over %d sequences failed; running them one by one", len(plan.chunks))
             outputs += self._land_before(plan)
             plan, sampled = self._isolate(plan, outputs)
-            outputs += self._record(plan, plan.sampling(), sampled, t0)
-            return outputs
+            rows = plan.sampling()
+            self.scheduler.launched(plan, rows)
+            return outputs + self._record(plan, rows, sampled, t0)
         if not overlap:
+            self.scheduler.launched(plan, launched.rows)
             return outputs + self._record(plan, launched.rows, launched.read(), t0)
         launched.number = self.scheduler.launch()
         if self._flight is not None:
@@ -210,12 +211,11 @@ class LLMEngine:
             sampled = flight.read()
         finally:
             self.scheduler.landed(flight.number)
-        return self._record(flight.plan, flight.rows, sampled, flight.started, resolved=False)
+        return self._record(flight.plan, flight.rows, sampled, flight.started)
 
-    def _record(self, plan: StepPlan, rows: list[Chunk], sampled: Sampled, started: float,
-                resolved: bool = True) -> list[EngineOutput]:
-        """A step's tokens into its sequences (`resolved`: its plan is not launched yet as
-        far as the scheduler knows), and the outputs they make."""
+    def _record(self, plan: StepPlan, rows: list[Chunk], sampled: Sampled, started: float) -> list[EngineOutput]:
+        """The tokens of a launched step (`Scheduler.launched`) into its sampling chunks'
+        sequences, and the outputs they make."""
         outputs: list[EngineOutput] = []
         logprobs = {}
         for c, token, lp in zip(rows, sampled.token_ids, sampled.logprobs):
@@ -225,8 +225,7 @@ class LLMEngine:
                 log.warning("request %s: no token fits its JSON schema here; its output ends", c.seq.request_id)
             if lp is not None:
                 logprobs[c.seq] = [lp]
-        updates = self.scheduler.update(plan, sampled.token_ids) if resolved else \
-            self.scheduler.resolve(rows, sampled.token_ids)
+        updates = self.scheduler.resolve(rows, sampled.token_ids)
         for u in updates:
             first = u.seq.num_generated == 1
             outputs.append(EngineOutput(u.seq.request_id, [u.token_id], u.finish_reason, logprobs.get(u.seq),

@@ -209,5 +209,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: li
     each row's tokens, needed when a row asks for penalties; `mask` rules tokens out in
     place (structured output)."""
     logits, chosen = choose(logits, params, num_generated, eos_token_ids, histories, mask)
+    return read_back(logits, params, chosen)
+
+
+def read_back(logits: torch.Tensor, params: list[SamplingParams], chosen: torch.Tensor) -> Sampled:
+    """`choose`'s tokens on the host (waiting for the device), with the log probabilities
+    their rows asked for, from `choose`'s processed logits."""
     out = chosen.tolist()
     return Sampled(out, chosen_logprobs(logits, params, out))

@@ -344,14 +344,18 @@ class Scheduler:
             seq.num_cached = hit.cached_tokens
         return True
 
+    def _needed(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks `seq` lacks for its first `num_tokens` tokens."""
+        return self.blocks.blocks_for(num_tokens) - len(seq.block_ids)
+
     def _short(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks.blocks_for(num_tokens) - len(seq.block_ids) > self.blocks.num_available
+        return self._needed(seq, num_tokens) > self.blocks.num_available
 
     def _make_room(self, seq: Sequence, num_tokens: int, plan: StepPlan) -> int | None:
         """Blocks for `seq`'s first `num_tokens` tokens, preempting the newest running
         sequences while the pool is short (`seq` itself, if it is the newest). Returns
         the planned tokens the preemptions took back, or None when none happened."""
-        need = self.blocks.blocks_for(num_tokens) - len(seq.block_ids)
+        need = self._needed(seq, num_tokens)
         freed = None
         while need > self.blocks.num_available:
             victim = self.running[-1]
