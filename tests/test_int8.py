@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from services.common.settings import EngineSettings
 from services.engine import native
 from services.engine.fusion import Int8DecoderLayer, Int8Linear
-from services.engine.hardware import cpu_flags
+from services.engine.hardware import cpu_kernels
 from services.engine.runner import ModelRunner
 from tests.conftest import start_cluster, stop_cluster
 
@@ -114,7 +114,7 @@ def test_the_quantized_model_follows_float32_and_labels_its_kv_apart(model_dir, 
     reference = {tuple(ids): continuation(reference_runner, ids, 16) for ids in prompts}
     int8 = int8_runner
     assert "int8 decoder layers (smoothed)" in int8.fusions and "int8 weights" in int8.describe()
-    assert ("native int8 matmul" in int8.fusions) == ("avx512_vnni" in cpu_flags() and "amx_bf16" not in cpu_flags())
+    assert ("native int8 matmul" in int8.fusions) == cpu_kernels().int8_matmul
     assert sum(isinstance(m, Int8DecoderLayer) for m in int8.model.modules()) == int8.num_layers
     agree, _ = teacher_forced(int8, reference, prompts)
     assert sum(agree) / len(agree) >= 0.8

@@ -154,7 +154,7 @@ def test_the_real_model_agrees_with_onednn(model_dir, kernel_cache, monkeypatch)
     """SmolLM2 in bfloat16: a prompt's last logits and one decode step's, through the
     native matmul and through oneDNN's; the same token or a tie within bfloat16's steps.
     (On AMX CPUs the engine keeps oneDNN; the native path is asked for here all the same.)"""
-    monkeypatch.setattr("services.engine.runner.has_amx", lambda: False)
+    monkeypatch.setattr("services.engine.runner.cpu_flags", lambda: cpu_flags() - {"amx_bf16"})
     fast = ModelRunner(model_dir, "bfloat16", "cpu", kernel_cache=kernel_cache)
     monkeypatch.setattr(ModelRunner, "_matmul", lambda self, *args: None)
     slow = ModelRunner(model_dir, "bfloat16", "cpu", kernel_cache=kernel_cache)
@@ -254,7 +254,6 @@ def test_float32_real_model_agrees_with_torch(model_dir, kernel_cache, monkeypat
     the same greedy token. (On CPUs with AVX-512 the engine keeps torch's float32
     matmul; the native one is asked for here all the same.)"""
     monkeypatch.setattr("services.engine.runner.cpu_flags", lambda: frozenset({"avx2", "fma"}))
-    monkeypatch.setattr("services.engine.runner.has_amx", lambda: False)
     fast = ModelRunner(model_dir, "float32", "cpu", kernel_cache=kernel_cache)
     monkeypatch.setattr(ModelRunner, "_matmul", lambda self, *args: None)
     slow = ModelRunner(model_dir, "float32", "cpu", kernel_cache=kernel_cache)

@@ -103,6 +103,26 @@ def test_dtype_auto_fits_the_cpu():
         pick_dtype("float8", cpu, bf16)
 
 
+# Flag sets of the three CPU kinds the project's machines have had (as /proc/cpuinfo names them).
+AVX2_ONLY = frozenset({"avx", "avx2", "fma"})
+ZEN4 = AVX2_ONLY | {"avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"}
+SAPPHIRE_RAPIDS = ZEN4 | {"amx_bf16", "amx_tile", "amx_int8"}
+
+
+@pytest.mark.parametrize("flags, bf16, int8, f32", [
+    (AVX2_ONLY, False, False, True),            # float32 matmuls only: bf16 would be emulated
+    (ZEN4, True, True, False),                  # vdpbf16ps / vpdpbusd kernels, the one-call decoder
+    (SAPPHIRE_RAPIDS, False, False, False),     # oneDNN's AMX tiles for matmuls and SDPA
+], ids=["avx2", "avx512-bf16", "amx-bf16"])
+def test_which_cpu_kernels_each_cpu_kind_takes(flags, bf16, int8, f32):
+    """The one rule the runner applies and the kernel tests skip by (hardware.CpuKernels),
+    on each CPU kind, from flag sets: it runs the same on any machine."""
+    from services.engine.hardware import cpu_kernels
+    kernels = cpu_kernels(flags)
+    assert (kernels.bf16_matmul, kernels.int8_matmul, kernels.f32_matmul) == (bf16, int8, f32)
+    assert kernels.one_call_decoder == kernels.bf16_prefill == bf16
+
+
 def test_mixed_prefill_cap_defaults_by_role_and_device():
     from services.worker.main import MIXED_PREFILL_CPU, MIXED_PREFILL_GPU, scheduler_config
     decode = WorkerSettings(role="decode")

@@ -50,6 +50,33 @@ def has_amx(flags: frozenset[str] | None = None) -> bool:
 
 
 @dataclass(frozen=True)
+class CpuKernels:
+    """Which of pdserve's own CPU kernels the engine takes on a CPU with these flags: the
+    one rule the runner applies and the tests skip by. Where a field is False the engine
+    keeps torch's (oneDNN's) path, which was measured faster there or not measured
+    against ours."""
+    bf16_matmul: bool       # vdpbf16ps matmuls: AVX512-BF16 without AMX (oneDNN runs AMX tiles there)
+    int8_matmul: bool       # vpdpbusd matmuls: AVX512-VNNI without AMX
+    f32_matmul: bool        # AVX2 and FMA without AVX-512 (torch's AVX-512 float32 path not measured against it)
+    bf16_prefill: bool      # prefill attention in bfloat16: AVX512-BF16 without AMX, where torch's SDPA
+    #                         (oneDNN on AMX tiles) took 2.3 ms against ~7 ms a layer at 512 tokens
+
+    @property
+    def one_call_decoder(self) -> bool:
+        """A bfloat16 decode step's layers in one native call: its matmuls are the bf16 ones."""
+        return self.bf16_matmul
+
+
+def cpu_kernels(flags: frozenset[str] | None = None) -> CpuKernels:
+    flags = cpu_flags() if flags is None else flags
+    amx = has_amx(flags)
+    return CpuKernels(bf16_matmul="avx512_bf16" in flags and not amx,
+                      int8_matmul="avx512_vnni" in flags and not amx,
+                      f32_matmul={"avx2", "fma"} <= flags and "avx512f" not in flags,
+                      bf16_prefill="avx512_bf16" in flags and not amx)
+
+
+@dataclass(frozen=True)
 class DtypeChoice:
     name: str                           # "bfloat16", "float32", "float16"
     reason: str

@@ -31,7 +31,7 @@ import torch
 
 from services.common.settings import ATTENTION_KERNELS, QUANTIZATIONS
 from services.engine.device import Fence, stream_for, to_device
-from services.engine.hardware import cpu_flags, has_amx, pick_dtype
+from services.engine.hardware import cpu_flags, cpu_kernels, pick_dtype
 from services.engine.kv_cache import (CPU_KV_TOKENS, KVLayout, KVPoolMemory, compat_hash, device_memory,
                                       tokens_for_memory)
 from services.engine.model_store import context_length
@@ -156,10 +156,8 @@ class ModelRunner:
         layer_kernels, matmul = self._layer_kernels(attention, kernel_cache), self._matmul(attention, kernel_cache)
         self.fusions = fusion.apply(self.model, layer_kernels, quantization, calibration, matmul)
         self.decoder = self._decoder(kernel_cache, layer_kernels, matmul)
-        # With AMX, torch's SDPA (oneDNN on AMX tiles) beats the vdpbf16ps kernel: measured
-        # 2.3 ms against ~7 ms a layer at 512 tokens on a Sapphire Rapids core.
         self.native_prefill = (self.native is not None and self.native.prefills
-                               and self.model.dtype == torch.bfloat16 and not has_amx())
+                               and self.model.dtype == torch.bfloat16 and cpu_kernels(cpu_flags()).bf16_prefill)
         self.gpu_kernels = self.device.type == "cuda" and attention != "torch" and gpu_kernels.available()
         self.decode_scratch = gpu_kernels.DecodeScratch() if self.gpu_kernels else None
         layers = getattr(getattr(self.model, "model", None), "layers", None) or []
@@ -205,16 +203,13 @@ class ModelRunner:
             return None
 
     def _matmul(self, attention: str, kernel_cache: Path) -> NativeMatmul | None:
-        """pdserve's own matmuls where they beat oneDNN's: bfloat16 on a CPU with
-        AVX512-BF16, int8 weights on one with AVX512-VNNI, float32 on one with AVX2 and
-        FMA but no AVX-512 (measured there; torch's AVX-512 float32 path is not measured
-        against it), none with AMX (oneDNN runs AMX tiles there, which these kernels do
-        not; not measured against them). None keeps torch's own."""
-        flags = cpu_flags()
-        f32 = self.model.dtype == torch.float32 and {"avx2", "fma"} <= flags and "avx512f" not in flags
-        wanted = ((self.model.dtype == torch.bfloat16 and "avx512_bf16" in flags)
-                  or (self.quantization == "int8" and "avx512_vnni" in flags) or f32)
-        if attention == "torch" or self.device.type != "cpu" or has_amx() or not wanted:
+        """pdserve's own matmuls where this CPU takes them (hardware.CpuKernels says
+        where); None keeps torch's own."""
+        kinds = cpu_kernels(cpu_flags())
+        f32 = self.model.dtype == torch.float32 and kinds.f32_matmul
+        wanted = ((self.model.dtype == torch.bfloat16 and kinds.bf16_matmul)
+                  or (self.quantization == "int8" and kinds.int8_matmul) or f32)
+        if attention == "torch" or self.device.type != "cpu" or not wanted:
             return None
         matmul = _built(load_matmul, kernel_cache, "matmuls stay on oneDNN")
         if matmul is not None:
