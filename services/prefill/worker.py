@@ -205,8 +205,11 @@ class PrefillWorker:
     # ---- engine thread ----
     def _push_layer(self, layer: int, plan: StepPlan) -> None:
         """Layer `layer` of this step is written: post its writes, request by request.
-        A request whose lease ran out or whose link failed stops writing and is aborted;
-        the others go on."""
+        A chunk pushes only the blocks it completes (the prompt's last chunk, its last
+        partial block too), so no destination block is written twice: two writes to one
+        block would have no order between them. A request whose lease ran out or whose
+        write failed, however it failed, stops writing and is aborted (its KV at the
+        decode worker is incomplete); the others go on."""
         last_layer = layer == self.layout.num_layers - 1
         bs = self.layout.block_size
         for c in plan.chunks:
@@ -214,18 +217,21 @@ class PrefillWorker:
             if export is None or export.failure is not None:
                 continue
             end = c.start + c.num_tokens
-            first, stop = export.pushed_blocks, -(-end // bs)
+            first, stop = export.pushed_blocks, (-(-end // bs) if end >= c.seq.prompt_len else end // bs)
             try:
                 if time.monotonic() >= export.deadline:
                     raise LeaseExpired(f"write deadline passed at layer {layer}")
-                export.xfers.append(export.transport.write(export.peer, c.seq.block_ids[first:stop],
-                                                           export.dst[first:stop], range(layer, layer + 1)))
-            except TransferError as exc:
-                export.failure = exc
+                if stop > first:
+                    export.xfers.append(export.transport.write(export.peer, c.seq.block_ids[first:stop],
+                                                               export.dst[first:stop], range(layer, layer + 1)))
+            except Exception as exc:            # noqa: BLE001 - any failed post leaves the KV incomplete
+                export.failure = exc if isinstance(exc, TransferError) else TransferError(
+                    f"posting layer {layer}'s write failed: {type(exc).__name__}: {exc}")
+                log.warning("request %s: %s", c.seq.request_id, export.failure)
                 self.loop.abort(c.seq.request_id)
                 continue
             if last_layer:
-                export.pushed_blocks = end // bs
+                export.pushed_blocks = stop
 
     def _tick(self) -> None:
         sch = self.engine.scheduler
