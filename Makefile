@@ -5,6 +5,11 @@ BIN     := $(VENV)/bin
 PIP     := $(BIN)/pip
 STAMP   := $(VENV)/.installed
 ARGS    ?=
+# The python `gpu-check` and `gpu-bench` run: the venv's, installed first, by default. One
+# named here is used as it is, nothing installed: a CUDA machine's own python, with no
+# package index (docs/benchmarks-gpu.md), e.g. `make gpu-check GPU_PY=python3`.
+GPU_PY  ?= $(BIN)/python
+GPU_DEPS = $(if $(filter $(BIN)/python,$(GPU_PY)),install)
 
 .PHONY: run test test-slow install proto model clean redis helm-test gpu-check gpu-bench
 
@@ -50,16 +55,16 @@ test-slow: model redis
 
 # On a CUDA machine: parity, the KV push race, NIXL bandwidth, host-only transports refused
 # (bench/gpu_check.py; random weights, nothing downloaded)
-gpu-check: install
+gpu-check: $(GPU_DEPS)
 	@mkdir -p build
-	$(BIN)/python -m bench.gpu_check --json build/gpu-check.json
+	$(GPU_PY) -m bench.gpu_check --json build/gpu-check.json
 
 # On a CUDA machine: decode and prefill against the card's memory and GEMM rooflines, then
 # the cluster on one GPU against transformers' generate (docs/benchmarks-gpu.md)
-gpu-bench: install
+gpu-bench: $(GPU_DEPS)
 	@mkdir -p build
-	$(BIN)/python -m bench.gpu_speed --json build/gpu-speed.json
-	$(BIN)/python -m bench.gpu_cluster --shape 8b --json build/gpu-cluster.json
+	$(GPU_PY) -m bench.gpu_speed --json build/gpu-speed.json
+	$(GPU_PY) -m bench.gpu_cluster --shape 8b --json build/gpu-cluster.json
 
 # The Helm chart, offline: no Kubernetes API server runs here, so it is linted, rendered
 # and checked against the API's schemas (at the chart's floor, 1.27, and the newest), then

@@ -21,6 +21,9 @@ DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
 DOCKERIGNORE = ROOT / "deploy" / "docker" / "Dockerfile.dockerignore"
 INSTALL = ROOT / "deploy" / "install.sh"
 CHART = ROOT / "deploy" / "helm" / "pdserve"
+# The kernel compilers' caches (CUDA's, Triton's, inductor's, tvm-ffi's for xgrammar): by
+# default under $HOME, which lies on the pods' read-only root filesystem.
+JIT_CACHES = ("CUDA_CACHE_PATH", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TVM_FFI_CACHE_DIR")
 
 
 def instructions() -> list[tuple[str, str]]:
@@ -30,11 +33,16 @@ def instructions() -> list[tuple[str, str]]:
     return [(ln.split(None, 1)[0].upper(), ln.split(None, 1)[1]) for ln in lines]
 
 
+def runtime_stage() -> list[tuple[str, str]]:
+    """The instructions of the last stage, the image that runs."""
+    ops = instructions()
+    last_from = max(i for i, (op, _) in enumerate(ops) if op == "FROM")
+    return ops[last_from:]
+
+
 def image_env() -> dict[str, str]:
-    runtime = instructions()
-    last_from = max(i for i, (op, _) in enumerate(runtime) if op == "FROM")
     env = {}
-    for op, args in runtime[last_from:]:
+    for op, args in runtime_stage():
         if op == "ENV":
             env.update(re.findall(r"(\w+)=(\S+)", args))
     return env
@@ -107,6 +115,27 @@ def test_image_and_chart_agree():
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     project = (ROOT / "pyproject.toml").read_text()
     assert f'version = "{chart["appVersion"]}"' in project
+
+
+def test_every_variant_carries_a_c_compiler():
+    """Triton builds its CUDA launcher with a C compiler at first use, and raises where
+    there is none: the runtime stage installs one whatever the VARIANT, CUDA included."""
+    installs = [args for op, args in runtime_stage() if op == "RUN" and "apt-get install" in args]
+    assert [run for run in installs if re.search(r"\bgcc\b", run) and "libc6-dev" in run], installs
+    assert not [run for run in installs if "VARIANT" in run], "the compiler is installed for one variant only"
+
+
+def test_kernel_caches_are_written_under_the_writable_cache():
+    """With a read-only root, a kernel cache left under $HOME cannot be written (Triton's
+    crash-looped the decode pods): each one is under /cache, which the image makes its
+    user's and the chart mounts as an emptyDir."""
+    ops = runtime_stage()
+    (user,) = [args for op, args in ops if op == "USER"]
+    uid, gid = user.split(":")
+    assert any(f"install -d -o {uid} -g {gid} /cache" in args for op, args in ops if op == "RUN")
+    env = image_env()
+    for name in JIT_CACHES:
+        assert env.get(name, "").startswith("/cache/"), f"{name}={env.get(name)}"
 
 
 def test_build_context_leaves_out_local_state():

@@ -6,6 +6,7 @@ indexing and arithmetic but not their speed; with a GPU, on it.
 """
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -225,16 +226,22 @@ def test_runner_cuda_graphs_match_torch_path_on_the_gpu(tmp_path):
     assert check_runner(str(build_tiny_model(tmp_path / "tiny")), "cuda") == []
 
 
-def test_a_failed_graph_capture_leaves_the_steps_eager(tmp_path, monkeypatch):
+@pytest.mark.parametrize("error", [
+    RuntimeError("operation not permitted when stream is capturing"),
+    OSError(30, "Read-only file system", "/home/pdserve/.triton"),
+], ids=["not-capturable", "kernel-cache-unwritable"])
+def test_a_failed_graph_capture_leaves_the_steps_eager(tmp_path, monkeypatch, caplog, error):
     """A model whose decode step cannot be captured (a rotary embedding that reads its
-    positions back to the host, say) is served eagerly, with the same logits."""
+    positions back to the host, say), or whose kernels cannot be compiled for the capture
+    (Triton's cache under $HOME on a read-only root), is served eagerly, with the same
+    logits, and the log says why, once."""
     from bench.gpu_check import build_tiny_model
     from services.engine import cuda_graphs
     from services.engine.kv_cache import KVPoolMemory
     from services.engine.runner import ModelRunner
 
     def refuse(self):
-        raise RuntimeError("operation not permitted when stream is capturing")
+        raise error
     monkeypatch.setattr(cuda_graphs.DecodeGraphs, "capture", refuse)
     model_dir = build_tiny_model(tmp_path / "tiny")
     ref = ModelRunner(model_dir, "float32", "cpu", attention="torch")
@@ -244,5 +251,9 @@ def test_a_failed_graph_capture_leaves_the_steps_eager(tmp_path, monkeypatch):
     for r, pool in zip((ref, runner), pools):
         r.prefill(pool, list(range(5, 25)), [3, 4])
     want = ref.decode(pools[0], [7], [20], [[3, 4]])
-    got = runner.decode(pools[1], [7], [20], [[3, 4]])
+    with caplog.at_level(logging.WARNING, logger="services.engine.runner"):
+        runner.capture_graphs(pools[1])                   # as a decode worker does at start
+        got = runner.decode(pools[1], [7], [20], [[3, 4]])
     assert runner.graph_sizes == [] and torch.equal(got, want)
+    (record,) = [r for r in caplog.records if r.name == "services.engine.runner"]
+    assert f"{type(error).__name__}: {error}" in record.getMessage()

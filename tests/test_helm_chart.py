@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.test_container_image import JIT_CACHES
+
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "deploy" / "helm" / "pdserve"
 GPU_VALUES = CHART / "values-gpu.yaml"
@@ -845,6 +847,21 @@ def test_pods_run_unprivileged_with_writable_scratch_only(helm):
         (shm,) = [mnt for mnt in m.container(role)["volumeMounts"] if mnt["mountPath"] == "/dev/shm"]
         volume = next(v for v in pod["volumes"] if v["name"] == shm["name"])
         assert volume["emptyDir"]["medium"] == "Memory" and volume["emptyDir"]["sizeLimit"]
+
+
+def test_gpu_workers_keep_kernel_caches_on_a_writable_volume(helm):
+    """The root filesystem is read-only and $HOME lies on it: each kernel compiler's cache
+    (Triton's: without it a decode pod's first Triton kernel fails) is set to a path under
+    an emptyDir the worker mounts writable, the same variables the image sets."""
+    m = render(helm, "-f", str(GPU_VALUES))
+    for role in POOLS:
+        volumes = {v["name"]: v for v in m.pod(role)["volumes"]}
+        writable = [mnt["mountPath"] for mnt in m.container(role)["volumeMounts"]
+                    if not mnt.get("readOnly", False) and "emptyDir" in volumes[mnt["name"]]]
+        env = env_of(m.container(role))
+        for name in JIT_CACHES:
+            value = env.get(name, {}).get("value", "")
+            assert any(value.startswith(path + "/") for path in writable), (role, name, value, writable)
 
 
 @pytest.mark.parametrize("source,settings,volume", [

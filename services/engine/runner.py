@@ -349,10 +349,12 @@ class ModelRunner:
                                   self.graph_sizes)
             try:
                 graphs.capture()
-            except RuntimeError as e:
+            except Exception as e:
                 # e.g. a rotary embedding that reads its positions back to the host (dynamic
-                # scaling): such a model's steps cannot be captured, and run eagerly
-                log.warning("decode steps run eagerly: capturing a CUDA graph failed (%s)", e)
+                # scaling, a RuntimeError), or a kernel compiler that cannot write its cache
+                # (an OSError): the steps run eagerly rather than the worker failing
+                log.warning("decode steps run eagerly: capturing a CUDA graph failed (%s: %s)",
+                            type(e).__name__, e)
                 self.graph_sizes = []
                 return None
             self._graphs = graphs

@@ -27,6 +27,12 @@ only in what their values say:
 {{- end }}
 {{- /* With hostNetwork, status.podIP is the node's address: the advertised one stays right. */}}
 {{- $env := list (dict "name" "POD_IP" "valueFrom" (dict "fieldRef" (dict "fieldPath" "status.podIP"))) }}
+{{- /* The kernel compilers' caches default to $HOME, on the read-only root: the /cache
+emptyDir instead, as in the image (an image built elsewhere may not set them). */}}
+{{- range $name, $dir := dict "CUDA_CACHE_PATH" "nv" "TRITON_CACHE_DIR" "triton"
+      "TORCHINDUCTOR_CACHE_DIR" "torchinductor" "TVM_FFI_CACHE_DIR" "tvm-ffi" }}
+{{- $env = append $env (dict "name" $name "value" (printf "/cache/%s" $dir)) }}
+{{- end }}
 {{- $env = concat $env (include "pdserve.ucxEnv" $pool.ucx | fromJsonArray) }}
 {{- $network := include "pdserve.kvNetwork" (dict "root" $root "pool" $pool) | fromYaml }}
 {{- include "pdserve.deployment" (merge (dict
