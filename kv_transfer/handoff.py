@@ -63,6 +63,9 @@ class HandoffTable:
     def __len__(self) -> int:
         return len(self._live)
 
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._live
+
     def reserve(self, request_id: str, block_ids: list[int], num_tokens: int,
                 lease_seconds: float) -> KVHandoff:
         if request_id in self._live:

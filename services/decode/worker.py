@@ -110,6 +110,8 @@ class DecodeWorker:
         # Whatever a caller asks, a reservation lasts at most this long unless decoding starts.
         lease_seconds = min(lease_seconds, self.settings.max_lease_seconds)
         with self._lock:
+            if request_id in self._decoding:
+                raise HandoffError(f"request {request_id} is already decoding here")
             blocks = self.blocks.allocate(self.blocks.blocks_for(num_tokens))
             try:
                 return self.handoffs.reserve(request_id, blocks, num_tokens, lease_seconds)
@@ -151,23 +153,33 @@ class DecodeWorker:
                 sink(output)
             return to
         choices = [seq, *seq.forks]
+        ids = [c.request_id for c in choices]
         first, *others = [deliver(c.request_id, sink) for c, sink in zip(choices, sinks, strict=True)]
         if epoch is None:
             with self._lock:
-                self._decoding.update(c.request_id for c in choices)
+                self._claim(ids, reserved_ok=False)
             self.loop.submit(seq, first, fork_sinks=others)
             return
         with self._lock:
             h = self.handoffs.get(seq.request_id, epoch)
             if len(seq.token_ids) - 1 != h.num_tokens:
                 raise HandoffError(f"handle covers {h.num_tokens} tokens, request has {len(seq.token_ids) - 1}")
+            self._claim(ids, reserved_ok=True)
             self.handoffs.advance(h, HandoffState.COMPLETE)
             self.handoffs.advance(h, HandoffState.DECODING)
             seq.block_ids = list(h.block_ids)           # the sequence owns them from here
-            self._decoding.update(c.request_id for c in choices)
         self.kv_bytes_received += kv_bytes
         self.metrics.kv_bytes.labels("received", backend).inc(kv_bytes)
         self.loop.submit(seq, first, prefilled=True, fork_sinks=others)
+
+    def _claim(self, ids: list[str], reserved_ok: bool) -> None:
+        """Mark `ids` as decoding here, or ValueError if one already is (or holds a
+        reservation a local prefill would shadow): a caller's duplicate fails alone,
+        and never takes over another sequence's stream or blocks. Under `_lock`."""
+        taken = next((i for i in ids if i in self._decoding or (not reserved_ok and i in self.handoffs)), None)
+        if taken is not None:
+            raise ValueError(f"request {taken} is already here")
+        self._decoding.update(ids)
 
     def abort(self, request_id: str) -> None:
         self.loop.abort(request_id)

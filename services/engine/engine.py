@@ -381,6 +381,7 @@ class EngineLoop:
         self.tick = tick
         self.on_step = on_step
         self._sinks: dict[str, Sink] = {}
+        self._submitting = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -396,10 +397,15 @@ class EngineLoop:
 
     def submit(self, seq: Sequence, sink: Sink, prefilled: bool = False,
                fork_sinks: list[Sink] = ()) -> None:
-        """`fork_sinks`: one per sequence in `seq.forks`, which the engine starts itself."""
-        self._sinks[seq.request_id] = sink
-        for child, child_sink in zip(seq.forks, fork_sinks, strict=True):
-            self._sinks[child.request_id] = child_sink
+        """`fork_sinks`: one per sequence in `seq.forks`, which the engine starts itself.
+        An id already here is a ValueError: its sink must never take another's place."""
+        sinks = {seq.request_id: sink}
+        sinks.update((child.request_id, s) for child, s in zip(seq.forks, fork_sinks, strict=True))
+        with self._submitting:                  # RPC threads submit concurrently
+            taken = next((request_id for request_id in sinks if request_id in self._sinks), None)
+            if taken is not None or len(sinks) != 1 + len(seq.forks):
+                raise ValueError(f"request {taken or seq.request_id} is already in the engine")
+            self._sinks.update(sinks)
         (self.engine.add_prefilled if prefilled else self.engine.add)(seq)
         self._wake.set()
 

@@ -117,10 +117,14 @@ class Delta:
 
 @dataclass
 class Generation:
-    """One request's record: what was decided and what happened."""
+    """One request's record: what was decided and what happened. `request_id` is the
+    router's own; a client's id (gRPC `request_id`) is only echoed back, never sent to a
+    worker, so two clients' ids cannot collide there."""
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    client_id: str = ""                 # the caller's own id, for responses and logs
+    worker_id: str = ""                 # what the workers call the current attempt (_attempt)
     decision: str = ""
     decode_worker: str = ""
     prefill_worker: str = ""
@@ -383,7 +387,7 @@ class Cluster:
             (w for w in self.decode if w.info is not None and w.info.epoch == leader.decode_epoch), None)
         if decode is None:
             return
-        request_id = leader.request_id if index == 0 else f"{leader.request_id}#{index}"
+        request_id = leader.worker_id if index == 0 else f"{leader.worker_id}#{index}"
         await self._release(decode, worker_pb2.KVHandle(request_id=request_id, epoch=leader.decode_epoch),
                             "stop string")
 
@@ -394,7 +398,7 @@ class Cluster:
         for attempt in range(1, ATTEMPTS + 1):
             streamed = False
             try:
-                async with aclosing(self._attempt(gen, n)) as tokens:
+                async with aclosing(self._attempt(gen, n, attempt)) as tokens:
                     async for item in tokens:
                         streamed = True
                         yield item
@@ -405,10 +409,13 @@ class Cluster:
                 log.warning("request %s: %s; trying again on another worker", gen.request_id, exc.message)
                 self.metrics.retries.inc()
 
-    async def _attempt(self, gen: Generation, n: int) -> AsyncIterator[Tokens]:
-        """One try through the workers. Cleanup rule: whenever a reservation exists and
-        the decode stream did not finish, a Release is sent, but only once no prefill can
-        still be writing into the reserved blocks. Release is idempotent on the worker."""
+    async def _attempt(self, gen: Generation, n: int, attempt: int) -> AsyncIterator[Tokens]:
+        """One try through the workers, under an id of its own: a late Release of an
+        earlier try can never reach this one. Cleanup rule: whenever a reservation
+        exists and the decode stream did not finish, a Release is sent, but only once no
+        prefill can still be writing into the reserved blocks. Release is idempotent on
+        the worker."""
+        gen.worker_id = f"{gen.request_id}.{attempt}"
         gen.prefill_worker, gen.prefill_epoch, gen.transport, gen.transport_fallback = "", "", "", False
         gen.kv_bytes = gen.cached_tokens = 0
         decode = self._pick_decode(gen)
@@ -470,7 +477,7 @@ class Cluster:
 
     def _decode_request(self, gen: Generation, first_token: int, local: bool, epoch: str, n: int):
         return worker_pb2.DecodeRequest(
-            request_id=gen.request_id, epoch=epoch, prompt_token_ids=gen.prompt_ids, first_token_id=first_token,
+            request_id=gen.worker_id, epoch=epoch, prompt_token_ids=gen.prompt_ids, first_token_id=first_token,
             sampling=sampling_to_proto(gen.params), max_tokens=gen.params.max_tokens, kv_bytes=gen.kv_bytes,
             local_prefill=local, transport=gen.transport, n=n)
 
@@ -479,7 +486,7 @@ class Cluster:
         t0 = time.monotonic()
         deadline = t0 + self.settings.request_timeout
         delay = 0.01
-        req = worker_pb2.ReserveRequest(request_id=gen.request_id, num_prompt_tokens=len(gen.prompt_ids),
+        req = worker_pb2.ReserveRequest(request_id=gen.worker_id, num_prompt_tokens=len(gen.prompt_ids),
                                         lease_seconds=self.settings.prefill_timeout)
         while True:
             call = asyncio.ensure_future(decode.stub.Reserve(req, timeout=INFO_TIMEOUT * 5))
@@ -504,7 +511,7 @@ class Cluster:
         n = len(gen.prompt_ids)
         prefill.inflight += 1                 # its tokens were counted when it was planned
         call = asyncio.ensure_future(prefill.stub.Prefill(
-            worker_pb2.PrefillRequest(request_id=gen.request_id, prompt_token_ids=gen.prompt_ids,
+            worker_pb2.PrefillRequest(request_id=gen.worker_id, prompt_token_ids=gen.prompt_ids,
                                       sampling=sampling_to_proto(gen.params), handle=handle),
             timeout=self.settings.prefill_timeout + PREFILL_RPC_MARGIN))
 

@@ -53,7 +53,11 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
             stop_token_ids=list(s.stop_token_ids), logprobs=opt("logprobs"), json_schema=schema)
         if not 0 <= request.n <= MAX_CHOICES:
             raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {request.n}", param="n")
-        return choices(request.request_id or new_request_id("gen"), prompt_ids, params, request.n or 1)
+        # The router names the request itself: the caller's id is only echoed back.
+        gens = choices(new_request_id("gen"), prompt_ids, params, request.n or 1)
+        for gen in gens:
+            gen.client_id = request.request_id
+        return gens
 
     async def Generate(self, request, context):
         given = next((v for k, v in context.invocation_metadata() or () if k == "x-request-id"), None)
@@ -68,7 +72,7 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
             try:
                 async for d in running.deltas():
                     yield generate_pb2.GenerateResponse(
-                        request_id=gen.request_id, text=d.text, token_ids=d.token_ids,
+                        request_id=gen.client_id or gen.request_id, text=d.text, token_ids=d.token_ids,
                         finish_reason=d.finish_reason or "", index=d.index,
                         usage=generate_pb2.Usage(prompt_tokens=len(gen.prompt_ids),
                                                  completion_tokens=gens[d.index].completion_tokens),
