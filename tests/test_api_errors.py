@@ -136,6 +136,8 @@ GRPC_BAD = {
     "bad_token_id": (generate_pb2.GenerateRequest(prompt_token_ids=generate_pb2.TokenIds(ids=[10**8])),
                      grpc.StatusCode.INVALID_ARGUMENT),
     "unknown_model": (generate_pb2.GenerateRequest(model="other", prompt="hi"), grpc.StatusCode.NOT_FOUND),
+    "stop_past_the_cap": (generate_pb2.GenerateRequest(prompt="hi", sampling=generate_pb2.SamplingParams(
+        stop=[f"s{i}" for i in range(17)])), grpc.StatusCode.INVALID_ARGUMENT),
 }
 
 
@@ -187,3 +189,125 @@ def test_a_huge_prompt_stalls_nobody(cluster):
     assert results["8MB"][:2] == (400, "context_length_exceeded") and results["8MB"][2] < 5, results
     assert results["500KB"][:2] == (400, "context_length_exceeded"), results      # ~85,000 tokens
     assert max(waits) < 0.5, waits
+
+
+def _raw_chat(fields: str) -> bytes:
+    """A chat body with `fields` spliced in as JSON text, for what json.dumps cannot write."""
+    return ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, ' + fields + "}").encode()
+
+
+# Edges a hostile client found: each once answered 500 (or 200 with a guess). Path, body,
+# the field the error must name, and a piece of its message.
+HOSTILE = {
+    "max_tokens_of_5000_digits": ("/v1/completions", b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",
+                                  "max_tokens", "5000 digits"),
+    "token_id_of_5000_digits": ("/detokenize", b'{"tokens": [1, ' + b"9" * 5000 + b"]}", "tokens.1", "5000 digits"),
+    "top_k_past_int32": ("/v1/chat/completions", {"messages": MSG, "top_k": 2**31}, "top_k", "2147483647"),
+    "top_k_past_int64": ("/v1/completions", {"prompt": "hi", "top_k": 2**64}, "top_k", "2147483647"),
+    "temperature_past_float32": ("/v1/chat/completions", {"messages": MSG, "temperature": 1e300}, "temperature",
+                                 "1e+300"),
+    "stop_lone_surrogate": ("/v1/chat/completions", _raw_chat(r'"stop": "\ud800"'), "stop", "U+D800"),
+    "stop_list_lone_surrogate": ("/v1/completions", br'{"prompt": "hi", "stop": ["a", "\udfff"]}', "stop.1",
+                                 "U+DFFF"),
+    "stop_lone_surrogate_streamed": ("/v1/chat/completions", _raw_chat(r'"stream": true, "stop": "\ud800"'), "stop",
+                                     "U+D800"),
+    "model_lone_surrogate": ("/v1/chat/completions", _raw_chat(r'"model": "x\ud800"'), "model", "U+D800"),
+    "model_lone_surrogate_tokenize": ("/tokenize", br'{"model": "\ud800", "prompt": "hi"}', "model", "U+D800"),
+    "user_lone_surrogate": ("/v1/chat/completions", _raw_chat(r'"user": "\ud800"'), "user", "U+D800"),
+    "message_name_lone_surrogate": ("/v1/chat/completions",
+                                    br'{"messages": [{"role": "user", "content": "hi", "name": "\ud800"}]}',
+                                    "messages.0.name", "U+D800"),
+    "logit_bias_key_lone_surrogate": ("/v1/chat/completions", _raw_chat(r'"logit_bias": {"\ud800": 1}'),
+                                      "logit_bias", "U+D800"),
+    "schema_key_lone_surrogate": ("/v1/chat/completions", _raw_chat(
+        r'"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": '
+        r'{"type": "object", "properties": {"\ud800": {"type": "string"}}}}}'),
+        "response_format.json_schema.schema.properties", "U+D800"),
+    "logit_bias_key_not_ascii_digits": ("/v1/chat/completions", {"messages": MSG, "logit_bias": {"\u0665": 1}},
+                                        "logit_bias", "decimal digits"),
+    "stop_past_the_cap": ("/v1/chat/completions", {"messages": MSG, "stop": [f"s{i}" for i in range(17)]}, "stop",
+                          "16"),
+    "temperature_true": ("/v1/chat/completions", {"messages": MSG, "temperature": True}, "temperature", "number"),
+    "top_p_true": ("/v1/completions", {"prompt": "hi", "top_p": True}, "top_p", "number"),
+    "min_p_false": ("/v1/chat/completions", {"messages": MSG, "min_p": False}, "min_p", "number"),
+    "presence_penalty_true": ("/v1/chat/completions", {"messages": MSG, "presence_penalty": True}, "presence_penalty",
+                              "number"),
+    "logit_bias_value_true": ("/v1/chat/completions", {"messages": MSG, "logit_bias": {"5": True}}, "logit_bias.5",
+                              "number"),
+    "temperature_numeric_string": ("/v1/chat/completions", {"messages": MSG, "temperature": "0.5"}, "temperature",
+                                   "number"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_hostile_field_gets_400_naming_it_and_server_keeps_serving(cluster, name):
+    path, body, param, fragment = HOSTILE[name]
+    r = _post(cluster, path, **({"content": body} if isinstance(body, bytes) else {"json": body}))
+    assert r.status_code == 400 and r.headers["content-type"] == "application/json", (r.status_code, r.text[:300])
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and fragment in err["message"], err
+    ok = _post(cluster, "/v1/chat/completions", json={"messages": MSG, "max_tokens": 2, "stop": ["\U0001F600"],
+                                                       "temperature": 1, "top_k": 2**31 - 1})
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_valid_surrogate_pair_is_one_character(cluster):
+    """An escaped pair (how ensure_ascii JSON writes an emoji) is no lone surrogate."""
+    pair = r"\ud83d\ude00"
+    r = _post(cluster, "/v1/chat/completions", content=_raw_chat(f'"stop": ["{pair}"], "user": "{pair}"'))
+    assert r.status_code == 200, r.text
+
+
+def _grpc_raw(cluster, payload: bytes):
+    """Generate with `payload` sent as the request's bytes, whatever they are."""
+    with grpc.insecure_channel(cluster.grpc) as ch:
+        return list(ch.unary_stream("/pdserve.v1.Generator/Generate")(payload, timeout=60))
+
+
+GOOD_GRPC = generate_pb2.GenerateRequest(prompt="hi", sampling=generate_pb2.SamplingParams(max_tokens=2))
+
+
+UNDECODABLE = {             # bytes that are no GenerateRequest, and a piece of the error
+    "invalid_utf8_in_a_string": (GOOD_GRPC.SerializeToString().replace(b"hi", b"\xff\xfe"), "bad UTF-8"),
+    "corrupt": (b"\xff\xff\xff", "corrupt"),
+    "truncated": (GOOD_GRPC.SerializeToString()[:-1], "GenerateRequest"),
+}
+
+
+@pytest.mark.parametrize("name", list(UNDECODABLE))
+def test_grpc_undecodable_request_is_invalid_argument(cluster, name):
+    payload, fragment = UNDECODABLE[name]
+    with pytest.raises(grpc.RpcError) as e:
+        _grpc_raw(cluster, payload)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and fragment in e.value.details(), e.value.details()
+    assert _grpc_raw(cluster, GOOD_GRPC.SerializeToString())
+
+
+@pytest.mark.parametrize("role,method", [("decode", "/pdserve.v1.DecodeWorker/Decode"),
+                                         ("decode", "/pdserve.v1.DecodeWorker/Reserve"),
+                                         ("prefill", "/pdserve.v1.PrefillWorker/Prefill")])
+def test_worker_undecodable_request_is_invalid_argument(cluster, role, method):
+    """The workers share the router's gRPC server code: a corrupt message from a caller
+    holding the cluster credential is its mistake, named, and the worker serves on."""
+    truncated = b"\x0a\x05ab"                   # field 1: five bytes promised, two sent
+    with cluster.worker_channel(role) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            if method.endswith("/Decode"):
+                list(ch.unary_stream(method)(truncated, timeout=30))
+            else:
+                ch.unary_unary(method)(truncated, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "corrupt" in e.value.details(), e.value.details()
+    assert cluster.stats(role).info.max_model_len > 0
+    assert _grpc_raw(cluster, GOOD_GRPC.SerializeToString())
+
+
+def test_grpc_200000_stop_strings_are_refused(cluster):
+    """The HTTP API's cap on stop strings holds over gRPC, whose message may carry 64 MB."""
+    req = generate_pb2.GenerateRequest(prompt="hi", sampling=generate_pb2.SamplingParams(
+        max_tokens=2, stop=[f"stop {i}" for i in range(200_000)]))
+    with pytest.raises(grpc.RpcError) as e:
+        _grpc_generate(cluster, req)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 16 stop" in e.value.details()
+    ok = _grpc_generate(cluster, generate_pb2.GenerateRequest(prompt="hi", sampling=generate_pb2.SamplingParams(
+        max_tokens=2, stop=[f"s{i}" for i in range(16)], top_k=2**31 - 1)))
+    assert ok[-1].finish_reason in ("stop", "length")

@@ -172,6 +172,14 @@ def test_grpc_api_keys_over_tls(secure):
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, metadata
         replies = list(stub.Generate(req, metadata=(("authorization", f"Bearer {KEYS[1]}"),), timeout=60))
         assert replies[-1].finish_reason in ("stop", "length")
+        # A caller is authenticated before its bytes are decoded: a stranger's corrupt
+        # message is refused as a stranger's; a key holder's is named as corrupt.
+        raw = ch.unary_stream("/pdserve.v1.Generator/Generate")
+        for metadata, code in (((), grpc.StatusCode.UNAUTHENTICATED),
+                               ((("authorization", f"Bearer {KEYS[1]}"),), grpc.StatusCode.INVALID_ARGUMENT)):
+            with pytest.raises(grpc.RpcError) as e:
+                list(raw(b"\xff\xff\xff", metadata=metadata, timeout=30))
+            assert e.value.code() == code, (metadata, e.value.details())
         health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
 

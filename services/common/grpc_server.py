@@ -2,7 +2,10 @@
 the channel every internal client dials with (credentials in services/common/security.py)."""
 from __future__ import annotations
 
+import inspect
+
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -17,7 +20,8 @@ class ServiceHost:
     """Builds the server; `serving()` flips health to SERVING once the service is ready."""
 
     def __init__(self, service_names: list[str], interceptors: list | None = None) -> None:
-        self.server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors or None)
+        # DecodeRequests last: a caller is authenticated before its bytes are read.
+        self.server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[*(interceptors or ()), DecodeRequests()])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._names = service_names
@@ -38,6 +42,41 @@ class ServiceHost:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ["", *self._names]:
             await self.health.set(name, status)
+
+
+class DecodeRequests(grpc.aio.ServerInterceptor):
+    """Decodes a unary call's request inside the call, so bytes that are no such message (a
+    corrupt message, a string that is not UTF-8) fail it INVALID_ARGUMENT: grpc decodes
+    before any handler runs, and answers a DecodeError UNKNOWN, logging a traceback per call.
+    Streamed requests (reflection's) keep grpc's own decoding."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
+        decode = handler.request_deserializer
+        kw = {"response_serializer": handler.response_serializer}       # no request_deserializer: raw bytes
+
+        async def request(raw: bytes, context):
+            try:
+                return decode(raw)
+            except DecodeError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable request: {exc}")
+
+        if inspect.isasyncgenfunction(behavior):
+            async def stream(raw, context):
+                async for response in behavior(await request(raw, context), context):
+                    yield response
+            return grpc.unary_stream_rpc_method_handler(stream, **kw)
+        if not inspect.iscoroutinefunction(behavior):      # a synchronous handler: left as grpc runs it
+            return handler
+
+        async def call(raw, context):
+            return await behavior(await request(raw, context), context)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(call, **kw)
+        return grpc.unary_unary_rpc_method_handler(call, **kw)
 
 
 def channel(address: str, credentials: grpc.ChannelCredentials | None = None, server_name: str | None = None,

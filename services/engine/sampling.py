@@ -3,7 +3,6 @@ clients; the engine checks them again, since a worker may be called by anyone wh
 reaches its port, and one bad value must fail its own request, never a batch."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 
@@ -46,12 +45,13 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise InvalidSampling("max_tokens", "max_tokens must be at least 1")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidSampling("temperature", f"temperature must be a finite number >= 0, not {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:          # NaN fails this too
+            raise InvalidSampling("temperature", f"temperature must be in [0, {MAX_TEMPERATURE:g}], "
+                                  f"not {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:                  # NaN fails this too
             raise InvalidSampling("top_p", f"top_p must be in (0, 1], not {self.top_p}")
-        if self.top_k < 0:
-            raise InvalidSampling("top_k", f"top_k must be -1 or 0 (off) or positive, not {self.top_k}")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise InvalidSampling("top_k", f"top_k must be -1 or 0 (off) or at most {MAX_TOP_K}, not {self.top_k}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise InvalidSampling("min_tokens", f"min_tokens must be between 0 and max_tokens ({self.max_tokens})")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -62,6 +62,8 @@ class SamplingParams:
                                   f"(0, {MAX_REPETITION_PENALTY:g}], not {self.repetition_penalty}")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidSampling("min_p", f"min_p must be in [0, 1], not {self.min_p}")
+        if len(self.stop) > MAX_STOP:
+            raise InvalidSampling("stop", f"at most {MAX_STOP} stop sequences, not {len(self.stop)}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise InvalidSampling("logit_bias", f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens")
         for token, bias in self.logit_bias:
@@ -98,4 +100,8 @@ MAX_CHOICES = 16                        # n: choices of one request
 SEED_MASK = (1 << 63) - 1
 MAX_LOGIT_BIAS = 1024
 MAX_STOP_TOKEN_IDS = 64
+MAX_STOP = 16                           # stop strings: each is looked for after every token
+# What the wire (generate.proto) can carry: top_k is an int32, temperature a float32.
+MAX_TOP_K = 2**31 - 1
+MAX_TEMPERATURE = 3.4028234663852886e38
 MAX_REPETITION_PENALTY = 10.0

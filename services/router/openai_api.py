@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -120,9 +121,69 @@ async def read_json(request: Request, max_bytes: int) -> dict:
         raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:
         raise bad_request("request body nests arrays or objects too deeply", code="invalid_json") from None
+    except ValueError as exc:               # valid JSON, but an integer past Python's digit limit
+        raise huge_integer(text, exc) from None
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(text):
+        refuse_lone_surrogates(data)
     return data
+
+
+class _Digits(str):
+    """An integer literal int() refuses, kept as its digits to find where it was."""
+
+
+def huge_integer(text: str, exc: ValueError) -> APIError:
+    """The error naming the field that holds an integer too long to parse."""
+    def digits(literal: str):
+        try:
+            return int(literal)
+        except ValueError:
+            return _Digits(literal)
+    try:
+        data = json.loads(text, parse_int=digits)
+    except RecursionError:
+        return bad_request("request body nests arrays or objects too deeply", code="invalid_json")
+    if not isinstance(data, dict):
+        return bad_request("request body must be a JSON object", code="invalid_json")
+    found = next(((where, s) for where, s, _ in _strings(data) if isinstance(s, _Digits)), None)
+    if found is None:
+        return bad_request(f"request body is not valid JSON: {exc}", code="invalid_json")
+    where, literal = found
+    return bad_request(f"{where}: an integer of {len(literal.lstrip('-'))} digits is out of range", param=where)
+
+
+# A JSON escape can spell half of a UTF-16 pair (\ud800): a string Python holds but UTF-8
+# cannot, which would fail wherever the field is next written (a log, an error, a wire).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def refuse_lone_surrogates(data) -> None:
+    for where, s, is_key in _strings(data):
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            what = f"a key of {where or 'the request body'}" if is_key else where
+            raise bad_request(f"{what} holds an unpaired UTF-16 surrogate (U+{ord(s[exc.start]):04X}) at character "
+                              f"{exc.start}: not valid Unicode", param=where or None, code="invalid_unicode") from None
+
+
+def _strings(data):
+    """(where, string, is_key) for every key and string in parsed JSON, `where` a field
+    path as errors name it ("messages.0.content"); a key is placed at its object, so a
+    bad key is named before any path that spells it."""
+    stack = [("", data)]
+    while stack:
+        where, node = stack.pop()
+        if isinstance(node, str):
+            yield where, node, False
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                yield where, k, True
+                stack.append((f"{where}.{k}" if where else k, v))
+        elif isinstance(node, list):
+            stack.extend((f"{where}.{i}" if where else str(i), v) for i, v in enumerate(node))
 
 
 def parse(model: type[BaseModel], data: dict):

@@ -9,14 +9,16 @@ prompt length live in `resolve_sampling`.
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator,
                       model_validator)
 
-from services.engine.sampling import MAX_CHOICES, MAX_TOP_LOGPROBS
+from services.engine.sampling import MAX_CHOICES, MAX_STOP, MAX_TOP_LOGPROBS
 
-Number = Annotated[float, Field(strict=False)]      # an int is a float here, as in JSON
+# An int is a float here, as in JSON; `true` or "0.5" is not (pydantic's lax float takes both).
+Number = Annotated[float, Field(strict=True)]
 
 
 class APIError(Exception):
@@ -43,6 +45,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 STRICT = ConfigDict(extra="forbid")
+_TOKEN_ID = re.compile(r"-?[0-9]{1,20}")            # negative or past the vocabulary: refused by name later
 # Completions' logprobs: OpenAI allows 5; vLLM (and this) as many as chat's top_logprobs.
 MAX_LOGPROBS = MAX_TOP_LOGPROBS
 
@@ -176,10 +179,10 @@ class CommonRequest(BaseModel):
     def _bias(cls, v):
         if v is None:
             return None
-        try:
-            return {int(k): b for k, b in v.items()}
-        except ValueError:
-            raise ValueError("logit_bias keys must be token ids") from None
+        # int() alone would take " 5", "1_0" and other scripts' digits too.
+        if not all(_TOKEN_ID.fullmatch(k) for k in v):
+            raise ValueError("logit_bias keys must be token ids in decimal digits")
+        return {int(k): b for k, b in v.items()}
 
     @field_validator("stop")
     @classmethod
@@ -187,8 +190,8 @@ class CommonRequest(BaseModel):
         if v is None:
             return []
         stops = [v] if isinstance(v, str) else v
-        if len(stops) > 16:
-            raise ValueError("at most 16 stop sequences")
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
         return [s for s in stops if s]
 
     @property
