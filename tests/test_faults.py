@@ -135,11 +135,22 @@ def test_killing_the_decode_worker_mid_stream_ends_the_stream_with_an_error(svc)
     assert "error" in events[-1] and events[-1]["error"]["message"]
     p = svc.stats("prefill")
     assert p.info.free_blocks == p.info.num_blocks
-    # the dead worker's shared memory is swept by its successor
+    # While it is down, requests fail fast and clearly, and the router's channel to it
+    # keeps failing to connect (gRPC's default backoff grew to 7-10 s here).
+    down = time.monotonic()
+    while time.monotonic() - down < 5:
+        assert chat(svc, [{"role": "user", "content": "hello"}], max_tokens=1).status_code == 503
+        time.sleep(0.25)
+    # Restarted at the same address, as up or a supervisor does: whole again within 2 s of
+    # its serving. The dead worker's shared memory is swept by its successor.
     svc.start_worker("decode")
+    serving = time.monotonic()
     assert not live_segments(decode_pid)
+    while (r := chat(svc, [{"role": "user", "content": "hello"}], max_tokens=1)).status_code != 200:
+        assert r.status_code == 503, r.text
+        time.sleep(0.05)
+    assert time.monotonic() - serving < 2.0
     svc.wait_routable()
-    assert chat(svc, [{"role": "user", "content": "hello"}]).status_code == 200
     assert_pools_full(svc)
 
 

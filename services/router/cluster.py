@@ -67,6 +67,7 @@ class Worker:
     chan: grpc.aio.Channel | None = None
     info: worker_pb2.WorkerInfo | None = None
     name: str = ""                      # role-epoch: how responses name it (addresses stay in logs, metrics)
+    epoch: str = ""                     # its last answer's; kept while `info` is cleared by a failure
     inflight: int = 0                   # requests this router has routed here, unfinished
     decoding: int = 0                   # decode: of those, the ones in its batch now (or prefilling there)
     local_tokens: int = 0               # decode: prompt tokens sent there to prefill, first token not yet back
@@ -80,10 +81,11 @@ class Worker:
 
     @property
     def healthy(self) -> bool:
-        return self.info is not None and time.monotonic() >= self.suspended_until
+        return (self.info is not None and not self.info.draining
+                and time.monotonic() >= self.suspended_until)
 
     def seen(self, info: worker_pb2.WorkerInfo) -> None:
-        self.info, self.name = info, f"{self.role}-{info.epoch}"
+        self.info, self.epoch, self.name = info, info.epoch, f"{self.role}-{info.epoch}"
         self.reported_keys = dict.fromkeys(info.prefix_hashes)
 
     @property
@@ -242,11 +244,16 @@ class Cluster:
                 return
             if w.info is None or w.info.epoch != info.epoch:
                 log.info("%s worker %s joined (epoch %s)", w.role, w.address, info.epoch)
+                w.suspended_until = 0.0             # a restart answers: route there at once
             w.seen(info)
         await asyncio.gather(*(one(w) for w in self.decode + self.prefill))
 
     async def _refresh_from_registry(self) -> None:
-        """Workers are exactly the live records: new epochs join, missing ones leave."""
+        """Workers are the live records: new epochs join, and a new epoch at a known
+        worker's address replaces it at once (that process is gone). A worker whose record
+        is missing leaves unless it still answers as itself, not draining: a Redis that
+        restarted empty must not take live workers out of routing until they announce
+        themselves again."""
         try:
             records = await self.registry.workers()
         except Exception as exc:                 # Redis away: keep routing to what we know
@@ -260,17 +267,36 @@ class Cluster:
             seen.add(info.epoch)
             w = self.by_epoch.get(info.epoch)
             if w is None:
+                for old in [o for o in self.by_epoch.values() if o.address == info.address and o.role == info.role]:
+                    self._leave(old, "restarted")
                 w = Worker(info.role, info.address, suspend_seconds=self.registry.ttl)
                 self._connect(w)
                 self.by_epoch[info.epoch] = w
                 (self.decode if w.role == "decode" else self.prefill).append(w)
                 log.info("%s worker %s joined (epoch %s)", w.role, w.address, info.epoch)
             w.seen(info)
-        for epoch in [e for e in self.by_epoch if e not in seen]:
-            w = self.by_epoch.pop(epoch)
-            (self.decode if w.role == "decode" else self.prefill).remove(w)
-            log.info("%s worker %s left (epoch %s)", w.role, w.address, epoch)
-            self._spawn(self._close_when_idle(w))
+        missing = [w for e, w in self.by_epoch.items() if e not in seen]
+        answers = await asyncio.gather(*(self._still_there(w) for w in missing))
+        for w, there in zip(missing, answers):
+            if not there:
+                self._leave(w, "left")
+
+    async def _still_there(self, w: Worker) -> bool:
+        """Whether a worker with no record answers Info as the same epoch, not draining."""
+        try:
+            info = await w.stub.Info(worker_pb2.InfoRequest(), timeout=INFO_TIMEOUT / 2)
+        except grpc.aio.AioRpcError:
+            return False
+        if info.epoch != w.epoch or info.draining:
+            return False
+        w.seen(info)
+        return True
+
+    def _leave(self, w: Worker, why: str) -> None:
+        self.by_epoch.pop(w.epoch, None)
+        (self.decode if w.role == "decode" else self.prefill).remove(w)
+        log.info("%s worker %s %s (epoch %s)", w.role, w.address, why, w.epoch)
+        self._spawn(self._close_when_idle(w))
 
     async def _exchange_with_autoscaler(self) -> None:
         """Publish this router's latency per worker; export the autoscaler's decisions."""

@@ -97,7 +97,9 @@ class EngineStatus:
         self.draining = False
 
     async def Info(self, request, context):
-        return self.engine.info()
+        info = self.engine.info()
+        info.draining = self.draining
+        return info
 
     async def Stats(self, request, context):
         return self.engine.stats()
