@@ -322,7 +322,7 @@ class LocalCluster:
             return {}
         path = self.workdir / "api-keys"
         path.touch(mode=0o600)
-        path.write_text("\n".join(keys) + "\n")
+        path.write_text("\n".join(k.line() for k in keys) + "\n")
         return {"api_key": [], "api_key_file": str(path)}
 
     def _registry(self) -> str | None:

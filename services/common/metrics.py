@@ -128,6 +128,23 @@ class RouterMetrics:
         self.retries = Counter("pdserve_request_retries",
                                "Requests tried again after a worker was found dead before streaming", registry=r)
         self.pool_workers = Gauge("pdserve_pool_workers", "Ready workers per pool", ["role"], registry=r)
+        # Per tenant: an API key's name in the key file, or a hash of it (never the key).
+        t = ["tenant"]
+        self.tenant_admitted = Counter("pdserve_tenant_requests_admitted", "Requests admitted, per tenant", t,
+                                       registry=r)
+        self.tenant_refused = Counter("pdserve_tenant_requests_refused",
+                                      "Requests refused with 429, per tenant and reason (overloaded, "
+                                      "rate_limit_exceeded)", t + ["reason"], registry=r)
+        self.tenant_queued = Gauge("pdserve_tenant_queued_requests", "Requests waiting to be dispatched, per tenant",
+                                   t, registry=r)
+        self.tenant_running = Gauge("pdserve_tenant_running_requests", "Requests dispatched to the workers and not "
+                                    "finished, per tenant", t, registry=r)
+        self.tenant_wait = Histogram("pdserve_tenant_queue_wait_seconds", "Time from admission to dispatch, per "
+                                     "tenant", t, buckets=QUEUE_BUCKETS, registry=r)
+        self.running = Gauge("pdserve_running_requests", "Requests dispatched to the workers and not finished",
+                             registry=r)
+        self.dispatch_limit = Gauge("pdserve_dispatch_limit", "Sequences the router dispatches to the workers at "
+                                    "once (--max-running, or the decode pool's batch capacity)", registry=r)
         self.autoscaler = AutoscalerExport()
         r.register(self.autoscaler)
         # vLLM's names for what its API server counts, one series per served model.

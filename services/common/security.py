@@ -52,40 +52,87 @@ def read_secret_file(path: str, what: str) -> bytes:
     return data
 
 
-def read_api_keys(keys: Iterable[str], key_file: str | None) -> list[str]:
-    """Keys given on the command line and one per line in `key_file` (blank lines and
-    lines starting with # skipped)."""
-    out = [k.strip() for k in keys if k.strip()]
+API_KEY_OPTIONS = ("name", "weight", "max_concurrency", "tokens_per_minute")
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """An accepted API key and what its line in the key file says of it:
+    `KEY [name=N] [weight=W] [max_concurrency=C] [tokens_per_minute=T]` (the router's
+    fair share among keys, services/router/fairness.py). Its tenant names it in metrics
+    and logs: `name`, or a hash of the key, never the key."""
+    key: str
+    options: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def tenant(self) -> str:
+        return dict(self.options).get("name") or "key-" + hashlib.sha256(self.key.encode()).hexdigest()[:12]
+
+    def line(self) -> str:
+        return " ".join([self.key, *(f"{k}={v}" for k, v in self.options)])
+
+    @classmethod
+    def parse(cls, line: str) -> "ApiKey":
+        key, *rest = line.split()
+        options = []
+        for item in rest:
+            name, eq, value = item.partition("=")
+            if not eq or name not in API_KEY_OPTIONS or not value:
+                raise ValueError(f"unknown API key option {item!r} (known: {', '.join(API_KEY_OPTIONS)}=VALUE)")
+            options.append((name, value))
+        return cls(key, tuple(options))
+
+
+def read_api_keys(keys: Iterable[str], key_file: str | None) -> list[ApiKey]:
+    """Keys given on the command line and one per line in `key_file`, each optionally
+    followed by its options (blank lines and lines starting with # skipped)."""
+    out = [ApiKey(k.strip()) for k in keys if k.strip()]
     if key_file:
         try:
             text = Path(key_file).read_text()
         except OSError as exc:
             raise ValueError(f"cannot read the API key file {key_file}: {exc.strerror}") from None
-        out += [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip() and not line.lstrip().startswith("#"):
+                try:
+                    out.append(ApiKey.parse(line))
+                except ValueError as exc:
+                    raise ValueError(f"{key_file} line {number}: {exc}") from None
         if not out:
             raise ValueError(f"the API key file {key_file} holds no key")
     return out
 
 
 class KeyCheck:
-    """Does a presented bearer credential match one of the accepted ones? Every accepted
-    key is compared, each in constant time, so the answer's timing tells nothing."""
+    """Does a presented bearer credential match one of the accepted ones, and which?
+    Every accepted key is compared, each in constant time, so the answer's timing tells
+    nothing."""
 
-    def __init__(self, keys: Iterable[str]) -> None:
-        self._keys = [hashlib.sha256(k.encode()).digest() for k in keys]
+    def __init__(self, keys: Iterable[ApiKey | str]) -> None:
+        self._keys = [k if isinstance(k, ApiKey) else ApiKey(k) for k in keys]
+        self._digests = [hashlib.sha256(k.key.encode()).digest() for k in self._keys]
 
     def __bool__(self) -> bool:
         return bool(self._keys)
 
-    def accepts(self, presented: str | None) -> bool:
+    def match(self, presented: str | None) -> ApiKey | None:
         digest = hashlib.sha256((presented or "").encode()).digest()
-        ok = False
-        for key in self._keys:
-            ok |= hmac.compare_digest(key, digest)
-        return ok and presented is not None
+        found = None
+        for key, accepted in zip(self._keys, self._digests):
+            if hmac.compare_digest(accepted, digest):
+                found = key
+        return found if presented is not None else None
+
+    def accepts(self, presented: str | None) -> bool:
+        return self.match(presented) is not None
 
     def accepts_header(self, authorization: str | None) -> bool:
         return self.accepts(bearer(authorization))
+
+    def tenant_of_header(self, authorization: str | None) -> str:
+        """The tenant of the key in an Authorization value; "" where none matches."""
+        key = self.match(bearer(authorization))
+        return key.tenant if key is not None else ""
 
 
 def bearer(authorization: str | None) -> str | None:

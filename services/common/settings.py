@@ -355,7 +355,10 @@ class WorkerSettings(EngineSettings):
 @dataclass(kw_only=True)
 class RoutingSettings:
     """How a router admits and places requests; `pdserve up` takes the same flags."""
-    max_pending: int = setting(512, "requests admitted at once; beyond it new ones get 429 / RESOURCE_EXHAUSTED")
+    max_pending: int = setting(512, "requests admitted at once, queued or running; beyond it new ones get 429 / "
+                                    "RESOURCE_EXHAUSTED, except from an API key holding less than its share")
+    max_running: int = setting(0, "sequences dispatched to the workers at once; the rest wait in the router's "
+                                  "queue, shared fairly among API keys (0: what the decode workers batch)")
     local_prefill_max_tokens: int = setting(
         512, "prompts up to this size may prefill on the decode worker when the cost model says it is "
              "faster (0: always use a prefill worker)")
@@ -387,6 +390,8 @@ class RoutingSettings:
             raise ValueError("--local-prefill-max-tokens must be 0 (always disaggregate) or more")
         if self.max_pending < 1:
             raise ValueError("--max-pending must be at least 1")
+        if self.max_running < 0:
+            raise ValueError("--max-running must be 0 (the decode workers' batches) or more")
 
 
 @dataclass(kw_only=True)

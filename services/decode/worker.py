@@ -252,7 +252,7 @@ class DecodeWorker:
             role="decode", epoch=self.epoch, compat_hash=self.compat_hash,
             model_name=self.runner.model_dir.name, block_size=self.layout.block_size,
             num_blocks=self.blocks.num_blocks, free_blocks=self.blocks.num_available,
-            running=len(sch.running), waiting=sch.num_waiting,
+            running=len(sch.running), waiting=sch.num_waiting, max_batch=sch.config.max_num_seqs,
             max_model_len=self.runner.max_model_len, kv_transports=list(self.transports),
             prefix_hashes=self.blocks.keys_newest_first())
 

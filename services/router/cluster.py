@@ -35,6 +35,7 @@ from services.engine.tokenizer import IncrementalDetokenizer, StopMatcher
 from services.router.latency import LatencyLedger
 from services.router.policy import CostModel, DecodeLoad, PrefillLoad, pick_decode, plan_prefill
 from services.router.protocol import APIError
+from services.router.schema_guard import SchemaGuard
 from services.rpc import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,10 @@ PREFILL_RPC_MARGIN = 5.0
 # worker is gone or full, or the KV transfer failed or ran out of lease. Each is counted.
 LOCAL_FALLBACK_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                         grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED}
+# A decode worker that does not report its batch size (an older one) is taken to hold this.
+DEFAULT_MAX_BATCH = 64
+# Prompts dispatched beyond the decode batches, per prefill worker (Cluster.capacity).
+PREFILL_LOOKAHEAD = 2
 
 
 # What workers stream: (choice, new token ids, finish reason or "", their logprobs or None).
@@ -186,7 +191,6 @@ class Cluster:
         self.by_epoch: dict[str, Worker] = {}
         self.cost = CostModel()
         self.latency = LatencyLedger()
-        self.pending = 0
         self._refresher: asyncio.Task | None = None
         self._cleanups: set[asyncio.Task] = set()
 
@@ -364,18 +368,14 @@ class Cluster:
         log.debug("request %s: %s", gen.request_id, plan.reason)
         return (live[plan.prefill.key] if plan.prefill else None), plan.cached_tokens, keys
 
-    # ---- admission ----
-    def admit(self) -> None:
-        if self.pending >= self.settings.max_pending:
-            raise APIError(429, f"the server is at capacity ({self.pending} requests in flight); retry later",
-                           type_="rate_limit_error", code="overloaded", grpc_code="RESOURCE_EXHAUSTED",
-                           headers={"Retry-After": "1"})
-        self.pending += 1
-        self.metrics.pending.set(self.pending)
-
-    def done(self) -> None:
-        self.pending -= 1
-        self.metrics.pending.set(self.pending)
+    def capacity(self) -> int:
+        """Sequences the router dispatches at once (admission.py): --max-running, or what
+        the live decode workers batch plus a couple of prompts queued per prefill worker,
+        so its next prompt is ready when a sequence ends."""
+        if self.settings.max_running:
+            return self.settings.max_running
+        decode = sum(w.info.max_batch or DEFAULT_MAX_BATCH for w in self.decode if w.healthy)
+        return decode + PREFILL_LOOKAHEAD * sum(w.healthy for w in self.prefill)
 
     # ---- one generation ----
     async def generate(self, gens: list[Generation]) -> AsyncIterator[Delta]:
@@ -386,6 +386,7 @@ class Cluster:
         detoks = [IncrementalDetokenizer(self.tokenizer, g.prompt_ids) for g in gens]
         stops = [StopMatcher(g.params.stop) for g in gens]
         running = set(range(len(gens)))
+        guards = [SchemaGuard(g.request_id, i, g.params) if g.params.json_schema else None for i, g in enumerate(gens)]
         async with aclosing(self._tokens(leader, len(gens))) as tokens:
             async for index, token_ids, finish, logprobs in tokens:
                 if index not in running:            # ended here by a stop string already
@@ -401,6 +402,8 @@ class Cluster:
                         self._spawn(self._end_choice(leader, index))
                 elif finish:
                     text += stops[index].feed(detoks[index].flush())[0] + stops[index].flush()
+                if guards[index] is not None:
+                    await guards[index].feed(text, token_ids, finish, hit)
                 if finish:
                     gen.finish_reason = finish
                     running.discard(index)

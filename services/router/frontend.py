@@ -19,7 +19,9 @@ from services.engine.sampling import SamplingParams, TokenLogprob
 from services.engine.structured import Grammars
 from services.engine.tokenizer import encode_chat, encode_prompt
 from services.router.access import attach
+from services.router.admission import Admission
 from services.router.cluster import Cluster, Delta, Generation
+from services.router.fairness import Ticket
 from services.router.protocol import APIError, bad_request
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,7 @@ STREAM_BUFFER = 256
 class FrontEnd:
     """What the front ends (HTTP and gRPC) share."""
     cluster: Cluster
+    admission: Admission
     tokenizer: object
     served_model_name: str
     max_model_len: int
@@ -118,13 +121,17 @@ class FrontEnd:
         self._check_ids(ids, "tokens")
         return await asyncio.get_running_loop().run_in_executor(self.executor, self.tokenizer.decode, ids)
 
-    def start(self, gens: list[Generation], deadline: float | None = None) -> "RunningRequest":
-        """Admit and run a request's choices (`gens`, one per choice); it must end within
-        `deadline` seconds (default: the router's --request-timeout), queueing included."""
+    def start(self, gens: list[Generation], deadline: float | None = None, tenant: str = "") -> "RunningRequest":
+        """Admit and run a request's choices (`gens`, one per choice) for `tenant` (its API
+        key's); it must end within `deadline` seconds (default: the router's
+        --request-timeout), queueing included. APIError 429 where it is not admitted."""
         for gen in gens:
             attach(gen)
-        self.cluster.admit()
-        return RunningRequest(self.cluster, gens, min(deadline or self.request_timeout, self.request_timeout))
+        # What it may cost the workers, as a token rate counts it: prompt and max_tokens.
+        cost = len(gens[0].prompt_ids) + sum(g.params.max_tokens for g in gens)
+        ticket = self.admission.admit(tenant, cost, slots=len(gens))
+        return RunningRequest(self.cluster, self.admission, ticket, gens,
+                              min(deadline or self.request_timeout, self.request_timeout))
 
 
 def choices(request_id: str, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Generation]:
@@ -150,10 +157,13 @@ class RunningRequest:
     bounded queue, so a client that stops reading holds the generation back instead of
     growing a buffer."""
 
-    def __init__(self, cluster: Cluster, gens: list[Generation], timeout: float) -> None:
+    def __init__(self, cluster: Cluster, admission: Admission, ticket: Ticket, gens: list[Generation],
+                 timeout: float) -> None:
         self.gens = gens
         self.gen = gens[0]
         self.timeout = timeout
+        self.admission = admission
+        self.ticket = ticket
         self.queue: asyncio.Queue[Delta | APIError | None] = asyncio.Queue(maxsize=STREAM_BUFFER)
         self.task = asyncio.create_task(self._run(cluster))
 
@@ -172,6 +182,7 @@ class RunningRequest:
         last: dict[int, float] = {}             # per choice: when its previous delta came
         ended = None
         try:
+            await self.admission.wait(self.ticket)          # the router's queue, in fair order
             async for delta in cluster.generate(self.gens):
                 now = time.monotonic()
                 if not last:
@@ -195,7 +206,7 @@ class RunningRequest:
             log.exception("request %s failed", gen.request_id)
             await self.queue.put(APIError(500, "internal error", type_="server_error", grpc_code="INTERNAL"))
         finally:
-            cluster.done()
+            self.admission.done(self.ticket)
             metrics.request_ended(time.monotonic() - gen.started, len(gen.prompt_ids),
                                   sum(g.completion_tokens for g in self.gens), ended)
 

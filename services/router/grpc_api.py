@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import grpc
 
+from services.common.security import KeyCheck
 from services.router.access import AccessLog
 from services.router.cluster import Generation, new_request_id
 from services.router.frontend import FrontEnd, choices
@@ -16,8 +17,9 @@ GENERATE = "/pdserve.v1.Generator/Generate"
 
 
 class GeneratorService(generate_pb2_grpc.GeneratorServicer):
-    def __init__(self, fe: FrontEnd) -> None:
+    def __init__(self, fe: FrontEnd, keys: KeyCheck | None = None) -> None:
         self.fe = fe
+        self.keys = keys
         self.access = AccessLog(fe.cluster.metrics)
 
     async def _prompt(self, request: generate_pb2.GenerateRequest) -> list[int]:
@@ -59,13 +61,20 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
             gen.client_id = request.request_id
         return gens
 
+    def _tenant(self, context) -> str:
+        """The caller's API key's tenant (RequireBearer has let only accepted keys in)."""
+        if not self.keys:
+            return ""
+        authorization = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+        return self.keys.tenant_of_header(authorization if isinstance(authorization, str) else None)
+
     async def Generate(self, request, context):
         given = next((v for k, v in context.invocation_metadata() or () if k == "x-request-id"), None)
         with self.access.grpc_call(GENERATE, context) as call:
             call.request_id = given or request.request_id
             try:
                 gens = await self._generations(request)
-                running = self.fe.start(gens, context.time_remaining())      # the caller's deadline, if any
+                running = self.fe.start(gens, context.time_remaining(), self._tenant(context))
             except APIError as exc:
                 await context.abort(getattr(grpc.StatusCode, exc.grpc_code), exc.message)
             gen = gens[0]

@@ -65,7 +65,9 @@ class RequireAPIKey:
         if scope["type"] != "http" or scope["path"] in self.open_paths or scope["method"] == "OPTIONS":
             return await self.app(scope, receive, send)
         authorization = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
-        if self.keys.accepts_header(authorization):
+        tenant = self.keys.tenant_of_header(authorization)
+        if tenant:
+            scope.setdefault("state", {})["tenant"] = tenant        # request.state.tenant: the router's queue
             return await self.app(scope, receive, send)
         await error_response(unauthorized(authorization))(scope, receive, send)
 
@@ -360,7 +362,7 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
         prompt_ids = await fe.tokenize_chat([m.for_template() for m in req.messages], tools and tools.tools)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         gens = generations(fe, req, "chatcmpl", prompt_ids, max_tokens, req.top_logprobs_count(), schema)
-        return await respond(fe, req, gens, Shape(chat=True, tools=tools))
+        return await respond(fe, req, gens, Shape(chat=True, tools=tools), tenant_of(request))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -376,7 +378,7 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
                            prompt_logprobs=logprobs if req.echo else None)
         echo = "" if not req.echo else req.prompt if isinstance(req.prompt, str) else \
             fe.tokenizer.decode(prompt_ids, skip_special_tokens=False)
-        return await respond(fe, req, gens, Shape(chat=False, echo=echo, echo_only=echo_only))
+        return await respond(fe, req, gens, Shape(chat=False, echo=echo, echo_only=echo_only), tenant_of(request))
 
     # vLLM's tokenizer routes: the ids the completion routes would compute, nothing generated.
     @app.post("/tokenize")
@@ -416,8 +418,13 @@ class Shape:
     echo_only: bool = False             # echo with max_tokens 0: the prompt and nothing else
 
 
-async def respond(fe: FrontEnd, req: CommonRequest, gens: list[Generation], shape: Shape) -> Response:
-    running = fe.start(gens)
+def tenant_of(request: Request) -> str:
+    """The tenant RequireAPIKey found for the request's key ("" where no key is required)."""
+    return request.scope.get("state", {}).get("tenant", "")
+
+
+async def respond(fe: FrontEnd, req: CommonRequest, gens: list[Generation], shape: Shape, tenant: str) -> Response:
+    running = fe.start(gens, tenant=tenant)
     base = {"id": gens[0].request_id.rsplit("-", 1)[0] if len(gens) > 1 else gens[0].request_id,
             "object": "chat.completion" if shape.chat else "text_completion",
             "created": int(time.time()), "model": fe.served_model_name}

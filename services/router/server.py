@@ -15,7 +15,9 @@ from services.common.security import KeyCheck, RequireBearer, TLSFiles, read_api
 from services.common.settings import RouterSettings
 from services.engine.model_store import context_length, generic_config, resolve_model
 from services.engine.tokenizer import load_tokenizer
+from services.router.admission import Admission, tenant_policies
 from services.router.cluster import Cluster
+from services.router.connections import http_protocol
 from services.router.grpc_api import GeneratorService
 from services.router.frontend import FrontEnd
 from services.router.openai_api import create_app
@@ -32,16 +34,18 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         tokenizer.chat_template = Path(settings.chat_template).read_text()
     served_model_name = settings.served_model_name or model_dir.name
     metrics = RouterMetrics(served_model_name)
+    api_keys = read_api_keys(settings.api_key, settings.api_key_file)
+    admission = Admission(settings.max_pending, tenant_policies(api_keys), lambda: cluster.capacity(), metrics)
     cluster = Cluster(settings, tokenizer, metrics)
     await cluster.start()
     max_model_len = context_length(generic_config(model_dir), settings.max_model_len)
-    fe = FrontEnd(cluster, tokenizer, served_model_name, max_model_len, settings.max_body_bytes,
+    fe = FrontEnd(cluster, admission, tokenizer, served_model_name, max_model_len, settings.max_body_bytes,
                   settings.request_timeout, sse_keepalive=settings.sse_keepalive_seconds)
 
-    keys = KeyCheck(read_api_keys(settings.api_key, settings.api_key_file))
+    keys = KeyCheck(api_keys)
     tls = TLSFiles(settings.tls_cert, settings.tls_key)
     host = ServiceHost(["pdserve.v1.Generator"], [RequireBearer(keys, "API key")] if keys else None)
-    generate_pb2_grpc.add_GeneratorServicer_to_server(GeneratorService(fe), host.server)
+    generate_pb2_grpc.add_GeneratorServicer_to_server(GeneratorService(fe, keys), host.server)
     grpc_port = host.bind(settings.host, settings.grpc_port, tls.server_credentials())
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -51,8 +55,12 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     app = create_app(fe, metrics.render, keys, settings.protect_metrics, settings.allowed_origins)
     # log_config=None: uvicorn's records go through the process's own handler (--log-format),
     # not handlers of its own; the access log is pdserve.access (router/access.py).
+    # http: h11 with a deadline on request heads and a cap per client address
+    # (connections.py); ws="none": no WebSocket routes, so no upgrade either.
     config = uvicorn.Config(app, log_level=settings.log_level.lower(), timeout_graceful_shutdown=5, access_log=False,
-                            log_config=None, ssl_certfile=settings.tls_cert, ssl_keyfile=settings.tls_key)
+                            log_config=None, ssl_certfile=settings.tls_cert, ssl_keyfile=settings.tls_key,
+                            http=http_protocol(settings.header_timeout, settings.max_connections_per_client),
+                            ws="none")
     http = uvicorn.Server(config)
     http.install_signal_handlers = lambda: None       # signals are handled below
     if stop is None:

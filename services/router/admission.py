@@ -1,0 +1,88 @@
+"""The router's queue on its event loop: a request is admitted (or refused with OpenAI's
+429 and `retry-after`), waits for a dispatch slot, runs, and gives its slot back. The
+order among tenants and their limits are fairness.FairQueue's; the slots are sequences
+the decode pool can batch (`limit()`), so requests beyond them wait here, in fair order,
+rather than in the workers' first-come queues."""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Callable
+
+from services.common.metrics import RouterMetrics
+from services.common.security import ApiKey
+from services.router.fairness import FairQueue, Refused, TenantPolicy, Ticket
+from services.router.protocol import APIError
+
+ANONYMOUS = "anonymous"                 # the tenant of every request where no API key is required
+
+
+def tenant_policies(keys: list[ApiKey]) -> dict[str, TenantPolicy]:
+    """Each key's tenant and policy, from its options; ValueError names a bad one."""
+    out = {}
+    for key in keys:
+        opts = dict(key.options)
+        try:
+            out[key.tenant] = TenantPolicy(weight=float(opts.get("weight", 1.0)),
+                                           max_concurrency=int(opts.get("max_concurrency", 0)),
+                                           tokens_per_minute=int(opts.get("tokens_per_minute", 0)))
+        except ValueError as exc:
+            raise ValueError(f"API key {key.tenant}: {exc}") from None
+    return out
+
+
+class Admission:
+    def __init__(self, max_pending: int, policies: dict[str, TenantPolicy], limit: Callable[[], int],
+                 metrics: RouterMetrics) -> None:
+        self.queue = FairQueue(max_pending, lambda tenant: policies.get(tenant, TenantPolicy()))
+        self.limit = limit
+        self.metrics = metrics
+        self._waiting: dict[Ticket, asyncio.Future] = {}
+
+    def admit(self, tenant: str, cost: float, slots: int = 1) -> Ticket:
+        """A place in the queue, or APIError 429 saying why and when to retry."""
+        tenant = tenant or ANONYMOUS
+        try:
+            ticket = self.queue.admit(tenant, cost, slots)
+        except Refused as r:
+            self.metrics.tenant_refused.labels(tenant, r.reason).inc()
+            headers = {} if r.retry_after is None else {"Retry-After": str(max(1, math.ceil(r.retry_after)))}
+            raise APIError(429, r.message, type_="rate_limit_error" if r.reason == "overloaded" else "requests",
+                           code=r.reason, grpc_code="RESOURCE_EXHAUSTED", headers=headers) from None
+        self.metrics.tenant_admitted.labels(tenant).inc()
+        self.metrics.tenant_queued.labels(tenant).inc()
+        self._gauges()
+        return ticket
+
+    async def wait(self, ticket: Ticket) -> None:
+        """Until `ticket` is dispatched."""
+        self._pump()
+        if not ticket.dispatched:
+            future = self._waiting[ticket] = asyncio.get_running_loop().create_future()
+            try:
+                await future
+            finally:
+                self._waiting.pop(ticket, None)
+        self.metrics.tenant_wait.labels(ticket.tenant).observe(time.monotonic() - ticket.admitted_at)
+
+    def done(self, ticket: Ticket) -> None:
+        """`ticket` ended (ran, failed, or its client left while it waited)."""
+        (self.metrics.tenant_running if ticket.dispatched else self.metrics.tenant_queued).labels(ticket.tenant).dec()
+        self.queue.done(ticket)
+        self._pump()
+
+    def _pump(self) -> None:
+        limit = self.limit()
+        self.metrics.dispatch_limit.set(limit)
+        for ticket in self.queue.dispatch(limit):
+            self.metrics.tenant_queued.labels(ticket.tenant).dec()
+            self.metrics.tenant_running.labels(ticket.tenant).inc()
+            future = self._waiting.get(ticket)
+            if future is not None and not future.done():
+                future.set_result(None)
+        self._gauges()
+
+    def _gauges(self) -> None:
+        self.metrics.pending.set(self.queue.pending)
+        self.metrics.running.set(self.queue.running_slots)

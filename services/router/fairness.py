@@ -1,0 +1,163 @@
+"""How the router shares the cluster among tenants (API keys): pure policy, no I/O.
+
+A request is admitted (or refused with the reason and when to retry), waits in the
+queue, is dispatched to the workers when a slot is free, and is done. Dispatch order is
+start-time fair queuing over tenants: a request's start tag is the later of the virtual
+time and its tenant's previous finish tag, its finish tag that start plus its cost over
+the tenant's weight, and the smallest start tag goes next. A tenant with a thousand
+requests queued therefore delays another tenant's next request by about one request,
+not a thousand, while a lone tenant is served first come, first served.
+
+Limits per tenant, each optional: a weight (its share when several wait), a cap on its
+requests admitted at once, and a token rate (prompt plus max_tokens per minute, counted
+at admission as OpenAI counts it). The queue as a whole is bounded: once full, a tenant
+is admitted only while it holds less than its weighted share of the bound, so a flood
+from one key cannot take every place from the others.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class TenantPolicy:
+    weight: float = 1.0
+    max_concurrency: int = 0            # requests admitted at once (queued or running); 0: no cap
+    tokens_per_minute: int = 0          # prompt + max_tokens admitted per minute; 0: no limit
+
+    def __post_init__(self) -> None:
+        if not (self.weight > 0 and math.isfinite(self.weight)):
+            raise ValueError(f"weight must be a positive number, not {self.weight}")
+        if self.max_concurrency < 0 or self.tokens_per_minute < 0:
+            raise ValueError("max_concurrency and tokens_per_minute must be 0 (none) or more")
+
+
+class Refused(Exception):
+    """Not admitted: `reason` is "overloaded" (the queue is full) or "rate_limit_exceeded"
+    (a cap or rate of the tenant's); retry after `retry_after` seconds (None: a retry
+    cannot succeed, the request is larger than the tenant's rate allows)."""
+
+    def __init__(self, reason: str, message: str, retry_after: float | None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.retry_after = retry_after
+
+
+@dataclass(eq=False)
+class Ticket:
+    tenant: str
+    cost: float
+    slots: int                          # sequences it runs: its choices (n)
+    start: float = 0.0                  # its start tag
+    admitted_at: float = 0.0
+    dispatched: bool = False
+
+
+@dataclass
+class _Tenant:
+    policy: TenantPolicy
+    finish: float = 0.0                 # the finish tag of its last admitted request
+    admitted: int = 0                   # queued or running
+    tokens: float = 0.0                 # its token bucket
+    refilled: float = 0.0
+
+
+@dataclass
+class FairQueue:
+    """Admission, fair order and dispatch under a limit of running slots. Not thread
+    safe: one event loop drives it."""
+    max_pending: int
+    policies: Callable[[str], TenantPolicy] = lambda tenant: TenantPolicy()
+    clock: Callable[[], float] = time.monotonic
+    running_slots: int = 0
+    _tenants: dict[str, _Tenant] = field(default_factory=dict)
+    _heap: list[tuple[float, int, Ticket]] = field(default_factory=list)
+    _seq: itertools.count = field(default_factory=itertools.count)
+    _vtime: float = 0.0
+
+    @property
+    def pending(self) -> int:
+        """Requests admitted and not done: queued or running."""
+        return sum(t.admitted for t in self._tenants.values())
+
+    @property
+    def queued(self) -> int:
+        return len(self._heap)
+
+    def admit(self, tenant: str, cost: float, slots: int = 1) -> Ticket:
+        """A ticket in the queue, or Refused."""
+        t = self._tenants.get(tenant)
+        if t is None:
+            policy = self.policies(tenant)
+            t = self._tenants[tenant] = _Tenant(policy, tokens=policy.tokens_per_minute, refilled=self.clock())
+        self._check(tenant, t, cost)
+        start = max(self._vtime, t.finish)
+        t.finish = start + cost / t.policy.weight
+        t.admitted += 1
+        if t.policy.tokens_per_minute:
+            t.tokens -= cost
+        ticket = Ticket(tenant, cost, slots, start, self.clock())
+        heapq.heappush(self._heap, (start, next(self._seq), ticket))
+        return ticket
+
+    def _check(self, tenant: str, t: _Tenant, cost: float) -> None:
+        p = t.policy
+        if p.max_concurrency and t.admitted >= p.max_concurrency:
+            raise Refused("rate_limit_exceeded", f"this key has {t.admitted} requests in flight, its limit; retry "
+                                                 "when one ends", 1.0)
+        if p.tokens_per_minute:
+            now = self.clock()
+            rate = p.tokens_per_minute / 60.0
+            t.tokens = min(p.tokens_per_minute, t.tokens + (now - t.refilled) * rate)
+            t.refilled = now
+            if cost > p.tokens_per_minute:
+                raise Refused("rate_limit_exceeded", f"this request counts {cost:.0f} tokens (prompt and max_tokens), "
+                                                     f"more than this key's {p.tokens_per_minute} tokens per minute",
+                              None)
+            if cost > t.tokens:
+                raise Refused("rate_limit_exceeded", f"this key's limit of {p.tokens_per_minute} tokens per minute "
+                                                     f"is reached (this request counts {cost:.0f})",
+                              (cost - t.tokens) / rate)
+        pending = self.pending
+        if pending >= self.max_pending and t.admitted >= self._share(tenant):
+            raise Refused("overloaded", f"the server is at capacity ({pending} requests in flight); retry later", 1.0)
+
+    def _share(self, tenant: str) -> float:
+        """The tenant's weighted share of the queue's bound among the tenants holding
+        places in it (itself included)."""
+        holders = [name for name, t in self._tenants.items() if t.admitted or name == tenant]
+        total = sum(self._tenants[name].policy.weight for name in holders)
+        return self.max_pending * self._tenants[tenant].policy.weight / total
+
+    def dispatch(self, limit: int) -> list[Ticket]:
+        """The tickets to run now, in fair order, while running slots stay within `limit`
+        (one ticket always runs when nothing does, however many slots it takes)."""
+        out = []
+        while self._heap:
+            start, _, ticket = self._heap[0]
+            if self.running_slots and self.running_slots + ticket.slots > limit:
+                break
+            heapq.heappop(self._heap)
+            self._vtime = max(self._vtime, start)
+            ticket.dispatched = True
+            self.running_slots += ticket.slots
+            out.append(ticket)
+        return out
+
+    def done(self, ticket: Ticket) -> None:
+        """A ticket ended, run or not (a client gone while queued)."""
+        t = self._tenants[ticket.tenant]
+        t.admitted -= 1
+        if ticket.dispatched:
+            self.running_slots -= ticket.slots
+        else:
+            self._heap = [e for e in self._heap if e[2] is not ticket]
+            heapq.heapify(self._heap)
+        if not t.admitted and not t.policy.tokens_per_minute and t.finish <= self._vtime:
+            del self._tenants[ticket.tenant]    # nothing of it left to remember

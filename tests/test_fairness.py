@@ -1,0 +1,154 @@
+"""The router's fair share among API keys (services/router/fairness.py, pure policy):
+start-time fair queuing puts a light tenant's request ahead of a heavy tenant's backlog,
+weights set the shares, a lone tenant is first come first served, per-key caps and token
+rates refuse with a retry time, and a full queue still admits a tenant below its share.
+Also the key file's options (services/common/security.py)."""
+from __future__ import annotations
+
+import pytest
+
+from services.common.security import ApiKey, KeyCheck, read_api_keys
+from services.router.admission import tenant_policies
+from services.router.fairness import FairQueue, Refused, TenantPolicy
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def order(q: FairQueue, limit: int = 1) -> list[str]:
+    """Tenants in dispatch order, one running at a time."""
+    out = []
+    while q.queued:
+        (ticket,) = q.dispatch(limit)
+        out.append(ticket.tenant)
+        q.done(ticket)
+    return out
+
+
+def test_a_lone_tenant_is_served_in_arrival_order():
+    q = FairQueue(100)
+    tickets = [q.admit("a", cost=10 + i) for i in range(5)]
+    got = q.dispatch(limit=3)
+    assert got == tickets[:3] and q.running_slots == 3
+    q.done(got[0])
+    assert q.dispatch(limit=3) == [tickets[3]]
+
+
+def test_a_light_tenant_goes_ahead_of_a_heavy_backlog():
+    q = FairQueue(1000)
+    for _ in range(500):
+        q.admit("flood", cost=100)
+    first = q.dispatch(limit=1)
+    q.admit("light", cost=100)
+    q.done(first[0])
+    assert q.dispatch(limit=1)[0].tenant == "light"
+
+
+def test_weights_set_the_shares_while_both_wait():
+    q = FairQueue(1000, policies=lambda t: TenantPolicy(weight=3.0 if t == "gold" else 1.0))
+    for _ in range(40):
+        q.admit("gold", cost=1)
+        q.admit("free", cost=1)
+    served = order(q)[:40]
+    assert served.count("gold") == 30 and served.count("free") == 10
+
+
+def test_a_tenant_back_from_idle_gets_no_credit_for_it():
+    """Served once, idle while another ran 20: back, it takes turns with the other
+    rather than catching up with a burst of its own."""
+    q = FairQueue(1000)
+    q.admit("back", cost=1)
+    for t in q.dispatch(limit=1):
+        q.done(t)
+    for _ in range(20):
+        q.admit("busy", cost=1)
+    for t in q.dispatch(limit=20):
+        q.done(t)
+    for _ in range(3):
+        q.admit("busy", cost=1)
+    for _ in range(3):
+        q.admit("back", cost=1)
+    assert order(q) == ["back", "busy"] * 3
+
+
+def test_a_concurrency_cap_refuses_with_a_retry_time():
+    q = FairQueue(100, policies=lambda t: TenantPolicy(max_concurrency=2))
+    a, _ = q.admit("k", 1), q.admit("k", 1)
+    with pytest.raises(Refused) as r:
+        q.admit("k", 1)
+    assert r.value.reason == "rate_limit_exceeded" and r.value.retry_after == 1.0
+    q.admit("other", 1)                             # a cap is per tenant
+    q.done(a)
+    q.admit("k", 1)
+
+
+def test_a_token_rate_refills_and_says_when():
+    clock = Clock()
+    q = FairQueue(100, policies=lambda t: TenantPolicy(tokens_per_minute=600), clock=clock)   # 10 a second
+    q.admit("k", 500)
+    with pytest.raises(Refused) as r:
+        q.admit("k", 200)
+    assert r.value.retry_after == pytest.approx(10.0)      # 100 left, 100 more at 10 a second
+    clock.now = 10.0
+    q.admit("k", 200)
+    with pytest.raises(Refused) as r:
+        q.admit("k", 601)
+    assert r.value.retry_after is None                     # never fits in a minute's tokens
+
+
+def test_a_full_queue_still_admits_a_tenant_below_its_share():
+    q = FairQueue(10)
+    for _ in range(10):
+        q.admit("flood", 1)
+    with pytest.raises(Refused) as r:
+        q.admit("flood", 1)
+    assert r.value.reason == "overloaded"
+    q.admit("light", 1)                                     # holds 0 of its share of 5
+    with pytest.raises(Refused):
+        q.admit("flood", 1)
+
+
+def test_a_request_left_in_the_queue_gives_its_place_back():
+    q = FairQueue(10)
+    running = q.admit("a", 1)
+    waiting = q.admit("a", 1)
+    q.dispatch(limit=1)
+    q.done(waiting)                                         # its client went away
+    assert q.queued == 0 and q.pending == 1
+    q.done(running)
+    assert q.pending == 0 and q.running_slots == 0
+
+
+def test_a_request_of_many_choices_takes_that_many_slots_but_never_waits_on_an_idle_pool():
+    q = FairQueue(10)
+    big = q.admit("a", 1, slots=8)
+    small = q.admit("a", 1, slots=1)
+    assert q.dispatch(limit=4) == [big]                     # nothing ran: it goes alone
+    assert q.dispatch(limit=4) == []
+    q.done(big)
+    assert q.dispatch(limit=4) == [small]
+
+
+def test_the_key_file_carries_each_keys_share(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text("# tenants\nsk-gold name=gold weight=3 max_concurrency=8\nsk-free tokens_per_minute=6000\n\n")
+    keys = read_api_keys(["sk-cli"], str(f))
+    assert [k.key for k in keys] == ["sk-cli", "sk-gold", "sk-free"]
+    policies = tenant_policies(keys)
+    assert policies["gold"] == TenantPolicy(weight=3.0, max_concurrency=8)
+    free = keys[2].tenant
+    assert free.startswith("key-") and "sk-free" not in free         # a hash, never the key
+    assert policies[free].tokens_per_minute == 6000
+    check = KeyCheck(keys)
+    assert check.tenant_of_header("Bearer sk-gold") == "gold" and check.tenant_of_header("Bearer nope") == ""
+    assert ApiKey.parse(keys[1].line()) == keys[1]
+    f.write_text("sk-x colour=blue\n")
+    with pytest.raises(ValueError, match="line 1: unknown API key option"):
+        read_api_keys([], str(f))
+    with pytest.raises(ValueError, match="weight"):
+        tenant_policies([ApiKey("k", (("weight", "-1"),))])

@@ -1,0 +1,91 @@
+"""API keys as tenants, through a real cluster (`pdserve up`) with a key file and a small
+dispatch limit: a flood from one key does not hold back another key's request (it is
+dispatched next, not after the flood), per-key concurrency caps and token rates answer
+OpenAI's 429 with `retry-after`, and /metrics counts per tenant by name or hash, never
+by key. The issue's full measurement (500 concurrent) is bench/fairness.py."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import start_cluster, stop_cluster
+
+KEYS = {"flood": "sk-flood-0123456789abcdef", "light": "sk-light-0123456789abcdef",
+        "capped": "sk-capped-0123456789abcde", "metered": "sk-metered-0123456789abcd"}
+
+
+@pytest.fixture(scope="module")
+def tenants(model_dir, tmp_path_factory):
+    key_file = tmp_path_factory.mktemp("keys") / "api-keys"
+    key_file.write_text(f"{KEYS['flood']} name=flood\n{KEYS['light']} name=light\n"
+                        f"{KEYS['capped']} max_concurrency=1\n{KEYS['metered']} tokens_per_minute=300\n")
+    key_file.chmod(0o600)
+    c = start_cluster("--api-key-file", str(key_file), "--max-running", "2")
+    yield c
+    stop_cluster(c)
+
+
+def _body(prompt: str, max_tokens: int, **kw) -> dict:
+    return {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, **kw}
+
+
+def _auth(tenant: str) -> dict:
+    return {"Authorization": f"Bearer {KEYS[tenant]}"}
+
+
+def test_a_flood_from_one_key_does_not_hold_back_another(tenants):
+    """16 requests from `flood` at once, 2 dispatched at a time; then one from `light`.
+    First come, first served would finish it after every flood request; it is dispatched
+    at the next free slot, so most of the flood finishes after it."""
+    async def run():
+        async with httpx.AsyncClient(base_url=tenants.http, timeout=300) as client:
+            async def one(tenant: str, i: int) -> float:
+                r = await client.post("/v1/completions", headers=_auth(tenant), json=_body(f"Story {i}:", 24))
+                assert r.status_code == 200, r.text
+                return time.monotonic()
+            flood = [asyncio.create_task(one("flood", i)) for i in range(16)]
+            await asyncio.sleep(1.0)
+            light = await one("light", 99)
+            return light, await asyncio.gather(*flood)
+    light_done, flood_done = asyncio.run(run())
+    after = sum(t > light_done for t in flood_done)
+    assert after >= 8, f"only {after} of 16 flood requests finished after the light one"
+    metrics = httpx.get(f"{tenants.http}/metrics").text
+    assert 'pdserve_tenant_requests_admitted_total{tenant="flood"} 16.0' in metrics
+    assert 'pdserve_tenant_requests_admitted_total{tenant="light"} 1.0' in metrics
+    assert not any(key in metrics for key in KEYS.values())
+
+
+def test_a_keys_concurrency_cap_answers_429_with_retry_after(tenants):
+    with httpx.Client(base_url=tenants.http, timeout=120) as client:
+        with client.stream("POST", "/v1/completions", headers=_auth("capped"),
+                           json=_body("Count slowly:", 64, stream=True)) as held:
+            assert held.status_code == 200
+            lines = held.iter_lines()                       # kept: a dropped iterator closes the stream
+            first = next(lines)                             # admitted and running
+            assert first.startswith("data: {") and '"error"' not in first, first
+            r = client.post("/v1/completions", headers=_auth("capped"), json=_body("Hi", 2))
+            assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+            assert int(r.headers["retry-after"]) >= 1
+            assert client.post("/v1/completions", headers=_auth("light"), json=_body("Hi", 2)).status_code == 200
+        held.close()
+        time.sleep(0.5)
+        deadline = time.monotonic() + 30                    # its slot comes back once the stream is gone
+        while (r := client.post("/v1/completions", headers=_auth("capped"), json=_body("Hi", 2))).status_code == 429:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert r.status_code == 200
+
+
+def test_a_keys_token_rate_answers_429_with_when_to_retry(tenants):
+    """300 tokens a minute, counted as prompt plus max_tokens at admission."""
+    with httpx.Client(base_url=tenants.http, timeout=120) as client:
+        assert client.post("/v1/completions", headers=_auth("metered"), json=_body("Hi", 200)).status_code == 200
+        r = client.post("/v1/completions", headers=_auth("metered"), json=_body("Hi", 200))
+        assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+        assert 1 <= int(r.headers["retry-after"]) <= 60
+        r = client.post("/v1/completions", headers=_auth("metered"), json=_body("Hi", 400))
+        assert r.status_code == 429 and "retry-after" not in r.headers and "per minute" in r.json()["error"]["message"]
