@@ -18,6 +18,10 @@ Figures, each measured in this run:
   engine    the engine core decoding 64 sequences over 2k cached tokens each (the decode
             worker's loop without its RPC: scheduling, the step, sampling, outputs),
             output tokens/s without and with async scheduling
+  syncs     calls that made the host wait for the device (torch's sync debug mode) in the
+            async engine's steps, with CUDA graphs and eagerly, over every kind of request
+            whose steps overlap: none is expected (the read of a step's tokens waits on an
+            event, which the mode does not count); CUDA only
   attention one layer's decode attention: the Triton paged kernel against torch's gather
             path (`--attention-kernel torch`), batch 64, context 2k
   prefill   one prompt of 512/2k/4k/8k tokens against the GEMM rate: (2 x linear
@@ -34,6 +38,7 @@ import json
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -179,6 +184,63 @@ def engine_case(runner, batch: int, context: int, steps: int, async_scheduling: 
         _release(runner, pool)
 
 
+def host_syncs(runner, batch: int, context: int, steps: int) -> dict:
+    """Calls that made the host wait for the device while the async engine stepped, under
+    torch's sync debug mode ("warn": each such call is a warning from the Python line that
+    made it), with CUDA graphs and eagerly: greedy, seeded top-p, min_tokens, logit_bias
+    and logprobs rows handed over prefilled, and a prompt computed here with prompt
+    logprobs and a second choice (a block copy). {path: count, path_first: "file:line"}."""
+    from services.engine.block_manager import BlockManager
+    from services.engine.block_pool import BlockPool
+    from services.engine.engine import LLMEngine
+    from services.engine.kv_cache import KVPoolMemory
+    from services.engine.sampling import SamplingParams
+    from services.engine.scheduler import Scheduler, SchedulerConfig, Sequence
+    if runner.device.type != "cuda":
+        return {"skipped": "no CUDA device"}
+    kinds = [dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=7), dict(temperature=0, min_tokens=steps),
+             dict(temperature=0, logit_bias=((5, 3.0), (9, -100.0))), dict(temperature=0.7, logprobs=2, seed=3)]
+    g = torch.Generator().manual_seed(batch)
+    found, sizes = {}, runner.graph_sizes
+    for path in (["graphs"] if sizes else []) + ["eager"]:
+        runner.graph_sizes = sizes if path == "graphs" else []
+        num_blocks = (batch + 3) * ((context + steps) // BLOCK_SIZE + 2)
+        pool = KVPoolMemory.allocate(runner.layout(num_blocks, BLOCK_SIZE), device=str(runner.device))
+        pool.tensor.normal_()
+        blocks = BlockManager(BlockPool(num_blocks, BLOCK_SIZE))
+        engine = LLMEngine(runner, pool, Scheduler(blocks, SchedulerConfig(
+            max_num_seqs=batch + 2, max_num_batched_tokens=max(batch + 2, 256))), async_scheduling=True)
+        for i in range(batch):
+            prompt = torch.randint(3, runner.vocab_size, (context + 1,), generator=g).tolist()
+            seq = Sequence(f"s{i}", prompt, context, SamplingParams(max_tokens=steps, **kinds[i % len(kinds)]),
+                           frozenset({2}))
+            seq.block_ids = blocks.allocate(blocks.blocks_for(context))
+            engine.add_prefilled(seq)
+        prompt = torch.randint(3, runner.vocab_size, (200,), generator=g).tolist()
+        params = SamplingParams(max_tokens=steps, temperature=0, prompt_logprobs=1, logprobs=1)
+        engine.add(Sequence("p", prompt, len(prompt), params, frozenset(),
+                            forks=[Sequence("p#1", [], len(prompt), params, frozenset())]))
+        runner.capture_graphs(pool)             # capturing synchronizes: not part of a step
+        _sync(runner.device)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    while engine.has_work():
+                        engine.step()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+        finally:
+            runner.graph_sizes = sizes
+            _release(runner, pool)
+        syncs = [w for w in caught if "synchronizing" in str(w.message)]
+        found[path] = len(syncs)
+        if syncs:
+            found[f"{path}_first"] = f"{syncs[0].filename}:{syncs[0].lineno}"
+    return found
+
+
 def prefill_case(runner, tokens: int, repeats: int) -> float:
     from services.engine.kv_cache import KVPoolMemory
     width = tokens // BLOCK_SIZE + 1
@@ -298,6 +360,8 @@ def speed(shape: str, device: torch.device, quick: bool, copy_bps: float, gemm_f
     result["engine"] = {"batch": batch, "context": context, "steps": steps, "sync_tok_s": rates[0],
                         "async_tok_s": rates[1], "async_ratio": rates[1] / rates[0]}
     log(f"{shape} engine {result['engine']}")
+    result["host_syncs"] = host_syncs(runner, 16 if not quick else 4, context, steps)
+    log(f"{shape} host syncs in async steps {result['host_syncs']}")
     result["attention"] = {"batch": batch, "context": context, **attention_case(runner, batch, context, repeats)}
     log(f"{shape} attention {result['attention']}")
     heads, layers = c["num_attention_heads"], c["num_hidden_layers"]
@@ -346,6 +410,8 @@ def table(results: dict) -> str:
         lines.append(f"engine core, {e['batch']} sequences over {e['context']} tokens, {e['steps']} steps: "
                      f"{e['sync_tok_s']:.0f} output tok/s, with async scheduling {e['async_tok_s']:.0f} "
                      f"({e['async_ratio']:.2f}x)")
+        lines.append(f"calls that made the host wait in the async engine's steps (expected: none): "
+                     + ", ".join(f"{k} {v}" for k, v in r["host_syncs"].items()))
         a = r["attention"]
         lines.append(f"one layer's decode attention, batch {a['batch']}, context {a['context']}: "
                      + ", ".join(f"{k[:-2]} {v * 1e3:.3f} ms" for k, v in a.items() if k.endswith("_s")))

@@ -259,3 +259,30 @@ def test_under_a_step_in_flight_a_sequence_short_of_a_block_waits_instead_of_pre
     assert s.num_preemptions == 0 and s.num_sat_out == 1
     s.add(seq("c", prompt_len=1))
     assert s.schedule().prefill == []         # nor does a newcomer take what b waits for
+
+
+def test_a_block_copy_holds_both_its_blocks_until_the_step_queued_after_it_lands():
+    """A fork's copy of its parent's last prompt block is only queued on the device, ahead
+    of the next step (copies_made): the source and the destination are held like blocks
+    given back while a step runs, until that step lands, even when their sequences end
+    first. Given back at once, the parent's block (it ended on its first token) would be
+    handed to the next taker, whose transfer could write it before the copy reads it."""
+    s = scheduler(blocks=8, block_size=4)
+    child = Sequence("r#1", [], 5, SamplingParams(max_tokens=1, temperature=0), EOS)
+    parent = seq("r#0", prompt_len=5, first=1, max_tokens=1)
+    parent.forks = [child]
+    prefilled(s, parent)                      # forks, then ends at once: its blocks go back
+    (src, dst), = s.copies
+    assert parent.status is SeqStatus.FINISHED and child.block_ids[-1] == dst
+    plan = s.schedule()                       # the child computes its last prompt token
+    s.copies_made()                           # the engine queued the copy ahead of this step
+    number = s.launch()
+    s.launched(plan, plan.sampling())
+    taken = s.blocks.allocate(s.blocks.num_available)     # a reservation takes all it can
+    assert src not in taken and dst not in taken
+    s.abort("r#1")                            # the child ends too before the step lands
+    assert s.blocks.num_available == 0
+    s.landed(number)
+    assert s.blocks.num_available == 8 - len(taken) and not s.in_flight
+    s.blocks.release(taken)
+    assert s.blocks.num_available == 8

@@ -163,7 +163,7 @@ class DecodeGraphs:
             self.ids.index_copy_(0, self.fill[:m], pending.pending_tokens.index_select(0, self.fill[m:2 * m]))
         if self.copied is None:                     # no CUDA: the step itself, eagerly
             return self._forward(size)[:n].clone()
-        self.copied.record()
+        self.copied.record(torch.cuda.current_stream(self.kv.device))
         graph, logits = self.graphs[size]
         graph.replay()
         return logits[:n].clone()

@@ -11,10 +11,20 @@ and SGLang likewise send only once the device work is done).
     DeviceStream.launch(fn)   queue work on the stream (runs it now on a CPU)
     DeviceStream.record()     a Fence after everything launched so far
     DeviceStream.ready()      the host is about to read what the stream wrote
+    DeviceStream.to_host(ts)  copy tensors to the host behind the work launched so far;
+                              HostCopy.wait() waits for that copy alone, not for work
+                              launched after it (async scheduling reads step N's tokens
+                              while step N+1 computes)
     Fence.wait()              block until the work before the fence is done
     LayerPoster               waits each layer's fence, then posts its transfers:
                               inline for a synchronous stream, on a thread otherwise;
                               flush() at the end of the step
+    use_device(device)        make the device current for the calling thread
+
+CUDA's current device is per thread and 0 until a thread sets it, and an event records
+on whichever stream it is given (the current device's when none is): so each thread that
+touches a device sets it, and fences and copies name their device's stream, or a worker
+on cuda:1 would fence device 0's stream, which has nothing queued.
 
 A CPU runs every op to completion before returning, so its stream is synchronous and
 its fences are already passed. tests/test_device_stream.py replaces the stream with a
@@ -24,7 +34,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -37,6 +47,28 @@ class Fence:
 
 
 PASSED = Fence()
+
+
+class HostCopy:
+    """Tensors on their way to the host; these are there already."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._tensors = list(tensors)
+
+    def wait(self) -> list[torch.Tensor]:
+        """The tensors, on the host, once copied."""
+        return self._tensors
+
+
+def use_device(device: torch.device) -> torch.device:
+    """Make a CUDA `device` current for the calling thread ("cuda" alone: the current one)
+    and return it with its index; any other device is returned as it is."""
+    if device.type != "cuda":
+        return device
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(device)
+    return device
 
 
 class HostStream:
@@ -52,14 +84,32 @@ class HostStream:
     def ready(self) -> None:
         return None
 
+    def to_host(self, tensors: Sequence[torch.Tensor]) -> HostCopy:
+        return HostCopy(tensors)
+
 
 class _CudaFence(Fence):
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.event = torch.cuda.Event()
-        self.event.record()                  # on the current stream, after what is queued
+        self.event.record(torch.cuda.current_stream(device))     # after what is queued there
 
     def wait(self) -> None:
         self.event.synchronize()
+
+
+class _PinnedCopy(HostCopy):
+    """Copied without blocking into pinned host memory, then an event: reading waits for
+    the event alone. (A plain copy to the host, `tolist()` or `item()`, waits for all the
+    stream's work, including a step launched after these tensors were made.)"""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], device: torch.device) -> None:
+        super().__init__([torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                          for t in tensors])
+        self._copied = _CudaFence(device)
+
+    def wait(self) -> list[torch.Tensor]:
+        self._copied.wait()
+        return self._tensors
 
 
 class CudaStream(HostStream):
@@ -67,12 +117,18 @@ class CudaStream(HostStream):
     are ordered after them, and another thread learns of completion through events."""
     asynchronous = True
 
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
     def record(self) -> Fence:
-        return _CudaFence()
+        return _CudaFence(self.device)
+
+    def to_host(self, tensors: Sequence[torch.Tensor]) -> HostCopy:
+        return _PinnedCopy(tensors, self.device)
 
 
 def stream_for(device: torch.device) -> HostStream:
-    return CudaStream() if device.type == "cuda" else HostStream()
+    return CudaStream(device) if device.type == "cuda" else HostStream()
 
 
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -97,11 +153,13 @@ class LayerPoster:
     With a synchronous stream it posts inline (the fence has passed when it is
     recorded). With an asynchronous one a thread waits the fences in order and posts,
     so layer L's transfer starts as soon as its write is done while later layers
-    compute; `flush()` returns when every layer handed over so far is posted."""
+    compute; `flush()` returns when every layer handed over so far is posted. That thread
+    makes `device` its current one: what `post` queues goes to the pool's device."""
 
-    def __init__(self, post: LayerCallback, asynchronous: bool) -> None:
+    def __init__(self, post: LayerCallback, asynchronous: bool, device: torch.device | None = None) -> None:
         self.post = post
         self.asynchronous = asynchronous
+        self.device = device
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -117,6 +175,8 @@ class LayerPoster:
         self._queue.put((layer, context, fence))
 
     def _run(self) -> None:
+        if self.device is not None:
+            use_device(self.device)
         while True:
             layer, context, fence = self._queue.get()
             try:

@@ -19,6 +19,12 @@ N+1 while the host turns step N's tokens into outputs and plans step N+2:
     step N+1:  schedule -> pack -> launch forward and sampling -> read step N's tokens
                -> outputs of step N -> step N+1 counts as launched (PENDING tokens)
 
+Step N's tokens (and the log probabilities asked for) are copied to the host right
+behind its sampling, and reading them waits for that copy alone (`DeviceStream.to_host`):
+a plain read would wait for step N+1 too, queued on the same stream, and leave the device
+idle while the host makes outputs and plans N+2. Nothing else on the launch path reads
+the device or copies to it from pageable memory (which waits for the stream as well).
+
 A sequence that finishes on step N's token has a row in step N+1 whose token is
 dropped. Rows whose next step needs their token on the host first (structured output's
 grammar, penalties over the history) make the engine read the step in flight before it
@@ -36,10 +42,10 @@ from typing import Callable
 
 import torch
 
-from services.engine.device import LayerPoster
+from services.engine.device import HostCopy, LayerPoster, to_device, use_device
 from services.engine.kv_cache import KVPoolMemory
 from services.engine.runner import ForwardBatch, ModelRunner, PrefillSegment
-from services.engine.sampler import Sampled, choose, read_back, token_logprobs
+from services.engine.sampler import Sampled, as_token_logprobs, choose, logprob_tensors, read_sampled, to_read
 from services.engine.sampling import TokenLogprob
 from services.engine.scheduler import PENDING, Chunk, Scheduler, Sequence, StepPlan
 from services.engine.structured import fill_masks
@@ -69,18 +75,25 @@ class EngineOutput:
 @dataclass
 class Launched:
     """A step on the device: its sampling chunks `rows` and their tokens `tokens`
-    ([rows] int64, on the device, maybe not computed yet); `logits` give the log
-    probabilities asked for once the tokens are read."""
+    ([rows] int64, on the device, maybe not computed yet: the next step's pending
+    inputs), and what the host reads of it on its way there (`copy`: `to_read`'s
+    `num_sampled` tensors, then the log probabilities of the prompt positions `targets`)."""
     plan: StepPlan
     rows: list[Chunk]
     tokens: torch.Tensor
-    logits: torch.Tensor
+    copy: HostCopy
+    num_sampled: int
+    targets: list[tuple[Sequence, int]]
     started: float
-    number: int = 0                     # with async scheduling: the scheduler's launch number
+    number: int = 0                     # the scheduler's launch number
 
     def read(self) -> Sampled:
-        """The tokens on the host (waits for the device)."""
-        return read_back(self.logits, [c.seq.params for c in self.rows], self.tokens)
+        """The tokens on the host, waiting for this step's sampling alone; the prompt
+        log probabilities go into their sequences."""
+        host = self.copy.wait()
+        if self.targets:
+            record_prompt_logprobs(self.targets, host[self.num_sampled:])
+        return read_sampled([c.seq.params for c in self.rows], host[:self.num_sampled])
 
 
 def overlaps(seq: Sequence) -> bool:
@@ -112,7 +125,8 @@ class LLMEngine:
         self._last_end = 0.0                        # when the last step's outputs were made
         self.memory = memory
         self.scheduler = scheduler
-        self._poster = None if layer_hook is None else LayerPoster(layer_hook, runner.stream.asynchronous)
+        self._poster = (None if layer_hook is None
+                        else LayerPoster(layer_hook, runner.stream.asynchronous, runner.device))
         # Told, before the forward pass, which prefilled sequences this step decodes first:
         # their first token (sampled elsewhere) can go out now, one step before the second.
         self.on_joined = on_joined
@@ -163,7 +177,7 @@ class LLMEngine:
         if self._flight is not None and not all(overlaps(s) for s in self.scheduler.running):
             outputs += self._land()
         plan = self.scheduler.schedule()
-        if self.scheduler.copies:               # forked choices' last prompt blocks
+        if self.scheduler.copies:               # forked choices' last prompt blocks, queued ahead of the step
             self.memory.copy_blocks(self.scheduler.copies)
             self.scheduler.copies_made()
         if plan.joined and self.on_joined is not None:
@@ -183,16 +197,13 @@ class LLMEngine:
             rows = plan.sampling()
             self.scheduler.launched(plan, rows)
             return outputs + self._record(plan, rows, sampled, t0)
-        if not overlap:
-            self.scheduler.launched(plan, launched.rows)
-            return outputs + self._record(plan, launched.rows, launched.read(), t0)
         launched.number = self.scheduler.launch()
-        if self._flight is not None:
+        if self._flight is not None:            # only with overlap: otherwise it has landed
             self.overlapped_steps += 1
             outputs += self._land()
         self.scheduler.launched(plan, launched.rows)
         self._flight = launched
-        return outputs
+        return outputs if overlap else outputs + self._land()
 
     def _land_before(self, plan: StepPlan) -> list[EngineOutput]:
         """Land the step in flight, if any, before `plan` runs: the sequences that end on
@@ -261,7 +272,8 @@ class LLMEngine:
                 outputs.append(EngineOutput(request_id, [], "error"))
 
     def _launch(self, plan: StepPlan, started: float) -> Launched:
-        """Run `plan`'s forward pass and choose its tokens, leaving them on the device."""
+        """Run `plan`'s forward pass and choose its tokens, leaving them on the device and
+        starting their copy to the host."""
         flight = self._flight
         pending = {c.seq: i for i, c in enumerate(flight.rows)} if flight is not None else {}
         batch, targets = pack(plan, pending)
@@ -279,20 +291,31 @@ class LLMEngine:
             if poster is not None:
                 poster.flush()
             mask = masks.result() if masks is not None else None
-        if targets:
-            record_prompt_logprobs(logits[len(batch.sample_rows):], targets)
-            logits = logits[:len(batch.sample_rows)]
+        prompt = prompt_logprob_tensors(logits[len(batch.sample_rows):], targets) if targets else []
+        logits = logits[:len(batch.sample_rows)]
         histories = [(c.seq.token_ids, c.seq.prompt_len) for c in rows] \
             if any(c.seq.params.penalized for c in rows) else None
-        logits, tokens = choose(logits, [c.seq.params for c in rows], [c.seq.num_generated for c in rows],
+        params = [c.seq.params for c in rows]
+        logits, tokens = choose(logits, params, [c.seq.num_generated for c in rows],
                                 rows[0].seq.eos_token_ids if rows else frozenset(), histories, mask)
-        return Launched(plan, rows, tokens, logits, started)
+        sampled = to_read(logits, params, tokens)
+        copy = self.runner.stream.to_host(sampled + prompt)
+        return Launched(plan, rows, tokens, copy, len(sampled), targets, started)
 
     def _isolate(self, plan: StepPlan, outputs: list[EngineOutput]) -> tuple[StepPlan, Sampled]:
         """After a failed step: run each of its chunks alone, so a request that breaks the
         forward pass or the sampler fails by itself ("error") and the rest go on. Writing
         a chunk's KV again is harmless: the same tokens give the same bytes. Returns the
-        plan of the chunks that ran and their tokens, in `plan.sampling()` order."""
+        plan of the chunks that ran and their tokens, in `plan.sampling()` order. The runs
+        count as one launch, landed once all are read: the block copies queued before
+        them, and blocks given back meanwhile, are held until then."""
+        number = self.scheduler.launch()
+        try:
+            return self._run_alone(plan, outputs)
+        finally:
+            self.scheduler.landed(number)
+
+    def _run_alone(self, plan: StepPlan, outputs: list[EngineOutput]) -> tuple[StepPlan, Sampled]:
         kept, tokens = StepPlan(), Sampled([], [])
         for c in plan.chunks:
             alone = StepPlan()
@@ -351,12 +374,19 @@ def pack(plan: StepPlan, pending: dict[Sequence, int] | None = None
     return b, targets
 
 
-def record_prompt_logprobs(logits: torch.Tensor, targets: list[tuple[Sequence, int]]) -> None:
+def prompt_logprob_tensors(logits: torch.Tensor, targets: list[tuple[Sequence, int]]) -> list[torch.Tensor]:
     """Each target prompt token's log probability (and its position's likeliest), from
-    the raw logits of the position before it, as vLLM reports prompt logprobs. Written
+    the raw logits of the position before it, as vLLM reports prompt logprobs: left on
+    the device for `record_prompt_logprobs`."""
+    ids = to_device([seq.token_ids[p] for seq, p in targets], torch.long, logits.device)
+    return list(logprob_tensors(logits, ids, max(seq.params.prompt_logprobs for seq, _ in targets)))
+
+
+def record_prompt_logprobs(targets: list[tuple[Sequence, int]], found: list[torch.Tensor]) -> None:
+    """`prompt_logprob_tensors`' result, on the host, into the targets' sequences. Written
     by position, so a chunk computed again (preemption, a failed step) writes the same."""
-    found = token_logprobs(logits, [seq.token_ids[p] for seq, p in targets],
-                           [seq.params.prompt_logprobs for seq, _ in targets])
+    found = as_token_logprobs([seq.token_ids[p] for seq, p in targets], found,
+                              [seq.params.prompt_logprobs for seq, _ in targets])
     for (seq, p), lp in zip(targets, found):
         if seq.prompt_logprobs is None:
             seq.prompt_logprobs = [None] * seq.prompt_len
@@ -436,8 +466,9 @@ class EngineLoop:
     def _run(self) -> None:
         # OpenMP's thread count is per thread: one set in the main thread does not reach
         # this one, whose matmuls would otherwise fan out over every core (and spin on a
-        # worker pinned to one).
+        # worker pinned to one). CUDA's current device is per thread too.
         torch.set_num_threads(self._threads)
+        use_device(self.engine.runner.device)
         while not self._stopping:
             if self.tick is not None:
                 self.tick()

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from services.engine.device import to_device
+
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
@@ -136,10 +138,13 @@ class KVPoolMemory:
         return flat.view(layout.shape)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Every layer's K and V of each source block into its destination block."""
-        src = torch.tensor([a for a, _ in pairs], device=self.tensor.device)
-        dst = torch.tensor([b for _, b in pairs], device=self.tensor.device)
-        self.tensor[:, :, dst] = self.tensor[:, :, src]
+        """Every layer's K and V of each source block into its destination block, queued
+        behind the device's work without waiting for it (the scheduler holds both blocks
+        until the step after the copy has run)."""
+        device = self.tensor.device
+        src = to_device([a for a, _ in pairs], torch.long, device)
+        dst = to_device([b for _, b in pairs], torch.long, device)
+        self.tensor.index_copy_(2, dst, self.tensor.index_select(2, src))
 
     def close(self) -> None:
         self.tensor = torch.empty(0)

@@ -30,7 +30,7 @@ from typing import Callable, TypeVar
 import torch
 
 from services.common.settings import ATTENTION_KERNELS, QUANTIZATIONS
-from services.engine.device import Fence, stream_for, to_device
+from services.engine.device import Fence, stream_for, to_device, use_device
 from services.engine.hardware import cpu_flags, cpu_kernels, pick_dtype
 from services.engine.kv_cache import (CPU_KV_TOKENS, KVLayout, KVPoolMemory, compat_hash, device_memory,
                                       tokens_for_memory)
@@ -117,7 +117,9 @@ class ModelRunner:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {quantization!r}")
         self.quantization = quantization
         _register_attention()
-        self.device = pick_device(device)
+        # current for this thread (the one that loads the model and captures graphs);
+        # the engine's threads make it theirs too
+        self.device = use_device(pick_device(device))
         self.stream = stream_for(self.device)           # where KV writes run; see device.py
         choice = pick_dtype(dtype, self.device)
         self.dtype_name = choice.name
@@ -282,7 +284,7 @@ class ModelRunner:
                 logits = graphs.run(batch.decode_tokens, batch.decode_positions, batch.decode_tables,
                                     pool.layout.num_blocks, batch)
                 if batch.sample_rows != list(range(len(batch.decode_tokens))):
-                    logits = logits[batch.sample_rows]
+                    logits = logits.index_select(0, to_device(batch.sample_rows, torch.long, self.device))
                 return logits
         if self.decoder is not None and batch.decode_tokens and not batch.segments and on_layer is None:
             return self._native_decode(pool, batch)
@@ -401,8 +403,9 @@ class ModelRunner:
             rows = torch.tensor(order[start:stop], dtype=torch.long)
             w = widths[order[stop - 1]]
             mask = torch.arange(w * bs)[None, :] <= pos[rows, None]
-            paged.groups.append(DecodeGroup(rows.to(self.device), table[rows, :w].to(self.device),
-                                            mask.to(self.device)))
+            paged.groups.append(DecodeGroup(to_device(rows, torch.long, self.device),
+                                            to_device(table[rows, :w], torch.long, self.device),
+                                            to_device(mask, torch.bool, self.device)))
         return slots
 
     # ---- single-purpose passes (benchmarks, tests) ----

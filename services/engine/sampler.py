@@ -11,7 +11,7 @@ on its seed, not on which worker, batch or device drew it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -103,16 +103,16 @@ def _process(logits: torch.Tensor, params: list[SamplingParams], num_generated: 
     penalized = [row for row, p in enumerate(params) if p.penalized]
     if not (held or biased or penalized):
         return logits
-    logits = logits.clone()
+    logits = logits.clone(memory_format=torch.contiguous_format)
     vocab = logits.shape[-1]
-    for row in held:
-        ends = [t for t in eos_token_ids.union(params[row].stop_token_ids) if t < vocab]
-        logits[row, ends] = float("-inf")
-    for row in biased:
-        pairs = [(t, b) for t, b in params[row].logit_bias if t < vocab]
-        if pairs:
-            logits[row, [t for t, _ in pairs]] += torch.tensor([b for _, b in pairs], dtype=logits.dtype,
-                                                               device=logits.device)
+    flat = logits.view(-1)      # entries by row * vocab + token: one index copied to the device, not one per row
+    ends = [row * vocab + t for row in held for t in eos_token_ids.union(params[row].stop_token_ids) if t < vocab]
+    if ends:
+        flat.index_fill_(0, to_device(ends, torch.long, logits.device), float("-inf"))
+    pairs = [(row * vocab + t, b) for row in biased for t, b in params[row].logit_bias if t < vocab]
+    if pairs:
+        flat.index_add_(0, to_device([i for i, _ in pairs], torch.long, logits.device),
+                        to_device([b for _, b in pairs], logits.dtype, logits.device))
     if penalized:
         if histories is None:
             raise ValueError("penalties need each row's token history")
@@ -127,14 +127,17 @@ def _penalize(logits: torch.Tensor, params: list[SamplingParams], histories: lis
     vocab, device = logits.shape[-1], logits.device
     output = torch.zeros(len(rows), vocab, dtype=logits.dtype, device=device)
     seen = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
-    for i, (ids, prompt_len) in enumerate(histories):
-        t = torch.tensor(ids, dtype=torch.long, device=device).clamp_(max=vocab - 1)
-        output[i] = torch.bincount(t[prompt_len:], minlength=vocab)[:vocab].to(logits.dtype)
-        seen[i, t] = True
-    rep = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype, device=device)[:, None]
-    freq = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=device)[:, None]
-    pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=device)[:, None]
-    index = torch.tensor(rows, device=device)
+    # Each row's tokens as entries of the flattened [rows, vocab] tensors; counted with an
+    # index_add (torch.bincount reads its input's maximum back to the host).
+    everywhere = [i * vocab + min(t, vocab - 1) for i, (ids, _) in enumerate(histories) for t in ids]
+    outputs = [i * vocab + min(t, vocab - 1) for i, (ids, n) in enumerate(histories) for t in ids[n:]]
+    seen.view(-1).index_fill_(0, to_device(everywhere, torch.long, device), True)
+    output.view(-1).index_add_(0, to_device(outputs, torch.long, device),
+                               torch.ones(len(outputs), dtype=logits.dtype, device=device))
+    rep = to_device([p.repetition_penalty for p in params], logits.dtype, device)[:, None]
+    freq = to_device([p.frequency_penalty for p in params], logits.dtype, device)[:, None]
+    pres = to_device([p.presence_penalty for p in params], logits.dtype, device)[:, None]
+    index = to_device(rows, torch.long, device)
     sub = logits.index_select(0, index)
     sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
     sub -= freq * output + pres * (output > 0).to(logits.dtype)
@@ -145,31 +148,20 @@ def _penalize(logits: torch.Tensor, params: list[SamplingParams], histories: lis
 LOGPROB_FLOOR = -9999.0
 
 
-def chosen_logprobs(logits: torch.Tensor, params: list[SamplingParams],
-                    tokens: list[int]) -> list[TokenLogprob | None]:
-    """Log probabilities of the chosen tokens and each row's likeliest, from the processed
-    logits scaled by the row's temperature (greedy rows: unscaled), before top-k, top-p
-    and min-p cut the distribution: what OpenAI and vLLM report."""
-    out: list[TokenLogprob | None] = [None] * len(params)
-    rows = [r for r, p in enumerate(params) if p.logprobs is not None]
-    if not rows:
-        return out
-    sub = logits.index_select(0, torch.tensor(rows, device=logits.device))
-    temps = torch.tensor([params[r].temperature or 1.0 for r in rows], dtype=sub.dtype, device=sub.device)
-    found = token_logprobs(sub / temps[:, None], [tokens[r] for r in rows], [params[r].logprobs for r in rows])
-    for r, lp in zip(rows, found):
-        out[r] = lp
-    return out
-
-
-def token_logprobs(logits: torch.Tensor, token_ids: list[int], tops: list[int]) -> list[TokenLogprob]:
-    """Row i's log probability of token_ids[i], and its tops[i] likeliest tokens'."""
+def logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor, k: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row i's log probability of token_ids[i] ([rows], on the logits' device), and its k
+    likeliest tokens' ids and log probabilities ([rows, k]), left on the device."""
     lp = torch.log_softmax(logits, dim=-1).clamp_(min=LOGPROB_FLOOR)
-    chosen = lp.gather(1, torch.tensor(token_ids, device=lp.device)[:, None])[:, 0].tolist()
-    k = max(tops)
-    top = lp.topk(k, dim=-1) if k else None
-    return [TokenLogprob(t, chosen[i], top.indices[i, :n].tolist() if n else [],
-                         top.values[i, :n].tolist() if n else []) for i, (t, n) in enumerate(zip(token_ids, tops))]
+    top = lp.topk(k, dim=-1)
+    return lp.gather(1, token_ids[:, None])[:, 0], top.indices, top.values
+
+
+def as_token_logprobs(token_ids: list[int], found: Sequence[torch.Tensor], tops: list[int]) -> list[TokenLogprob]:
+    """`logprob_tensors`' three tensors, read on the host: row i's TokenLogprob, with its
+    tops[i] likeliest tokens."""
+    chosen, ids, values = (t.tolist() for t in found)
+    return [TokenLogprob(t, chosen[i], ids[i][:n], values[i][:n]) for i, (t, n) in enumerate(zip(token_ids, tops))]
 
 
 @dataclass
@@ -212,8 +204,35 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: li
     return read_back(logits, params, chosen)
 
 
+def to_read(logits: torch.Tensor, params: list[SamplingParams], chosen: torch.Tensor) -> list[torch.Tensor]:
+    """What the host reads of `choose`'s result, still on the device: the tokens, then
+    (when a row asks) the log probabilities of the chosen tokens and each row's
+    likeliest, from the processed logits scaled by the row's temperature (greedy rows:
+    unscaled), before top-k, top-p and min-p cut the distribution: what OpenAI and vLLM
+    report. `read_sampled` turns them, copied to the host, into a Sampled."""
+    rows = [r for r, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return [chosen]
+    index = to_device(rows, torch.long, logits.device)
+    temps = to_device([params[r].temperature or 1.0 for r in rows], logits.dtype, logits.device)
+    found = logprob_tensors(logits.index_select(0, index) / temps[:, None], chosen.index_select(0, index),
+                            max(params[r].logprobs for r in rows))
+    return [chosen, *found]
+
+
+def read_sampled(params: list[SamplingParams], host: list[torch.Tensor]) -> Sampled:
+    """`to_read`'s tensors, on the host, as the tokens and their rows' log probabilities."""
+    tokens = host[0].tolist()
+    out: list[TokenLogprob | None] = [None] * len(params)
+    rows = [r for r, p in enumerate(params) if p.logprobs is not None]
+    if rows:
+        found = as_token_logprobs([tokens[r] for r in rows], host[1:], [params[r].logprobs for r in rows])
+        for r, lp in zip(rows, found):
+            out[r] = lp
+    return Sampled(tokens, out)
+
+
 def read_back(logits: torch.Tensor, params: list[SamplingParams], chosen: torch.Tensor) -> Sampled:
-    """`choose`'s tokens on the host (waiting for the device), with the log probabilities
-    their rows asked for, from `choose`'s processed logits."""
-    out = chosen.tolist()
-    return Sampled(out, chosen_logprobs(logits, params, out))
+    """`choose`'s tokens on the host (waiting for all the device's work), with the log
+    probabilities their rows asked for."""
+    return read_sampled(params, to_read(logits, params, chosen))

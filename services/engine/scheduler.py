@@ -38,7 +38,8 @@ stands a PENDING token in for each it samples, and `resolve()` writes the sample
 tokens in once they are read. Meanwhile nothing is preempted (a sequence short of a
 block sits a step out), and blocks given back wait in `_held` until every step that
 may still write them has landed (`landed()`): another thread may hand them out at once,
-and a transfer could then write them before the device does.
+and a transfer could then write them before the device does. So do both ends of a
+fork's block copy, queued on the device ahead of the next step, until that step lands.
 """
 from __future__ import annotations
 
@@ -206,13 +207,14 @@ class Scheduler:
         self.num_sat_out = 0                # steps a sequence waited out for a block (async scheduling)
         self._watermark = int(WATERMARK * blocks.num_blocks)
         # (source, destination) block copies the engine makes before the next forward
-        # pass; both hold a reference until the copy is made (copies_made()).
+        # pass; both hold a reference until that pass lands (copies_made()).
         self.copies: list[tuple[int, int]] = []
         # Choices that were waiting on a sequence that ended before its prompt was done
         # (aborted, failed): the engine reports them ended too.
         self.orphans: list[Sequence] = []
-        # Async scheduling: steps launched and landed so far, and blocks given back while
-        # a step was running, with the number of the last step launched then.
+        # Steps launched on the device and landed so far (the engine numbers each), and
+        # blocks given back while a step was running (or queued copies' ends), with the
+        # number of the step that must land first.
         self.launches = 0
         self.landed_upto = 0
         self._held: list[tuple[int, list[int], list[int], int]] = []
@@ -459,9 +461,13 @@ class Scheduler:
             self.ready.append(child)
 
     def copies_made(self) -> None:
-        """The engine copied every pending block: the sources' references go."""
+        """The engine queued every pending copy on the device, ahead of the next step it
+        launches. On a GPU the copy may not have run when this returns, so both ends stay
+        held until that step lands: a source given back now (its sequence has ended) could
+        be handed to a reservation and written by a transfer before the copy reads it."""
         copies, self.copies = self.copies, []
-        self.blocks.release([b for pair in copies for b in pair])
+        if copies:
+            self._held.append((self.launches + 1, [b for pair in copies for b in pair], [], 0))
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is SeqStatus.FINISHED:
