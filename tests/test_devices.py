@@ -92,3 +92,33 @@ def test_a_model_nowhere_is_a_clear_error(tmp_path, monkeypatch):
         resolve_model(str(tmp_path))
     with pytest.raises(FileNotFoundError, match="no config.json"):
         resolve_model("a/b/c")
+
+
+def test_a_chunk_over_a_cached_prefix_bounds_its_scores_on_a_gpu():
+    """Where SDPA materialises a chunk's scores (float32 on a GPU), the chunk goes in
+    blocks of query rows whose scores fit attention.PREFIX_SCORES_BYTES: an 8B model's 8k
+    chunk over a 32k context needed ~34 GB in one call. The blocks give what one masked
+    call gives (here on the CPU), and the pool's sizing counts their scratch."""
+    from services.engine.attention import PREFIX_SCORES_BYTES, attend_over_prefix, prefix_rows
+    heads, kv_heads, dim = 32, 8, 128
+    rows = prefix_rows(heads, 32768, torch.float32, dim)
+    assert rows == 32 and heads * rows * 32768 * 4 * 2 <= PREFIX_SCORES_BYTES
+    assert prefix_rows(heads, 32768, torch.bfloat16, dim) is None      # flash attention: nothing materialised
+    assert prefix_rows(heads, 10**9, torch.float32, dim) == 1
+    gen = torch.Generator().manual_seed(0)
+    prefix, n = 37, 29
+    q = torch.randn(1, heads, n, dim, generator=gen)
+    k, v = (torch.randn(1, kv_heads, prefix + n, dim, generator=gen) for _ in range(2))
+    mask = torch.ones(n, prefix + n, dtype=torch.bool).tril(diagonal=prefix)
+    whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.1, enable_gqa=True)
+    for block in (None, 1, 4, 29):
+        assert torch.allclose(attend_over_prefix(q, k, v, prefix, 0.1, block), whole, atol=1e-5), block
+
+
+def test_the_pool_sizing_counts_the_prefix_scores(model_dir):
+    from services.engine.attention import PREFIX_SCORES_BYTES
+    from services.engine.runner import ModelRunner
+    runner = ModelRunner(model_dir, "float32", "cpu", attention="torch")
+    c = runner.config
+    per_token = 2 * (4 * c.hidden_size + 3 * c.intermediate_size) * 4
+    assert runner.activation_bytes(512, 64) == 512 * per_token + 64 * runner.vocab_size * 8 + PREFIX_SCORES_BYTES

@@ -169,11 +169,48 @@ def _prefill_attention(b: PagedBatch, s: Segment, layer: int, query: torch.Tenso
         v = b.kv[layer, 1].view(-1, heads, dim).index_select(0, s.context_slots)
     if b.prefill_kernel is not None:
         return b.prefill_kernel.prefill(query[0].transpose(0, 1), k, v, s.prefix_len, scale, b.threads)
-    q_len, kv_len = query.shape[2], k.shape[0]
+    k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    if query.device.type != "cpu":
+        rows = prefix_rows(query.shape[1], k.shape[2], query.dtype, query.shape[-1])
+        return attend_over_prefix(query, k, v, s.prefix_len, scale, rows)[0].transpose(0, 1)
+    q_len, kv_len = query.shape[2], k.shape[2]
     mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(diagonal=s.prefix_len)
-    out = F.scaled_dot_product_attention(query, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-                                         attn_mask=mask, scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
+
+
+# A chunk over a cached prefix, on a GPU: SDPA runs flash attention with a lower-right
+# causal mask in half precision, scores never materialised. Elsewhere (float32) it
+# materialises heads x rows x context scores and their softmax, so the chunk goes in
+# blocks of query rows whose scores stay within this: an 8k chunk over a 32k context of
+# an 8B model, in one call, needed ~34 GB.
+PREFIX_SCORES_BYTES = 256 * 2**20
+
+
+def prefix_rows(heads: int, kv_len: int, dtype: torch.dtype, head_dim: int) -> int | None:
+    """Query rows per SDPA call for a chunk over a cached prefix of a context `kv_len`
+    long; None: every row in one call (flash attention materialises nothing)."""
+    if dtype in (torch.float16, torch.bfloat16) and head_dim <= 256:
+        return None
+    return max(1, PREFIX_SCORES_BYTES // (heads * kv_len * 4 * 2))
+
+
+def attend_over_prefix(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float,
+                       rows: int | None) -> torch.Tensor:
+    """Causal attention of `query` [1, heads, n, dim] (the chunk's tokens, which follow
+    `prefix_len` cached ones) over k/v [1, kv_heads, prefix_len + n, dim], `rows` query
+    rows a call (None: all): rows r0..r1 see keys up to prefix_len + r1, lower-right
+    aligned. Returns [1, heads, n, dim]."""
+    from torch.nn.attention.bias import causal_lower_right
+    n = query.shape[2]
+    out = []
+    for r0 in range(0, n, rows or n):
+        r1 = min(n, r0 + (rows or n))
+        seen = prefix_len + r1
+        out.append(F.scaled_dot_product_attention(query[:, :, r0:r1], k[:, :, :seen], v[:, :, :seen],
+                                                  attn_mask=causal_lower_right(r1 - r0, seen), scale=scale,
+                                                  enable_gqa=True))
+    return out[0] if len(out) == 1 else torch.cat(out, dim=2)
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,

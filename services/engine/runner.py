@@ -37,8 +37,9 @@ from services.engine.kv_cache import (CPU_KV_TOKENS, KVLayout, KVPoolMemory, com
 from services.engine.model_store import context_length
 from services.engine import fusion
 from services.engine import gpu_kernels
-from services.engine.attention import (DecodeGroup, GPUDecode, NativeDecode, PagedBatch, Segment, Workspace,
-                                       check_block_ids, decode_widths, length_groups, paged_attention)
+from services.engine.attention import (PREFIX_SCORES_BYTES, DecodeGroup, GPUDecode, NativeDecode, PagedBatch,
+                                       Segment, Workspace, check_block_ids, decode_widths, length_groups,
+                                       paged_attention)
 from services.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from services.engine.native import (NativeAttention, NativeBuildError, NativeDecoder, NativeLayers, NativeMatmul,
                                    load_attention, load_decoder, load_layers, load_matmul)
@@ -239,10 +240,11 @@ class ModelRunner:
     def activation_bytes(self, tokens: int, rows: int) -> int:
         """A generous bound on one forward pass's working memory: `tokens` through the
         layers (hidden states, q/k/v, the MLP's two intermediate tensors, twice over
-        for temporaries) and `rows` of float32 logits."""
+        for temporaries), `rows` of float32 logits, and the scores of a chunk over a
+        cached prefix where SDPA materialises them (attention.PREFIX_SCORES_BYTES)."""
         c = self.config
         per_token = 2 * (4 * c.hidden_size + 3 * c.intermediate_size) * self.model.dtype.itemsize
-        return tokens * per_token + rows * self.vocab_size * 4 * 2
+        return tokens * per_token + rows * self.vocab_size * 4 * 2 + PREFIX_SCORES_BYTES
 
     def kv_tokens(self, requested: int, utilization: float, batched_tokens: int, rows: int) -> int:
         """The KV pool's size in tokens: `requested` if given; on a CPU, CPU_KV_TOKENS;
