@@ -257,3 +257,36 @@ def test_a_failed_graph_capture_leaves_the_steps_eager(tmp_path, monkeypatch, ca
     assert runner.graph_sizes == [] and torch.equal(got, want)
     (record,) = [r for r in caplog.records if r.name == "services.engine.runner"]
     assert f"{type(error).__name__}: {error}" in record.getMessage()
+
+
+def test_graphs_are_captured_in_inference_mode_and_thread_local(tmp_path, monkeypatch):
+    """A decode worker captures at start, after its NIXL transport's progress thread has
+    started: in CUDA's global capture mode any CUDA call from that thread meanwhile fails
+    the capture. Each capture is thread-local, and in inference mode as the steps run.
+    torch.cuda's graph calls are doubles here that note how they were called."""
+    from bench.gpu_check import build_tiny_model
+    from services.engine import cuda_graphs
+    from services.engine.runner import ModelRunner
+
+    runner = ModelRunner(build_tiny_model(tmp_path / "tiny"), "float32", "cpu", attention="torch")
+    graphs = cuda_graphs.DecodeGraphs(runner.model, torch.zeros(runner.layout(8, 16).shape), 16,
+                                      runner.max_model_len, [1, 2])
+    seen = []
+
+    class Capture:
+        def __init__(self, graph, pool=None, capture_error_mode="global"):
+            seen.append((capture_error_mode, torch.is_inference_mode_enabled()))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+    monkeypatch.setattr(torch.cuda, "graph", Capture)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(graphs, "_forward", lambda n: torch.zeros(n, 4))
+    graphs.copied = object()                              # as with CUDA: capture for real
+    graphs.capture()
+    assert seen == [("thread_local", True)] * 2

@@ -91,10 +91,13 @@ class DecodeGraphs:
         hidden = body.norm(hidden)
         return self.model.lm_head(hidden[0]).float()
 
+    @torch.inference_mode()
     def capture(self) -> None:
         """Every bucket, largest first (the smaller ones reuse its memory pool). The
         persistent inputs are all padding meanwhile: nothing is written to the pool.
-        Without CUDA (tests) nothing is captured: `run` does the step eagerly."""
+        Without CUDA (tests) nothing is captured: `run` does the step eagerly. Under
+        inference mode, as the steps run; in thread-local capture mode, so another
+        thread's CUDA call meanwhile (NIXL's progress thread, a transfer) is no error."""
         started = time.perf_counter()
         self.slots.fill_(-1)
         self.lens.zero_()
@@ -105,7 +108,7 @@ class DecodeGraphs:
             self._forward(n)                     # compiles the kernels, outside the capture
             torch.cuda.synchronize(self.kv.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 logits = self._forward(n)
             self.graphs[n] = (graph, logits)
         torch.cuda.synchronize(self.kv.device)
