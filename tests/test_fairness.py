@@ -152,3 +152,17 @@ def test_the_key_file_carries_each_keys_share(tmp_path):
         read_api_keys([], str(f))
     with pytest.raises(ValueError, match="weight"):
         tenant_policies([ApiKey("k", (("weight", "-1"),))])
+
+
+def test_few_prompts_wait_at_the_workers_however_many_slots_are_free():
+    """Dispatch stops at `prefill_limit` tickets without a first token: a later tenant's
+    prompt then waits behind those few, not behind a whole flood sent to the workers."""
+    q = FairQueue(1000)
+    flood = [q.admit("flood", 1) for _ in range(100)]
+    assert q.dispatch(limit=64, prefill_limit=4) == flood[:4]
+    light = q.admit("light", 1)
+    q.first_token(flood[0])
+    assert q.dispatch(limit=64, prefill_limit=4) == [light]
+    q.done(flood[1])                                    # ended before its first token
+    assert q.dispatch(limit=64, prefill_limit=4) == [flood[4]]
+    assert q.prefilling == 4 and q.running_slots == 5

@@ -1,8 +1,8 @@
 """The router's queue on its event loop: a request is admitted (or refused with OpenAI's
 429 and `retry-after`), waits for a dispatch slot, runs, and gives its slot back. The
 order among tenants and their limits are fairness.FairQueue's; the slots are sequences
-the decode pool can batch (`limit()`), so requests beyond them wait here, in fair order,
-rather than in the workers' first-come queues."""
+the decode pool can batch, and few of them still prefilling (`limit()`), so requests
+beyond them wait here, in fair order, rather than in the workers' first-come queues."""
 from __future__ import annotations
 
 import asyncio
@@ -33,8 +33,8 @@ def tenant_policies(keys: list[ApiKey]) -> dict[str, TenantPolicy]:
 
 
 class Admission:
-    def __init__(self, max_pending: int, policies: dict[str, TenantPolicy], limit: Callable[[], int],
-                 metrics: RouterMetrics) -> None:
+    def __init__(self, max_pending: int, policies: dict[str, TenantPolicy],
+                 limit: Callable[[], tuple[int, int]], metrics: RouterMetrics) -> None:
         self.queue = FairQueue(max_pending, lambda tenant: policies.get(tenant, TenantPolicy()))
         self.limit = limit
         self.metrics = metrics
@@ -66,6 +66,12 @@ class Admission:
                 self._waiting.pop(ticket, None)
         self.metrics.tenant_wait.labels(ticket.tenant).observe(time.monotonic() - ticket.admitted_at)
 
+    def first_token(self, ticket: Ticket) -> None:
+        """`ticket`'s first token came: another prompt may go to the workers."""
+        if ticket.prefilling:
+            self.queue.first_token(ticket)
+            self._pump()
+
     def done(self, ticket: Ticket) -> None:
         """`ticket` ended (ran, failed, or its client left while it waited)."""
         (self.metrics.tenant_running if ticket.dispatched else self.metrics.tenant_queued).labels(ticket.tenant).dec()
@@ -73,9 +79,9 @@ class Admission:
         self._pump()
 
     def _pump(self) -> None:
-        limit = self.limit()
+        limit, prefill_limit = self.limit()
         self.metrics.dispatch_limit.set(limit)
-        for ticket in self.queue.dispatch(limit):
+        for ticket in self.queue.dispatch(limit, prefill_limit):
             self.metrics.tenant_queued.labels(ticket.tenant).dec()
             self.metrics.tenant_running.labels(ticket.tenant).inc()
             future = self._waiting.get(ticket)

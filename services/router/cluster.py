@@ -56,8 +56,8 @@ LOCAL_FALLBACK_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EX
                         grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED}
 # A decode worker that does not report its batch size (an older one) is taken to hold this.
 DEFAULT_MAX_BATCH = 64
-# Prompts dispatched beyond the decode batches, per prefill worker (Cluster.capacity).
-PREFILL_LOOKAHEAD = 2
+# Prompts dispatched and not yet prefilled, per prefill worker (Cluster.capacity).
+PREFILL_LOOKAHEAD = 4
 
 
 # What workers stream: (choice, new token ids, finish reason or "", their logprobs or None).
@@ -368,14 +368,15 @@ class Cluster:
         log.debug("request %s: %s", gen.request_id, plan.reason)
         return (live[plan.prefill.key] if plan.prefill else None), plan.cached_tokens, keys
 
-    def capacity(self) -> int:
-        """Sequences the router dispatches at once (admission.py): --max-running, or what
-        the live decode workers batch plus a couple of prompts queued per prefill worker,
-        so its next prompt is ready when a sequence ends."""
-        if self.settings.max_running:
-            return self.settings.max_running
-        decode = sum(w.info.max_batch or DEFAULT_MAX_BATCH for w in self.decode if w.healthy)
-        return decode + PREFILL_LOOKAHEAD * sum(w.healthy for w in self.prefill)
+    def capacity(self) -> tuple[int, int]:
+        """(sequences, prompts still prefilling) the router dispatches at once
+        (admission.py): --max-running, or what the live decode workers batch; and a few
+        prompts per prefill worker (or per decode worker, prefilling locally), enough to
+        fill its next pass without a long queue behind which a newcomer would wait."""
+        decode = [w for w in self.decode if w.healthy]
+        prefill = sum(w.healthy for w in self.prefill) or len(decode)
+        running = self.settings.max_running or sum(w.info.max_batch or DEFAULT_MAX_BATCH for w in decode)
+        return running, PREFILL_LOOKAHEAD * max(1, prefill)
 
     # ---- one generation ----
     async def generate(self, gens: list[Generation]) -> AsyncIterator[Delta]:

@@ -57,6 +57,7 @@ class Ticket:
     start: float = 0.0                  # its start tag
     admitted_at: float = 0.0
     dispatched: bool = False
+    prefilling: bool = False            # dispatched, no token yet: its prompt is being computed
 
 
 @dataclass
@@ -76,6 +77,7 @@ class FairQueue:
     policies: Callable[[str], TenantPolicy] = lambda tenant: TenantPolicy()
     clock: Callable[[], float] = time.monotonic
     running_slots: int = 0
+    prefilling: int = 0                 # dispatched tickets without a first token
     _tenants: dict[str, _Tenant] = field(default_factory=dict)
     _heap: list[tuple[float, int, Ticket]] = field(default_factory=list)
     _seq: itertools.count = field(default_factory=itertools.count)
@@ -135,25 +137,37 @@ class FairQueue:
         total = sum(self._tenants[name].policy.weight for name in holders)
         return self.max_pending * self._tenants[tenant].policy.weight / total
 
-    def dispatch(self, limit: int) -> list[Ticket]:
+    def dispatch(self, limit: int, prefill_limit: int | None = None) -> list[Ticket]:
         """The tickets to run now, in fair order, while running slots stay within `limit`
-        (one ticket always runs when nothing does, however many slots it takes)."""
+        and tickets still waiting for their first token within `prefill_limit` (one ticket
+        always runs when nothing does, however many slots it takes). The second bound
+        keeps the prompts queued at the workers few: a newcomer's prompt waits behind
+        those, whatever its tenant."""
         out = []
         while self._heap:
             start, _, ticket = self._heap[0]
-            if self.running_slots and self.running_slots + ticket.slots > limit:
+            if self.running_slots and (self.running_slots + ticket.slots > limit
+                                       or (prefill_limit is not None and self.prefilling >= prefill_limit)):
                 break
             heapq.heappop(self._heap)
             self._vtime = max(self._vtime, start)
-            ticket.dispatched = True
+            ticket.dispatched = ticket.prefilling = True
             self.running_slots += ticket.slots
+            self.prefilling += 1
             out.append(ticket)
         return out
+
+    def first_token(self, ticket: Ticket) -> None:
+        """A dispatched ticket's first token came: its prompt is done."""
+        if ticket.prefilling:
+            ticket.prefilling = False
+            self.prefilling -= 1
 
     def done(self, ticket: Ticket) -> None:
         """A ticket ended, run or not (a client gone while queued)."""
         t = self._tenants[ticket.tenant]
         t.admitted -= 1
+        self.first_token(ticket)
         if ticket.dispatched:
             self.running_slots -= ticket.slots
         else:

@@ -186,6 +186,7 @@ class RunningRequest:
             async for delta in cluster.generate(self.gens):
                 now = time.monotonic()
                 if not last:
+                    self.admission.first_token(self.ticket)
                     metrics.first_token(now - gen.started)
                     if gen.decision == "remote":       # prefilled by the prefill pool
                         cluster.latency.observe_ttft(gen.prefill_epoch, now - gen.started)

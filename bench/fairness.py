@@ -1,0 +1,145 @@
+"""Fair share among API keys under a flood: one key floods, another sends a steady trickle.
+
+    python -m bench.fairness --flood 500 --json build/fairness.json
+
+Starts `pdserve up` (disaggregated, the default dtype) with two API keys, A and B, given
+in a key file. First B alone: --alone streamed requests one after another, each one's
+time to its first content token. Then A sends --flood streamed requests at once (each
+--flood-tokens long, ignore_eos) while B sends one request a second until A's flood is
+done. Reports B's TTFT under the flood against B's alone (p50 / p99; the bar: p99 within
+2x), and A's share of the output tokens the cluster made during the flood (the bar: at
+least 80 %: fairness must not waste the flood's work). Prints a table and writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+KEYS = {"A": "sk-bench-flood-0123456789abcdef", "B": "sk-bench-trickle-0123456789abcd"}
+FLOOD_PROMPT = "Write a long story about a lighthouse keeper and the ships she guides home at night."
+TRICKLE_PROMPT = "What is the capital of France? Answer in one word."
+
+
+async def _stream(client: httpx.AsyncClient, key: str, prompt: str, max_tokens: int,
+                  ignore_eos: bool) -> tuple[float | None, int, bool]:
+    """(seconds to the first content token, tokens streamed, finished cleanly)."""
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": ignore_eos, "stream_options": {"include_usage": True}, "temperature": 0}
+    t0 = time.monotonic()
+    ttft, tokens, finished = None, 0, False
+    async with client.stream("POST", "/v1/chat/completions", json=body,
+                             headers={"Authorization": f"Bearer {key}"}) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return None, 0, False
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            for c in event.get("choices") or ():
+                if ttft is None and (c.get("delta") or {}).get("content"):
+                    ttft = time.monotonic() - t0
+                finished = finished or bool(c.get("finish_reason"))
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    return ttft, tokens, finished
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+async def _run(base: str, a: argparse.Namespace) -> dict:
+    limits = httpx.Limits(max_connections=a.flood + 16, max_keepalive_connections=a.flood + 16)
+    async with httpx.AsyncClient(base_url=base, timeout=1800, limits=limits) as client:
+        for _ in range(2):                              # warm-up
+            await _stream(client, KEYS["B"], TRICKLE_PROMPT, a.trickle_tokens, False)
+        alone = []
+        for _ in range(a.alone):
+            ttft, _, ok = await _stream(client, KEYS["B"], TRICKLE_PROMPT, a.trickle_tokens, False)
+            assert ok and ttft is not None, "a request alone failed"
+            alone.append(ttft)
+        t0 = time.monotonic()
+        flood = [asyncio.create_task(_stream(client, KEYS["A"], FLOOD_PROMPT, a.flood_tokens, True))
+                 for _ in range(a.flood)]
+        trickle: list[asyncio.Task] = []
+        while not all(f.done() for f in flood):
+            trickle.append(asyncio.create_task(_stream(client, KEYS["B"], TRICKLE_PROMPT, a.trickle_tokens, False)))
+            await asyncio.sleep(1.0)
+        flood_done = time.monotonic() - t0
+        flood_results = [f.result() for f in flood]
+        trickle_results = await asyncio.gather(*trickle)
+    under = [t for t, _, ok in trickle_results if ok and t is not None]
+    a_tokens = sum(n for _, n, _ in flood_results)
+    b_tokens = sum(n for _, n, _ in trickle_results)
+    return {
+        "flood": a.flood, "flood_tokens": a.flood_tokens, "flood_seconds": round(flood_done, 1),
+        "flood_failed": sum(not ok for _, _, ok in flood_results),
+        "trickle_sent": len(trickle_results), "trickle_failed": sum(not ok for _, _, ok in trickle_results),
+        "b_ttft_alone_p50": statistics.median(alone), "b_ttft_alone_p99": _pct(alone, 0.99),
+        "b_ttft_flood_p50": statistics.median(under), "b_ttft_flood_p99": _pct(under, 0.99),
+        "b_ttft_flood_max": max(under),
+        "p99_ratio": _pct(under, 0.99) / _pct(alone, 0.99),
+        "a_output_tokens": a_tokens, "b_output_tokens": b_tokens,
+        "a_share": a_tokens / max(1, a_tokens + b_tokens),
+        "cluster_output_tok_s": (a_tokens + b_tokens) / flood_done,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--flood", type=int, default=500, help="key A's concurrent requests")
+    ap.add_argument("--flood-tokens", type=int, default=64)
+    ap.add_argument("--trickle-tokens", type=int, default=16)
+    ap.add_argument("--alone", type=int, default=20, help="key B's requests alone, for its baseline TTFT")
+    ap.add_argument("--up-arg", action="append", default=[], help="passed to pdserve up (repeat)")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="pdserve-fairness-"))
+    keys = work / "api-keys"
+    keys.touch(mode=0o600)
+    keys.write_text(f"{KEYS['A']} name=A\n{KEYS['B']} name=B\n")
+    announce = work / "cluster.json"
+    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--http-port", "0", "--grpc-port", "0",
+                           "--api-key-file", str(keys), "--announce-file", str(announce), "--log-level", "warning",
+                           *a.up_arg], cwd=ROOT, stdout=open(work / "up.log", "wb"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while not announce.exists():
+            if up.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"pdserve up did not start:\n{(work / 'up.log').read_text()[-3000:]}")
+            time.sleep(0.2)
+        base = json.loads(announce.read_text())["http"]
+        from services.engine.hardware import cpu_kind
+        result = {"cpu": cpu_kind(), "date": time.strftime("%Y-%m-%d"), **asyncio.run(_run(base, a))}
+    finally:
+        up.terminate()
+        up.wait(timeout=60)
+    print(f"CPU {result['cpu']}; key A: {result['flood']} streamed requests of {result['flood_tokens']} tokens at "
+          f"once; key B: 1 request/s")
+    print(f"  B's TTFT alone          p50 {result['b_ttft_alone_p50']:.3f} s  p99 {result['b_ttft_alone_p99']:.3f} s")
+    print(f"  B's TTFT under A's flood p50 {result['b_ttft_flood_p50']:.3f} s  p99 {result['b_ttft_flood_p99']:.3f} s"
+          f"  ({result['p99_ratio']:.2f}x; bar 2x)")
+    print(f"  A's share of output tokens {100 * result['a_share']:.1f} % (bar 80 %); cluster "
+          f"{result['cluster_output_tok_s']:.1f} tok/s over {result['flood_seconds']} s")
+    print(f"  failed: A {result['flood_failed']} / {result['flood']}, B {result['trickle_failed']} / "
+          f"{result['trickle_sent']}")
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
