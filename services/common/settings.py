@@ -364,8 +364,9 @@ class RoutingSettings:
              "faster (0: always use a prefill worker)")
     served_model_name: str | None = setting(None, "the model name clients send (default: the model folder's name)")
     api_key: list[str] = setting(help="an API key clients must send (Authorization: Bearer KEY); repeat for "
-                                      "several. PDSERVE_API_KEY takes a comma-separated list", metavar="KEY",
-                                 factory=list)
+                                      "several. A key given here shows in this process's command line, which "
+                                      "any local user can read (ps): prefer --api-key-file, or PDSERVE_API_KEY "
+                                      "(a comma-separated list)", metavar="KEY", factory=list)
     api_key_file: str | None = setting(None, "API keys, one per line (with --api-key: both are accepted)",
                                        metavar="FILE")
     protect_metrics: bool = setting(False, "/metrics needs an API key too (/health and /ready stay open)")
@@ -379,6 +380,12 @@ class RoutingSettings:
                                               "one that supports tools)", metavar="FILE")
     sse_keepalive_seconds: float = setting(15.0, "a streamed response waiting this long for its next token gets "
                                                  "an SSE comment, so proxies do not cut it as idle (0: never)")
+    header_timeout: float = setting(10.0, "seconds an HTTP connection has to send a whole request head (request "
+                                          "line and headers), from its opening or its previous response's end; "
+                                          "then it is closed (0: no limit)")
+    max_connections_per_client: int = setting(
+        512, "HTTP connections one client address may hold open at once; the next gets 429 and is closed (0: no "
+             "cap). Behind a proxy every connection comes from its address: raise it there")
 
     def __post_init__(self) -> None:
         TLSFiles(self.tls_cert, self.tls_key)                       # the files exist, in pairs
@@ -386,6 +393,10 @@ class RoutingSettings:
             raise ValueError(f"--chat-template {self.chat_template}: no such file")
         if self.sse_keepalive_seconds < 0:
             raise ValueError("--sse-keepalive-seconds must be 0 (never) or more")
+        if self.header_timeout < 0:
+            raise ValueError("--header-timeout must be 0 (no limit) or more")
+        if self.max_connections_per_client < 0:
+            raise ValueError("--max-connections-per-client must be 0 (no cap) or more")
         if self.local_prefill_max_tokens < 0:
             raise ValueError("--local-prefill-max-tokens must be 0 (always disaggregate) or more")
         if self.max_pending < 1:

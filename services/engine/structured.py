@@ -2,10 +2,12 @@
 SGLang use) into a matcher per sequence, which masks every token that cannot continue
 valid output before the sampler chooses.
 
-The router compiles each schema once to refuse a bad one with a 400; a worker compiles
-it again (cached) and gives the sequence its own matcher, which follows the tokens the
-sequence takes. JSON is generated compact (no free whitespace): a small model left free
-to add whitespace can fill its whole budget with it.
+The router compiles each schema once to refuse a bad one with a 400 (no schema, or one
+no value can meet: json_schema.py); a worker compiles it again (cached) and gives the
+sequence its own matcher, which follows the tokens the sequence takes. The router checks
+what comes out against the schema too (router/schema_guard.py), since xgrammar does not
+enforce every keyword. JSON is generated compact (no free whitespace): a small model
+left free to add whitespace can fill its whole budget with it.
 
 The masks of a step are filled on a thread of their own while the forward pass runs
 (engine.py), so their cost hides behind the step's.
@@ -19,6 +21,8 @@ from collections import OrderedDict
 from typing import Callable
 
 import torch
+
+from services.engine import json_schema
 
 # Compiled grammars kept per process (schemas repeat: a client sends the same one).
 CACHE_SIZE = 256
@@ -67,9 +71,12 @@ class Grammars:
                 parsed = json.loads(schema)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+            except RecursionError:
+                raise ValueError("the JSON schema nests objects or arrays too deeply") from None
             if not isinstance(parsed, (dict, bool)):
                 raise ValueError("a JSON schema must be an object or a boolean")
             _check_bounds(parsed)
+            json_schema.check(parsed)
             try:
                 grammar = self._compiler_for().compile_json_schema(schema, any_whitespace=False)
             except Exception as exc:             # xgrammar raises RuntimeError and its own kinds
