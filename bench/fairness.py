@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="pdserve-fairness-"))
     keys = work / "api-keys"
     keys.touch(mode=0o600)
-    keys.write_text(f"{KEYS['A']} name=A\n{KEYS['B']} name=B\n")
+    keys.write_text(f"{KEYS['A']}\n{KEYS['B']}\n")           # plain: older versions read it too
     announce = work / "cluster.json"
     up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--http-port", "0", "--grpc-port", "0",
                            "--api-key-file", str(keys), "--announce-file", str(announce), "--log-level", "warning",

@@ -370,13 +370,17 @@ class Cluster:
 
     def capacity(self) -> tuple[int, int]:
         """(sequences, prompts still prefilling) the router dispatches at once
-        (admission.py): --max-running, or what the live decode workers batch; and a few
-        prompts per prefill worker (or per decode worker, prefilling locally), enough to
-        fill its next pass without a long queue behind which a newcomer would wait."""
+        (admission.py): --max-running, or what the live decode workers batch and the
+        prompts prefilling; and a few prompts per prefill worker (or per decode worker,
+        prefilling locally), enough to fill its next pass without a long queue behind
+        which a newcomer would wait."""
         decode = [w for w in self.decode if w.healthy]
-        prefill = sum(w.healthy for w in self.prefill) or len(decode)
-        running = self.settings.max_running or sum(w.info.max_batch or DEFAULT_MAX_BATCH for w in decode)
-        return running, PREFILL_LOOKAHEAD * max(1, prefill)
+        prefilling = PREFILL_LOOKAHEAD * max(1, sum(w.healthy for w in self.prefill) or len(decode))
+        # The prompts prefilling count on top of the batches: the next one is ready to
+        # join when a sequence ends, and no batch runs a row short meanwhile.
+        running = self.settings.max_running or prefilling + sum(w.info.max_batch or DEFAULT_MAX_BATCH
+                                                               for w in decode)
+        return running, prefilling
 
     # ---- one generation ----
     async def generate(self, gens: list[Generation]) -> AsyncIterator[Delta]:
