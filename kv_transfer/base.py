@@ -24,7 +24,6 @@ class TransferState(enum.Enum):
     PENDING = "pending"
     DONE = "done"
     FAILED = "failed"
-    EXPIRED = "expired"
 
 
 class TransferError(Exception):
@@ -103,7 +102,7 @@ def wait_for(transport: KVTransport, xfers: Sequence[TransferId], deadline: floa
     """Wait until all `xfers` are DONE: woken by the transport when it can say when a
     transfer ends (`changes`/`wait_change`), else polled with exponential back-off.
 
-    Raises TransferError on a FAILED/EXPIRED transfer and TransferTimeout once
+    Raises TransferError on a FAILED transfer and TransferTimeout once
     `time.monotonic()` passes `deadline`: no transfer is ever waited on forever."""
     pending = list(xfers)
     sleep = first_sleep

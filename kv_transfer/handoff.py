@@ -1,7 +1,10 @@
 """The decode side's record of every KV handoff, as an explicit state machine.
 
-    RESERVED -> WRITING -> COMPLETE -> DECODING -> RELEASED
+    RESERVED -> COMPLETE -> DECODING -> RELEASED
     FAILED / EXPIRED from any state before RELEASED
+
+The prefill worker writes into RESERVED blocks one-sided (nothing tells the decode worker
+while it writes); its Decode call says the writes are COMPLETE.
 
 Blocks are reserved with a lease: a writer must stop writing before `write_deadline`;
 if nobody has started decoding by `write_deadline + grace`, the handoff EXPIRES and
@@ -22,7 +25,6 @@ log = logging.getLogger(__name__)
 
 class HandoffState(enum.Enum):
     RESERVED = "reserved"
-    WRITING = "writing"
     COMPLETE = "complete"
     DECODING = "decoding"
     RELEASED = "released"
@@ -32,8 +34,7 @@ class HandoffState(enum.Enum):
 
 TERMINAL = frozenset({HandoffState.RELEASED, HandoffState.FAILED, HandoffState.EXPIRED})
 _NEXT = {
-    HandoffState.RESERVED: {HandoffState.WRITING, HandoffState.COMPLETE},
-    HandoffState.WRITING: {HandoffState.COMPLETE},
+    HandoffState.RESERVED: {HandoffState.COMPLETE},
     HandoffState.COMPLETE: {HandoffState.DECODING},
     HandoffState.DECODING: {HandoffState.RELEASED},
 }
@@ -110,7 +111,7 @@ class HandoffTable:
         """End every handoff whose writer's lease ran out before decoding began."""
         now = self._clock()
         gone = [h for h in self._live.values()
-                if h.state in (HandoffState.RESERVED, HandoffState.WRITING, HandoffState.COMPLETE)
+                if h.state in (HandoffState.RESERVED, HandoffState.COMPLETE)
                 and now > h.write_deadline + self.grace_seconds]
         for h in gone:
             log.warning("handoff %s EXPIRED in state %s; its %d blocks return to the pool",

@@ -15,16 +15,16 @@ from services.common.version import VERSION
 
 def _autoscaling_args(p: argparse.ArgumentParser) -> None:
     """The policy, bounds and budget: the same flags for `up --autoscale` and `autoscaler`."""
-    from services.autoscaler.core import Policy
-    d = Policy()
+    from services.autoscaler.core import Policy, PoolBounds
+    d, bounds = Policy(), PoolBounds()
     g = p.add_argument_group("autoscaling (docs/autoscaling.md)")
     g.add_argument("--slo-ttft", type=float, default=d.slo_ttft * 1000, metavar="MS",
                    help="time-to-first-token p90 target of the prefill pool, ms")
     g.add_argument("--slo-itl", type=float, default=d.slo_itl * 1000, metavar="MS",
                    help="inter-token latency p90 target of the decode pool, ms")
     for role in ("prefill", "decode"):
-        g.add_argument(f"--min-{role}", type=int, default=1, metavar="N", help=f"fewest {role} workers")
-        g.add_argument(f"--max-{role}", type=int, default=4, metavar="N", help=f"most {role} workers")
+        g.add_argument(f"--min-{role}", type=int, default=bounds.min, metavar="N", help=f"fewest {role} workers")
+        g.add_argument(f"--max-{role}", type=int, default=bounds.max, metavar="N", help=f"most {role} workers")
     g.add_argument("--budget", type=int, default=None, metavar="SLOTS",
                    help="most workers in both pools together (or GPUs, with --prefill-cost/--decode-cost)")
     g.add_argument("--prefill-cost", type=int, default=1, metavar="SLOTS", help="budget slots a prefill worker holds")

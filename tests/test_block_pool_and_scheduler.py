@@ -9,6 +9,13 @@ from services.engine.scheduler import Scheduler, SchedulerConfig, Sequence, SeqS
 EOS = frozenset({2})
 
 
+
+def update(s: Scheduler, plan, sampled: list[int]):
+    """A step's results as the engine records them: launched, then its tokens read."""
+    rows = plan.sampling()
+    s.launched(plan, rows)
+    return s.resolve(rows, sampled)
+
 def seq(rid, prompt_len=5, max_tokens=10, first=None, **kw):
     tokens = list(range(10, 10 + prompt_len)) + ([first] if first is not None else [])
     return Sequence(rid, tokens, prompt_len, SamplingParams(max_tokens=max_tokens, temperature=0, **kw), EOS)
@@ -28,7 +35,7 @@ def prefilled(s: Scheduler, q: Sequence) -> Sequence:
 
 def step(s: Scheduler, token: int = 7):
     plan = s.schedule()
-    return plan, s.update(plan, [token] * len(plan.sampling()))
+    return plan, update(s, plan, [token] * len(plan.sampling()))
 
 
 def test_pool_allocates_frees_and_catches_double_free():
@@ -85,7 +92,7 @@ def test_one_step_holds_decode_tokens_and_several_prompts_under_the_budget():
     assert [(x.seq, x.start, x.num_tokens) for x in plan.prefill] == [(a, 0, 6), (b, 0, 8), (c, 0, 5)]
     assert plan.num_tokens == 20
     assert [x.seq for x in plan.sampling()] == [running, a, b]      # c's chunk does not end its prompt
-    updates = s.update(plan, [11, 12, 13])
+    updates = update(s, plan, [11, 12, 13])
     assert [(u.seq, u.token_id) for u in updates] == [(running, 11), (a, 12), (b, 13)]
     assert c.num_computed == 5 and c.token_ids == list(range(10, 19))
     plan = s.schedule()                       # c goes on before anything new; the others decode
@@ -125,7 +132,7 @@ def test_prompt_tokens_beside_decoding_sequences_are_capped_across_prompts():
     s.add(b)
     plan = s.schedule()                       # nothing decodes yet: the whole budget
     assert [(c.seq, c.num_tokens) for c in plan.prefill] == [(a, 10), (b, 10)]
-    s.update(plan, [7, 7])
+    update(s, plan, [7, 7])
     c, d = seq("c", prompt_len=9), seq("d", prompt_len=9)
     s.add(c)
     s.add(d)
@@ -151,7 +158,7 @@ def test_out_of_blocks_preempts_newest_and_recomputes_its_tokens():
     s.abort("a")
     plan = s.schedule()                       # b recomputes prompt and first token, then samples
     assert [(c.seq, c.start, c.num_tokens, c.samples) for c in plan.prefill] == [(b, 0, 3, True)]
-    updates = s.update(plan, [4])
+    updates = update(s, plan, [4])
     assert b.token_ids[-2:] == [1, 4] and updates[0].seq is b and b.num_computed == 3
 
 

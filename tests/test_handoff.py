@@ -19,7 +19,7 @@ def test_happy_path_and_idempotent_transitions():
     t.advance(h, HandoffState.COMPLETE)
     t.advance(h, HandoffState.DECODING)
     with pytest.raises(HandoffError):
-        t.advance(h, HandoffState.WRITING)
+        t.advance(h, HandoffState.COMPLETE)             # no way back
     assert t.pop("r", HandoffState.RELEASED) is h and h.state is HandoffState.RELEASED
     assert t.pop("r", HandoffState.RELEASED) is None and len(t) == 0
 

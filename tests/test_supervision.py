@@ -94,7 +94,7 @@ def test_one_dead_decode_worker_fails_only_its_own_streams_and_comes_back(model_
 def _decode_call(stub, request_id: str, prompt: list[int], **sampling):
     sampling = {"max_tokens": 4, "top_p": 1.0, **sampling}
     req = worker_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, local_prefill=True,
-                                   sampling=generate_pb2.SamplingParams(**sampling), max_tokens=4)
+                                   sampling=generate_pb2.SamplingParams(**sampling))
     return list(stub.Decode(req, timeout=60))
 
 

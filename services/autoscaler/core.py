@@ -96,8 +96,9 @@ class PoolObservation:
 
 @dataclass(frozen=True)
 class PoolBounds:
+    """Fewest and most workers of a pool; the defaults are --min-* and --max-*'s."""
     min: int = 1
-    max: int = 1
+    max: int = 4
 
     def __post_init__(self) -> None:
         if self.min < 1:

@@ -378,12 +378,6 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def update(self, plan: StepPlan, sampled: list[int]) -> list[SeqUpdate]:
-        """Record a step's results: `sampled` holds one token per `plan.sampling()` chunk."""
-        rows = plan.sampling()
-        self.launched(plan, rows)
-        return self.resolve(rows, sampled)
-
     def launch(self) -> int:
         """A step goes to the device and may not have run yet when this returns: its
         number, for `landed()`. Blocks given back from now on are held until it lands."""

@@ -512,7 +512,7 @@ class Cluster:
     def _decode_request(self, gen: Generation, first_token: int, local: bool, epoch: str, n: int):
         return worker_pb2.DecodeRequest(
             request_id=gen.worker_id, epoch=epoch, prompt_token_ids=gen.prompt_ids, first_token_id=first_token,
-            sampling=sampling_to_proto(gen.params), max_tokens=gen.params.max_tokens, kv_bytes=gen.kv_bytes,
+            sampling=sampling_to_proto(gen.params), kv_bytes=gen.kv_bytes,
             local_prefill=local, transport=gen.transport, n=n)
 
     async def _reserve(self, decode: Worker, gen: Generation) -> worker_pb2.KVHandle:

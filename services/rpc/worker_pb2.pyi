@@ -140,13 +140,12 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transport: _Optional[str] = ..., transport_fallback: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., first_logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "epoch", "prompt_token_ids", "first_token_id", "sampling", "max_tokens", "kv_bytes", "local_prefill", "transport", "n")
+    __slots__ = ("request_id", "epoch", "prompt_token_ids", "first_token_id", "sampling", "kv_bytes", "local_prefill", "transport", "n")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
@@ -156,12 +155,11 @@ class DecodeRequest(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_id: int
     sampling: _generate_pb2.SamplingParams
-    max_tokens: int
     kv_bytes: int
     local_prefill: bool
     transport: str
     n: int
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., transport: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., kv_bytes: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., transport: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "logprobs", "index", "prompt_logprobs", "cached_tokens")
