@@ -24,7 +24,7 @@ from services.common.lifecycle import JsonFormatter
 from services.common.metrics import RouterMetrics
 from services.engine.sampling import SamplingParams
 from services.router.access import AccessLog, Exchange, logfmt
-from services.router.cluster import Generation
+from services.router.generation import Generation
 from services.router.openai_api import create_app
 from services.rpc import generate_pb2, generate_pb2_grpc
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from services.common.metrics import RouterMetrics
-from services.router.cluster import Generation
+from services.router.generation import Generation
 
 log = logging.getLogger("pdserve.access")
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections import ChainMap
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -29,9 +28,10 @@ from services.common.registry import RedisRegistry
 from services.common.security import ClusterSecret, call_interceptors
 from services.common.settings import RouterSettings
 from services.worker.wire import logprob_from_proto, sampling_to_proto
-from services.engine.prefix_cache import block_hashes, cached_prefix_blocks
-from services.engine.sampling import SamplingParams, TokenLogprob
+from services.engine.prefix_cache import cached_prefix_blocks
+from services.engine.sampling import TokenLogprob
 from services.engine.tokenizer import IncrementalDetokenizer, StopMatcher
+from services.router.generation import Delta, Generation, Tokens
 from services.router.latency import LatencyLedger
 from services.router.policy import CostModel, DecodeLoad, PrefillLoad, pick_decode, plan_prefill
 from services.router.protocol import APIError
@@ -58,10 +58,6 @@ LOCAL_FALLBACK_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EX
 DEFAULT_MAX_BATCH = 64
 # Prompts dispatched and not yet prefilled, per prefill worker (Cluster.capacity).
 PREFILL_LOOKAHEAD = 4
-
-
-# What workers stream: (choice, new token ids, finish reason or "", their logprobs or None).
-Tokens = tuple[int, list[int], str, "list[TokenLogprob] | None"]
 
 
 @dataclass
@@ -111,68 +107,6 @@ class Worker:
         for k in [k for k, t in self.recent_keys.items() if t < now]:
             del self.recent_keys[k]
         return ChainMap(self.recent_keys, self.reported_keys)
-
-
-@dataclass
-class Delta:
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprob] | None = None      # one per token, when asked for
-    index: int = 0                                  # the choice
-
-
-@dataclass
-class Generation:
-    """One request's record: what was decided and what happened. `request_id` is the
-    router's own; a client's id (gRPC `request_id`) is only echoed back, never sent to a
-    worker, so two clients' ids cannot collide there."""
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    client_id: str = ""                 # the caller's own id, for responses and logs
-    worker_id: str = ""                 # what the workers call the current attempt (_attempt)
-    decision: str = ""
-    decode_worker: str = ""
-    prefill_worker: str = ""
-    decode_epoch: str = ""
-    prefill_epoch: str = ""
-    transport: str = ""
-    transport_fallback: bool = False
-    kv_bytes: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    finish_reason: str | None = None
-    prompt_logprobs: list[TokenLogprob] | None = None    # prompt tokens 1.., when asked for
-    started: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None
-    _keys: tuple[int, list[int]] | None = field(default=None, repr=False)
-
-    def prefix_keys(self, block_size: int) -> list[int]:
-        """The prompt's chained block keys (computed once per block size)."""
-        if self._keys is None or self._keys[0] != block_size:
-            self._keys = (block_size, block_hashes(self.prompt_ids, block_size))
-        return self._keys[1]
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_at is None else self.first_token_at - self.started
-
-    def same_route_as(self, leader: "Generation") -> None:
-        """Another choice of `leader`'s request went the same way."""
-        for name in ("decision", "decode_worker", "prefill_worker", "decode_epoch", "prefill_epoch", "transport",
-                     "transport_fallback", "kv_bytes", "cached_tokens"):
-            setattr(self, name, getattr(leader, name))
-
-    def route(self) -> str:
-        """What happened, for the x-pdserve-route header and gRPC trailing metadata."""
-        parts = [f"decision={self.decision}", f"decode={self.decode_worker}"]
-        if self.prefill_worker:
-            parts += [f"prefill={self.prefill_worker}", f"cached_tokens={self.cached_tokens}",
-                      f"transport={self.transport or 'none'}", f"kv_bytes={self.kv_bytes}"]
-            if self.transport_fallback:
-                parts.append("transport_fallback=1")
-        return ";".join(parts)
 
 
 class Cluster:
@@ -662,6 +596,3 @@ def _worker_error(worker: Worker, exc: grpc.aio.AioRpcError) -> APIError:
     return APIError(502, f"{worker.label} failed: {code.name}: {exc.details()}", type_="server_error",
                     grpc_code="INTERNAL")
 
-
-def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"

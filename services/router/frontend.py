@@ -20,8 +20,9 @@ from services.engine.structured import Grammars
 from services.engine.tokenizer import encode_chat, encode_prompt
 from services.router.access import attach
 from services.router.admission import Admission
-from services.router.cluster import Cluster, Delta, Generation
+from services.router.cluster import Cluster
 from services.router.fairness import Ticket
+from services.router.generation import Delta, Generation
 from services.router.protocol import APIError, bad_request
 
 log = logging.getLogger(__name__)

@@ -5,8 +5,8 @@ import grpc
 
 from services.common.security import KeyCheck
 from services.router.access import AccessLog
-from services.router.cluster import Generation, new_request_id
 from services.router.frontend import FrontEnd, choices
+from services.router.generation import Generation, new_request_id
 from services.router.protocol import MAX_CHOICES, APIError, bad_request
 from services.router.sampling import resolve_sampling
 from services.rpc import generate_pb2, generate_pb2_grpc

@@ -28,8 +28,8 @@ from services.common.version import VERSION
 from services.engine.sampling import TokenLogprob
 from services.engine.structured import JSON_OBJECT
 from services.router.access import AccessLogMiddleware
-from services.router.cluster import Delta, Generation, new_request_id
 from services.router.frontend import Collected, FrontEnd, RunningRequest, choices
+from services.router.generation import Delta, Generation, new_request_id
 from services.router.protocol import (APIError, ChatCompletionRequest, CommonRequest, CompletionRequest,
                                       DetokenizeRequest, TokenizeRequest, bad_request, unsupported)
 from services.router.sampling import resolve_sampling
