@@ -3,7 +3,7 @@
     admit (bounded) -> pick decode worker -> plan: remote or local prefill (policy.py)
       -> remote: Reserve blocks (waits while the pool is full) -> Prefill on the chosen
          prefill worker (KV pushed into the reserved blocks, first token)
-      -> Decode stream (tokens) -> detokenize, stop strings -> caller
+      -> Decode stream (tokens) -> detokenize, stop strings, schema guard (output.py) -> caller
       -> on any exit: the reservation or the decode stream is released
 
 Workers come from a static list (each polled with Info) or from the Redis registry
@@ -30,12 +30,11 @@ from services.common.settings import RouterSettings
 from services.worker.wire import logprob_from_proto, sampling_to_proto
 from services.engine.prefix_cache import cached_prefix_blocks
 from services.engine.sampling import TokenLogprob
-from services.engine.tokenizer import IncrementalDetokenizer, StopMatcher
 from services.router.generation import Delta, Generation, Tokens
 from services.router.latency import LatencyLedger
+from services.router.output import OutputProcessor
 from services.router.policy import CostModel, DecodeLoad, PrefillLoad, pick_decode, plan_prefill
 from services.router.protocol import APIError
-from services.router.schema_guard import SchemaGuard
 from services.rpc import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -322,32 +321,14 @@ class Cluster:
         its prompt, workers and route are the request's); raises APIError on failure.
         Closing the iterator early (client gone) cancels the request on every worker."""
         leader = gens[0]
-        detoks = [IncrementalDetokenizer(self.tokenizer, g.prompt_ids) for g in gens]
-        stops = [StopMatcher(g.params.stop) for g in gens]
-        running = set(range(len(gens)))
-        guards = [SchemaGuard(g.request_id, i, g.params) if g.params.json_schema else None for i, g in enumerate(gens)]
+        output = OutputProcessor(self.tokenizer, gens, lambda index: self._spawn(self._end_choice(leader, index)))
         async with aclosing(self._tokens(leader, len(gens))) as tokens:
             async for index, token_ids, finish, logprobs in tokens:
-                if index not in running:            # ended here by a stop string already
+                delta = await output.feed(index, token_ids, finish, logprobs)
+                if delta is None:
                     continue
-                gen = gens[index]
-                if gen is not leader:
-                    gen.same_route_as(leader)
-                gen.completion_tokens += len(token_ids)
-                text, hit = stops[index].feed(detoks[index].push(token_ids))
-                if hit:
-                    finish = "stop"
-                    if len(running) > 1:            # the others go on: end this one on its worker
-                        self._spawn(self._end_choice(leader, index))
-                elif finish:
-                    text += stops[index].feed(detoks[index].flush())[0] + stops[index].flush()
-                if guards[index] is not None:
-                    await guards[index].feed(text, token_ids, finish, hit)
-                if finish:
-                    gen.finish_reason = finish
-                    running.discard(index)
-                yield Delta(text, token_ids, finish or None, logprobs, index)
-                if not running:
+                yield delta
+                if output.finished:
                     return
 
     async def _end_choice(self, leader: Generation, index: int) -> None:
