@@ -62,7 +62,7 @@ def test_decisions_flow_from_the_registry_to_the_actuator_and_back_to_the_router
                      worker("decode", "d1", 7003, now - 60, running=3)):
             await registry.announce(info)
         router = Cluster(RouterSettings(redis=redis_url, registry_ttl=30), None, RouterMetrics("m"))
-        await router._refresh_from_registry()
+        await router.workers.refresh()
         actuator = RecordingActuator(prefill=1, decode=2)
         scaler = Autoscaler(AutoscalerSettings(redis_url, POLICY, LIMITS, interval=1), registry, actuator)
 
@@ -70,14 +70,14 @@ def test_decisions_flow_from_the_registry_to_the_actuator_and_back_to_the_router
         for _ in range(40):                     # decode gaps 3x the ITL SLO on d0, prefill well within SLO
             router.latency.observe_itl("d0", 0.3)
             router.latency.observe_ttft("p0", 0.2)
-        await router._refresh_from_registry()   # publishes the latency report
+        await router.workers.refresh()   # publishes the latency report
         decisions = await scaler.tick()
         assert decisions[Role.DECODE].reason is Reason.SCALE_OUT_SLO, decisions[Role.DECODE]
         assert decisions[Role.PREFILL].reason is Reason.HOLD, decisions[Role.PREFILL]
         assert actuator.calls == [(Role.DECODE, 4, [])]                 # x3 on two workers: doubled
         assert [c.decision.role for c in scaler.timeline] == [Role.DECODE]
 
-        await router._refresh_from_registry()   # reads the status back
+        await router.workers.refresh()   # reads the status back
         text = router.metrics.render().decode()
         assert f'pdserve_autoscaler_desired_replicas{{role="decode"}} {actuator.sizes[Role.DECODE]}.0' in text
         assert 'pdserve_autoscaler_desired_replicas{role="prefill"} 1.0' in text
