@@ -6,7 +6,9 @@ Members come from a static list (each polled with Info) or from the Redis regist
 channel once the requests on it have ended.
 
 Load has two sources: what a worker last reported (Info or its registry record) and what
-this router has sent it since (the counters on `Worker`).
+this router has sent it since (the counters on `Worker`). The counters change only
+through `Worker`'s methods, each named for what happened to a request, so every increment
+has its decrement in the same place.
 """
 from __future__ import annotations
 
@@ -92,6 +94,60 @@ class Worker:
         for k in [k for k, t in self.recent_keys.items() if t < now]:
             del self.recent_keys[k]
         return ChainMap(self.recent_keys, self.reported_keys)
+
+    # ---- what happened to it: its counters change only here ----
+    def request_routed(self) -> None:
+        self.inflight += 1
+
+    def request_ended(self) -> None:
+        self.inflight -= 1
+
+    def batch_joined(self) -> None:
+        """Decode: a request's sequence is in its batch (or prefilling there)."""
+        self.decoding += 1
+
+    def batch_left(self) -> None:
+        self.decoding -= 1
+
+    def local_prefill_sent(self, tokens: int) -> None:
+        """Decode: a prompt went there to prefill; it is in its queue until the first token."""
+        self.local_tokens += tokens
+
+    def local_prefill_answered(self, tokens: int) -> None:
+        self.local_tokens -= tokens
+
+    def prompt_planned(self, tokens: int) -> None:
+        """Prefill: a prompt will go here. It counts in the queue from this decision on,
+        so requests planned while this one reserves blocks see it there."""
+        self.inflight_tokens += tokens
+
+    def prompt_dropped(self, tokens: int) -> None:
+        """Prefill: a planned prompt was never sent."""
+        self.inflight_tokens -= tokens
+
+    def prefill_sent(self) -> None:
+        """Prefill: the planned prompt is on its way (its tokens were counted when planned)."""
+        self.inflight += 1
+
+    def prefill_answered(self, tokens: int) -> None:
+        self.inflight -= 1
+        self.inflight_tokens -= tokens
+        self.answered.append((time.time(), tokens))
+
+    def caches(self, keys: list[int]) -> None:
+        """A prompt with these prefix keys was prefilled there: they count as held."""
+        expiry = time.monotonic() + RECENT_KEYS_SECONDS
+        self.recent_keys.update((k, expiry) for k in keys)
+
+    def suspend(self) -> None:
+        """Out of routing for a while: a call found it unreachable."""
+        self.suspended_until = time.monotonic() + self.suspend_seconds
+
+    def lost(self) -> None:
+        """Out of routing until a refresh after the registry TTL (or the next Info poll)
+        shows it alive: a killed worker's record outlives it by up to the TTL."""
+        self.info = None
+        self.suspend()
 
 
 class WorkerSet:

@@ -1,0 +1,325 @@
+"""One request's way through the workers, from the choice of a decode worker to the last
+token and every release; one `Handoff` per request.
+
+    attempt k (worker id "<request id>.k"):
+      pick decode worker -> plan: remote or local prefill (policy.py)
+      -> remote: Reserve blocks (waits while the pool is full) -> Prefill on the chosen
+         prefill worker (KV pushed into the reserved blocks, first token)
+         prefill gone, full, or its transfer failed: the decode worker prefills locally
+      -> Decode stream (every choice's tokens)
+      -> on any exit: the reservation or the decode stream is released
+
+A worker found dead (UNAVAILABLE) before anything was streamed is taken out of routing
+and the request tries again on the others, up to ATTEMPTS times. Each attempt has an id
+of its own, so a late Release of an earlier one can never reach a later one. Release is
+idempotent on the worker; the releases that must outlive the request (after a cancel)
+run as the worker set's background calls.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import aclosing
+from typing import AsyncIterator
+
+import grpc
+
+from services.common.metrics import RouterMetrics
+from services.common.settings import RouterSettings
+from services.engine.sampling import TokenLogprob
+from services.router.generation import Generation, Tokens
+from services.router.policy import CostModel
+from services.router.protocol import APIError
+from services.router.workers import INFO_TIMEOUT, Worker, WorkerSet
+from services.rpc import worker_pb2
+from services.worker.wire import logprob_from_proto, sampling_to_proto
+
+log = logging.getLogger(__name__)
+
+# Tries per request when a worker turns out dead before any token was streamed.
+ATTEMPTS = 3
+# The prefill RPC outlives the write lease by this much, so a prefill that reaches the
+# router's deadline has already stopped writing.
+PREFILL_RPC_MARGIN = 5.0
+# Prefill failures after which the decode worker prefills locally instead: the prefill
+# worker is gone or full, or the KV transfer failed or ran out of lease. Each is counted.
+LOCAL_FALLBACK_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+class Handoff:
+    """`n` choices of `gen`'s prompt (the request's leading record: its route is filled in
+    here) through the workers."""
+
+    def __init__(self, gen: Generation, n: int, workers: WorkerSet, settings: RouterSettings,
+                 metrics: RouterMetrics, cost: CostModel) -> None:
+        self.gen = gen
+        self.n = n
+        self.workers = workers
+        self.settings = settings
+        self.metrics = metrics
+        self.cost = cost
+        # The current attempt's reservation, the prefill writing into it, and whether the
+        # decode stream finished every choice (then nothing is left to release).
+        self._handle: worker_pb2.KVHandle | None = None
+        self._writer: asyncio.Future | None = None
+        self._finished = False
+
+    async def tokens(self) -> AsyncIterator[Tokens]:
+        """Tokens from the workers, for every choice. Closing the iterator early (client
+        gone) cancels the request on every worker."""
+        for attempt in range(1, ATTEMPTS + 1):
+            streamed = False
+            try:
+                async with aclosing(self._attempt(attempt)) as tokens:
+                    async for item in tokens:
+                        streamed = True
+                        yield item
+                return
+            except APIError as exc:
+                if streamed or exc.grpc_code != "UNAVAILABLE" or attempt == ATTEMPTS or not self.workers.ready():
+                    raise
+                log.warning("request %s: %s; trying again on another worker", self.gen.request_id, exc.message)
+                self.metrics.retries.inc()
+
+    def end_choice(self, index: int) -> None:
+        """One choice ended here (a stop string) while the others go on: end it on its worker."""
+        self.workers.spawn(self._end_choice(index))
+
+    async def _attempt(self, attempt: int) -> AsyncIterator[Tokens]:
+        """One try, under an id of its own. Cleanup rule: whenever a reservation exists and
+        the decode stream did not finish, a Release is sent, but only once no prefill can
+        still be writing into the reserved blocks."""
+        gen = self.gen
+        gen.worker_id = f"{gen.request_id}.{attempt}"
+        gen.prefill_worker, gen.prefill_epoch, gen.transport, gen.transport_fallback = "", "", "", False
+        gen.kv_bytes = gen.cached_tokens = 0
+        decode = self.workers.pick_decode(gen)
+        gen.decode_worker, gen.decode_epoch = decode.name, decode.info.epoch
+        self.metrics.routed.labels("decode", decode.address).inc()
+        decode.request_routed()
+        self._handle, self._writer, self._finished = None, None, False
+        try:
+            prefill, _, keys = self.workers.plan(decode, gen)
+            first = first_logprob = None
+            if prefill is not None:
+                first, first_logprob = await self._prefill_remotely(prefill, decode, keys)
+            if first is None:
+                self._handle = None                   # released by _await_prefill, or never taken
+                gen.decision = "local_fallback" if prefill is not None else "local"
+                req = self._decode_request(first_token=0, local=True, epoch="")
+            else:
+                gen.decision = "remote"
+                req = self._decode_request(first_token=first, local=False, epoch=self._handle.epoch)
+            async with aclosing(self._decode(decode, req, keys, first, first_logprob)) as tokens:
+                async for item in tokens:
+                    yield item
+        finally:
+            decode.request_ended()
+            if self._handle is not None and not self._finished:
+                self.workers.spawn(self._release_after(self._writer, decode, self._handle, "request ended early"))
+
+    async def _prefill_remotely(self, prefill: Worker, decode: Worker,
+                                keys: list[int]) -> tuple[int | None, TokenLogprob | None]:
+        """Reserve on the decode worker, prefill into the reservation: the first token and
+        its logprob, or None when the decode worker should prefill locally."""
+        n = len(self.gen.prompt_ids)
+        prefill.prompt_planned(n)
+        try:
+            self._handle = await self._reserve(decode)
+            self._writer = self._start_prefill(prefill)
+        except BaseException:
+            prefill.prompt_dropped(n)               # planned there, never sent
+            raise
+        return await self._await_prefill(prefill, decode, self._writer, keys)
+
+    async def _decode(self, decode: Worker, req: worker_pb2.DecodeRequest, keys: list[int],
+                      first: int | None, first_logprob: TokenLogprob | None) -> AsyncIterator[Tokens]:
+        """The decode worker's stream, with the prefill's first token (if any) ahead of it;
+        meanwhile the sequence counts in that worker's batch, and a prompt it prefills
+        itself in its queue until the first token."""
+        gen = self.gen
+        local_tokens = 0
+        if first is None:
+            local_tokens = len(gen.prompt_ids)      # in the decode worker's queue until its first token
+            decode.local_prefill_sent(local_tokens)
+            decode.caches(keys)                     # its prefix is cached there from now on
+        self.metrics.decisions.labels(gen.decision).inc()
+        decode.batch_joined()
+        ended: set[int] = set()
+        try:
+            async with aclosing(self._decode_stream(decode, req)) as stream:
+                async for index, token_ids, finish, logprobs in stream:
+                    decode.local_prefill_answered(local_tokens)
+                    local_tokens = 0
+                    if first is not None:
+                        # The prefill's token goes out once the decode worker has the
+                        # sequence in its batch (its first, empty, message): the second
+                        # token then follows one step later, not up to two.
+                        yield 0, [first], "", [first_logprob] if first_logprob else None
+                        first = None
+                    if not token_ids and not finish:
+                        continue
+                    if finish:
+                        ended.add(index)
+                        self._finished = len(ended) == self.n
+                    yield index, token_ids, finish, logprobs
+        finally:
+            decode.batch_left()
+            decode.local_prefill_answered(local_tokens)
+
+    def _decode_request(self, first_token: int, local: bool, epoch: str) -> worker_pb2.DecodeRequest:
+        gen = self.gen
+        return worker_pb2.DecodeRequest(
+            request_id=gen.worker_id, epoch=epoch, prompt_token_ids=gen.prompt_ids, first_token_id=first_token,
+            sampling=sampling_to_proto(gen.params), kv_bytes=gen.kv_bytes,
+            local_prefill=local, transport=gen.transport, n=self.n)
+
+    async def _reserve(self, decode: Worker) -> worker_pb2.KVHandle:
+        """Reserve prompt blocks; while the pool is full, wait (this is the queue)."""
+        t0 = time.monotonic()
+        deadline = t0 + self.settings.request_timeout
+        delay = 0.01
+        req = worker_pb2.ReserveRequest(request_id=self.gen.worker_id, num_prompt_tokens=len(self.gen.prompt_ids),
+                                        lease_seconds=self.settings.prefill_timeout)
+        while True:
+            call = asyncio.ensure_future(decode.stub.Reserve(req, timeout=INFO_TIMEOUT * 5))
+            try:
+                handle = await asyncio.shield(call)
+                self.metrics.queue_time.observe(time.monotonic() - t0)
+                return handle
+            except asyncio.CancelledError:
+                # The worker may have reserved already: release whatever the call returns.
+                self.workers.spawn(self._release_reserved(call, decode))
+                raise
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() + delay < deadline:
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 0.2)
+                    continue
+                raise worker_error(decode, exc) from None
+
+    def _start_prefill(self, prefill: Worker) -> asyncio.Future:
+        gen = self.gen
+        gen.prefill_worker, gen.prefill_epoch = prefill.name, prefill.info.epoch
+        self.metrics.routed.labels("prefill", prefill.address).inc()
+        n = len(gen.prompt_ids)
+        prefill.prefill_sent()
+        call = asyncio.ensure_future(prefill.stub.Prefill(
+            worker_pb2.PrefillRequest(request_id=gen.worker_id, prompt_token_ids=gen.prompt_ids,
+                                      sampling=sampling_to_proto(gen.params), handle=self._handle),
+            timeout=self.settings.prefill_timeout + PREFILL_RPC_MARGIN))
+        call.add_done_callback(lambda _: prefill.prefill_answered(n))
+        return call
+
+    async def _await_prefill(self, prefill: Worker, decode: Worker, call: asyncio.Future,
+                             keys: list[int]) -> tuple[int | None, TokenLogprob | None]:
+        """The first token and its logprob (when asked for), or None when the decode worker
+        should prefill locally. The call is shielded: a cancelled request lets the prefill
+        end before its blocks go."""
+        gen = self.gen
+        try:
+            resp = await asyncio.shield(call)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in LOCAL_FALLBACK_CODES:
+                raise worker_error(prefill, exc) from None     # _attempt releases the handle
+            if exc.code() is grpc.StatusCode.UNAVAILABLE:
+                prefill.suspend()
+            await self._release(decode, self._handle, f"prefill failed: {exc.code().name}")
+            log.warning("request %s: prefill worker %s failed (%s: %s); prefilling on the decode worker",
+                        gen.request_id, prefill.address, exc.code().name, exc.details())
+            return None, None
+        gen.kv_bytes = resp.kv_bytes
+        gen.transport = resp.transport
+        gen.transport_fallback = resp.transport_fallback
+        gen.cached_tokens = resp.cached_tokens
+        n = len(gen.prompt_ids)
+        self.cost.observe(n - resp.cached_tokens, resp.prefill_seconds, resp.transfer_seconds,
+                          time.monotonic() - gen.started, n)
+        prefill.caches(keys)
+        self.metrics.kv_bytes.labels(resp.transport).inc(resp.kv_bytes)
+        self.metrics.cached_tokens.inc(resp.cached_tokens)
+        logprob = logprob_from_proto(resp.first_logprob) if resp.HasField("first_logprob") else None
+        if resp.prompt_logprobs:
+            gen.prompt_logprobs = [logprob_from_proto(lp) for lp in resp.prompt_logprobs]
+        return resp.first_token_id, logprob
+
+    async def _decode_stream(self, decode: Worker, req: worker_pb2.DecodeRequest) -> AsyncIterator[Tokens]:
+        """Every choice's tokens, until all `n` have finished."""
+        gen = self.gen
+        call = decode.stub.Decode(req, timeout=self.settings.request_timeout)
+        running = set(range(self.n))
+        try:
+            async for chunk in call:
+                if chunk.prompt_logprobs:               # a prompt computed there
+                    gen.prompt_logprobs = [logprob_from_proto(lp) for lp in chunk.prompt_logprobs]
+                if chunk.cached_tokens:
+                    gen.cached_tokens = chunk.cached_tokens
+                    self.metrics.cached_tokens.inc(chunk.cached_tokens)
+                yield (chunk.index, list(chunk.token_ids), chunk.finish_reason,
+                       [logprob_from_proto(lp) for lp in chunk.logprobs] if chunk.logprobs else None)
+                if chunk.finish_reason:
+                    running.discard(chunk.index)
+                    if not running:
+                        return
+            raise APIError(502, "decode worker closed the stream early", type_="server_error",
+                           grpc_code="UNAVAILABLE")
+        except grpc.aio.AioRpcError as exc:
+            raise worker_error(decode, exc) from None
+        finally:
+            call.cancel()                     # no-op when finished; frees the blocks otherwise
+
+    # ---- releases ----
+    async def _end_choice(self, index: int) -> None:
+        gen = self.gen
+        decode = self.workers.decode_at(gen.decode_epoch)
+        if decode is None:
+            return
+        request_id = gen.worker_id if index == 0 else f"{gen.worker_id}#{index}"
+        await self._release(decode, worker_pb2.KVHandle(request_id=request_id, epoch=gen.decode_epoch),
+                            "stop string")
+
+    async def _release_after(self, writer: asyncio.Future | None, decode: Worker, handle: worker_pb2.KVHandle,
+                             reason: str) -> None:
+        if writer is not None:
+            try:
+                await writer
+            except BaseException:
+                pass
+        await self._release(decode, handle, reason)
+
+    async def _release_reserved(self, call: asyncio.Future, decode: Worker) -> None:
+        try:
+            handle = await call
+        except BaseException:
+            return
+        await self._release(decode, handle, "request ended while reserving")
+
+    @staticmethod
+    async def _release(decode: Worker, handle: worker_pb2.KVHandle, reason: str) -> None:
+        try:
+            await decode.stub.Release(worker_pb2.ReleaseRequest(request_id=handle.request_id, epoch=handle.epoch,
+                                                                reason=reason), timeout=INFO_TIMEOUT)
+        except grpc.aio.AioRpcError as exc:
+            # The lease expires the blocks if the worker is alive but unreachable now.
+            log.warning("release of %s on %s failed: %s", handle.request_id, decode.address, exc.code().name)
+
+
+def worker_error(worker: Worker, exc: grpc.aio.AioRpcError) -> APIError:
+    """The caller's error for a failed worker call. It names the worker by id; its address
+    and gRPC's connection details (which carry addresses) go to the log only."""
+    code = exc.code()
+    log.warning("%s worker %s (%s): %s: %s", worker.role, worker.address, worker.name, code.name, exc.details())
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        worker.lost()
+        return APIError(503, f"{worker.label} is unavailable", type_="service_unavailable", grpc_code="UNAVAILABLE")
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return APIError(504, f"{worker.label} timed out", type_="timeout", grpc_code="DEADLINE_EXCEEDED")
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        return APIError(400, exc.details() or "invalid request")
+    if code is grpc.StatusCode.UNAUTHENTICATED:
+        return APIError(502, f"{worker.label} refused the router's credential (is --cluster-secret-file the same "
+                             "on both?)", type_="server_error", grpc_code="INTERNAL")
+    return APIError(502, f"{worker.label} failed: {code.name}: {exc.details()}", type_="server_error",
+                    grpc_code="INTERNAL")
