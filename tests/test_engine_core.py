@@ -56,7 +56,10 @@ def run_all(runner, model_dir, expected, config: SchedulerConfig, num_blocks: in
     return out, finished, mixed, engine
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+# Synchronous mixed steps are what every cluster test runs (and the preemption test below):
+# their explicit run here goes with the slow tests.
+@pytest.mark.parametrize("async_scheduling", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["sync", "async"])
 def test_mixed_steps_match_generate(runner, model_dir, expected, async_scheduling):
     out, finished, mixed, engine = run_all(runner, model_dir, expected,
                                            SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256), 512,

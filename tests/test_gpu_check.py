@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tests.conftest import ROOT
@@ -63,6 +64,7 @@ def test_gpu_speed_and_cluster_without_a_gpu_say_so():
         assert r.returncode == 2 and "no CUDA device" in r.stderr, module
 
 
+@pytest.mark.slow          # the cluster on a CPU is what every cluster test runs; this keeps the script working
 def test_gpu_cluster_runs_its_three_ways_on_the_cpu(tmp_path):
     """`python -m bench.gpu_cluster` end to end on the tiny shape in float32: generate's
     baseline, `pdserve bench` through a disaggregated cluster (every prompt prefilled

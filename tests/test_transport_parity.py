@@ -13,9 +13,11 @@ from tests.conftest import start_cluster, stop_cluster
 from tests.parity_cases import CASES
 
 
-# shm is what the session cluster uses (auto), where test_parity holds the same bar:
-# its explicit run here goes with the slow tests.
-@pytest.mark.parametrize("backend", [pytest.param("shm", marks=pytest.mark.slow), "tcp", "nixl"])
+# shm is what the session cluster uses (auto), where test_parity holds the same bar, and
+# tcp's writes and failures are tested without a cluster (test_kv_transfer.py): their
+# explicit runs here go with the slow tests. NIXL's runs by default.
+@pytest.mark.parametrize("backend", [pytest.param("shm", marks=pytest.mark.slow),
+                                     pytest.param("tcp", marks=pytest.mark.slow), "nixl"])
 def test_parity_through_each_backend(model_dir, expected, backend):
     static = backend == "tcp"
     c = start_cluster("--kv-transport", backend, *(["--no-private-registry"] if static else []))
