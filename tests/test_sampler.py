@@ -130,3 +130,22 @@ def test_a_grammar_mask_limits_every_row_it_covers():
         frozen = logits.clone()
     out = sample(frozen, params, [0, 0], frozenset(), mask=only_token_3_in_row_0)
     assert out.token_ids == [3, int(logits[1].argmax())]
+
+
+def test_allowed_token_ids_and_bad_words_ban_what_vllm_bans():
+    """allowed_token_ids: the likeliest allowed token, whatever the others; bad words: a
+    one-token word never, a longer word's last token only after the rest of it (in the
+    output, not the prompt)."""
+    logits = _rows(3)
+    best = logits.argmax(-1).tolist()
+    allowed = SamplingParams(max_tokens=4, temperature=0.0, allowed_token_ids=(7, 9))
+    drawn = SamplingParams(max_tokens=4, temperature=1.0, seed=5, allowed_token_ids=(7, 9))
+    free = SamplingParams(max_tokens=4, temperature=0.0)
+    got = sample(logits, [allowed, drawn, free], [0] * 3, frozenset()).token_ids
+    assert got[0] == (7 if logits[0, 7] > logits[0, 9] else 9) and got[1] in (7, 9) and got[2] == best[2]
+    words = SamplingParams(max_tokens=4, temperature=0.0, bad_words=((best[0],), (11, best[1])))
+    prompt = [1, 2, 11]                                  # the prompt ends in 11: no ban from it
+    histories = [(prompt, 3), (prompt + [11], 3)]
+    got = sample(logits[:2], [words, words], [0, 1], frozenset(), histories).token_ids
+    assert got[0] != best[0] and got[1] not in (best[0], best[1])
+    assert sample(logits[1:2], [words], [0], frozenset(), [(prompt, 3)]).token_ids == [best[1]]

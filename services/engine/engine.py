@@ -99,8 +99,8 @@ class Launched:
 def overlaps(seq: Sequence) -> bool:
     """Whether `seq`'s next step may be planned before its last token is read: not when
     the host needs that token to prepare the step (a grammar to follow, penalties over
-    the history)."""
-    return seq.constraint is None and not seq.params.penalized
+    the history, bad words)."""
+    return seq.constraint is None and not seq.params.reads_history
 
 
 @dataclass(frozen=True)
@@ -294,7 +294,7 @@ class LLMEngine:
         prompt = prompt_logprob_tensors(logits[len(batch.sample_rows):], targets) if targets else []
         logits = logits[:len(batch.sample_rows)]
         histories = [(c.seq.token_ids, c.seq.prompt_len) for c in rows] \
-            if any(c.seq.params.penalized for c in rows) else None
+            if any(c.seq.params.reads_history for c in rows) else None
         params = [c.seq.params for c in rows]
         logits, tokens = choose(logits, params, [c.seq.num_generated for c in rows],
                                 rows[0].seq.eos_token_ids if rows else frozenset(), histories, mask)

@@ -94,19 +94,28 @@ LogitsMask = Callable[[torch.Tensor], None]
 
 def _process(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int],
              eos_token_ids: frozenset[int], histories: list[History] | None) -> torch.Tensor:
-    """The logits every choice is made from: end tokens banned until min_tokens, then
-    logit_bias, then the penalties (vLLM's order). Returns `logits` itself when nothing
-    applies, else a new tensor: the model's output may be an inference tensor."""
+    """The logits every choice is made from: tokens outside allowed_token_ids and bad
+    words' ends banned, end tokens banned until min_tokens, then logit_bias, then the
+    penalties (vLLM's order). Returns `logits` itself when nothing applies, else a new
+    tensor: the model's output may be an inference tensor."""
     held = [row for row, (p, n) in enumerate(zip(params, num_generated))
             if n < p.min_tokens and (eos_token_ids or p.stop_token_ids)]
+    allowed = [row for row, p in enumerate(params) if p.allowed_token_ids]
+    worded = [row for row, p in enumerate(params) if p.bad_words]
     biased = [row for row, p in enumerate(params) if p.logit_bias]
     penalized = [row for row, p in enumerate(params) if p.penalized]
-    if not (held or biased or penalized):
+    if not (held or allowed or worded or biased or penalized):
         return logits
+    if (worded or penalized) and histories is None:
+        raise ValueError("penalties and bad words need each row's token history")
     logits = logits.clone(memory_format=torch.contiguous_format)
     vocab = logits.shape[-1]
     flat = logits.view(-1)      # entries by row * vocab + token: one index copied to the device, not one per row
+    if allowed:
+        _allow_only(logits, [params[r].allowed_token_ids for r in allowed], allowed)
     ends = [row * vocab + t for row in held for t in eos_token_ids.union(params[row].stop_token_ids) if t < vocab]
+    ends += [row * vocab + t for row in worded for t in bad_word_ends(params[row].bad_words, *histories[row])
+             if t < vocab]
     if ends:
         flat.index_fill_(0, to_device(ends, torch.long, logits.device), float("-inf"))
     pairs = [(row * vocab + t, b) for row in biased for t, b in params[row].logit_bias if t < vocab]
@@ -114,10 +123,26 @@ def _process(logits: torch.Tensor, params: list[SamplingParams], num_generated: 
         flat.index_add_(0, to_device([i for i, _ in pairs], torch.long, logits.device),
                         to_device([b for _, b in pairs], logits.dtype, logits.device))
     if penalized:
-        if histories is None:
-            raise ValueError("penalties need each row's token history")
         _penalize(logits, [params[r] for r in penalized], [histories[r] for r in penalized], penalized)
     return logits
+
+
+def _allow_only(logits: torch.Tensor, allowed: list[tuple[int, ...]], rows: list[int]) -> None:
+    """Every token but a row's allowed ones to -inf (vLLM's allowed_token_ids). In place."""
+    vocab, device = logits.shape[-1], logits.device
+    mask = torch.full((len(rows), vocab), float("-inf"), dtype=logits.dtype, device=device)
+    keep = [i * vocab + t for i, ids in enumerate(allowed) for t in ids if t < vocab]
+    mask.view(-1).index_fill_(0, to_device(keep, torch.long, device), 0.0)
+    logits.index_add_(0, to_device(rows, torch.long, device), mask)
+
+
+def bad_word_ends(words: tuple[tuple[int, ...], ...], ids: list[int], prompt_len: int) -> list[int]:
+    """The tokens a row may not take next: each bad word's last token, where the output
+    so far ends in the rest of the word (a one-token word: always). vLLM's rule; the
+    prompt does not count."""
+    output = ids[prompt_len:]
+    return [w[-1] for w in words
+            if len(w) - 1 <= len(output) and (len(w) == 1 or output[len(output) - len(w) + 1:] == list(w[:-1]))]
 
 
 def _penalize(logits: torch.Tensor, params: list[SamplingParams], histories: list[History], rows: list[int]) -> None:

@@ -33,6 +33,10 @@ class SamplingParams:
     logprobs: int | None = None         # None: none; n: the sampled token's and the n likeliest
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
     json_schema: str = ""               # output constrained to this JSON schema (structured.py)
+    allowed_token_ids: tuple[int, ...] = ()             # only these may be sampled (empty: any)
+    # Token sequences the output may not contain (vLLM's bad_words, tokenized by the
+    # router): a sequence's last token is banned wherever the output ends in the rest.
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -41,6 +45,11 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether choosing a token needs the tokens before it (penalties, bad words)."""
+        return self.penalized or bool(self.bad_words)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -71,6 +80,11 @@ class SamplingParams:
                 raise InvalidSampling("logit_bias", f"logit_bias of token {token} must be in [-100, 100], not {bias}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(t < 0 for t in self.stop_token_ids):
             raise InvalidSampling("stop_token_ids", f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} token ids >= 0")
+        if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS or any(t < 0 for t in self.allowed_token_ids):
+            raise InvalidSampling("allowed_token_ids", f"allowed_token_ids takes at most {MAX_ALLOWED_TOKEN_IDS} "
+                                  "token ids >= 0")
+        if len(self.bad_words) > MAX_BAD_WORDS or any(not w or any(t < 0 for t in w) for w in self.bad_words):
+            raise InvalidSampling("bad_words", f"bad_words takes at most {MAX_BAD_WORDS} non-empty token sequences")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
@@ -83,7 +97,8 @@ class SamplingParams:
 
     def token_ids_named(self) -> list[int]:
         """Every token id these parameters name, for a vocabulary check."""
-        return [t for t, _ in self.logit_bias] + list(self.stop_token_ids)
+        return ([t for t, _ in self.logit_bias] + list(self.stop_token_ids) + list(self.allowed_token_ids)
+                + [t for word in self.bad_words for t in word])
 
 
 @dataclass(frozen=True)
@@ -100,6 +115,8 @@ MAX_CHOICES = 16                        # n: choices of one request
 SEED_MASK = (1 << 63) - 1
 MAX_LOGIT_BIAS = 1024
 MAX_STOP_TOKEN_IDS = 64
+MAX_ALLOWED_TOKEN_IDS = 1 << 20         # more than any vocabulary: the body limit is the real bound
+MAX_BAD_WORDS = 512                     # sequences, each looked for after every token
 MAX_STOP = 16                           # stop strings: each is looked for after every token
 # What the wire (generate.proto) can carry: top_k is an int32, temperature a float32.
 MAX_TOP_K = 2**31 - 1

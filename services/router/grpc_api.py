@@ -52,7 +52,8 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
             seed=opt("seed"), stop=[x for x in s.stop if x], ignore_eos=s.ignore_eos, min_tokens=s.min_tokens,
             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
             repetition_penalty=opt("repetition_penalty"), min_p=s.min_p, logit_bias=dict(s.logit_bias),
-            stop_token_ids=list(s.stop_token_ids), logprobs=opt("logprobs"), json_schema=schema)
+            stop_token_ids=list(s.stop_token_ids), logprobs=opt("logprobs"), json_schema=schema,
+            allowed_token_ids=list(s.allowed_token_ids) or None, bad_words=[list(w.ids) for w in s.bad_words])
         if not 0 <= request.n <= MAX_CHOICES:
             raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {request.n}", param="n")
         # The router names the request itself: the caller's id is only echoed back.

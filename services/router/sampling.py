@@ -25,7 +25,9 @@ def resolve_sampling(*, prompt_len: int, max_model_len: int, vocab_size: int, ma
                      frequency_penalty: float | None = None, repetition_penalty: float | None = None,
                      min_p: float | None = None, logit_bias: dict[int, float] | None = None,
                      stop_token_ids: list[int] | tuple[int, ...] = (), logprobs: int | None = None,
-                     json_schema: str = "", prompt_logprobs: int | None = None) -> SamplingParams:
+                     json_schema: str = "", prompt_logprobs: int | None = None,
+                     allowed_token_ids: list[int] | None = None,
+                     bad_words: list[list[int]] | tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
     if prompt_len < 1:
         raise bad_request("the prompt is empty", param="prompt")
     if prompt_len >= max_model_len:
@@ -45,6 +47,13 @@ def resolve_sampling(*, prompt_len: int, max_model_len: int, vocab_size: int, ma
                           param="logit_bias")
     if any(not 0 <= t < vocab_size for t in stop_token_ids):
         raise bad_request(f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids")
+    if allowed_token_ids is not None:
+        if not allowed_token_ids:
+            raise bad_request("allowed_token_ids must not be empty", param="allowed_token_ids")
+        if any(not 0 <= t < vocab_size for t in allowed_token_ids):
+            raise bad_request(f"allowed_token_ids must be in [0, {vocab_size})", param="allowed_token_ids")
+    if any(not 0 <= t < vocab_size for word in bad_words for t in word):
+        raise bad_request(f"bad_words token ids must be in [0, {vocab_size})", param="bad_words")
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if temperature is None else float(temperature),
@@ -55,6 +64,7 @@ def resolve_sampling(*, prompt_len: int, max_model_len: int, vocab_size: int, ma
             repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
             min_p=0.0 if min_p is None else float(min_p), logit_bias=tuple((t, float(b)) for t, b in bias),
             stop_token_ids=tuple(stop_token_ids), logprobs=logprobs, json_schema=json_schema,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, allowed_token_ids=tuple(sorted(set(allowed_token_ids or ()))),
+            bad_words=tuple(tuple(w) for w in bad_words))
     except InvalidSampling as exc:
         raise bad_request(str(exc), param=exc.param) from None

@@ -12,7 +12,8 @@ def sampling_to_proto(p: SamplingParams) -> generate_pb2.SamplingParams:
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty, min_p=p.min_p, logit_bias=dict(p.logit_bias),
         stop_token_ids=list(p.stop_token_ids), logprobs=p.logprobs, json_schema=p.json_schema,
-        prompt_logprobs=p.prompt_logprobs)
+        prompt_logprobs=p.prompt_logprobs, allowed_token_ids=list(p.allowed_token_ids),
+        bad_words=[generate_pb2.TokenIds(ids=w) for w in p.bad_words])
 
 
 def sampling_from_proto(m: generate_pb2.SamplingParams) -> SamplingParams:
@@ -24,7 +25,8 @@ def sampling_from_proto(m: generate_pb2.SamplingParams) -> SamplingParams:
         repetition_penalty=m.repetition_penalty if m.HasField("repetition_penalty") else 1.0, min_p=m.min_p,
         logit_bias=tuple(sorted(m.logit_bias.items())), stop_token_ids=tuple(m.stop_token_ids),
         logprobs=m.logprobs if m.HasField("logprobs") else None, json_schema=m.json_schema,
-        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None)
+        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
+        allowed_token_ids=tuple(m.allowed_token_ids), bad_words=tuple(tuple(w.ids) for w in m.bad_words))
 
 
 def logprob_to_proto(lp: TokenLogprob) -> generate_pb2.TokenLogprob:
