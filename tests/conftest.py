@@ -158,6 +158,22 @@ def cluster(model_dir) -> RunningCluster:
     stop_cluster(c)
 
 
+@pytest.fixture(scope="session")
+def tools_router(cluster):
+    """A second router over the session cluster's workers, serving a chat template that
+    renders tools (deploy/chat-templates/chatml-tools.jinja), and sending SSE keep-alives
+    after 50 ms of silence."""
+    tmp = Path(tempfile.mkdtemp(prefix="pdserve-tools-"))
+    proc, info = spawn_service(tmp, "router", "router", [
+        "--http-port", "0", "--grpc-port", "0", "--log-level", "warning",
+        "--cluster-secret-file", cluster.secret_file, "--local-prefill-max-tokens", "0",
+        "--decode", cluster.worker_addr("decode"), "--prefill", cluster.worker_addr("prefill"),
+        "--chat-template", str(ROOT / "deploy" / "chat-templates" / "chatml-tools.jinja"),
+        "--sse-keepalive-seconds", "0.05"])
+    yield f"http://127.0.0.1:{info['http_port']}"
+    terminate(proc)
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -5,9 +5,7 @@ keep-alive and the route on a stream's last chunk."""
 from __future__ import annotations
 
 import json
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import httpx
@@ -18,10 +16,8 @@ import torch
 
 from services.engine.tokenizer import encode_chat
 from services.rpc import generate_pb2, generate_pb2_grpc
-from tests.conftest import ROOT, spawn_service, terminate
 
 MODEL = "SmolLM2-135M-Instruct"
-TEMPLATE = ROOT / "deploy" / "chat-templates" / "chatml-tools.jinja"
 
 
 def _client(http: str) -> openai.OpenAI:
@@ -34,20 +30,6 @@ def hf(model_dir):
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     return tok, model
-
-
-@pytest.fixture(scope="module")
-def tools_router(cluster):
-    """A second router over the session cluster's workers, serving a chat template that
-    renders tools, and sending SSE keep-alives after 50 ms of silence."""
-    tmp = Path(tempfile.mkdtemp(prefix="pdserve-tools-"))
-    proc, info = spawn_service(tmp, "router", "router", [
-        "--http-port", "0", "--grpc-port", "0", "--log-level", "warning",
-        "--cluster-secret-file", cluster.secret_file, "--local-prefill-max-tokens", "0",
-        "--decode", cluster.worker_addr("decode"), "--prefill", cluster.worker_addr("prefill"),
-        "--chat-template", str(TEMPLATE), "--sse-keepalive-seconds", "0.05"])
-    yield f"http://127.0.0.1:{info['http_port']}"
-    terminate(proc)
 
 
 def _forward_logprobs(model, ids: list[int], prompt_len: int) -> torch.Tensor:

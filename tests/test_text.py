@@ -60,3 +60,25 @@ def test_min_tokens_masks_eos_in_logits_made_under_inference_mode():
     assert sample(logits, params, [0, 0], frozenset({3})).token_ids == [0, 3]
     assert sample(logits, params, [2, 0], frozenset({3})).token_ids == [3, 3]
     assert logits[0, 3] == 10.0                     # the caller's tensor is untouched
+
+
+def test_a_choice_rewritten_with_vllms_text_options(tok):
+    """skip_special_tokens false shows special tokens; a stop token's text stays out
+    unless include_stop_str_in_output; a stop string ends the text before it or after."""
+    from services.router.output_text import ChoiceText, TextOptions
+    ids = tok.encode("Hello there, friend<|im_end|>", add_special_tokens=False)
+    assert ids[-1] == 2
+
+    def run(options: TextOptions, stops: tuple[str, ...] = (), size: int = 1, finish: str = "stop") -> str:
+        text = ChoiceText(tok, [], stops, options)
+        chunks = [ids[i:i + size] for i in range(0, len(ids), size)]
+        return "".join(text.feed(c, finish if k == len(chunks) - 1 else None) for k, c in enumerate(chunks))
+    for size in (1, 3, 100):
+        assert run(TextOptions(skip_special_tokens=False), size=size) == "Hello there, friend"
+        assert run(TextOptions(skip_special_tokens=False, include_stop_str_in_output=True), size=size) == \
+            "Hello there, friend<|im_end|>"
+        assert run(TextOptions(skip_special_tokens=False), size=size, finish="length") == \
+            "Hello there, friend<|im_end|>"
+        assert run(TextOptions(), size=size) == "Hello there, friend"
+        assert run(TextOptions(include_stop_str_in_output=True), (", f",), size=size) == "Hello there, f"
+        assert run(TextOptions(), (", f",), size=size) == "Hello there"

@@ -1,6 +1,7 @@
 """Text in and out: chat templates, incremental UTF-8-safe detokenization, stop strings."""
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -31,11 +32,15 @@ def eos_token_ids(model_dir: Path) -> frozenset[int]:
 
 
 def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
-                add_special_tokens: bool = False) -> list[int]:
+                add_special_tokens: bool = False, continue_final_message: bool = False,
+                template_kwargs: dict | None = None) -> list[int]:
     """The template writes its own special tokens; `add_special_tokens` adds the
-    tokenizer's BOS/EOS on top (as vLLM's /tokenize may ask)."""
+    tokenizer's BOS/EOS on top (as vLLM's /tokenize may ask). `continue_final_message`
+    leaves the last message open for the model to go on with; `template_kwargs` are
+    further variables for the template (vLLM's chat_template_kwargs)."""
     text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                         tokenize=False)
+                                         continue_final_message=continue_final_message, tokenize=False,
+                                         **(template_kwargs or {}))
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
@@ -47,15 +52,27 @@ class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas without ever splitting a
     UTF-8 character: text is held back while the tail decodes to U+FFFD."""
 
-    def __init__(self, tokenizer, prompt_tail: list[int] | None = None) -> None:
+    def __init__(self, tokenizer, prompt_tail: list[int] | None = None, *, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True) -> None:
         self._tok = tokenizer
         # A few prompt tokens give the first generated token its leading-space context.
         self._ids: list[int] = list(prompt_tail or [])[-4:]
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        # Only a slow (Python) tokenizer reads spaces_between_special_tokens; a fast one
+        # ignores it, in transformers as in vLLM.
+        self._options = {"skip_special_tokens": skip_special_tokens, "clean_up_tokenization_spaces": False}
+        if not spaces_between_special_tokens:
+            self._options["spaces_between_special_tokens"] = False
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self._tok.decode(ids, **self._options)
+
+    def fork(self) -> "IncrementalDetokenizer":
+        """A copy that goes on apart from this one (to try a token without taking it)."""
+        other = copy.copy(self)
+        other._ids = list(self._ids)
+        return other
 
     def push(self, token_ids: list[int]) -> str:
         self._ids.extend(token_ids)
@@ -79,9 +96,10 @@ class StopMatcher:
     """Finds stop strings across deltas and holds back text that may begin one, so no
     part of a stop string ever reaches the client."""
 
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    def __init__(self, stops: tuple[str, ...], include_in_output: bool = False) -> None:
         self._stops = tuple(s for s in stops if s)
         self._pending = ""
+        self._include = include_in_output       # vLLM's include_stop_str_in_output
 
     def _held(self, buf: str) -> int:
         """Length of the longest tail of `buf` that begins some stop string."""
@@ -98,10 +116,11 @@ class StopMatcher:
         if not self._stops:
             return text, False
         buf = self._pending + text
-        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, i + len(s)) for i, s in ((buf.find(s), s) for s in self._stops) if i >= 0]
         if hits:
             self._pending = ""
-            return buf[:min(hits)], True
+            start, end = min(hits)
+            return buf[:end if self._include else start], True
         cut = len(buf) - self._held(buf)
         self._pending = buf[cut:]
         return buf[:cut], False

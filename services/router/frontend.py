@@ -8,14 +8,17 @@ cancels the task.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
+import inspect
+import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from services.engine.sampling import SamplingParams, TokenLogprob
+from services.engine.sampling import MAX_BAD_WORDS, SamplingParams, TokenLogprob
 from services.engine.structured import Grammars
 from services.engine.tokenizer import encode_chat, encode_prompt
 from services.router.access import attach
@@ -23,6 +26,7 @@ from services.router.admission import Admission
 from services.router.cluster import Cluster
 from services.router.fairness import Ticket
 from services.router.generation import Delta, Generation
+from services.router.output_text import ChoiceText, TextOptions
 from services.router.protocol import APIError, bad_request
 
 log = logging.getLogger(__name__)
@@ -100,39 +104,104 @@ class FrontEnd:
             raise bad_request(f"{param} token ids must be in [0, {vocab})", param=param)
 
     async def tokenize_chat(self, messages: list[dict], tools: list[dict] | None = None,
-                            add_generation_prompt: bool = True,
-                            add_special_tokens: bool = False) -> list[int]:
+                            add_generation_prompt: bool = True, add_special_tokens: bool = False,
+                            continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
+        """The conversation through the chat template. `template_kwargs` (vLLM's
+        chat_template_kwargs) are more variables for the template; they may also set
+        add_generation_prompt and continue_final_message, as in vLLM."""
         self._check_text([m["content"] for m in messages], "messages")
+        kwargs = dict(template_kwargs or {})
+        reserved = sorted(set(kwargs) & self._template_arguments)
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may not set {reserved[0]!r}: it is an argument of the template "
+                              "call, not a variable of the template", param=f"chat_template_kwargs.{reserved[0]}")
+        add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
+        continue_final_message = kwargs.pop("continue_final_message", continue_final_message)
+        for name, value in (("add_generation_prompt", add_generation_prompt),
+                            ("continue_final_message", continue_final_message)):
+            if not isinstance(value, bool):
+                raise bad_request(f"{name} must be true or false", param=f"chat_template_kwargs.{name}")
+        if add_generation_prompt and continue_final_message:
+            raise bad_request("add_generation_prompt and continue_final_message cannot both be true: the first opens "
+                              "a new assistant message, the second continues the last one",
+                              param="continue_final_message")
         encode = functools.partial(encode_chat, self.tokenizer, messages, tools, add_generation_prompt,
-                                   add_special_tokens)
+                                   add_special_tokens, continue_final_message, kwargs)
         try:
             return await asyncio.get_running_loop().run_in_executor(self.executor, encode)
         except Exception as exc:                  # a template that rejects the conversation
             raise bad_request(f"cannot apply the chat template: {type(exc).__name__}", param="messages") from None
 
-    async def tokenize_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+    @functools.cached_property
+    def _template_arguments(self) -> frozenset[str]:
+        """apply_chat_template's own parameters, which chat_template_kwargs may not pass
+        (but for the two vLLM lets it set)."""
+        names = inspect.signature(self.tokenizer.apply_chat_template).parameters
+        return frozenset(n for n, p in names.items() if p.kind is not p.VAR_KEYWORD) \
+            - {"add_generation_prompt", "continue_final_message"} | {"messages", "chat_template", "tokenize"}
+
+    async def tokenize_prompt(self, prompt: str | list[int], add_special_tokens: bool = True,
+                              param: str = "prompt") -> list[int]:
         if isinstance(prompt, list):
-            self._check_ids(prompt, "prompt")
+            self._check_ids(prompt, param)
             return list(prompt)
-        self._check_text([prompt], "prompt")
+        self._check_text([prompt], param)
         return await asyncio.get_running_loop().run_in_executor(self.executor, encode_prompt, self.tokenizer,
                                                                 prompt, add_special_tokens)
+
+    async def tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
+        """vLLM's bad_words as token sequences: each word as it would begin the output and,
+        where that is a different token sequence of the same length, after a space."""
+        self._check_text(words, "bad_words")
+        if len(words) * 2 > MAX_BAD_WORDS:
+            raise bad_request(f"bad_words takes at most {MAX_BAD_WORDS // 2} words", param="bad_words")
+
+        def encode() -> list[list[int]]:
+            out = []
+            for word in words:
+                plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+                spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+                out += [plain] if plain else []
+                if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+                    out.append(spaced)
+            return out
+        return await asyncio.get_running_loop().run_in_executor(self.executor, encode)
 
     async def detokenize(self, ids: list[int]) -> str:
         self._check_ids(ids, "tokens")
         return await asyncio.get_running_loop().run_in_executor(self.executor, self.tokenizer.decode, ids)
 
-    def start(self, gens: list[Generation], deadline: float | None = None, tenant: str = "") -> "RunningRequest":
+    def start(self, gens: list[Generation], deadline: float | None = None, tenant: str = "",
+              text: TextOptions = TextOptions()) -> "RunningRequest":
         """Admit and run a request's choices (`gens`, one per choice) for `tenant` (its API
         key's); it must end within `deadline` seconds (default: the router's
         --request-timeout), queueing included. APIError 429 where it is not admitted."""
-        for gen in gens:
-            attach(gen)
-        # What it may cost the workers, as a token rate counts it: prompt and max_tokens.
-        cost = len(gens[0].prompt_ids) + sum(g.params.max_tokens for g in gens)
-        ticket = self.admission.admit(tenant, cost, slots=len(gens))
-        return RunningRequest(self.cluster, self.admission, ticket, gens,
-                              min(deadline or self.request_timeout, self.request_timeout))
+        return self.start_prompts([gens], deadline, tenant, text)
+
+    def start_prompts(self, prompts: list[list[Generation]], deadline: float | None = None, tenant: str = "",
+                      text: TextOptions = TextOptions()) -> "RunningRequest":
+        """`start` for a request of several prompts (each a list of generations, one per
+        choice): each prompt is admitted, routed and run on its own, as if sent alone.
+        If one is not admitted, none runs."""
+        tickets = []
+        try:
+            for gens in prompts:
+                for gen in gens:
+                    attach(gen)
+                # What it may cost the workers, as a token rate counts it: prompt and max_tokens.
+                cost = len(gens[0].prompt_ids) + sum(g.params.max_tokens for g in gens)
+                tickets.append(self.admission.admit(tenant, cost, slots=len(gens)))
+        except APIError:
+            for ticket in tickets:
+                self.admission.done(ticket)
+            raise
+        texts = None
+        # The cluster's text keeps a stop token's text; vLLM's leaves it out: written
+        # again here where that can differ (a stop token that is no special token).
+        if text.rewrites or prompts[0][0].params.stop_token_ids:
+            texts = [[ChoiceText(self.tokenizer, g.prompt_ids, g.params.stop, text) for g in gens] for gens in prompts]
+        return RunningRequest(self.cluster, self.admission, list(zip(tickets, prompts)),
+                              min(deadline or self.request_timeout, self.request_timeout), texts)
 
 
 def choices(request_id: str, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Generation]:
@@ -154,51 +223,58 @@ def check_unicode(text: str, param: str) -> str:
 
 
 class RunningRequest:
-    """A request's generation (all its choices) running as a task; deltas arrive on a
-    bounded queue, so a client that stops reading holds the generation back instead of
-    growing a buffer."""
+    """A request's generation (all its prompts and choices) running as tasks, one per
+    prompt; deltas arrive on one bounded queue, numbered prompt x n + choice, so a client
+    that stops reading holds the generation back instead of growing a buffer."""
 
-    def __init__(self, cluster: Cluster, admission: Admission, ticket: Ticket, gens: list[Generation],
-                 timeout: float) -> None:
-        self.gens = gens
-        self.gen = gens[0]
+    def __init__(self, cluster: Cluster, admission: Admission, prompts: list[tuple[Ticket, list[Generation]]],
+                 timeout: float, texts: list[list[ChoiceText]] | None = None) -> None:
+        self.gens = [g for _, gens in prompts for g in gens]
+        self.gen = self.gens[0]
+        self.prompts = [gens for _, gens in prompts]
         self.timeout = timeout
         self.admission = admission
-        self.ticket = ticket
         self.queue: asyncio.Queue[Delta | APIError | None] = asyncio.Queue(maxsize=STREAM_BUFFER)
-        self.task = asyncio.create_task(self._run(cluster))
+        offsets = itertools.accumulate((len(gens) for _, gens in prompts), initial=0)
+        self.tasks = [asyncio.create_task(self._run(cluster, ticket, gens, offset, texts and texts[p]))
+                      for p, ((ticket, gens), offset) in enumerate(zip(prompts, offsets))]
 
-    async def _run(self, cluster: Cluster) -> None:
+    async def _run(self, cluster: Cluster, ticket: Ticket, gens: list[Generation], offset: int,
+                   texts: list[ChoiceText] | None) -> None:
         try:
             async with asyncio.timeout(self.timeout):
-                await self._generate(cluster)
+                await self._generate(cluster, ticket, gens, offset, texts)
         except TimeoutError:
-            log.warning("request %s did not finish within %g s", self.gen.request_id, self.timeout)
+            log.warning("request %s did not finish within %g s", gens[0].request_id, self.timeout)
             await self.queue.put(APIError(504, f"the request did not finish within {self.timeout:g} s",
                                           type_="timeout", code="request_timeout", grpc_code="DEADLINE_EXCEEDED"))
 
-    async def _generate(self, cluster: Cluster) -> None:
+    async def _generate(self, cluster: Cluster, ticket: Ticket, gens: list[Generation], offset: int,
+                        texts: list[ChoiceText] | None) -> None:
         metrics = cluster.metrics
-        gen = self.gen
+        gen = gens[0]
         last: dict[int, float] = {}             # per choice: when its previous delta came
         ended = None
         try:
-            await self.admission.wait(self.ticket)          # the router's queue, in fair order
-            async for delta in cluster.generate(self.gens):
+            await self.admission.wait(ticket)               # the router's queue, in fair order
+            async for delta in cluster.generate(gens):
                 now = time.monotonic()
                 if not last:
-                    self.admission.first_token(self.ticket)
+                    self.admission.first_token(ticket)
                     metrics.first_token(now - gen.started)
                     if gen.decision == "remote":       # prefilled by the prefill pool
                         cluster.latency.observe_ttft(gen.prefill_epoch, now - gen.started)
                 previous = last.get(delta.index)
                 if previous is None:
-                    self.gens[delta.index].first_token_at = now
+                    gens[delta.index].first_token_at = now
                 else:
                     metrics.token_gap(now - previous)
                     if delta.token_ids:                      # a closing chunk without tokens is no gap
                         cluster.latency.observe_itl(gen.decode_epoch, now - previous)
                 last[delta.index] = now
+                if texts is not None or offset:             # the request's own text, its own numbering
+                    text = texts[delta.index].feed(delta.token_ids, delta.finish_reason) if texts else delta.text
+                    delta = dataclasses.replace(delta, text=text, index=delta.index + offset)
                 await self.queue.put(delta)
             ended = gen.finish_reason
             await self.queue.put(None)
@@ -208,15 +284,16 @@ class RunningRequest:
             log.exception("request %s failed", gen.request_id)
             await self.queue.put(APIError(500, "internal error", type_="server_error", grpc_code="INTERNAL"))
         finally:
-            self.admission.done(self.ticket)
+            self.admission.done(ticket)
             metrics.request_ended(time.monotonic() - gen.started, len(gen.prompt_ids),
-                                  sum(g.completion_tokens for g in self.gens), ended)
+                                  sum(g.completion_tokens for g in gens), ended)
 
     async def deltas(self, keepalive: float = 0.0) -> AsyncIterator[Delta | None]:
         """Every choice's deltas; None whenever nothing came for `keepalive` seconds
         (0: never). Raises the request's APIError if it failed."""
+        running = len(self.tasks)
         try:
-            while True:
+            while running:
                 try:
                     item = self.queue.get_nowait()
                 except asyncio.QueueEmpty:
@@ -226,13 +303,19 @@ class RunningRequest:
                         yield None
                         continue
                 if item is None:
-                    return
+                    running -= 1
+                    continue
                 if isinstance(item, APIError):
                     raise item
                 yield item
         finally:
-            if not self.task.done():
-                self.task.cancel()
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Stop whatever still runs (a client gone, or another prompt failed)."""
+        for task in self.tasks:
+            if not task.done():
+                task.cancel()
 
     async def collect(self) -> list["Collected"]:
         """Each choice whole."""

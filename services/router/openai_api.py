@@ -1,7 +1,7 @@
-"""OpenAI-compatible HTTP front end: /v1/chat/completions, /v1/completions, /v1/models,
-vLLM's /tokenize and /detokenize, plus /health, /ready and /metrics. Requests run as
-`RunningRequest` tasks (frontend.py), so a client that disconnects cancels its request
-on every worker.
+"""OpenAI-compatible HTTP front end: /v1/chat/completions, /v1/completions, /v1/responses,
+/v1/models, vLLM's /tokenize, /detokenize and /tokenizer_info, plus /health, /ready and
+/metrics. Requests run as `RunningRequest` tasks (frontend.py), so a client that
+disconnects cancels its request on every worker.
 
 With API keys, every route but /health and /ready (and /metrics, unless protected) needs
 `Authorization: Bearer <key>`. JSON routes take only `Content-Type: application/json`
@@ -15,7 +15,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -30,8 +30,10 @@ from services.engine.structured import JSON_OBJECT
 from services.router.access import AccessLogMiddleware
 from services.router.frontend import Collected, FrontEnd, RunningRequest, choices
 from services.router.generation import Delta, Generation, new_request_id
+from services.router.output_text import TextOptions
 from services.router.protocol import (APIError, ChatCompletionRequest, CommonRequest, CompletionRequest,
                                       DetokenizeRequest, TokenizeRequest, bad_request, unsupported)
+from services.router.responses import ResponsesRequest, ResponseWriter, in_responses_terms, new_response_id
 from services.router.sampling import resolve_sampling
 from services.router.tools import CallStream, ToolPlan, new_call, parse_calls, plan_tools
 
@@ -204,9 +206,11 @@ def parse(model: type[BaseModel], data: dict):
         raise bad_request(f"{loc}: {err['msg']}" if loc else err["msg"], param=loc or None) from None
 
 
-def generations(fe: FrontEnd, req: CommonRequest, prefix: str, prompt_ids: list[int], max_tokens: int | None,
-                logprobs: int | None, json_schema: str, prompt_logprobs: int | None = None) -> list[Generation]:
-    """The request's generations, one per choice (`n`)."""
+async def generations(fe: FrontEnd, req: CommonRequest, request_id: str, prompt_ids: list[int],
+                      max_tokens: int | None, logprobs: int | None, json_schema: str,
+                      prompt_logprobs: int | None = None) -> list[Generation]:
+    """One prompt's generations, one per choice (`n`)."""
+    bad_words = await fe.tokenize_bad_words(req.bad_words) if req.bad_words else ()
     params = resolve_sampling(
         prompt_len=len(prompt_ids), max_model_len=fe.max_model_len, vocab_size=fe.vocab_size,
         max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
@@ -214,8 +218,26 @@ def generations(fe: FrontEnd, req: CommonRequest, prefix: str, prompt_ids: list[
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, min_p=req.min_p, logit_bias=req.logit_bias,
         stop_token_ids=req.stop_token_ids or (), logprobs=logprobs, json_schema=json_schema,
-        prompt_logprobs=prompt_logprobs)
-    return choices(new_request_id(prefix), prompt_ids, params, req.choices)
+        prompt_logprobs=prompt_logprobs, allowed_token_ids=req.allowed_token_ids, bad_words=bad_words)
+    return choices(request_id, prompt_ids, params, req.choices)
+
+
+async def chat_generations(fe: FrontEnd, req: ChatCompletionRequest,
+                           request_id: str) -> tuple[list[Generation], ToolPlan | None]:
+    """A chat request's generations and its tool plan (None: no tools)."""
+    req.check()
+    tools = plan_tools(req, fe.supports_tools)
+    schema = await response_schema(fe, req)
+    if tools is not None and tools.schema:
+        schema = await fe.check_schema(tools.schema, "tools")
+    prompt_ids = await fe.tokenize_chat([m.for_template() for m in req.messages], tools and tools.tools,
+                                        add_generation_prompt=req.add_generation_prompt,
+                                        continue_final_message=req.continue_final_message,
+                                        template_kwargs=req.chat_template_kwargs)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    gens = await generations(fe, req, request_id, req.truncate(prompt_ids, fe.max_model_len), max_tokens,
+                             req.top_logprobs_count(), schema, req.prompt_logprobs)
+    return gens, tools
 
 
 async def response_schema(fe: FrontEnd, req: ChatCompletionRequest) -> str:
@@ -236,40 +258,87 @@ def sse(obj) -> bytes:
 SSE_KEEPALIVE = b": keep-alive\n\n"
 
 
-def usage(gens: list[Generation]) -> dict:
-    p, c = len(gens[0].prompt_ids), sum(g.completion_tokens for g in gens)
+def usage(gens: list[Generation], n: int = 1) -> dict:
+    """Summed over the request's prompts (`gens`: n choices per prompt, in order)."""
+    prompts = [gens[i:i + n] for i in range(0, len(gens), n)]
+    p, c = sum(len(g[0].prompt_ids) for g in prompts), sum(g.completion_tokens for g in gens)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": max(g.cached_tokens for g in gens)}}
+            "prompt_tokens_details": {"cached_tokens": sum(max(g.cached_tokens for g in gs) for gs in prompts)}}
 
 
-def chat_logprobs(fe: FrontEnd, logprobs: list[TokenLogprob]) -> dict:
+TokenName = Callable[[int], str]
+
+
+def token_names(fe: FrontEnd, as_ids: bool) -> TokenName:
+    """How logprobs name a token: its text, or vLLM's "token_id:N" (return_tokens_as_token_ids)."""
+    return (lambda t: f"token_id:{t}") if as_ids else fe.token_text
+
+
+def chat_logprobs(name: TokenName, logprobs: list[TokenLogprob]) -> dict:
     def entry(token_id: int, logprob: float) -> dict:
-        text = fe.token_text(token_id)
+        text = name(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
     return {"content": [{**entry(lp.token_id, lp.logprob),
                          "top_logprobs": [entry(t, v) for t, v in zip(lp.top_ids, lp.top_logprobs)]}
                         for lp in logprobs]}
 
 
-def completion_logprobs(fe: FrontEnd, logprobs: list[TokenLogprob | None], offset: int,
-                        token_ids: list[int] | None = None) -> dict:
+def completion_logprobs(name: TokenName, logprobs: list[TokenLogprob | None], offset: int,
+                        token_ids: list[int] | None = None, top: int | None = None) -> dict:
     """OpenAI's completions logprobs; `token_ids` names the tokens where an entry is None
-    (an echoed prompt's first token has no log probability)."""
+    (an echoed prompt's first token has no log probability); `top` cuts each entry's
+    likeliest tokens to that many (a prompt's may have been computed for more)."""
     tokens, offsets = [], []
     for i, lp in enumerate(logprobs):
-        tokens.append(fe.token_text(lp.token_id if lp is not None else token_ids[i]))
+        tokens.append(name(lp.token_id if lp is not None else token_ids[i]))
         offsets.append(offset)
         offset += len(tokens[-1])
     return {"tokens": tokens, "token_logprobs": [lp and lp.logprob for lp in logprobs],
-            "top_logprobs": [lp and {fe.token_text(t): v for t, v in zip(lp.top_ids, lp.top_logprobs)}
+            "top_logprobs": [lp and {name(t): v for t, v in list(zip(lp.top_ids, lp.top_logprobs))[:top]}
                              for lp in logprobs],
             "text_offset": offsets}
 
 
+def prompt_logprobs(name: TokenName, leader: Generation, top: int) -> list[dict | None]:
+    """vLLM's prompt_logprobs: None for the first prompt token, then for each a dict by
+    token id of the token itself and the `top` likeliest, each with its log probability,
+    its rank (1 = likeliest; null for a token outside the `top` computed) and its text."""
+    out: list[dict | None] = [None]
+    for token, lp in zip(leader.prompt_ids[1:], leader.prompt_logprobs or ()):
+        ranks = {t: r for r, t in enumerate(lp.top_ids[:top], 1)}
+        entry = {str(token): {"logprob": lp.logprob, "rank": ranks.get(token), "decoded_token": name(token)}}
+        for t, v in list(zip(lp.top_ids, lp.top_logprobs))[:top]:
+            entry.setdefault(str(t), {"logprob": v, "rank": ranks[t], "decoded_token": name(t)})
+        out.append(entry)
+    return out
+
+
 def echoed_logprobs(leader: Generation) -> list[TokenLogprob | None]:
     """The prompt's logprobs, for `echo` with `logprobs`: None for its first token. The
-    request's first choice has them (its prompt is the one computed)."""
+    prompt's first choice has them (its prompt is the one computed)."""
     return [None, *(leader.prompt_logprobs or ())]
+
+
+def tokenizer_info(fe: FrontEnd) -> dict:
+    """vLLM's /tokenizer_info: the tokenizer's configuration (tokenizer_config.json's
+    fields), its class and the chat template in use. File paths stay on the server; the
+    model's maximum length is the one served."""
+    def plain(value):
+        if hasattr(value, "content"):                       # an AddedToken
+            return value.content
+        if isinstance(value, dict):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)
+    tok = fe.tokenizer
+    config = {k: plain(v) for k, v in (getattr(tok, "init_kwargs", None) or {}).items()
+              if not k.endswith("_file") and k not in ("name_or_path", "is_local", "local_files_only")}
+    config.update(tokenizer_class=type(tok).__name__, name_or_path=fe.served_model_name,
+                  model_max_length=fe.max_model_len)
+    if isinstance(tok.chat_template, str):
+        config["chat_template"] = tok.chat_template
+    return config
 
 
 def _describe_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
@@ -307,7 +376,8 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
     app.add_middleware(RequestId)
     app.add_middleware(AccessLogMiddleware, metrics=fe.cluster.metrics)     # outside RequestId: sees its header
     _describe_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-                           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
+                           "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest,
+                           "/detokenize": DetokenizeRequest})
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -354,15 +424,11 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
     async def chat(request: Request):
         req = parse(ChatCompletionRequest, await read_json(request, fe.max_body_bytes))
         fe.check_model(req.model)
-        req.check()
-        tools = plan_tools(req, fe.supports_tools)
-        schema = await response_schema(fe, req)
-        if tools is not None and tools.schema:
-            schema = await fe.check_schema(tools.schema, "tools")
-        prompt_ids = await fe.tokenize_chat([m.for_template() for m in req.messages], tools and tools.tools)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        gens = generations(fe, req, "chatcmpl", prompt_ids, max_tokens, req.top_logprobs_count(), schema)
-        return await respond(fe, req, gens, Shape(chat=True, tools=tools), tenant_of(request))
+        request_id = new_request_id("chatcmpl")
+        gens, tools = await chat_generations(fe, req, request_id)
+        shape = Shape(chat=True, tools=tools, n=req.choices, prompt_logprobs=req.prompt_logprobs,
+                      names=token_names(fe, req.return_tokens_as_token_ids))
+        return await respond(fe, req, request_id, [gens], shape, tenant_of(request))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -370,22 +436,57 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
         fe.check_model(req.model)
         req.check()
         logprobs = req.top_logprobs_count()
-        prompt_ids = await fe.tokenize_prompt(req.prompt)
         # echo with max_tokens 0 (how evaluation harnesses score a text): one token is
         # generated, for the prompt's logprobs, and not returned.
         echo_only = req.echo and req.max_tokens == 0
-        gens = generations(fe, req, "cmpl", prompt_ids, 1 if echo_only else req.max_tokens, logprobs, "",
-                           prompt_logprobs=logprobs if req.echo else None)
-        echo = "" if not req.echo else req.prompt if isinstance(req.prompt, str) else \
-            fe.tokenizer.decode(prompt_ids, skip_special_tokens=False)
-        return await respond(fe, req, gens, Shape(chat=False, echo=echo, echo_only=echo_only), tenant_of(request))
+        scored = [k for k in (logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
+        request_id = new_request_id("cmpl")
+        many = len(req.prompts) > 1
+        prompts, echoes = [], []
+        for p, prompt in enumerate(req.prompts):
+            param = f"prompt.{p}" if many else "prompt"
+            ids = await fe.tokenize_prompt(prompt, param=param)
+            truncated = req.truncate(ids, fe.max_model_len)
+            prompts.append(await generations(fe, req, f"{request_id}-{p}" if many else request_id, truncated,
+                                             1 if echo_only else req.max_tokens, logprobs, "",
+                                             prompt_logprobs=max(scored, default=None)))
+            if req.echo:
+                echoes.append(prompt if isinstance(prompt, str) and truncated is ids else
+                              fe.tokenizer.decode(truncated, skip_special_tokens=False))
+        shape = Shape(chat=False, echo=tuple(echoes), echo_only=echo_only, n=req.choices,
+                      prompt_logprobs=req.prompt_logprobs, names=token_names(fe, req.return_tokens_as_token_ids))
+        return await respond(fe, req, request_id, prompts, shape, tenant_of(request))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        req = parse(ResponsesRequest, await read_json(request, fe.max_body_bytes))
+        fe.check_model(req.model)
+        req.check()
+        response_id = new_response_id()
+        try:
+            (gen,), tools = await chat_generations(fe, req.to_chat(), response_id)
+            running = fe.start([gen], tenant=tenant_of(request))
+        except APIError as exc:
+            raise in_responses_terms(exc) from None
+        writer = ResponseWriter(req, response_id, fe.served_model_name, tools, gen)
+        if req.stream:
+            return StreamingResponse(writer.events(running, fe.sse_keepalive), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            (result,) = await running.collect()
+        except APIError as exc:
+            return error_response(exc)
+        return JSONResponse(writer.whole(result), headers={"x-pdserve-route": gen.route()})
+
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info():
+        return tokenizer_info(fe)
 
     # vLLM's tokenizer routes: the ids the completion routes would compute, nothing generated.
     @app.post("/tokenize")
     async def tokenize(request: Request):
         req = parse(TokenizeRequest, await read_json(request, fe.max_body_bytes))
         fe.check_model(req.model)
-        req.unsupported()
         if req.messages is None:
             ids = await fe.tokenize_prompt(req.prompt, add_special_tokens=req.special_tokens())
         else:
@@ -394,7 +495,9 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
                 raise unsupported("tools", "this model's chat template does not support tools")
             ids = await fe.tokenize_chat([m.for_template() for m in req.messages], tools,
                                          add_generation_prompt=req.add_generation_prompt,
-                                         add_special_tokens=req.special_tokens())
+                                         add_special_tokens=req.special_tokens(),
+                                         continue_final_message=req.continue_final_message,
+                                         template_kwargs=req.chat_template_kwargs)
         out = {"count": len(ids), "max_model_len": fe.max_model_len, "tokens": ids}
         if req.return_token_strs:
             out["token_strs"] = fe.tokenizer.convert_ids_to_tokens(ids)
@@ -413,9 +516,16 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
 class Shape:
     """What a response looks like besides its choices' text."""
     chat: bool
+    names: TokenName                    # how logprobs name a token (token_names)
     tools: ToolPlan | None = None
-    echo: str = ""                      # completions: the prompt, returned before the text
+    echo: tuple[str, ...] = ()          # completions: each prompt, returned before its choices' text
     echo_only: bool = False             # echo with max_tokens 0: the prompt and nothing else
+    n: int = 1                          # choices per prompt: choice index = prompt x n + choice
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: this many likeliest per prompt token
+
+    def leader(self, gens: list[Generation], index: int) -> Generation:
+        """The first choice of choice `index`'s prompt (it holds the prompt's logprobs)."""
+        return gens[index - index % self.n]
 
 
 def tenant_of(request: Request) -> str:
@@ -423,10 +533,15 @@ def tenant_of(request: Request) -> str:
     return request.scope.get("state", {}).get("tenant", "")
 
 
-async def respond(fe: FrontEnd, req: CommonRequest, gens: list[Generation], shape: Shape, tenant: str) -> Response:
-    running = fe.start(gens, tenant=tenant)
-    base = {"id": gens[0].request_id.rsplit("-", 1)[0] if len(gens) > 1 else gens[0].request_id,
-            "object": "chat.completion" if shape.chat else "text_completion",
+def text_options(req: CommonRequest) -> TextOptions:
+    return TextOptions(req.skip_special_tokens, req.spaces_between_special_tokens, req.include_stop_str_in_output)
+
+
+async def respond(fe: FrontEnd, req: CommonRequest, request_id: str, prompts: list[list[Generation]], shape: Shape,
+                  tenant: str) -> Response:
+    running = fe.start_prompts(prompts, tenant=tenant, text=text_options(req))
+    gens = running.gens
+    base = {"id": request_id, "object": "chat.completion" if shape.chat else "text_completion",
             "created": int(time.time()), "model": fe.served_model_name}
     if req.stream:
         return StreamingResponse(stream_events(fe, running, req, base, shape), media_type="text/event-stream",
@@ -438,16 +553,17 @@ async def respond(fe: FrontEnd, req: CommonRequest, gens: list[Generation], shap
     if shape.echo_only:
         for gen in gens:
             gen.completion_tokens = 0
-    choices = [whole_choice(fe, i, gens, result, req, shape) for i, result in enumerate(results)]
-    body = {**base, "choices": choices, "usage": usage(gens)}
-    if req.return_token_ids:
+    choices = [whole_choice(i, gens, result, req, shape) for i, result in enumerate(results)]
+    body = {**base, "choices": choices, "usage": usage(gens, shape.n)}
+    if req.return_token_ids and len(prompts) == 1:
         body["prompt_token_ids"] = gens[0].prompt_ids
+    if shape.chat and shape.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs(shape.names, gens[0], shape.prompt_logprobs)
     return JSONResponse(body, headers={"x-pdserve-route": ", ".join(g.route() for g in gens)})
 
 
-def whole_choice(fe: FrontEnd, index: int, gens: list[Generation], result: Collected, req: CommonRequest,
-                 shape: Shape) -> dict:
-    gen, leader = gens[index], gens[0]
+def whole_choice(index: int, gens: list[Generation], result: Collected, req: CommonRequest, shape: Shape) -> dict:
+    gen, leader = gens[index], shape.leader(gens, index)
     choice: dict = {"index": index, "logprobs": None, "finish_reason": gen.finish_reason}
     if shape.chat:
         message: dict = {"role": "assistant", "content": result.text}
@@ -460,15 +576,20 @@ def whole_choice(fe: FrontEnd, index: int, gens: list[Generation], result: Colle
                     choice["finish_reason"] = "tool_calls"
         choice["message"] = message
         if gen.params.logprobs is not None:
-            choice["logprobs"] = chat_logprobs(fe, result.logprobs)
+            choice["logprobs"] = chat_logprobs(shape.names, result.logprobs)
     else:
         if shape.echo_only:                     # max_tokens 0: the prompt alone
             result = Collected("", [], [])
             choice["finish_reason"] = "length"
-        choice["text"] = shape.echo + result.text
+        echo = shape.echo[index // shape.n] if shape.echo else ""
+        choice["text"] = echo + result.text
         if gen.params.logprobs is not None:
             lps = (echoed_logprobs(leader) if shape.echo else []) + result.logprobs
-            choice["logprobs"] = completion_logprobs(fe, lps, 0, gen.prompt_ids)
+            choice["logprobs"] = completion_logprobs(shape.names, lps, 0, gen.prompt_ids, gen.params.logprobs)
+        if shape.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs(shape.names, leader, shape.prompt_logprobs)
+        if req.return_token_ids:
+            choice["prompt_token_ids"] = gen.prompt_ids        # vLLM's place for it
     if req.return_token_ids:
         choice["token_ids"] = result.token_ids
     return choice
@@ -488,17 +609,21 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
     offsets = [0] * len(gens)                     # completions: where each choice's text is
 
     def chunk(index: int, delta: dict | None = None, text: str = "", finish: str | None = None,
-              token_ids: list[int] | None = None, logprobs: list[TokenLogprob] | None = None) -> bytes:
+              token_ids: list[int] | None = None, logprobs: list[TokenLogprob] | None = None,
+              prompt_ids: list[int] | None = None) -> bytes:
         choice: dict = {"index": index, "logprobs": None, "finish_reason": finish}
         if chat:
             choice["delta"] = delta or {}
             if logprobs:
-                choice["logprobs"] = chat_logprobs(fe, logprobs)
+                choice["logprobs"] = chat_logprobs(shape.names, logprobs)
         else:
             choice["text"] = text
             if logprobs:
-                choice["logprobs"] = completion_logprobs(fe, logprobs, offsets[index], gens[index].prompt_ids)
+                choice["logprobs"] = completion_logprobs(shape.names, logprobs, offsets[index],
+                                                         gens[index].prompt_ids, gens[index].params.logprobs)
             offsets[index] += len(text)
+            if prompt_ids is not None:
+                choice["prompt_token_ids"] = prompt_ids
         if token_ids is not None:
             choice["token_ids"] = token_ids
         event = {**base, "choices": [choice]}
@@ -506,7 +631,7 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
             # The route is known only once the choice is done: it rides on its last chunk.
             event["pdserve_route"] = gens[index].route()
         if with_usage:
-            event["usage"] = usage(gens) if every_usage else None
+            event["usage"] = usage(gens, shape.n) if every_usage else None
         return sse(event)
 
     def content(index: int, d: Delta) -> dict:
@@ -543,6 +668,7 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
         return delta, "tool_calls" if finish == "stop" else finish
 
     started = set()
+    single = len(gens) == shape.n                  # one prompt: its ids go in a chunk of their own
     try:
         async for d in running.deltas(fe.sse_keepalive):
             if d is None:
@@ -554,9 +680,10 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
                 # The role chunk goes out with the first token, as vLLM's and OpenAI's do:
                 # clients time the first token from the first chunk.
                 started.add(i)
-                if ids is not None and not started - {i}:
+                if ids is not None and single and not started - {i}:
                     yield sse({**base, "choices": [], "prompt_token_ids": gens[0].prompt_ids,
                                **({"usage": None} if with_usage else {})})
+                prompt_ids = gens[i].prompt_ids if ids is not None and not single else None
                 if chat:
                     first = {"role": "assistant", "content": ""}
                     if tools is not None and tools.streams_arguments:
@@ -564,8 +691,10 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
                             {"index": 0, **new_call(tools.name, "")}]}
                     yield chunk(i, first)
                 elif shape.echo:
-                    prompt = echoed_logprobs(gens[0]) if gens[i].params.prompt_logprobs is not None else None
-                    yield chunk(i, text=shape.echo, logprobs=prompt)
+                    prompt = echoed_logprobs(shape.leader(gens, i)) if gens[i].params.logprobs is not None else None
+                    yield chunk(i, text=shape.echo[i // shape.n], logprobs=prompt, prompt_ids=prompt_ids)
+                elif prompt_ids is not None:
+                    yield chunk(i, prompt_ids=prompt_ids)
             if shape.echo_only:
                 if d.finish_reason:
                     gens[i].completion_tokens = 0
@@ -581,7 +710,7 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
                 delta, finish = closing(i, d.finish_reason)
                 yield chunk(i, delta, finish=finish)
         if with_usage:
-            yield sse({**base, "choices": [], "usage": usage(gens)})
+            yield sse({**base, "choices": [], "usage": usage(gens, shape.n)})
     except APIError as exc:
         yield sse(exc.body())
     yield b"data: [DONE]\n\n"

@@ -12,8 +12,9 @@ import json
 import re
 from typing import Annotated, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError,
+                      field_validator, model_validator)
+from pydantic_core import PydanticCustomError
 
 from services.engine.sampling import MAX_CHOICES, MAX_STOP, MAX_TOP_LOGPROBS
 
@@ -173,6 +174,15 @@ class CommonRequest(BaseModel):
     stop_token_ids: list[StrictInt] | None = None
     user: StrictStr | None = None                       # the caller's own label: logged, no effect
     best_of: StrictInt | None = None
+    # vLLM's extensions (docs/api.md says what each does here)
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    truncate_prompt_tokens: StrictInt | None = None
+    prompt_logprobs: StrictInt | None = None
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[StrictStr] | None = None
+    return_tokens_as_token_ids: StrictBool = False
 
     @field_validator("logit_bias")
     @classmethod
@@ -199,11 +209,33 @@ class CommonRequest(BaseModel):
         return 1 if self.n is None else self.n
 
     def check(self) -> None:
-        """What no field's type says: n and best_of in range."""
+        """What no field's type says: n and best_of in range, prompt_logprobs not streamed."""
         if not 1 <= self.choices <= MAX_CHOICES:
             raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {self.n}", param="n")
         if self.best_of not in (None, self.choices):
             raise unsupported("best_of", "best_of other than n is not supported")
+        if self.prompt_logprobs is not None:
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise bad_request(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}", param="prompt_logprobs")
+            if self.stream:
+                raise bad_request("prompt_logprobs is not available when stream is true (as in vLLM)",
+                                  param="prompt_logprobs")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1 \
+                and self.truncate_prompt_tokens != -1:
+            raise bad_request("truncate_prompt_tokens must be at least 1, or -1 for the model's context length",
+                              param="truncate_prompt_tokens")
+
+    def truncate(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens (vLLM's left truncation)."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return prompt_ids
+        if keep == -1:
+            keep = max_model_len
+        elif keep > max_model_len:
+            raise bad_request(f"truncate_prompt_tokens ({keep}) is greater than the model's context length "
+                              f"({max_model_len})", param="truncate_prompt_tokens")
+        return prompt_ids[-keep:]
 
 
 def unsupported(param: str, message: str | None = None) -> APIError:
@@ -220,6 +252,10 @@ class ChatCompletionRequest(CommonRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
+    # vLLM's chat template options
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict | None = None
 
     def top_logprobs_count(self) -> int | None:
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
@@ -238,8 +274,13 @@ class ChatCompletionRequest(CommonRequest):
         return v
 
 
+Prompt = StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
+
+
 class CompletionRequest(CommonRequest):
-    prompt: StrictStr | list[StrictInt] | list[StrictStr]
+    # OpenAI's four shapes: a list of strings or of token-id lists is several prompts.
+    prompt: Prompt
     logprobs: StrictInt | None = None
     echo: StrictBool = False
 
@@ -248,19 +289,26 @@ class CompletionRequest(CommonRequest):
             raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}", param="logprobs")
         return self.logprobs
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="wrap")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list):
-            if not v:
-                raise ValueError("prompt must not be empty")
-            if isinstance(v[0], str):
-                if len(v) != 1:
-                    raise ValueError("only one prompt per request is supported")
-                return v[0]
-        elif v == "":
-            raise ValueError("prompt must not be empty")
+    def _shape(cls, v, handler):
+        try:
+            v = handler(v)
+        except ValidationError:
+            raise PydanticCustomError("prompt_shape", f"must be {PROMPT_SHAPES}") from None
+        if v == "" or v == []:
+            raise PydanticCustomError("prompt_empty", "must not be empty")
+        if isinstance(v, list) and isinstance(v[0], (str, list)):
+            empty = next((i for i, p in enumerate(v) if not p), None)
+            if empty is not None:
+                raise PydanticCustomError("prompt_empty", f"the list's prompt {empty} is empty")
         return v
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a string or its token ids."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
 
 
 class TokenizeRequest(BaseModel):
@@ -277,6 +325,7 @@ class TokenizeRequest(BaseModel):
         None, description="add the tokenizer's BOS/EOS; default true for a prompt, false for messages (the "
                           "chat template writes its own)")
     continue_final_message: StrictBool = False
+    chat_template_kwargs: dict | None = None
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -288,10 +337,6 @@ class TokenizeRequest(BaseModel):
 
     def special_tokens(self) -> bool:
         return self.add_special_tokens if self.add_special_tokens is not None else self.messages is None
-
-    def unsupported(self) -> None:
-        if self.continue_final_message:
-            raise bad_request("continue_final_message is not supported", param="continue_final_message")
 
 
 class DetokenizeRequest(BaseModel):

@@ -1,0 +1,450 @@
+"""OpenAI's Responses API (`POST /v1/responses`), served through the chat pipeline.
+
+A request becomes a chat completion request: `instructions` a system message, `input`
+(text, or a list of messages, function calls and their outputs) the conversation,
+function tools and `tool_choice` the chat's (tools.py), `text.format` the chat's
+`response_format`. What comes back is written as a Response: a message item for the
+text and a function_call item per call, or, streamed, the Responses events in the
+order the official client's `responses.stream()` folds them.
+
+The router keeps no responses: `previous_response_id`, `store: true` and the other
+fields that need server-side state or tools pdserve does not run are refused by name.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Annotated, AsyncIterator, Literal, Union
+
+from pydantic import BaseModel, Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag, field_validator
+from pydantic_core import PydanticCustomError
+
+from services.router.generation import Generation
+from services.router.frontend import Collected, RunningRequest
+from services.router.protocol import (STRICT, APIError, ChatCompletionRequest, Number, bad_request,
+                                      unsupported)
+from services.router.tools import CallStream, ToolPlan, new_call, parse_calls
+
+SSE_KEEPALIVE = b": keep-alive\n\n"
+# The chat request's fields as this API names them, for errors raised on the chat path.
+_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
+           "response_format.json_schema": "text.format", "response_format.json_schema.schema": "text.format.schema"}
+
+
+class ContentText(BaseModel):
+    """Text in an input message: the caller's (input_text) or an earlier output's sent
+    back (output_text, with the annotations and logprobs it came with)."""
+    model_config = STRICT
+    type: Literal["input_text", "output_text"]
+    text: StrictStr
+    annotations: list | None = None
+    logprobs: list | None = None
+
+
+def _text(content: list[ContentText]) -> str:
+    return "".join(p.text for p in content)
+
+
+def _as_parts(value):
+    """A string where a list of text parts may stand, as that list: errors then name the
+    part at fault, not each shape the field could take."""
+    return [{"type": "input_text", "text": value}] if isinstance(value, str) else value
+
+
+class MessageItem(BaseModel):
+    model_config = STRICT
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: list[ContentText]
+    id: StrictStr | None = None                     # an earlier output's, sent back
+    status: StrictStr | None = None
+
+    _parts = field_validator("content", mode="before")(_as_parts)
+
+
+class FunctionCallItem(BaseModel):
+    """A call the model made earlier, sent back with the conversation."""
+    model_config = STRICT
+    type: Literal["function_call"]
+    call_id: StrictStr
+    name: StrictStr
+    arguments: StrictStr
+    id: StrictStr | None = None
+    status: StrictStr | None = None
+
+
+class FunctionCallOutputItem(BaseModel):
+    """The caller's result of a call."""
+    model_config = STRICT
+    type: Literal["function_call_output"]
+    call_id: StrictStr
+    output: list[ContentText]
+    id: StrictStr | None = None
+    status: StrictStr | None = None
+
+    _parts = field_validator("output", mode="before")(_as_parts)
+
+
+def _item_type(item) -> str | None:
+    if isinstance(item, dict):
+        return item.get("type", "message")          # an easy input message may leave out its type
+    return getattr(item, "type", None)
+
+
+InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")],
+                            Annotated[FunctionCallItem, Tag("function_call")],
+                            Annotated[FunctionCallOutputItem, Tag("function_call_output")]],
+                      Discriminator(_item_type)]
+
+
+class FunctionTool(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    name: Annotated[str, Field(strict=True, pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+    description: StrictStr | None = None
+    parameters: dict | None = None
+    strict: StrictBool | None = None
+
+
+class NamedFunction(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    name: StrictStr
+
+
+class TextFormat(BaseModel):
+    model_config = STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    name: StrictStr | None = None
+    schema_: dict | StrictBool | None = Field(None, alias="schema")
+    description: StrictStr | None = None
+    strict: StrictBool | None = None
+
+
+class TextConfig(BaseModel):
+    model_config = STRICT
+    format: TextFormat | None = None
+    verbosity: StrictStr | None = None
+
+
+class ResponsesRequest(BaseModel):
+    model_config = STRICT
+    model: StrictStr | None = None
+    input: list[InputItem]                              # a string is one user message
+    instructions: StrictStr | None = None
+    max_output_tokens: StrictInt | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: StrictBool | None = None
+    text: TextConfig | None = None
+    stream: StrictBool | None = False
+    metadata: dict[StrictStr, StrictStr] | None = None     # echoed back
+    user: StrictStr | None = None                       # the caller's own label: no effect
+    # Accepted only where they ask for nothing this server lacks (check()).
+    store: StrictBool | None = None
+    previous_response_id: StrictStr | None = None
+    include: list[StrictStr] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    reasoning: dict | None = None
+    # vLLM's sampling extensions, as on the chat API
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    seed: StrictInt | None = None
+    repetition_penalty: Number | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _text_input(cls, v):
+        if isinstance(v, str):
+            return [{"role": "user", "content": v}]
+        if not isinstance(v, list):
+            raise PydanticCustomError("input_shape", "must be a string or a list of input items")
+        return v
+
+    def check(self) -> None:
+        """Refuse by name what needs state or abilities this server does not have."""
+        if self.previous_response_id is not None:
+            raise unsupported("previous_response_id", "previous_response_id is not supported: pdserve keeps no "
+                                                      "responses; send the whole conversation as input")
+        if self.store:
+            raise unsupported("store", "store: true is not supported: pdserve keeps no responses (send store: "
+                                       "false, or leave it out)")
+        if self.include:
+            raise unsupported("include", f"include {self.include[0]!r} is not supported")
+        if self.truncation == "auto":
+            raise unsupported("truncation", "truncation: auto is not supported: a conversation longer than the "
+                                            "context is refused")
+        if self.reasoning and any(v is not None for v in self.reasoning.values()):
+            raise unsupported("reasoning", "reasoning options are not supported")
+        if self.text is not None and self.text.verbosity is not None:
+            raise unsupported("text.verbosity", "text.verbosity is not supported")
+        if not self.input:
+            raise bad_request("input must not be empty", param="input")
+
+    def to_chat(self) -> ChatCompletionRequest:
+        """The same request as a chat completion."""
+        chat: dict = {"messages": self._messages(), "max_tokens": self.max_output_tokens,
+                      "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+                      "seed": self.seed, "repetition_penalty": self.repetition_penalty, "user": self.user,
+                      "parallel_tool_calls": self.parallel_tool_calls}
+        if self.tools:
+            chat["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                             for t in self.tools]
+        choice = self.tool_choice
+        chat["tool_choice"] = {"type": "function", "function": {"name": choice.name}} \
+            if isinstance(choice, NamedFunction) else choice
+        fmt = self.text and self.text.format
+        if fmt is not None and fmt.type != "text":
+            chat["response_format"] = {"type": fmt.type}
+            if fmt.type == "json_schema":
+                if fmt.schema_ is None:
+                    raise bad_request("text.format json_schema needs its schema", param="text.format.schema")
+                chat["response_format"]["json_schema"] = {
+                    "name": fmt.name or "response", "schema": fmt.schema_,
+                    **{k: v for k, v in (("description", fmt.description), ("strict", fmt.strict)) if v is not None}}
+        return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
+
+    def _messages(self) -> list[dict]:
+        out: list[dict] = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        for item in self.input:
+            if isinstance(item, MessageItem):
+                out.append({"role": item.role, "content": _text(item.content)})
+            elif isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                last = out[-1] if out else None
+                if last is not None and last["role"] == "assistant":     # calls of one turn go together
+                    last.setdefault("tool_calls", []).append(call)
+                else:
+                    out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            else:
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
+        return out
+
+
+def in_responses_terms(exc: APIError) -> APIError:
+    """An error of the chat path, naming this API's fields."""
+    if exc.param in _PARAMS:
+        exc.param = _PARAMS[exc.param]
+    return exc
+
+
+def new_response_id() -> str:
+    return f"resp_{uuid.uuid4().hex}"
+
+
+class ResponseWriter:
+    """One request's Response: whole, or as the stream of events that builds it."""
+
+    def __init__(self, req: ResponsesRequest, response_id: str, model: str, tools: ToolPlan | None,
+                 gen: Generation) -> None:
+        self.req = req
+        self.id = response_id
+        self.model = model
+        self.tools = tools
+        self.gen = gen
+        self.created = int(time.time())
+        self.message_id = f"msg_{uuid.uuid4().hex}"
+        self._seq = 0
+
+    # ---- the Response object ----
+    def response(self, status: str, output: list[dict], error: dict | None = None) -> dict:
+        req = self.req
+        fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format \
+            else {"type": "text"}
+        choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedFunction) \
+            else req.tool_choice or "auto"
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        out = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+               "error": error, "incomplete_details": incomplete, "instructions": req.instructions,
+               "max_output_tokens": req.max_output_tokens, "model": self.model, "output": output,
+               "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": None,
+               "reasoning": None, "store": False, "temperature": 1.0 if req.temperature is None else req.temperature,
+               "text": {"format": fmt}, "tool_choice": choice,
+               "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
+               "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled", "user": req.user,
+               "metadata": req.metadata or {}, "usage": None}
+        if status in ("completed", "incomplete"):
+            out["usage"] = self.usage()
+        if status == "completed":
+            out["completed_at"] = int(time.time())
+        return out
+
+    def usage(self) -> dict:
+        gen = self.gen
+        return {"input_tokens": len(gen.prompt_ids), "input_tokens_details": {"cached_tokens": gen.cached_tokens},
+                "output_tokens": gen.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": len(gen.prompt_ids) + gen.completion_tokens}
+
+    def _status(self) -> str:
+        return "incomplete" if self.gen.finish_reason == "length" else "completed"
+
+    def message(self, text: str, status: str) -> dict:
+        content = [] if status == "in_progress" else [_output_text(text)]
+        return {"id": self.message_id, "type": "message", "role": "assistant", "status": status, "content": content}
+
+    @staticmethod
+    def function_call(call: dict, status: str, arguments: str | None = None) -> dict:
+        fn = call["function"]
+        return {"id": f"fc_{call['id'].removeprefix('call_')}", "type": "function_call", "call_id": call["id"],
+                "name": fn["name"], "arguments": fn["arguments"] if arguments is None else arguments,
+                "status": status}
+
+    def whole(self, result: Collected) -> dict:
+        text, calls = self._split(result.text)
+        status = self._status()
+        output = [self.message(text, status)] if text or not calls else []
+        output += [self.function_call(c, "completed") for c in calls]
+        return self.response(status, output)
+
+    def _split(self, text: str) -> tuple[str, list[dict]]:
+        if self.tools is None:
+            return text, []
+        content, calls = parse_calls(self.tools, text)
+        return content or "", calls
+
+    # ---- streamed ----
+    def _event(self, type_: str, **fields) -> bytes:
+        data = {"type": type_, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return f"event: {type_}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+
+    async def events(self, running: RunningRequest, keepalive: float) -> AsyncIterator[bytes]:
+        stream = _EventStream(self)
+        yield self._event("response.created", response=self.response("in_progress", []))
+        yield self._event("response.in_progress", response=self.response("in_progress", []))
+        try:
+            async for d in running.deltas(keepalive):
+                if d is None:
+                    yield SSE_KEEPALIVE
+                    continue
+                for event in stream.feed(d.text):
+                    yield event
+                if d.finish_reason:
+                    for event in stream.close():
+                        yield event
+            status = self._status()
+            yield self._event(f"response.{status}", response=self.response(status, stream.output))
+        except APIError as exc:
+            yield self._event("error", code=exc.code or exc.type, message=exc.message, param=exc.param)
+            yield self._event("response.failed", response=self.response(
+                "failed", stream.output, {"code": exc.code or exc.type, "message": exc.message}))
+
+
+def _output_text(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+class _EventStream:
+    """The output items of one streamed response, as their events: text goes to one
+    message item, opened when the first text comes; each call is a function_call item
+    (a named call's arguments stream as they come; the others' go whole once known)."""
+
+    def __init__(self, writer: ResponseWriter) -> None:
+        self.w = writer
+        self._done: list[tuple[int, dict]] = []     # (output index, item) of the items done
+        self._indices = 0
+        self._message: int | None = None    # the open message's output index
+        self._text = ""
+        self._held = ""                     # "required" calls: known at the end
+        self._auto = CallStream()
+        self._named: tuple[int, dict] | None = None     # (output index, call) of a named call
+        self._arguments = ""
+
+    def _next_index(self) -> int:
+        self._indices += 1
+        return self._indices - 1
+
+    def feed(self, text: str) -> list[bytes]:
+        tools = self.w.tools
+        if tools is None:
+            return self._say(text)
+        if tools.mode == "named":
+            return self._named_arguments(text)
+        if tools.mode == "auto":
+            content, calls = self._auto.feed(text)
+            return self._say(content) + [e for call in calls for e in self._whole_call(call)]
+        self._held += text
+        return []
+
+    def close(self) -> list[bytes]:
+        tools, events = self.w.tools, []
+        if tools is not None and tools.mode == "auto":
+            events += self._say(self._auto.close())
+        elif tools is not None and tools.mode == "required":
+            text, calls = parse_calls(tools, self._held)
+            events += self._say(text or "") + [e for call in calls for e in self._whole_call(call)]
+        elif self._named is not None:
+            events += self._end_named()
+        if self._message is None and not self._done:
+            events += self._open_message()              # no text and no call: an empty message
+        if self._message is not None:
+            events += self._end_message()
+        return events
+
+    @property
+    def output(self) -> list[dict]:
+        """The items done, in output order."""
+        return [item for _, item in sorted(self._done, key=lambda done: done[0])]
+
+    def _open_message(self) -> list[bytes]:
+        w, index = self.w, self._next_index()
+        self._message = index
+        return [w._event("response.output_item.added", output_index=index, item=w.message("", "in_progress")),
+                w._event("response.content_part.added", item_id=w.message_id, output_index=index, content_index=0,
+                         part=_output_text(""))]
+
+    def _say(self, text: str) -> list[bytes]:
+        if not text:
+            return []
+        events = self._open_message() if self._message is None else []
+        self._text += text
+        return events + [self.w._event("response.output_text.delta", item_id=self.w.message_id,
+                                       output_index=self._message, content_index=0, delta=text, logprobs=[])]
+
+    def _end_message(self) -> list[bytes]:
+        w, index, status = self.w, self._message, self.w._status()
+        item = w.message(self._text, status)
+        self._done.append((index, item))
+        return [w._event("response.output_text.done", item_id=w.message_id, output_index=index, content_index=0,
+                         text=self._text, logprobs=[]),
+                w._event("response.content_part.done", item_id=w.message_id, output_index=index, content_index=0,
+                         part=_output_text(self._text)),
+                w._event("response.output_item.done", output_index=index, item=item)]
+
+    def _named_arguments(self, text: str) -> list[bytes]:
+        w, events = self.w, []
+        if self._named is None:
+            self._named = (self._next_index(), new_call(w.tools.name, ""))
+            events.append(w._event("response.output_item.added", output_index=self._named[0],
+                                   item=w.function_call(self._named[1], "in_progress", "")))
+        if text:
+            self._arguments += text
+            item_id = w.function_call(self._named[1], "in_progress")["id"]
+            events.append(w._event("response.function_call_arguments.delta", item_id=item_id,
+                                   output_index=self._named[0], delta=text))
+        return events
+
+    def _end_named(self) -> list[bytes]:
+        index, call = self._named
+        return self._call_done(index, call, self._arguments)
+
+    def _whole_call(self, call: dict) -> list[bytes]:
+        w, index = self.w, self._next_index()
+        arguments = call["function"]["arguments"]
+        item = w.function_call(call, "in_progress", "")
+        return [w._event("response.output_item.added", output_index=index, item=item),
+                w._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                         delta=arguments),
+                *self._call_done(index, call, arguments)]
+
+    def _call_done(self, index: int, call: dict, arguments: str) -> list[bytes]:
+        w = self.w
+        item = w.function_call(call, "completed", arguments)
+        self._done.append((index, item))
+        return [w._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                         name=item["name"], arguments=arguments),
+                w._event("response.output_item.done", output_index=index, item=item)]

@@ -1,0 +1,453 @@
+"""What real clients send, through the real cluster (float32, greedy): every OpenAI
+shape of a completions prompt (batches and token ids, as evaluation harnesses send
+them), vLLM's request extensions checked against their definitions, /tokenizer_info,
+and the Responses API with the official `openai` client (and the Agents SDK where it is
+installed)."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from services.engine.tokenizer import encode_chat
+
+MODEL = "SmolLM2-135M-Instruct"
+EOS = 2                                         # <|im_end|>
+PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time, in a land far"]
+
+
+def _client(http: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{http}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _post(http: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{http}{path}", json=body, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from services.engine.tokenizer import load_tokenizer
+    return load_tokenizer(model_dir)
+
+
+def _complete(http: str, **body) -> dict:
+    r = _post(http, "/v1/completions", {"max_tokens": 6, "temperature": 0, "return_token_ids": True, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _streamed(http: str, **body) -> dict[int, dict]:
+    """Each choice of a streamed completion: its text, token ids and finish reason."""
+    out: dict[int, dict] = {}
+    body = {"max_tokens": 6, "temperature": 0, "return_token_ids": True, "stream": True, **body}
+    with httpx.stream("POST", f"{http}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for c in json.loads(line[6:])["choices"]:
+                got = out.setdefault(c["index"], {"text": "", "token_ids": [], "finish_reason": None})
+                got["text"] += c["text"]
+                got["token_ids"] += c.get("token_ids") or []
+                got["finish_reason"] = got["finish_reason"] or c["finish_reason"]
+    return out
+
+
+# ---- prompt shapes ----
+
+def test_every_prompt_shape_answers_as_its_prompts_sent_one_at_a_time(cluster):
+    """A string, a list of strings, a list of token ids and a list of token-id lists,
+    streamed and not, n 1 and 2: choice index = prompt x n + choice, usage summed, and
+    every choice token for token what its prompt alone gives."""
+    http = cluster.http
+    alone = [_complete(http, prompt=p) for p in PROMPTS]
+    ids = [a["choices"][0]["prompt_token_ids"] for a in alone]
+    want = [(a["choices"][0]["text"], a["choices"][0]["token_ids"]) for a in alone]
+    for prompt in (PROMPTS, ids):
+        for n in (1, 2):
+            r = _complete(http, prompt=prompt, n=n)
+            assert [c["index"] for c in r["choices"]] == list(range(len(PROMPTS) * n))
+            assert [(c["text"], c["token_ids"]) for c in r["choices"]] == [w for w in want for _ in range(n)]
+            assert [c["prompt_token_ids"] for c in r["choices"]] == [i for i in ids for _ in range(n)]
+            assert r["usage"]["prompt_tokens"] == sum(map(len, ids))
+            assert r["usage"]["completion_tokens"] == n * sum(len(t) for _, t in want)
+            streamed = _streamed(http, prompt=prompt, n=n)
+            assert [(streamed[i]["text"], streamed[i]["token_ids"]) for i in sorted(streamed)] == \
+                [w for w in want for _ in range(n)]
+    one = _complete(http, prompt=ids[1])                   # a list of ids is one prompt
+    assert (one["choices"][0]["text"], one["choices"][0]["token_ids"]) == want[1]
+    assert one["prompt_token_ids"] == ids[1]
+    assert _complete(http, prompt=[PROMPTS[2]])["choices"][0]["token_ids"] == want[2][1]
+
+
+def test_a_batch_scores_prompts_as_evaluation_harnesses_ask(cluster):
+    """lm-eval's loglikelihood request: token-id lists, echo, logprobs 1, max_tokens 1;
+    each prompt's logprobs those of the prompt sent alone."""
+    http = cluster.http
+    ids = [_complete(http, prompt=p)["choices"][0]["prompt_token_ids"] for p in PROMPTS]
+    body = {"echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0, "seed": 1234}
+    batch = _post(http, "/v1/completions", {"prompt": ids, **body}).json()["choices"]
+    for i, prompt in enumerate(ids):
+        alone = _post(http, "/v1/completions", {"prompt": [prompt], **body}).json()["choices"][0]
+        got = batch[i]["logprobs"]
+        assert got["tokens"] == alone["logprobs"]["tokens"] and len(got["tokens"]) == len(prompt) + 1
+        assert got["token_logprobs"][0] is None
+        assert got["token_logprobs"][1:] == pytest.approx(alone["logprobs"]["token_logprobs"][1:], abs=1e-4)
+        assert batch[i]["text"] == alone["text"]
+
+
+@pytest.mark.parametrize("prompt, message", [
+    (5, "prompt: must be a string, a list of strings, a list of token ids, or a list of token-id lists"),
+    (["a", 1], "prompt: must be a string, a list of strings"),
+    ([[1], ["a"]], "prompt: must be a string"),
+    ([True], "prompt: must be a string"),
+    ([], "prompt: must not be empty"),
+    (["a", ""], "prompt: the list's prompt 1 is empty"),
+    ([[1], []], "prompt: the list's prompt 1 is empty"),
+])
+def test_a_bad_prompt_is_told_the_shapes_accepted(cluster, prompt, message):
+    r = _post(cluster.http, "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), r.text
+    assert r.json()["error"]["param"] == "prompt"
+
+
+def test_a_batchs_bad_prompt_is_named_by_its_place(cluster):
+    r = _post(cluster.http, "/v1/completions", {"prompt": [[1, 2], [3, 49152]], "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt.1", r.text
+
+
+# ---- vLLM's extensions ----
+
+CHAT = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Name a planet."}]
+
+
+def _chat(http: str, **body) -> dict:
+    r = _post(http, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 24, "temperature": 0,
+                                             "return_token_ids": True, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_ignore_eos_and_min_tokens_as_vllm_defines_them(cluster):
+    """ignore_eos: EOS is sampled like any token and the output goes on to max_tokens;
+    min_tokens: EOS cannot come before that many tokens."""
+    base = _chat(cluster.http)["choices"][0]
+    k = len(base["token_ids"]) - 1
+    assert base["finish_reason"] == "stop" and base["token_ids"][-1] == EOS and k < 16
+    ignored = _chat(cluster.http, ignore_eos=True)["choices"][0]
+    assert ignored["finish_reason"] == "length" and len(ignored["token_ids"]) == 24
+    assert ignored["token_ids"][:k + 1] == base["token_ids"]         # the EOS itself, then more
+    held = _chat(cluster.http, min_tokens=k + 3)["choices"][0]
+    assert held["token_ids"][:k] == base["token_ids"][:k] and EOS not in held["token_ids"][:k + 3]
+    assert len(held["token_ids"]) >= k + 4 or held["finish_reason"] == "length"
+
+
+def test_special_tokens_in_the_text_and_the_stop_string_kept(cluster, tokenizer):
+    """skip_special_tokens: false writes special tokens out; a stop token ends the text
+    before it unless include_stop_str_in_output (vLLM's detokenizer);
+    spaces_between_special_tokens reaches the decode (a fast tokenizer ignores it)."""
+    http = cluster.http
+    ids = _chat(http, ignore_eos=True, max_tokens=14)["choices"][0]["token_ids"]
+    for spaces in (True, False):
+        shown = _chat(http, ignore_eos=True, skip_special_tokens=False, max_tokens=14,
+                      spaces_between_special_tokens=spaces)["choices"][0]
+        assert shown["token_ids"] == ids
+        assert shown["message"]["content"] == tokenizer.decode(ids, skip_special_tokens=False,
+                                                               spaces_between_special_tokens=spaces)
+        assert "<|im_end|>" in shown["message"]["content"]
+    ended = _chat(http, skip_special_tokens=False)["choices"][0]
+    assert ended["token_ids"][-1] == EOS and "<|im_end|>" not in ended["message"]["content"]
+    kept = _chat(http, skip_special_tokens=False, include_stop_str_in_output=True)["choices"][0]
+    assert kept["message"]["content"] == ended["message"]["content"] + "<|im_end|>"
+    # a stop string: left out, or kept with include_stop_str_in_output, streamed or not
+    prompt = {"prompt": "Count with me: 1, 2, 3,", "max_tokens": 12, "stop": [","]}
+    cut = _complete(http, **prompt)["choices"][0]
+    with_stop = _complete(http, **prompt, include_stop_str_in_output=True)["choices"][0]
+    assert cut["finish_reason"] == with_stop["finish_reason"] == "stop" and "," not in cut["text"]
+    assert with_stop["text"] == cut["text"] + "," and with_stop["token_ids"] == cut["token_ids"]
+    assert _streamed(http, **prompt, include_stop_str_in_output=True)[0]["text"] == with_stop["text"]
+    # a stop token that is no special token: in token_ids, its text only with include_stop_str_in_output
+    free = _complete(http, prompt=prompt["prompt"], max_tokens=6)["choices"][0]
+    comma = free["token_ids"][next(i for i, t in enumerate(free["token_ids"]) if "," in tokenizer.decode([t]))]
+    by_token = _complete(http, prompt=prompt["prompt"], max_tokens=6, stop_token_ids=[comma])["choices"][0]
+    assert by_token["token_ids"][-1] == comma and by_token["finish_reason"] == "stop"
+    assert by_token["text"] == tokenizer.decode(by_token["token_ids"][:-1])
+    kept_token = _complete(http, prompt=prompt["prompt"], max_tokens=6, stop_token_ids=[comma],
+                           include_stop_str_in_output=True)["choices"][0]
+    assert kept_token["text"] == tokenizer.decode(by_token["token_ids"])
+    assert _streamed(http, prompt=prompt["prompt"], max_tokens=6, stop_token_ids=[comma])[0]["text"] == \
+        by_token["text"]
+
+
+def test_chat_template_options(cluster, tokenizer):
+    """add_generation_prompt, continue_final_message and chat_template_kwargs, as the
+    template renders them."""
+    http = cluster.http
+    start = [*CHAT, {"role": "assistant", "content": "The planet is"}]
+    r = _chat(http, messages=start, add_generation_prompt=False, continue_final_message=True, max_tokens=3)
+    assert r["prompt_token_ids"] == encode_chat(tokenizer, start, add_generation_prompt=False,
+                                                continue_final_message=True)
+    assert tokenizer.decode(r["prompt_token_ids"]).endswith("The planet is")
+    bare = _chat(http, add_generation_prompt=False, max_tokens=1)["prompt_token_ids"]
+    assert bare == encode_chat(tokenizer, CHAT, add_generation_prompt=False)
+    # kwargs are the template's variables; this template reads none of them (as vLLM,
+    # one it does not read changes nothing), and they may set the two options above
+    assert _chat(http, max_tokens=1, chat_template_kwargs={"enable_thinking": False})["prompt_token_ids"] == \
+        _chat(http, max_tokens=1)["prompt_token_ids"]
+    assert _chat(http, max_tokens=1, chat_template_kwargs={"add_generation_prompt": False})["prompt_token_ids"] \
+        == bare
+    tokenized = _post(http, "/tokenize", {"messages": start, "add_generation_prompt": False,
+                                          "continue_final_message": True}).json()["tokens"]
+    assert tokenized == r["prompt_token_ids"]
+    for body, param in [({"messages": start, "continue_final_message": True}, "continue_final_message"),
+                        ({"messages": CHAT, "chat_template_kwargs": {"tokenize": True}},
+                         "chat_template_kwargs.tokenize"),
+                        ({"messages": CHAT, "chat_template_kwargs": {"conversation": []}},
+                         "chat_template_kwargs.conversation"),
+                        ({"messages": CHAT, "chat_template_kwargs": []}, "chat_template_kwargs")]:
+        refused = _post(http, "/v1/chat/completions", body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+
+
+def test_a_template_variable_from_chat_template_kwargs(tokenizer):
+    import copy
+    tok = copy.copy(tokenizer)
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                         "{% if enable_thinking is defined and not enable_thinking %}/no_think{% endif %}")
+    text = tok.decode(encode_chat(tok, CHAT, template_kwargs={"enable_thinking": False}))
+    assert text.endswith("/no_think") and not tok.decode(encode_chat(tok, CHAT)).endswith("/no_think")
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(cluster):
+    http = cluster.http
+    full = _complete(http, prompt=PROMPTS[2])
+    ids = full["choices"][0]["prompt_token_ids"]
+    cut = _complete(http, prompt=PROMPTS[2], truncate_prompt_tokens=4)
+    assert cut["prompt_token_ids"] == ids[-4:] and cut["usage"]["prompt_tokens"] == 4
+    assert cut["choices"][0]["token_ids"] == _complete(http, prompt=ids[-4:])["choices"][0]["token_ids"]
+    assert _complete(http, prompt=PROMPTS[2], truncate_prompt_tokens=-1)["choices"][0]["token_ids"] == \
+        full["choices"][0]["token_ids"]
+    chat = _chat(http, truncate_prompt_tokens=5, max_tokens=1)
+    assert chat["prompt_token_ids"] == _chat(http, max_tokens=1)["prompt_token_ids"][-5:]
+    for value in (0, -2, 10**6):
+        r = _post(http, "/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
+def test_prompt_logprobs_as_vllm_returns_them(cluster):
+    """Per prompt token after the first: the token's log probability (the one echo with
+    logprobs gives, checked against transformers in test_api_features) and the k likeliest,
+    by token id, with rank and text; on each completions choice, at the top of a chat
+    response; not when streamed."""
+    http = cluster.http
+    echoed = _post(http, "/v1/completions", {"prompt": PROMPTS[0], "echo": True, "logprobs": 3, "max_tokens": 1,
+                                             "temperature": 0}).json()["choices"][0]["logprobs"]
+    r = _complete(http, prompt=PROMPTS[0], prompt_logprobs=2, max_tokens=1)
+    ids = r["choices"][0]["prompt_token_ids"]
+    got = r["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    for i, (token, entry) in enumerate(zip(ids[1:], got[1:]), 1):
+        assert entry[str(token)]["logprob"] == pytest.approx(echoed["token_logprobs"][i], abs=1e-4)
+        tops = sorted(((v["rank"], v["logprob"]) for v in entry.values() if v["rank"] is not None))
+        assert [rank for rank, _ in tops] == [1, 2]
+        assert [lp for _, lp in tops] == pytest.approx(sorted(echoed["top_logprobs"][i].values(),
+                                                              reverse=True)[:2], abs=1e-4)
+        assert all(v["decoded_token"] for v in entry.values()) and 2 <= len(entry) <= 3
+    chat = _chat(http, prompt_logprobs=0, max_tokens=1)
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == len(chat["prompt_token_ids"])
+    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+    for body in ({"prompt": "hi", "prompt_logprobs": 1, "stream": True}, {"prompt": "hi", "prompt_logprobs": 21}):
+        refused = _post(http, "/v1/completions", body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_allowed_token_ids_and_bad_words(cluster, tokenizer):
+    """allowed_token_ids: only those are sampled, the likeliest of them when greedy;
+    bad_words: the output never holds a word's tokens (with or without its leading
+    space), whatever it would have said."""
+    http = cluster.http
+    base = _complete(http, prompt=PROMPTS[0], max_tokens=8, logprobs=20)["choices"][0]
+    # The greedy tokens allowed (and some others): the same output.
+    allowed = sorted(set(base["token_ids"]) | {100, 200, 300})
+    assert _complete(http, prompt=PROMPTS[0], max_tokens=8, allowed_token_ids=allowed)["choices"][0]["token_ids"] \
+        == base["token_ids"]
+    # The second likeliest first token and two others: that token first, then only those.
+    tops = _complete(http, prompt=PROMPTS[0], max_tokens=1, logprobs=2,
+                     return_tokens_as_token_ids=True)["choices"][0]["logprobs"]["top_logprobs"][0]
+    runner_up = int(sorted(tops, key=tops.get)[0].removeprefix("token_id:"))
+    narrow = [runner_up, 100, 200]
+    assert base["token_ids"][0] not in narrow
+    out = _complete(http, prompt=PROMPTS[0], max_tokens=5, allowed_token_ids=narrow)["choices"][0]["token_ids"]
+    assert out[0] == runner_up and set(out) <= set(narrow)
+    for bad in ({"allowed_token_ids": []}, {"allowed_token_ids": [49152]}, {"allowed_token_ids": ["1"]}):
+        r = _post(http, "/v1/completions", {"prompt": "hi", **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("allowed_token_ids"), r.text
+    word = base["text"].split()[0]                          # the greedy output's first word
+    banned = [tokenizer.encode(w, add_special_tokens=False) for w in (word, " " + word)]
+    free = _complete(http, prompt=PROMPTS[0], max_tokens=8, bad_words=[word])["choices"][0]
+    assert free["token_ids"] != base["token_ids"]
+    for seq in banned:
+        assert not any(free["token_ids"][i:i + len(seq)] == seq for i in range(len(free["token_ids"])))
+    assert _post(http, "/v1/completions", {"prompt": "hi", "bad_words": "x"}).json()["error"]["param"] == "bad_words"
+
+
+def test_return_tokens_as_token_ids_names_tokens_by_id(cluster):
+    http = cluster.http
+    r = _complete(http, prompt=PROMPTS[0], logprobs=2, return_tokens_as_token_ids=True)["choices"][0]
+    assert r["logprobs"]["tokens"] == [f"token_id:{t}" for t in r["token_ids"]]
+    assert all(k.startswith("token_id:") for top in r["logprobs"]["top_logprobs"] for k in top)
+    chat = _chat(http, logprobs=True, top_logprobs=1, return_tokens_as_token_ids=True, max_tokens=4)["choices"][0]
+    assert [c["token"] for c in chat["logprobs"]["content"]] == [f"token_id:{t}" for t in chat["token_ids"]]
+
+
+def test_grpc_takes_allowed_token_ids_and_bad_words(cluster):
+    import grpc
+    from services.rpc import generate_pb2, generate_pb2_grpc
+    with grpc.insecure_channel(cluster.grpc) as ch:
+        stub = generate_pb2_grpc.GeneratorStub(ch)
+        sampling = generate_pb2.SamplingParams(max_tokens=4, temperature=0, allowed_token_ids=[100, 200],
+                                               bad_words=[generate_pb2.TokenIds(ids=[100])])
+        ids = [t for m in stub.Generate(generate_pb2.GenerateRequest(prompt="Hello", sampling=sampling), timeout=60)
+               for t in m.token_ids]
+    assert ids == [200] * 4
+
+
+# ---- /tokenizer_info ----
+
+def test_tokenizer_info_as_vllm_serves_it(cluster, tokenizer, model_dir):
+    info = httpx.get(f"{cluster.http}/tokenizer_info", timeout=30).json()
+    max_model_len = httpx.get(f"{cluster.http}/v1/models").json()["data"][0]["max_model_len"]
+    assert info["tokenizer_class"] == type(tokenizer).__name__
+    assert (info["eos_token"], info["bos_token"], info["pad_token"]) == ("<|im_end|>", "<|im_start|>", "<|im_end|>")
+    assert info["chat_template"] == tokenizer.chat_template and info["model_max_length"] == max_model_len
+    assert info["added_tokens_decoder"]["2"] == "<|im_end|>" and info["name_or_path"] == MODEL
+    assert str(model_dir) not in json.dumps(info)          # the server's paths stay on it
+
+
+# ---- the Responses API ----
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city", "strict": True,
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                          "required": ["city"], "additionalProperties": False}}
+ASK = "What is the weather like in Paris today?"
+
+
+def test_responses_text_is_the_chat_completions(cluster):
+    """Text in, text out, whole and streamed: the same tokens as the chat API given the
+    same conversation (instructions as its system message); cut by max_output_tokens,
+    the response is incomplete."""
+    client = _client(cluster.http)
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)
+    kw = dict(model=MODEL, instructions=CHAT[0]["content"], input=CHAT[1]["content"], max_output_tokens=24,
+              temperature=0)
+    r = client.responses.create(**kw)
+    assert r.status == "completed" and r.output_text == chat.choices[0].message.content
+    assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == chat.usage.completion_tokens
+    as_items = client.responses.create(model=MODEL, input=[{"role": m["role"], "content": m["content"]} for m in CHAT],
+                                       max_output_tokens=24, temperature=0)
+    assert as_items.output_text == r.output_text
+    with client.responses.stream(**kw) as stream:
+        events = [e for e in stream]
+        final = stream.get_final_response()
+    assert [e.type for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        *["response.output_text.delta"] * (len(events) - 8), "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert final.output_text == r.output_text == "".join(e.delta for e in events[4:-4])
+    assert final.usage.output_tokens == r.usage.output_tokens and final.id == events[0].response.id
+    cut = client.responses.create(model=MODEL, input=ASK, max_output_tokens=5, temperature=0)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    with client.responses.stream(model=MODEL, input=ASK, max_output_tokens=5, temperature=0) as stream:
+        events = [e for e in stream]
+    assert events[-1].type == "response.incomplete" and events[-1].response.status == "incomplete"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == cut.output_text
+
+
+def test_responses_function_tools(tools_router):
+    """A forced call (named or required), streamed and not, with arguments that meet the
+    tool's schema; then the conversation with its output goes on."""
+    client = _client(tools_router)
+    params = WEATHER["parameters"]
+    for choice in ({"type": "function", "name": "get_weather"}, "required"):
+        r = client.responses.create(model=MODEL, input=ASK, tools=[WEATHER], tool_choice=choice,
+                                    parallel_tool_calls=False, max_output_tokens=60, temperature=0)
+        (call,) = [o for o in r.output if o.type == "function_call"]
+        assert call.name == "get_weather" and call.call_id.startswith("call_")
+        jsonschema.validate(json.loads(call.arguments), params)
+        with client.responses.stream(model=MODEL, input=ASK, tools=[WEATHER], tool_choice=choice,
+                                     parallel_tool_calls=False, max_output_tokens=60, temperature=0) as stream:
+            deltas = "".join(e.delta for e in stream if e.type == "response.function_call_arguments.delta")
+            final = stream.get_final_response()
+        (streamed,) = [o for o in final.output if o.type == "function_call"]
+        assert streamed.arguments == deltas == call.arguments
+    follow = client.responses.create(model=MODEL, tools=[WEATHER], max_output_tokens=8, temperature=0, input=[
+        {"role": "user", "content": ASK},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"sky": "clear", "celsius": 21}'}])
+    assert follow.status in ("completed", "incomplete") and follow.output
+
+
+def test_responses_json_schema(cluster):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    client = _client(cluster.http)
+    fmt = {"format": {"type": "json_schema", "name": "person", "schema": schema, "strict": True}}
+    r = client.responses.create(model=MODEL, input="Describe a person as JSON.", text=fmt, max_output_tokens=60,
+                                temperature=0)
+    jsonschema.validate(json.loads(r.output_text), schema)
+    assert r.text.format.type == "json_schema"
+    with client.responses.stream(model=MODEL, input="Describe a person as JSON.", text=fmt, max_output_tokens=60,
+                                 temperature=0) as stream:
+        final = stream.get_final_response()
+    assert final.output_text == r.output_text
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"store": True}, "store"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"tools": [{"type": "web_search"}]}, "tools.0"),
+    ({"input": [{"type": "input_image", "image_url": "x"}]}, "input.0"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input.0.message.content"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"max_output_tokens": 10**6}, "input"),               # prompt and output past the context
+    ({"input": 5}, "input"),
+])
+def test_responses_refuse_by_name_what_they_cannot_do(cluster, body, param):
+    r = _post(cluster.http, "/v1/responses", {"model": MODEL, "input": "hi", **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith(param), r.text
+    assert _post(cluster.http, "/v1/responses", {"input": "hi", "store": False, "max_output_tokens": 1}) \
+        .status_code == 200
+
+
+def test_an_agent_runs_a_tool(tools_router):
+    """The OpenAI Agents SDK, one run: the model calls the tool, the agent stops on it."""
+    agents = pytest.importorskip("agents")
+    from agents.models.openai_responses import OpenAIResponsesModel
+    agents.set_tracing_disabled(True)                       # no export to any remote service
+    calls = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"sunny in {city}"
+
+    model = OpenAIResponsesModel(model=MODEL, openai_client=openai.AsyncOpenAI(
+        base_url=f"{tools_router}/v1", api_key="unused", max_retries=0))
+    agent = agents.Agent(name="weather", instructions="Answer with the tool.", model=model, tools=[get_weather],
+                         tool_use_behavior="stop_on_first_tool",
+                         model_settings=agents.ModelSettings(tool_choice="required", max_tokens=60, temperature=0))
+    result = agents.Runner.run_sync(agent, ASK)
+    assert len(calls) == 1 and result.final_output == f"sunny in {calls[0]}"
