@@ -145,6 +145,19 @@ def test_ignore_eos_and_min_tokens_as_vllm_defines_them(cluster):
     assert len(held["token_ids"]) >= k + 4 or held["finish_reason"] == "length"
 
 
+def test_stop_strings_wait_for_min_tokens_as_vllm_does(cluster, tokenizer):
+    """vLLM looks for stop strings only once min_tokens tokens are out: a stop string in
+    the first tokens passes, and the output goes on to the next one after them."""
+    ids = _chat(cluster.http, ignore_eos=True)["choices"][0]["token_ids"]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    word = next(w for w in text.split() if w.isalpha() and len(w) > 2)         # in its first words
+    early = _chat(cluster.http, ignore_eos=True, stop=[word])["choices"][0]
+    assert early["finish_reason"] == "stop" and word not in early["message"]["content"]
+    late = _chat(cluster.http, ignore_eos=True, stop=[word], min_tokens=len(early["token_ids"]) + 1)["choices"][0]
+    assert late["message"]["content"].startswith(early["message"]["content"] + word)
+    assert len(late["token_ids"]) > len(early["token_ids"])
+
+
 def test_special_tokens_in_the_text_and_the_stop_string_kept(cluster, tokenizer):
     """skip_special_tokens: false writes special tokens out; a stop token ends the text
     before it unless include_stop_str_in_output (vLLM's detokenizer);

@@ -82,3 +82,11 @@ def test_a_choice_rewritten_with_vllms_text_options(tok):
         assert run(TextOptions(), size=size) == "Hello there, friend"
         assert run(TextOptions(include_stop_str_in_output=True), (", f",), size=size) == "Hello there, f"
         assert run(TextOptions(), (", f",), size=size) == "Hello there"
+
+
+def test_a_stop_matcher_not_armed_lets_a_stop_string_pass():
+    """Before min_tokens (vLLM): no stop string is looked for, and nothing is held back."""
+    m = StopMatcher(("END",))
+    assert m.feed("one EN", armed=False) == ("one EN", False)
+    assert m.feed("D two E", armed=True) == ("D two ", False)         # "E" may begin "END": held
+    assert m.feed("ND three", armed=True) == ("", True)

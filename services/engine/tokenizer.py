@@ -111,11 +111,16 @@ class StopMatcher:
                     break
         return best
 
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Returns (text safe to emit, whether a stop string was hit)."""
+    def feed(self, text: str, armed: bool = True) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop string was hit). Not `armed` (the
+        output is shorter than min_tokens: vLLM looks for no stop string then), the text
+        passes as it is."""
         if not self._stops:
             return text, False
         buf = self._pending + text
+        if not armed:
+            self._pending = ""
+            return buf, False
         hits = [(i, i + len(s)) for i, s in ((buf.find(s), s) for s in self._stops) if i >= 0]
         if hits:
             self._pending = ""

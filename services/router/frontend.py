@@ -199,7 +199,8 @@ class FrontEnd:
         # The cluster's text keeps a stop token's text; vLLM's leaves it out: written
         # again here where that can differ (a stop token that is no special token).
         if text.rewrites or prompts[0][0].params.stop_token_ids:
-            texts = [[ChoiceText(self.tokenizer, g.prompt_ids, g.params.stop, text) for g in gens] for gens in prompts]
+            texts = [[ChoiceText(self.tokenizer, g.prompt_ids, g.params.stop, text, g.params.min_tokens)
+                      for g in gens] for gens in prompts]
         return RunningRequest(self.cluster, self.admission, list(zip(tickets, prompts)),
                               min(deadline or self.request_timeout, self.request_timeout), texts)
 

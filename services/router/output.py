@@ -43,7 +43,9 @@ class OutputProcessor:
         if gen is not leader:
             gen.same_route_as(leader)
         gen.completion_tokens += len(token_ids)
-        text, hit = choice.stops.feed(choice.detok.push(token_ids))
+        # vLLM looks for stop strings only once min_tokens tokens are out
+        armed = gen.completion_tokens >= gen.params.min_tokens
+        text, hit = choice.stops.feed(choice.detok.push(token_ids), armed)
         if hit:
             finish = "stop"
             if len(self.running) > 1:            # the others go on: end this one on its worker

@@ -34,25 +34,30 @@ class TextOptions:
 class ChoiceText:
     """One choice's text, written again from its tokens."""
 
-    def __init__(self, tokenizer, prompt_ids: list[int], stops: tuple[str, ...], options: TextOptions) -> None:
+    def __init__(self, tokenizer, prompt_ids: list[int], stops: tuple[str, ...], options: TextOptions,
+                 min_tokens: int = 0) -> None:
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=options.skip_special_tokens,
                                              spaces_between_special_tokens=options.spaces_between_special_tokens)
         self._stops = StopMatcher(stops, include_in_output=options.include_stop_str_in_output)
         self._include = options.include_stop_str_in_output
         self._ended = False
+        self._min_tokens = min_tokens
+        self._generated = 0
 
     def feed(self, token_ids: list[int], finish: str | None) -> str:
         """The text of a delta's tokens; `finish` is the delta's finish reason."""
         if self._ended:
             return ""
+        self._generated += len(token_ids)
+        armed = self._generated >= self._min_tokens         # as the cluster's own matcher (output.py)
         if finish == "stop" and token_ids and not self._include:
             detok, stops = self._detok.fork(), copy.copy(self._stops)
-            text, hit = stops.feed(detok.push(token_ids))
+            text, hit = stops.feed(detok.push(token_ids), armed)
             if hit:
                 self._ended = True
                 return text
             token_ids = token_ids[:-1]          # ended by a stop token: its text stays out
-        text, hit = self._stops.feed(self._detok.push(token_ids))
+        text, hit = self._stops.feed(self._detok.push(token_ids), armed)
         self._ended = hit or finish is not None
         if hit or finish is None:
             return text
