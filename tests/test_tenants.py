@@ -81,11 +81,18 @@ def test_a_keys_concurrency_cap_answers_429_with_retry_after(tenants):
 
 
 def test_a_keys_token_rate_answers_429_with_when_to_retry(tenants):
-    """300 tokens a minute, counted as prompt plus max_tokens at admission."""
+    """300 tokens a minute, counted as prompt plus max_tokens at admission: the second
+    request, sent while the first streams (the bucket has had no time to refill), is
+    refused with when to retry; one larger than a minute's tokens, with no retry time."""
     with httpx.Client(base_url=tenants.http, timeout=120) as client:
-        assert client.post("/v1/completions", headers=_auth("metered"), json=_body("Hi", 200)).status_code == 200
-        r = client.post("/v1/completions", headers=_auth("metered"), json=_body("Hi", 200))
-        assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
-        assert 1 <= int(r.headers["retry-after"]) <= 60
-        r = client.post("/v1/completions", headers=_auth("metered"), json=_body("Hi", 400))
-        assert r.status_code == 429 and "retry-after" not in r.headers and "per minute" in r.json()["error"]["message"]
+        with client.stream("POST", "/v1/completions", headers=_auth("metered"),
+                           json=_body("Hi", 200, stream=True)) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()                      # kept: a dropped iterator closes the stream
+            next(lines)
+            r = client.post("/v1/completions", headers=_auth("metered"), json=_body("Hi", 200))
+            assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+            assert 1 <= int(r.headers["retry-after"]) <= 60
+            r = client.post("/v1/completions", headers=_auth("metered"), json=_body("Hi", 400))
+            assert r.status_code == 429 and "retry-after" not in r.headers
+            assert "per minute" in r.json()["error"]["message"]
