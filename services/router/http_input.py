@@ -1,0 +1,182 @@
+"""HTTP requests on their way in: API keys, request ids, and bodies read and checked
+as JSON (size, content type, numbers past Python's digit limit, lone surrogates) before a
+route's model parses them; every refusal an OpenAI error body."""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+from services.common.security import KeyCheck
+from services.router.protocol import APIError, bad_request, unsupported
+
+
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def unauthorized(authorization: str | None) -> APIError:
+    message = ("You didn't provide an API key: send it as Authorization: Bearer YOUR_KEY." if not authorization
+               else "Incorrect API key provided.")
+    return APIError(401, message, code="invalid_api_key", grpc_code="UNAUTHENTICATED",
+                    headers={"WWW-Authenticate": "Bearer"})
+
+
+class RequireAPIKey:
+    """ASGI middleware: refuses requests without an accepted key, but for open paths.
+    Plain ASGI (not BaseHTTPMiddleware): streamed responses and disconnects pass through
+    untouched."""
+
+    def __init__(self, app, keys: KeyCheck, open_paths: frozenset[str]) -> None:
+        self.app = app
+        self.keys = keys
+        self.open_paths = open_paths
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.open_paths or scope["method"] == "OPTIONS":
+            return await self.app(scope, receive, send)
+        authorization = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+        tenant = self.keys.tenant_of_header(authorization)
+        if tenant:
+            scope.setdefault("state", {})["tenant"] = tenant        # request.state.tenant: the router's queue
+            return await self.app(scope, receive, send)
+        await error_response(unauthorized(authorization))(scope, receive, send)
+
+
+REQUEST_ID_MAX = 128
+
+
+class RequestId:
+    """ASGI middleware: every response carries `x-request-id`, the caller's own (visible
+    ASCII, at most 128 characters) or a new one, errors and streams included."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"")
+        ok = 0 < len(given) <= REQUEST_ID_MAX and all(0x21 <= c <= 0x7E for c in given)
+        rid = given if ok else uuid.uuid4().hex.encode()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid)]
+            await send(message)
+        await self.app(scope, receive, send_with_id)
+
+
+def check_json_content_type(request: Request) -> None:
+    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media != "application/json":
+        raise APIError(415, f"Content-Type must be application/json, not {media or 'missing'}",
+                       code="unsupported_media_type")
+
+
+async def read_json(request: Request, max_bytes: int) -> dict:
+    check_json_content_type(request)
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > max_bytes:
+        raise bad_request(f"request body of {declared} bytes exceeds the limit of {max_bytes}", code="body_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise bad_request(f"request body exceeds the limit of {max_bytes} bytes", code="body_too_large")
+    try:
+        text = bytes(body).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"request body is not valid UTF-8: {exc}", code="invalid_utf8") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise bad_request("request body nests arrays or objects too deeply", code="invalid_json") from None
+    except ValueError as exc:               # valid JSON, but an integer past Python's digit limit
+        raise huge_integer(text, exc) from None
+    if not isinstance(data, dict):
+        raise bad_request("request body must be a JSON object", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(text):
+        refuse_lone_surrogates(data)
+    return data
+
+
+class _Digits(str):
+    """An integer literal int() refuses, kept as its digits to find where it was."""
+
+
+def huge_integer(text: str, exc: ValueError) -> APIError:
+    """The error naming the field that holds an integer too long to parse."""
+    def digits(literal: str):
+        try:
+            return int(literal)
+        except ValueError:
+            return _Digits(literal)
+    try:
+        data = json.loads(text, parse_int=digits)
+    except RecursionError:
+        return bad_request("request body nests arrays or objects too deeply", code="invalid_json")
+    if not isinstance(data, dict):
+        return bad_request("request body must be a JSON object", code="invalid_json")
+    found = next(((where, s) for where, s, _ in _strings(data) if isinstance(s, _Digits)), None)
+    if found is None:
+        return bad_request(f"request body is not valid JSON: {exc}", code="invalid_json")
+    where, literal = found
+    return bad_request(f"{where}: an integer of {len(literal.lstrip('-'))} digits is out of range", param=where)
+
+
+# A JSON escape can spell half of a UTF-16 pair (\ud800): a string Python holds but UTF-8
+# cannot, which would fail wherever the field is next written (a log, an error, a wire).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def refuse_lone_surrogates(data) -> None:
+    for where, s, is_key in _strings(data):
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            what = f"a key of {where or 'the request body'}" if is_key else where
+            raise bad_request(f"{what} holds an unpaired UTF-16 surrogate (U+{ord(s[exc.start]):04X}) at character "
+                              f"{exc.start}: not valid Unicode", param=where or None, code="invalid_unicode") from None
+
+
+def _strings(data):
+    """(where, string, is_key) for every key and string in parsed JSON, `where` a field
+    path as errors name it ("messages.0.content"); a key is placed at its object, so a
+    bad key is named before any path that spells it."""
+    stack = [("", data)]
+    while stack:
+        where, node = stack.pop()
+        if isinstance(node, str):
+            yield where, node, False
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                yield where, k, True
+                stack.append((f"{where}.{k}" if where else k, v))
+        elif isinstance(node, list):
+            stack.extend((f"{where}.{i}" if where else str(i), v) for i, v in enumerate(node))
+
+
+def parse(model: type[BaseModel], data: dict):
+    try:
+        return model.model_validate(data)
+    except RecursionError:
+        raise bad_request("request body nests arrays or objects too deeply") from None
+    except ValidationError as exc:
+        errors = exc.errors()
+        # An unknown field is named as OpenAI names it, whatever else is wrong.
+        extra = next((e for e in errors if e["type"] == "extra_forbidden"), None)
+        if extra is not None:
+            raise unsupported(".".join(str(p) for p in extra["loc"])) from None
+        err = errors[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise bad_request(f"{loc}: {err['msg']}" if loc else err["msg"], param=loc or None) from None
