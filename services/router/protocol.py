@@ -126,9 +126,13 @@ class ResponseFormat(BaseModel):
     json_schema: JSONSchemaFormat | None = None
 
 
+# A function (tool) name, as OpenAI allows it.
+FunctionName = Annotated[str, Field(strict=True, pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+
+
 class FunctionDef(BaseModel):
     model_config = STRICT
-    name: Annotated[str, Field(strict=True, pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+    name: FunctionName
     description: StrictStr | None = None
     parameters: dict = Field(default_factory=lambda: {"type": "object", "properties": {}})
     strict: StrictBool | None = None

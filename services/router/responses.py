@@ -22,8 +22,8 @@ from pydantic_core import PydanticCustomError
 
 from services.router.generation import Generation
 from services.router.frontend import Collected, RunningRequest
-from services.router.protocol import (STRICT, APIError, ChatCompletionRequest, Number, bad_request,
-                                      unsupported)
+from services.router.protocol import (STRICT, APIError, ChatCompletionRequest, FunctionName, Number,
+                                      bad_request, unsupported)
 from services.router.tools import CallStream, ToolPlan, new_call, parse_calls
 
 SSE_KEEPALIVE = b": keep-alive\n\n"
@@ -101,7 +101,7 @@ InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")],
 class FunctionTool(BaseModel):
     model_config = STRICT
     type: Literal["function"]
-    name: Annotated[str, Field(strict=True, pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+    name: FunctionName
     description: StrictStr | None = None
     parameters: dict | None = None
     strict: StrictBool | None = None
