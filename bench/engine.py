@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from services.engine.kv_cache import KVPoolMemory
+from services.engine.model.kv_cache import KVPoolMemory
 
 BLOCK = 16
 
@@ -110,9 +110,9 @@ def main() -> None:
     ap.add_argument("--attention", default="auto", help="pdserve's decode attention: auto, native or torch")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    from services.engine.hardware import cpu_kind
-    from services.engine.model_store import resolve_model
-    from services.engine.runner import ModelRunner
+    from services.engine.model.hardware import cpu_kind
+    from services.engine.text.model_store import resolve_model
+    from services.engine.model.runner import ModelRunner
 
     torch.set_num_threads(a.threads)
     model_dir = resolve_model(a.model)

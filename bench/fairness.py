@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"pdserve up did not start:\n{(work / 'up.log').read_text()[-3000:]}")
             time.sleep(0.2)
         base = json.loads(announce.read_text())["http"]
-        from services.engine.hardware import cpu_kind
+        from services.engine.model.hardware import cpu_kind
         result = {"cpu": cpu_kind(), "date": time.strftime("%Y-%m-%d"), **asyncio.run(_run(base, a))}
     finally:
         up.terminate()

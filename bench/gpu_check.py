@@ -14,7 +14,7 @@ Checks, each a row of the table and of the JSON:
              token-for-token `model.generate`'s on the same weights and device, float32
   race       32 concurrent long prompts through the same cluster, each checked the same
              way: a layer shipped before its write finished changes the decode worker's
-             KV and, in float32, the tokens (services/engine/device.py orders the push)
+             KV and, in float32, the tokens (services/engine/model/device.py orders the push)
   bandwidth  NIXL writes between two agents' device pools, layer by layer as prefill
              sends, in GB/s and as a ratio to a torch device-to-device copy of the bytes
   api        on the same cluster: n=3 greedy choices forked on the decode worker all equal
@@ -210,7 +210,7 @@ def check_bandwidth(device: str, shape: tuple[int, int, int], blocks: int, repea
     """Two NIXL agents in this process, device pools, every layer written as prefill sends it."""
     from kv_transfer.base import wait_for
     from kv_transfer.nixl import NixlTransport
-    from services.engine.kv_cache import KVLayout, KVPoolMemory, compat_hash
+    from services.engine.model.kv_cache import KVLayout, KVPoolMemory, compat_hash
     layers, heads, dim = shape
     layout = KVLayout(layers, blocks, 16, heads, dim, "bfloat16")
     src, dst = (KVPoolMemory.allocate(layout, device=device) for _ in range(2))
@@ -270,7 +270,7 @@ def describe(device: str) -> str:
     if device.startswith("cuda"):
         p = torch.cuda.get_device_properties(torch.device(device))
         return f"{p.name}, {p.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}, torch {torch.__version__}"
-    from services.engine.hardware import cpu_kind
+    from services.engine.model.hardware import cpu_kind
     return f"{cpu_kind()} CPU ({platform.machine()}), torch {torch.__version__}"
 
 

@@ -27,7 +27,7 @@ Figures, each measured in this run:
   prefill   one prompt of 512/2k/4k/8k tokens against the GEMM rate: (2 x linear
             weights x tokens + causal attention's matmul FLOPs) / GEMM rate
   sweep     (--sweep) the decode kernel's tile, warps, stages and split target, timed
-            on one 8B-shaped layer: how services/engine/gpu_kernels.py's TILING
+            on one 8B-shaped layer: how services/engine/kernels/gpu_kernels.py's TILING
             were chosen
 Each time is the median of its repeats.
 """
@@ -129,8 +129,8 @@ def _release(runner, pool) -> None:
 
 def decode_case(runner, batch: int, context: int, repeats: int) -> float:
     """Seconds of one decode step of `batch` sequences, each over `context` cached tokens."""
-    from services.engine.kv_cache import KVPoolMemory
-    from services.engine.runner import ForwardBatch
+    from services.engine.model.kv_cache import KVPoolMemory
+    from services.engine.model.runner import ForwardBatch
     width = context // BLOCK_SIZE + 1
     pool = KVPoolMemory.allocate(runner.layout(batch * width, BLOCK_SIZE), device=str(runner.device))
     pool.tensor.normal_()
@@ -149,12 +149,12 @@ def engine_case(runner, batch: int, context: int, steps: int, async_scheduling: 
     """Output tokens/s of the engine core decoding `batch` greedy sequences `steps`
     tokens each, over `context` cached tokens apiece (random KV, as a prefill worker
     would have handed it over)."""
-    from services.engine.block_manager import BlockManager
-    from services.engine.block_pool import BlockPool
+    from services.engine.core.block_manager import BlockManager
+    from services.engine.core.block_pool import BlockPool
     from services.engine.engine import LLMEngine
-    from services.engine.kv_cache import KVPoolMemory
-    from services.engine.sampling import SamplingParams
-    from services.engine.scheduler import Scheduler, SchedulerConfig, Sequence
+    from services.engine.model.kv_cache import KVPoolMemory
+    from services.engine.core.sampling import SamplingParams
+    from services.engine.core.scheduler import Scheduler, SchedulerConfig, Sequence
     num_blocks = batch * ((context + steps) // BLOCK_SIZE + 1)
     pool = KVPoolMemory.allocate(runner.layout(num_blocks, BLOCK_SIZE), device=str(runner.device))
     pool.tensor.normal_()
@@ -190,12 +190,12 @@ def host_syncs(runner, batch: int, context: int, steps: int) -> dict:
     made it), with CUDA graphs and eagerly: greedy, seeded top-p, min_tokens, logit_bias
     and logprobs rows handed over prefilled, and a prompt computed here with prompt
     logprobs and a second choice (a block copy). {path: count, path_first: "file:line"}."""
-    from services.engine.block_manager import BlockManager
-    from services.engine.block_pool import BlockPool
+    from services.engine.core.block_manager import BlockManager
+    from services.engine.core.block_pool import BlockPool
     from services.engine.engine import LLMEngine
-    from services.engine.kv_cache import KVPoolMemory
-    from services.engine.sampling import SamplingParams
-    from services.engine.scheduler import Scheduler, SchedulerConfig, Sequence
+    from services.engine.model.kv_cache import KVPoolMemory
+    from services.engine.core.sampling import SamplingParams
+    from services.engine.core.scheduler import Scheduler, SchedulerConfig, Sequence
     if runner.device.type != "cuda":
         return {"skipped": "no CUDA device"}
     kinds = [dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=7), dict(temperature=0, min_tokens=steps),
@@ -242,7 +242,7 @@ def host_syncs(runner, batch: int, context: int, steps: int) -> dict:
 
 
 def prefill_case(runner, tokens: int, repeats: int) -> float:
-    from services.engine.kv_cache import KVPoolMemory
+    from services.engine.model.kv_cache import KVPoolMemory
     width = tokens // BLOCK_SIZE + 1
     pool = KVPoolMemory.allocate(runner.layout(width, BLOCK_SIZE), device=str(runner.device))
     g = torch.Generator().manual_seed(tokens)
@@ -256,8 +256,8 @@ def prefill_case(runner, tokens: int, repeats: int) -> float:
 
 def attention_case(runner, batch: int, context: int, repeats: int) -> dict:
     """One layer's decode attention, Triton paged kernel against torch's gather path."""
-    from services.engine import gpu_kernels
-    from services.engine.attention import Workspace, _decode_attention
+    from services.engine.kernels import gpu_kernels
+    from services.engine.model.attention import Workspace, _decode_attention
     c = runner.config
     dim = runner.head_dim
     width = context // BLOCK_SIZE + 1
@@ -285,7 +285,7 @@ def attention_case(runner, batch: int, context: int, repeats: int) -> dict:
 def sweep_attention(device: torch.device, quick: bool, log) -> list[dict]:
     """The split kernel's tile, warps, stages and split target, timed on one 8B-shaped
     layer (32 query heads, 8 KV heads of 128) at several batch sizes and contexts."""
-    from services.engine import gpu_kernels as gk
+    from services.engine.kernels import gpu_kernels as gk
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     heads, kv_heads, dim = (32, 8, 128) if not quick else (8, 2, 32)
     cases = ((64, 2048), (128, 2048), (16, 8192), (1, 8192)) if not quick else ((2, 64),)
@@ -315,7 +315,7 @@ def sweep_attention(device: torch.device, quick: bool, log) -> list[dict]:
 
 
 def speed(shape: str, device: torch.device, quick: bool, copy_bps: float, gemm_flops: float, log) -> dict:
-    from services.engine.runner import ModelRunner
+    from services.engine.model.runner import ModelRunner
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     c = dict(SHAPES[shape])
     contexts = (64, 256) if quick else CONTEXTS
@@ -384,7 +384,7 @@ def describe(device: torch.device) -> str:
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
         return f"{p.name}, {p.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}, torch {torch.__version__}"
-    from services.engine.hardware import cpu_kind
+    from services.engine.model.hardware import cpu_kind
     return f"{cpu_kind()} CPU, torch {torch.__version__}"
 
 

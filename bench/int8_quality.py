@@ -20,7 +20,7 @@ import statistics
 
 import torch
 
-from services.engine.kv_cache import KVPoolMemory
+from services.engine.model.kv_cache import KVPoolMemory
 
 BLOCK = 16
 PROMPTS = (
@@ -100,9 +100,9 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
-    from services.engine.hardware import cpu_kind
-    from services.engine.model_store import resolve_model
-    from services.engine.runner import ModelRunner
+    from services.engine.model.hardware import cpu_kind
+    from services.engine.text.model_store import resolve_model
+    from services.engine.model.runner import ModelRunner
     torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

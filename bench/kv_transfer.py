@@ -30,7 +30,7 @@ import torch
 
 from kv_transfer.backends import PREFERENCE, create_transport
 from kv_transfer.base import wait_for
-from services.engine.kv_cache import KVLayout, KVPoolMemory, compat_hash
+from services.engine.model.kv_cache import KVLayout, KVPoolMemory, compat_hash
 
 MIB = 1 << 20
 
@@ -231,8 +231,8 @@ def ttft_overhead(prompt_lens: list[int], repeats: int, transport: str, up_args:
     shared machine, which swamps a difference of a few percent; so each cluster request
     is also split into the prefill worker's own forward-pass time (from its /metrics)
     and everything else, which is what disaggregation adds."""
-    from services.engine.model_store import ensure_default_model
-    from services.engine.runner import ModelRunner
+    from services.engine.text.model_store import ensure_default_model
+    from services.engine.model.runner import ModelRunner
 
     model_dir = ensure_default_model()
     torch.set_num_threads(1)

@@ -73,7 +73,7 @@ SWITCH_INTERVAL = 0.0005               # as services/worker/main.py sets it
 # ---------------------------------------------------------------- the machine
 
 def cpu_name() -> dict:
-    from services.engine.hardware import cpu_flags, cpu_kind
+    from services.engine.model.hardware import cpu_flags, cpu_kind
     lines = Path("/proc/cpuinfo").read_text().splitlines()
     model = next((s.split(":", 1)[1].strip() for s in lines if s.startswith("model name")), "?")
     flags = cpu_flags()
@@ -210,7 +210,7 @@ class DecodeLoad:
 
 def receiver(a: argparse.Namespace) -> None:
     from kv_transfer.backends import create_transport
-    from services.engine.kv_cache import KVPoolMemory, compat_hash
+    from services.engine.model.kv_cache import KVPoolMemory, compat_hash
     _side()
     lay = layout(a.blocks)
     pool = KVPoolMemory.allocate(lay)
@@ -281,7 +281,7 @@ class Outcome:
 class Writer:
     def __init__(self, a: argparse.Namespace, ctrl: Control) -> None:
         from kv_transfer.backends import create_transport
-        from services.engine.kv_cache import KVPoolMemory, compat_hash
+        from services.engine.model.kv_cache import KVPoolMemory, compat_hash
         self.a, self.ctrl = a, ctrl
         lay = layout(a.blocks)
         self.pool = KVPoolMemory.allocate(lay)

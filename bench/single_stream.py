@@ -88,8 +88,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
 
-    from services.engine.model_store import default_model_dir
-    from services.engine.tokenizer import load_tokenizer
+    from services.engine.text.model_store import default_model_dir
+    from services.engine.text.tokenizer import load_tokenizer
     model_dir = default_model_dir()
     tok = load_tokenizer(model_dir)
     model = httpx.get(f"{a.url}/v1/models").json()["data"][0]["id"]

@@ -21,17 +21,17 @@ from pathlib import Path
 
 import torch
 
-from services.engine.block_manager import BlockManager
-from services.engine.block_pool import BlockPool
+from services.engine.core.block_manager import BlockManager
+from services.engine.core.block_pool import BlockPool
 from services.engine.engine import LLMEngine
-from services.engine.hardware import cpu_kind
-from services.engine.kv_cache import KVPoolMemory
-from services.engine.model_store import ensure_default_model
-from services.engine.runner import ModelRunner
-from services.engine.sampling import SamplingParams
-from services.engine.scheduler import Scheduler, SchedulerConfig, Sequence
+from services.engine.model.hardware import cpu_kind
+from services.engine.model.kv_cache import KVPoolMemory
+from services.engine.text.model_store import ensure_default_model
+from services.engine.model.runner import ModelRunner
+from services.engine.core.sampling import SamplingParams
+from services.engine.core.scheduler import Scheduler, SchedulerConfig, Sequence
 from services.engine.structured import Grammars, fill_masks
-from services.engine.tokenizer import eos_token_ids, load_tokenizer
+from services.engine.text.tokenizer import eos_token_ids, load_tokenizer
 
 BLOCK = 16
 SCHEMA = json.dumps({"type": "array", "minItems": 100, "maxItems": 200, "items": {

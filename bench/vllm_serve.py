@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-timeout", type=float, default=600.0)
     args = p.parse_args(argv)
     from bench.peers.command import ROOT, prepare_model, settings_from_argv
-    from services.engine.hardware import cpu_kind, pick_dtype
+    from services.engine.model.hardware import cpu_kind, pick_dtype
     peers = settings_from_argv(["--systems", "vllm", *(["--peers-dir", args.peers_dir] if args.peers_dir else [])])
     sh = Shell()
     ensure_peer("vllm", peers.peers_dir, sh)

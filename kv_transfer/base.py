@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import ClassVar, Protocol, Sequence
 
-from services.engine.kv_cache import KVPoolMemory
+from services.engine.model.kv_cache import KVPoolMemory
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import json
 from typing import ClassVar, Sequence
 
 from kv_transfer.base import IncompatiblePeer, PeerHandle, TransferError, TransferId, TransferState, block_runs
-from services.engine.kv_cache import KVPoolMemory
+from services.engine.model.kv_cache import KVPoolMemory
 
 
 class FakeFabric:

@@ -11,7 +11,7 @@ import random
 from typing import Sequence
 
 from kv_transfer.base import KVTransport, PeerHandle, TransferId, TransferState
-from services.engine.kv_cache import KVPoolMemory
+from services.engine.model.kv_cache import KVPoolMemory
 
 
 class DroppingTransport:

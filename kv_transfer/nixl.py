@@ -35,7 +35,7 @@ import nixl._bindings as nixl_bindings
 from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
 
 from kv_transfer.base import PeerHandle, TransferError, TransferId, TransferState, block_runs, read_peer_meta
-from services.engine.kv_cache import KVLayout, KVPoolMemory
+from services.engine.model.kv_cache import KVLayout, KVPoolMemory
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from typing import ClassVar, Sequence
 
 from kv_transfer.base import (PeerHandle, TransferError, TransferId, TransferState, block_runs,
                               read_peer_meta)
-from services.engine.kv_cache import KVLayout, KVPoolMemory
+from services.engine.model.kv_cache import KVLayout, KVPoolMemory
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ import torch
 
 from kv_transfer.base import (PeerHandle, TransferError, TransferId, TransferState, block_runs,
                               read_peer_meta)
-from services.engine.kv_cache import KVPoolMemory
+from services.engine.model.kv_cache import KVPoolMemory
 
 log = logging.getLogger(__name__)
 

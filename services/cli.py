@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(getattr(a, "log_level", "info"), a.command, getattr(a, "log_format", "text"))
     try:
         if a.command == "convert-model":
-            from services.engine.model_store import ensure_default_model
+            from services.engine.text.model_store import ensure_default_model
             print(ensure_default_model())
             return 0
         if a.command == "bench":
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             return run(a)
         if a.command == "up":
             settings = from_args(ClusterSettings, a)
-            from services.engine.model_store import resolve_model
+            from services.engine.text.model_store import resolve_model
             resolve_model(settings.model, settings.revision)              # convert once, before the workers race to
             if settings.ray:
                 from services.ray_cluster import RayCluster

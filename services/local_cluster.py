@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 from services.autoscaler.settings import AutoscalerSettings
 from services.common.security import ClusterSecret, new_secret_file, read_api_keys, redact_url
 from services.common.settings import ClusterSettings, WorkerSettings, to_argv
-from services.engine.kv_cache import live_segments
+from services.engine.model.kv_cache import live_segments
 
 START_TIMEOUT = 600.0
 STOP_TIMEOUT = 45.0                 # workers drain up to --drain-timeout (30 s)
@@ -486,7 +486,7 @@ class LocalCluster:
         one set per worker. A device named by index (cuda:1) is the user's placement."""
         if self.settings.device not in ("auto", "cuda"):
             return 0
-        from services.engine.runner import pick_device
+        from services.engine.model.runner import pick_device
         if pick_device(self.settings.device).type != "cuda":
             return 0
         import torch
@@ -508,7 +508,7 @@ class LocalCluster:
         return s.worker(role, threads=self._threads, redis=redis, cluster_secret_file=secret, **overrides)
 
     def _aggregated_on_cpu(self) -> bool:
-        from services.engine.runner import pick_device
+        from services.engine.model.runner import pick_device
         return self.settings.aggregated and pick_device(self.settings.device).type == "cpu"
 
     def _default_decode_workers(self, cores: int) -> int:

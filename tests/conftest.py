@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.engine.model_store import ensure_default_model
+from services.engine.text.model_store import ensure_default_model
 from services.local_cluster import start_private_redis
 from services.rpc import worker_pb2, worker_pb2_grpc
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.tokenizer import encode_chat
+from services.engine.text.tokenizer import encode_chat
 
 MAX_TOKENS = 40
 

@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from services.engine.tokenizer import encode_chat
+from services.engine.text.tokenizer import encode_chat
 
 MODEL = "SmolLM2-135M-Instruct"
 EOS = 2                                         # <|im_end|>
@@ -29,7 +29,7 @@ def _post(http: str, path: str, body: dict) -> httpx.Response:
 
 @pytest.fixture(scope="module")
 def tokenizer(model_dir):
-    from services.engine.tokenizer import load_tokenizer
+    from services.engine.text.tokenizer import load_tokenizer
     return load_tokenizer(model_dir)
 
 

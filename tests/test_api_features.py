@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from services.engine.tokenizer import encode_chat
+from services.engine.text.tokenizer import encode_chat
 from services.rpc import generate_pb2, generate_pb2_grpc
 
 MODEL = "SmolLM2-135M-Instruct"

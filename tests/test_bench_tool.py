@@ -155,7 +155,7 @@ def test_drive_releases_requests_on_the_poisson_schedule():
 
 @pytest.fixture(scope="module")
 def builder(model_dir):
-    from services.engine.tokenizer import load_tokenizer
+    from services.engine.text.tokenizer import load_tokenizer
     return PromptBuilder(load_tokenizer(model_dir))
 
 

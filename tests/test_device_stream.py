@@ -1,6 +1,6 @@
 """KV is shipped only after the device has written it, a step's tokens are read without
 waiting for the step after it, and every fence is on the pool's device
-(services/engine/device.py).
+(services/engine/model/device.py).
 
 No GPU here: `LaggingStream` stands in for one. Work launched on it runs later, on a
 "device" thread, in launch order, after a delay, as a GPU's queued kernels do; a fence
@@ -22,14 +22,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from services.engine.block_manager import BlockManager
-from services.engine.block_pool import BlockPool
-from services.engine.device import PASSED, Fence, HostCopy, HostStream, LayerPoster, stream_for, use_device
+from services.engine.core.block_manager import BlockManager
+from services.engine.core.block_pool import BlockPool
+from services.engine.model.device import PASSED, Fence, HostCopy, HostStream, LayerPoster, stream_for, use_device
 from services.engine.engine import EngineLoop, LLMEngine
-from services.engine.kv_cache import KVPoolMemory
-from services.engine.runner import ModelRunner
-from services.engine.sampling import SamplingParams
-from services.engine.scheduler import Scheduler, SchedulerConfig, Sequence
+from services.engine.model.kv_cache import KVPoolMemory
+from services.engine.model.runner import ModelRunner
+from services.engine.core.sampling import SamplingParams
+from services.engine.core.scheduler import Scheduler, SchedulerConfig, Sequence
 
 BLOCK = 16
 
@@ -179,7 +179,7 @@ def test_the_engine_posts_every_layer_of_a_step_after_its_write_and_before_the_s
     """The engine drives the hook the prefill worker registers: with a lagging,
     asynchronous stream every layer's push sees its final bytes, and all of a step's
     pushes are done when step() returns."""
-    from services.engine.tokenizer import eos_token_ids
+    from services.engine.text.tokenizer import eos_token_ids
     pool = KVPoolMemory.allocate(runner.layout(32, BLOCK))
     pool.tensor.fill_(-7.0)
     seen: list[tuple[int, torch.Tensor, list[int]]] = []
@@ -214,7 +214,7 @@ def test_async_scheduling_reads_a_steps_tokens_while_the_next_step_computes(runn
     N+1's work at a gate, and step N's outputs come out while it is held. (A blocking read
     of a device tensor, `tolist()`, would wait for the gate; none happens on the step's
     path.) The tokens and log probabilities are the synchronous engine's."""
-    from services.engine.tokenizer import eos_token_ids
+    from services.engine.text.tokenizer import eos_token_ids
     eos = eos_token_ids(model_dir)
     params = SamplingParams(max_tokens=4, temperature=0, logprobs=2, prompt_logprobs=1)
 

@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-from services.engine.kv_cache import CPU_KV_TOKENS, tokens_for_memory
-from services.engine.model_store import resolve_model
+from services.engine.model.kv_cache import CPU_KV_TOKENS, tokens_for_memory
+from services.engine.text.model_store import resolve_model
 from services.local_cluster import assign_gpus
 
 GiB = 2**30
@@ -45,7 +45,7 @@ def test_the_kv_pool_is_what_the_memory_share_leaves():
 
 
 def test_the_kv_pool_on_a_cpu(model_dir):
-    from services.engine.runner import ModelRunner
+    from services.engine.model.runner import ModelRunner
     runner = ModelRunner(model_dir, "float32", "cpu", attention="torch")
     assert runner.kv_tokens(0, 0.9, 512, 64) == CPU_KV_TOKENS
     assert runner.kv_tokens(4096, 0.9, 512, 64) == 4096
@@ -54,7 +54,7 @@ def test_the_kv_pool_on_a_cpu(model_dir):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_weights_load_onto_it_and_the_pool_fills_the_memory_share(model_dir):
-    from services.engine.runner import ModelRunner
+    from services.engine.model.runner import ModelRunner
     runner = ModelRunner(model_dir, "bfloat16", "cuda", attention="torch")
     assert next(runner.model.parameters()).device.type == "cuda"
     free, total = torch.cuda.mem_get_info()
@@ -99,7 +99,7 @@ def test_a_chunk_over_a_cached_prefix_bounds_its_scores_on_a_gpu():
     blocks of query rows whose scores fit attention.PREFIX_SCORES_BYTES: an 8B model's 8k
     chunk over a 32k context needed ~34 GB in one call. The blocks give what one masked
     call gives (here on the CPU), and the pool's sizing counts their scratch."""
-    from services.engine.attention import PREFIX_SCORES_BYTES, attend_over_prefix, prefix_rows
+    from services.engine.model.attention import PREFIX_SCORES_BYTES, attend_over_prefix, prefix_rows
     heads, kv_heads, dim = 32, 8, 128
     rows = prefix_rows(heads, 32768, torch.float32, dim)
     assert rows == 32 and heads * rows * 32768 * 4 * 2 <= PREFIX_SCORES_BYTES
@@ -116,8 +116,8 @@ def test_a_chunk_over_a_cached_prefix_bounds_its_scores_on_a_gpu():
 
 
 def test_the_pool_sizing_counts_the_prefix_scores(model_dir):
-    from services.engine.attention import PREFIX_SCORES_BYTES
-    from services.engine.runner import ModelRunner
+    from services.engine.model.attention import PREFIX_SCORES_BYTES
+    from services.engine.model.runner import ModelRunner
     runner = ModelRunner(model_dir, "float32", "cpu", attention="torch")
     c = runner.config
     per_token = 2 * (4 * c.hidden_size + 3 * c.intermediate_size) * 4

@@ -11,14 +11,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from services.engine.block_manager import BlockManager
-from services.engine.block_pool import BlockPool
+from services.engine.core.block_manager import BlockManager
+from services.engine.core.block_pool import BlockPool
 from services.engine.engine import LLMEngine
-from services.engine.kv_cache import KVPoolMemory
-from services.engine.runner import ModelRunner
-from services.engine.sampling import SamplingParams
-from services.engine.scheduler import Scheduler, SchedulerConfig, Sequence
-from services.engine.tokenizer import eos_token_ids
+from services.engine.model.kv_cache import KVPoolMemory
+from services.engine.model.runner import ModelRunner
+from services.engine.core.sampling import SamplingParams
+from services.engine.core.scheduler import Scheduler, SchedulerConfig, Sequence
+from services.engine.text.tokenizer import eos_token_ids
 from tests.parity_cases import CASES
 
 BLOCK = 16

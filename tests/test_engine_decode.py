@@ -5,8 +5,8 @@ groups in sorted order)."""
 import pytest
 import torch
 
-from services.engine.kv_cache import KVPoolMemory
-from services.engine.runner import ModelRunner, length_groups
+from services.engine.model.kv_cache import KVPoolMemory
+from services.engine.model.runner import ModelRunner, length_groups
 
 BLOCK = 16
 

@@ -12,7 +12,7 @@ import grpc
 import httpx
 import pytest
 
-from services.engine.kv_cache import live_segments
+from services.engine.model.kv_cache import live_segments
 from services.rpc import worker_pb2, worker_pb2_grpc
 from tests.conftest import Services
 

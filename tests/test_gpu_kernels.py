@@ -1,4 +1,4 @@
-"""The CUDA path's Triton kernels (services/engine/gpu_kernels.py) against torch.
+"""The CUDA path's Triton kernels (services/engine/kernels/gpu_kernels.py) against torch.
 
 Without a GPU they run in Triton's interpreter on the CPU (TRITON_INTERPRET=1, set in
 a child process: the switch is read when the kernels are defined), which checks their
@@ -41,7 +41,7 @@ def _reference(query, kv_layer, tables, lens, scale):
 
 def check_decode(device: str, dtype: torch.dtype, heads: int, kv_heads: int, dim: int, lens: list[int],
                  splits: int, block_size: int = 16) -> float:
-    from services.engine.gpu_kernels import DecodeScratch, paged_decode
+    from services.engine.kernels.gpu_kernels import DecodeScratch, paged_decode
     g = torch.Generator().manual_seed(len(lens) * 31 + dim)
     blocks = sum(-(-n // block_size) for n in lens) + 3
     kv = torch.randn(2, blocks, block_size, kv_heads, dim, generator=g).to(dtype)
@@ -62,7 +62,7 @@ def check_decode(device: str, dtype: torch.dtype, heads: int, kv_heads: int, dim
 
 
 def check_write(device: str, dtype: torch.dtype) -> bool:
-    from services.engine.gpu_kernels import write_kv
+    from services.engine.kernels.gpu_kernels import write_kv
     g = torch.Generator().manual_seed(5)
     kv = torch.zeros(2, 6, 4, 2, 24, dtype=dtype)
     key, value = torch.randn(5, 2, 24, generator=g).to(dtype), torch.randn(5, 2, 24, generator=g).to(dtype)
@@ -79,8 +79,8 @@ def check_write(device: str, dtype: torch.dtype) -> bool:
 
 def check_layers(device: str, dtype: torch.dtype) -> list[str]:
     """TritonLayers against Llama's own ops, on a strided q|k|v view as the layer has it."""
-    from services.engine.fusion import _rms_norm_torch, _rotate_half
-    from services.engine.gpu_kernels import TritonLayers
+    from services.engine.model.fusion import _rms_norm_torch, _rotate_half
+    from services.engine.kernels.gpu_kernels import TritonLayers
     g = torch.Generator().manual_seed(9)
     layers, failures = TritonLayers(), []
     # bfloat16: two units in the last place (Triton's interpreter rounds to bfloat16 by
@@ -136,9 +136,9 @@ def check_runner(model_dir: str, device: str = "cpu") -> list[str]:
     graphs are replaced by their eager step, as on any machine without CUDA; on a GPU
     they are captured and replayed."""
     from bench.gpu_speed import BLOCK_SIZE
-    from services.engine import gpu_kernels
-    from services.engine.kv_cache import KVPoolMemory
-    from services.engine.runner import ForwardBatch, ModelRunner, PrefillSegment
+    from services.engine.kernels import gpu_kernels
+    from services.engine.model.kv_cache import KVPoolMemory
+    from services.engine.model.runner import ForwardBatch, ModelRunner, PrefillSegment
     torch.set_num_threads(1)
     ref = ModelRunner(Path(model_dir), "float32", device, attention="torch")
     if device == "cpu":
@@ -236,9 +236,9 @@ def test_a_failed_graph_capture_leaves_the_steps_eager(tmp_path, monkeypatch, ca
     (Triton's cache under $HOME on a read-only root), is served eagerly, with the same
     logits, and the log says why, once."""
     from bench.gpu_check import build_tiny_model
-    from services.engine import cuda_graphs
-    from services.engine.kv_cache import KVPoolMemory
-    from services.engine.runner import ModelRunner
+    from services.engine.model import cuda_graphs
+    from services.engine.model.kv_cache import KVPoolMemory
+    from services.engine.model.runner import ModelRunner
 
     def refuse(self):
         raise error
@@ -251,11 +251,11 @@ def test_a_failed_graph_capture_leaves_the_steps_eager(tmp_path, monkeypatch, ca
     for r, pool in zip((ref, runner), pools):
         r.prefill(pool, list(range(5, 25)), [3, 4])
     want = ref.decode(pools[0], [7], [20], [[3, 4]])
-    with caplog.at_level(logging.WARNING, logger="services.engine.runner"):
+    with caplog.at_level(logging.WARNING, logger="services.engine.model.runner"):
         runner.capture_graphs(pools[1])                   # as a decode worker does at start
         got = runner.decode(pools[1], [7], [20], [[3, 4]])
     assert runner.graph_sizes == [] and torch.equal(got, want)
-    (record,) = [r for r in caplog.records if r.name == "services.engine.runner"]
+    (record,) = [r for r in caplog.records if r.name == "services.engine.model.runner"]
     assert f"{type(error).__name__}: {error}" in record.getMessage()
 
 
@@ -265,8 +265,8 @@ def test_graphs_are_captured_in_inference_mode_and_thread_local(tmp_path, monkey
     the capture. Each capture is thread-local, and in inference mode as the steps run.
     torch.cuda's graph calls are doubles here that note how they were called."""
     from bench.gpu_check import build_tiny_model
-    from services.engine import cuda_graphs
-    from services.engine.runner import ModelRunner
+    from services.engine.model import cuda_graphs
+    from services.engine.model.runner import ModelRunner
 
     runner = ModelRunner(build_tiny_model(tmp_path / "tiny"), "float32", "cpu", attention="torch")
     graphs = cuda_graphs.DecodeGraphs(runner.model, torch.zeros(runner.layout(8, 16).shape), 16,

@@ -14,9 +14,9 @@ import pytest
 PROBE = r"""
 import resource, sys, threading
 import torch
-from services.engine.kv_cache import KVPoolMemory
+from services.engine.model.kv_cache import KVPoolMemory
 from services.common.lifecycle import keep_freed_memory
-from services.engine.runner import ModelRunner
+from services.engine.model.runner import ModelRunner
 torch.set_num_threads(1)
 if sys.argv[2] == "keep":
     assert keep_freed_memory()

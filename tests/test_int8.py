@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from services.common.settings import EngineSettings
-from services.engine import native
-from services.engine.fusion import Int8DecoderLayer, Int8Linear
-from services.engine.hardware import cpu_kernels
-from services.engine.runner import ModelRunner
+from services.engine.kernels import native
+from services.engine.model.fusion import Int8DecoderLayer, Int8Linear
+from services.engine.model.hardware import cpu_kernels
+from services.engine.model.runner import ModelRunner
 from tests.conftest import start_cluster, stop_cluster
 
 
@@ -160,7 +160,7 @@ def test_a_model_with_qkv_biases_quantizes_close_to_its_float32_self(model_dir, 
     the default model for calibration): the biases survive the smoothing of v's rows,
     so the int8 model's logits stay close to its own float32 logits."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-    from services.engine.kv_cache import KVPoolMemory
+    from services.engine.model.kv_cache import KVPoolMemory
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)

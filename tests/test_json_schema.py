@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from services.engine.json_schema import check, output_violation
+from services.engine.text.json_schema import check, output_violation
 from services.engine.structured import Grammars
 from services.rpc import generate_pb2, generate_pb2_grpc
 

@@ -12,7 +12,7 @@ import time
 from kv_transfer.backends import create_transport
 from kv_transfer.base import IncompatiblePeer, TransferError, TransferState, block_runs, wait_for
 from kv_transfer.fake import FakeFabric, FakeTransport
-from services.engine.kv_cache import KVLayout, KVPoolMemory, compat_hash, live_segments
+from services.engine.model.kv_cache import KVLayout, KVPoolMemory, compat_hash, live_segments
 
 LAYOUT = KVLayout(num_layers=3, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 
@@ -175,7 +175,7 @@ def test_pairing_prefers_the_fastest_backend_and_falls_back_loudly():
 
 
 def test_shared_pool_larger_than_dev_shm_is_refused_up_front(monkeypatch):
-    import services.engine.kv_cache as memory
+    import services.engine.model.kv_cache as memory
     monkeypatch.setattr(memory, "shm_free_bytes", lambda: 1024)
     before = live_segments()
     with pytest.raises(MemoryError, match="/dev/shm"):

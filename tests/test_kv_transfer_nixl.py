@@ -14,7 +14,7 @@ pytest.importorskip("nixl", reason="NIXL is not installed: the nixl KV transport
 
 from kv_transfer.backends import create_transport  # noqa: E402
 from kv_transfer.base import IncompatiblePeer, TransferError, TransferState, TransferTimeout, wait_for  # noqa: E402
-from services.engine.kv_cache import KVLayout, KVPoolMemory, compat_hash  # noqa: E402
+from services.engine.model.kv_cache import KVLayout, KVPoolMemory, compat_hash  # noqa: E402
 
 LAYOUT = KVLayout(num_layers=3, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 CTX = mp.get_context("spawn")

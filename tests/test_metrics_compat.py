@@ -22,7 +22,7 @@ from starlette.testclient import TestClient
 
 from services.common.lifecycle import JsonFormatter
 from services.common.metrics import RouterMetrics
-from services.engine.sampling import SamplingParams
+from services.engine.core.sampling import SamplingParams
 from services.router.access import AccessLog, Exchange, logfmt
 from services.router.generation import Generation
 from services.router.openai_api import create_app

@@ -1,4 +1,4 @@
-"""The native attention kernels (services/engine/native), built here with the machine's
+"""The native attention kernels (services/engine/kernels/native), built here with the machine's
 C compiler. Decode: its output against a float64 reference over scattered blocks, in
 float32 and bfloat16, for several head layouts and thread counts. Prefill (bfloat16,
 AVX512-BF16): causal attention against a float64 reference, with and without a cached
@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.engine.kv_cache import KVPoolMemory
-from services.engine import native
-from services.engine.runner import ModelRunner
+from services.engine.model.kv_cache import KVPoolMemory
+from services.engine.kernels import native
+from services.engine.model.runner import ModelRunner
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Decode steps' decoder layers in one native call (services/engine/native/decoder.c):
+"""Decode steps' decoder layers in one native call (services/engine/kernels/native/decoder.c):
 on the real model in bfloat16, a decode step through it gives the same logits and
 writes the same KV bytes, bit for bit, as the layers' own forward calls one by one;
 and it is used only where every layer already runs in the native kernels."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.hardware import cpu_kernels, cpu_kind
-from services.engine.kv_cache import KVPoolMemory
-from services.engine.runner import ForwardBatch, ModelRunner
+from services.engine.model.hardware import cpu_kernels, cpu_kind
+from services.engine.model.kv_cache import KVPoolMemory
+from services.engine.model.runner import ForwardBatch, ModelRunner
 
 BLOCK = 16
 # The engine's own rule (hardware.CpuKernels), not a copy of it.

@@ -1,4 +1,4 @@
-"""pdserve's own matmuls (services/engine/native/matmul.c). bfloat16 and float32 against
+"""pdserve's own matmuls (services/engine/kernels/native/matmul.c). bfloat16 and float32 against
 float64 references: plain with bias and residual, gated (silu(gate) * up), ragged shapes,
 strided rows and two threads; each row's result the same whatever rows share the call;
 the real model's decode and prefill logits against oneDNN's (bfloat16) and torch's own
@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.engine import native
-from services.engine.hardware import cpu_flags, cpu_kind
-from services.engine.fusion import Int8Linear
-from services.engine.runner import ModelRunner
+from services.engine.kernels import native
+from services.engine.model.hardware import cpu_flags, cpu_kind
+from services.engine.model.fusion import Int8Linear
+from services.engine.model.runner import ModelRunner
 
 HAS_BF16 = "avx512_bf16" in cpu_flags()
 HAS_VNNI = "avx512_vnni" in cpu_flags()
@@ -154,12 +154,12 @@ def test_the_real_model_agrees_with_onednn(model_dir, kernel_cache, monkeypatch)
     """SmolLM2 in bfloat16: a prompt's last logits and one decode step's, through the
     native matmul and through oneDNN's; the same token or a tie within bfloat16's steps.
     (On AMX CPUs the engine keeps oneDNN; the native path is asked for here all the same.)"""
-    monkeypatch.setattr("services.engine.runner.cpu_flags", lambda: cpu_flags() - {"amx_bf16"})
+    monkeypatch.setattr("services.engine.model.runner.cpu_flags", lambda: cpu_flags() - {"amx_bf16"})
     fast = ModelRunner(model_dir, "bfloat16", "cpu", kernel_cache=kernel_cache)
     monkeypatch.setattr(ModelRunner, "_matmul", lambda self, *args: None)
     slow = ModelRunner(model_dir, "bfloat16", "cpu", kernel_cache=kernel_cache)
     assert "native bf16 matmul" in fast.fusions and "packed bf16 weights" in slow.fusions
-    from services.engine.kv_cache import KVPoolMemory
+    from services.engine.model.kv_cache import KVPoolMemory
     ids = [1, 504, 3458, 282, 4649, 314, 7042, 30, 216, 1911, 1060, 2909, 3]
     for runner in (fast, slow):
         runner.pool = KVPoolMemory.allocate(runner.layout(4, 16))
@@ -253,12 +253,12 @@ def test_float32_real_model_agrees_with_torch(model_dir, kernel_cache, monkeypat
     native float32 matmul and through torch's own; within float32 summation noise, and
     the same greedy token. (On CPUs with AVX-512 the engine keeps torch's float32
     matmul; the native one is asked for here all the same.)"""
-    monkeypatch.setattr("services.engine.runner.cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr("services.engine.model.runner.cpu_flags", lambda: frozenset({"avx2", "fma"}))
     fast = ModelRunner(model_dir, "float32", "cpu", kernel_cache=kernel_cache)
     monkeypatch.setattr(ModelRunner, "_matmul", lambda self, *args: None)
     slow = ModelRunner(model_dir, "float32", "cpu", kernel_cache=kernel_cache)
     assert "native f32 matmul" in fast.fusions and "native f32 matmul" not in slow.fusions
-    from services.engine.kv_cache import KVPoolMemory
+    from services.engine.model.kv_cache import KVPoolMemory
     ids = [1, 504, 3458, 282, 4649, 314, 7042, 30, 216, 1911, 1060, 2909, 3]
     for runner in (fast, slow):
         runner.pool = KVPoolMemory.allocate(runner.layout(4, 16))

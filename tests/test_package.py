@@ -69,7 +69,7 @@ def test_the_wheel_serves_the_readme_example_from_a_fresh_venv(tmp_path, model_d
          "-w", dist, src)
     (wheel,) = dist.glob("pdserve-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    shipped = {f"services/engine/native/{name}.c" for name in ("attention", "layers", "matmul", "decoder")} | {
+    shipped = {f"services/engine/kernels/native/{name}.c" for name in ("attention", "layers", "matmul", "decoder")} | {
         f"services/rpc/{stem}{suffix}" for stem in ("generate", "worker", "autoscaler")
         for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")}
     assert shipped <= names, shipped - names
@@ -84,7 +84,7 @@ def test_the_wheel_serves_the_readme_example_from_a_fresh_venv(tmp_path, model_d
 
     run.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    where = _run(python, "-c", "import services.rpc.worker_pb2 as m, services.engine.native as n; "
+    where = _run(python, "-c", "import services.rpc.worker_pb2 as m, services.engine.kernels.native as n; "
                  "print(m.__file__, n.SOURCE)", cwd=run, env=env).stdout.split()
     assert all(Path(p).is_relative_to(site) for p in where), where
     assert _run(venv / "bin" / "pdserve", "--version", cwd=run, env=env).stdout.strip() == version("pdserve")

@@ -16,9 +16,9 @@ from kv_transfer.base import TransferError, TransferState
 from kv_transfer.fake import FakeFabric, FakeTransport
 from services.common.metrics import WorkerMetrics
 from services.common.settings import WorkerSettings
-from services.engine.kv_cache import KVPoolMemory
-from services.engine.runner import ModelRunner
-from services.engine.tokenizer import eos_token_ids
+from services.engine.model.kv_cache import KVPoolMemory
+from services.engine.model.runner import ModelRunner
+from services.engine.text.tokenizer import eos_token_ids
 from services.prefill.worker import PrefillWorker
 from services.rpc import generate_pb2, worker_pb2
 

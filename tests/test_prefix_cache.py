@@ -1,9 +1,9 @@
 """The block manager's prefix cache on its own: chained keys, reuse, reference counts, LRU eviction."""
 import pytest
 
-from services.engine.block_manager import BlockManager
-from services.engine.block_pool import BlockPool, NoFreeBlocks
-from services.engine.prefix_cache import block_hashes, cached_prefix_blocks
+from services.engine.core.block_manager import BlockManager
+from services.engine.core.block_pool import BlockPool, NoFreeBlocks
+from services.engine.core.prefix_cache import block_hashes, cached_prefix_blocks
 
 BS = 4
 

@@ -1,6 +1,6 @@
 """Routing policies on their own: decode choice, remote-or-local prefill from the cost
 model, prefill choice by queue and prefix overlap, and the model's recalibration."""
-from services.engine.prefix_cache import block_hashes
+from services.engine.core.prefix_cache import block_hashes
 from services.router.policy import (DECODE_AFFINITY_SLACK, CostModel, DecodeLoad, PrefillLoad, pick_decode,
                                     plan_prefill)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.sampler import sample
-from services.engine.sampling import SamplingParams
+from services.engine.model.sampler import sample
+from services.engine.core.sampling import SamplingParams
 
 VOCAB = 4096
 

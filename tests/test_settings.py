@@ -88,7 +88,7 @@ def test_up_hands_its_engine_settings_to_every_worker():
 def test_dtype_auto_fits_the_cpu():
     import torch
 
-    from services.engine.hardware import cpu_kind, pick_dtype
+    from services.engine.model.hardware import cpu_kind, pick_dtype
     cpu = torch.device("cpu")
     avx2 = frozenset({"avx", "avx2", "fma"})
     bf16 = avx2 | {"avx512f", "avx512_bf16"}
@@ -117,7 +117,7 @@ SAPPHIRE_RAPIDS = ZEN4 | {"amx_bf16", "amx_tile", "amx_int8"}
 def test_which_cpu_kernels_each_cpu_kind_takes(flags, bf16, int8, f32):
     """The one rule the runner applies and the kernel tests skip by (hardware.CpuKernels),
     on each CPU kind, from flag sets: it runs the same on any machine."""
-    from services.engine.hardware import cpu_kernels
+    from services.engine.model.hardware import cpu_kernels
     kernels = cpu_kernels(flags)
     assert (kernels.bf16_matmul, kernels.int8_matmul, kernels.f32_matmul) == (bf16, int8, f32)
     assert kernels.one_call_decoder == kernels.bf16_prefill == bf16

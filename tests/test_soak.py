@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from services.engine.kv_cache import live_segments
+from services.engine.model.kv_cache import live_segments
 from tests.conftest import Services, pid_alive
 
 REQUESTS = 200

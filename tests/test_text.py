@@ -1,7 +1,7 @@
 """Incremental detokenization, stop strings and sampling-parameter validation."""
 import pytest
 
-from services.engine.tokenizer import IncrementalDetokenizer, StopMatcher, load_tokenizer
+from services.engine.text.tokenizer import IncrementalDetokenizer, StopMatcher, load_tokenizer
 from services.router.protocol import APIError
 from services.router.sampling import resolve_sampling
 
@@ -50,8 +50,8 @@ def test_resolve_sampling_defaults_and_ranges():
 def test_min_tokens_masks_eos_in_logits_made_under_inference_mode():
     import torch
 
-    from services.engine.sampler import sample
-    from services.engine.sampling import SamplingParams
+    from services.engine.model.sampler import sample
+    from services.engine.core.sampling import SamplingParams
     with torch.inference_mode():                    # as the model runner returns them
         logits = torch.zeros(2, 8)
         logits[:, 3] = 10.0                         # EOS is every row's best token

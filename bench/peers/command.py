@@ -108,7 +108,7 @@ def prepare_model(s: PeersSettings, sh: Shell) -> Path:
     argv = [sys.executable, "-m", "services.cli", "convert-model"]
     sh.say(f"+ {quoted(argv)}")
     if sh.dry_run:
-        from services.engine.model_store import default_model_dir
+        from services.engine.text.model_store import default_model_dir
         source = default_model_dir()
     else:
         source = Path(subprocess.run(argv, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
@@ -210,7 +210,7 @@ def run(s: PeersSettings) -> int:
             sh.say(f"{peer}: ready after {time.monotonic() - t0:.0f} s")
     model = prepare_model(s, sh) if any(x.peer for x in s.systems) else None
     import torch
-    from services.engine.hardware import pick_dtype
+    from services.engine.model.hardware import pick_dtype
     dtype = pick_dtype("auto", torch.device("cpu")).name
     sh.say(f"every system computes in {dtype} (what --dtype auto picks on this CPU)")
     context = Context(s.peers_dir, model, sys.executable, s.ignore_eos, s.vllm_max_model_len, dtype)

@@ -193,8 +193,8 @@ def settings_from_args(a: argparse.Namespace) -> BenchSettings:
 
 
 def _load_tokenizer(name: str | None):
-    from services.engine.model_store import ensure_default_model
-    from services.engine.tokenizer import load_tokenizer
+    from services.engine.text.model_store import ensure_default_model
+    from services.engine.text.tokenizer import load_tokenizer
     if name is None:
         return load_tokenizer(ensure_default_model())
     try:
@@ -289,7 +289,7 @@ def _warn_on_prompt_count_mismatch(records: list[RequestRecord], tokenizer: str)
 
 
 def _default_model_name() -> str:
-    from services.engine.model_store import DEFAULT_MODEL_NAME
+    from services.engine.text.model_store import DEFAULT_MODEL_NAME
     return DEFAULT_MODEL_NAME
 
 

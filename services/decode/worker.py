@@ -27,15 +27,15 @@ from kv_transfer.handoff import HandoffError, HandoffState, HandoffTable
 from services.common.mailbox import Mailbox
 from services.common.metrics import WorkerMetrics
 from services.common.settings import WorkerSettings
-from services.engine.block_manager import BlockManager
-from services.engine.block_pool import BlockPool, NoFreeBlocks
+from services.engine.core.block_manager import BlockManager
+from services.engine.core.block_pool import BlockPool, NoFreeBlocks
 from services.engine.engine import EngineLoop, EngineOutput, LLMEngine, StepStats
-from services.engine.kv_cache import KVPoolMemory, sweep_stale_segments
-from services.engine.runner import ModelRunner
-from services.engine.scheduler import Scheduler, Sequence
+from services.engine.model.kv_cache import KVPoolMemory, sweep_stale_segments
+from services.engine.model.runner import ModelRunner
+from services.engine.core.scheduler import Scheduler, Sequence
 from services.rpc import worker_pb2, worker_pb2_grpc
-from services.worker.main import EngineStatus, WorkerParts, grammars_for, prepare, scheduler_config
-from services.engine.sampling import MAX_CHOICES, SamplingParams
+from services.worker.main import EngineStatus, WorkerParts, grammars_for, prepare, refuse, scheduler_config
+from services.engine.core.sampling import MAX_CHOICES, SamplingParams
 from services.worker.wire import (check_request_id, check_tokens, logprob_to_proto, prompt_logprobs_to_proto,
                                   sampling_from_proto)
 
@@ -311,7 +311,7 @@ class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
                 forks.append(Sequence(f"{request.request_id}#{i}", [], len(prompt), p, e.eos,
                                       constraint=await asyncio.to_thread(prepare, p, e.runner.vocab_size, e.grammars)))
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await refuse(context, exc)
         seq = Sequence(request.request_id, prompt + taken, len(prompt), params, e.eos, constraint=constraint,
                        forks=forks)
         ids = [request.request_id] + [c.request_id for c in forks]

@@ -42,12 +42,12 @@ from typing import Callable
 
 import torch
 
-from services.engine.device import HostCopy, LayerPoster, to_device, use_device
-from services.engine.kv_cache import KVPoolMemory
-from services.engine.runner import ForwardBatch, ModelRunner, PrefillSegment
-from services.engine.sampler import Sampled, as_token_logprobs, choose, logprob_tensors, read_sampled, to_read
-from services.engine.sampling import TokenLogprob
-from services.engine.scheduler import PENDING, Chunk, Scheduler, Sequence, StepPlan
+from services.engine.model.device import HostCopy, LayerPoster, to_device, use_device
+from services.engine.model.kv_cache import KVPoolMemory
+from services.engine.model.runner import ForwardBatch, ModelRunner, PrefillSegment
+from services.engine.model.sampler import Sampled, as_token_logprobs, choose, logprob_tensors, read_sampled, to_read
+from services.engine.core.sampling import TokenLogprob
+from services.engine.core.scheduler import PENDING, Chunk, Scheduler, Sequence, StepPlan
 from services.engine.structured import fill_masks
 
 log = logging.getLogger(__name__)

@@ -2,9 +2,12 @@
 SGLang use) into a matcher per sequence, which masks every token that cannot continue
 valid output before the sampler chooses.
 
-The router compiles each schema once to refuse a bad one with a 400 (no schema, or one
-no value can meet: json_schema.py); a worker compiles it again (cached) and gives the
-sequence its own matcher, which follows the tokens the sequence takes. The router checks
+The router reads each schema first and refuses a bad one with a 400 (no schema, or one
+no value can meet: text/json_schema.py `parse`); xgrammar imports torch, which the router
+does not load, so compiling is the worker's: it compiles each schema once (cached),
+refuses one xgrammar cannot compile (SchemaError: INVALID_ARGUMENT, with the router's
+error code for it, services/worker/main.py `refuse`), and gives each sequence its own matcher,
+which follows the tokens the sequence takes. The router checks
 what comes out against the schema too (router/schema_guard.py), since xgrammar does not
 enforce every keyword. JSON is generated compact (no free whitespace): a small model
 left free to add whitespace can fill its whole budget with it.
@@ -14,7 +17,6 @@ The masks of a step are filled on a thread of their own while the forward pass r
 """
 from __future__ import annotations
 
-import json
 import re
 import threading
 from collections import OrderedDict
@@ -22,20 +24,15 @@ from typing import Callable
 
 import torch
 
-from services.engine import json_schema
+from services.engine.text import json_schema
 
 # Compiled grammars kept per process (schemas repeat: a client sends the same one).
 CACHE_SIZE = 256
-# A schema is text from a client: bound what compiling it may cost. xgrammar unrolls
-# length bounds (a maxLength of a million takes seconds to compile); no output of a
-# model's context reaches bounds this large anyway.
-MAX_SCHEMA_CHARS = 64 * 1024
-MAX_BOUND = 100_000
-_BOUNDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 # xgrammar's messages start "[12:00:00] /project/cpp/file.cc:123: ": the client needs the rest.
 _LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
-JSON_OBJECT = json.dumps({"type": "object"})        # response_format {"type": "json_object"}
+class SchemaError(ValueError):
+    """A JSON schema that cannot be used."""
 
 
 class Grammars:
@@ -59,29 +56,21 @@ class Grammars:
         return self._compiler
 
     def compile(self, schema: str):
-        """The compiled grammar of `schema` (JSON text); ValueError if it is not one."""
-        if len(schema) > MAX_SCHEMA_CHARS:
-            raise ValueError(f"the JSON schema is longer than {MAX_SCHEMA_CHARS} characters")
+        """The compiled grammar of `schema` (JSON text); SchemaError if it is not one."""
         with self._lock:
             hit = self._cache.get(schema)
             if hit is not None:
                 self._cache.move_to_end(schema)
                 return hit
             try:
-                parsed = json.loads(schema)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
-            except RecursionError:
-                raise ValueError("the JSON schema nests objects or arrays too deeply") from None
-            if not isinstance(parsed, (dict, bool)):
-                raise ValueError("a JSON schema must be an object or a boolean")
-            _check_bounds(parsed)
-            json_schema.check(parsed)
+                json_schema.parse(schema)
+            except ValueError as exc:
+                raise SchemaError(str(exc)) from None
             try:
                 grammar = self._compiler_for().compile_json_schema(schema, any_whitespace=False)
             except Exception as exc:             # xgrammar raises RuntimeError and its own kinds
                 reason = _LOCATION.sub("", (str(exc).splitlines() or [type(exc).__name__])[0])
-                raise ValueError(f"the JSON schema cannot be compiled: {reason[:300]}") from None
+                raise SchemaError(f"the JSON schema cannot be compiled: {reason[:300]}") from None
             self._cache[schema] = grammar
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
@@ -90,21 +79,6 @@ class Grammars:
     def constraint(self, schema: str) -> "Constraint":
         import xgrammar as xgr
         return Constraint(xgr.GrammarMatcher(self.compile(schema)), self.vocab_size)
-
-
-def _check_bounds(node) -> None:
-    """ValueError for a length or count bound past MAX_BOUND anywhere in the schema."""
-    stack = [node]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            for key in _BOUNDS:
-                value = node.get(key)
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and value > MAX_BOUND:
-                    raise ValueError(f"the JSON schema's {key} of {value} is above the {MAX_BOUND} supported")
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
 
 
 class Constraint:

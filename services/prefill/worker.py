@@ -32,14 +32,14 @@ from kv_transfer.backends import open_transports, pair
 from kv_transfer.base import IncompatiblePeer, KVTransport, PeerHandle, TransferError, wait_for
 from services.common.metrics import WorkerMetrics
 from services.common.settings import WorkerSettings
-from services.engine.block_manager import BlockManager
-from services.engine.block_pool import BlockPool, NoFreeBlocks
+from services.engine.core.block_manager import BlockManager
+from services.engine.core.block_pool import BlockPool, NoFreeBlocks
 from services.engine.engine import EngineLoop, EngineOutput, LLMEngine, StepStats
-from services.engine.kv_cache import KVPoolMemory
-from services.engine.runner import ModelRunner
-from services.engine.scheduler import Scheduler, Sequence, StepPlan
+from services.engine.model.kv_cache import KVPoolMemory
+from services.engine.model.runner import ModelRunner
+from services.engine.core.scheduler import Scheduler, Sequence, StepPlan
 from services.rpc import worker_pb2, worker_pb2_grpc
-from services.worker.main import EngineStatus, WorkerParts, grammars_for, prepare, scheduler_config
+from services.worker.main import EngineStatus, WorkerParts, grammars_for, prepare, refuse, scheduler_config
 from services.worker.wire import (check_request_id, check_tokens, logprob_to_proto, prompt_logprobs_to_proto,
                                   sampling_from_proto)
 
@@ -289,7 +289,7 @@ class PrefillService(EngineStatus, worker_pb2_grpc.PrefillWorkerServicer):
         except TransferError as exc:
             await context.abort(grpc.StatusCode.ABORTED, f"KV transfer failed: {exc}")
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await refuse(context, exc)
 
 
 def build(settings: WorkerSettings, runner: ModelRunner, eos: frozenset[int], metrics: WorkerMetrics):

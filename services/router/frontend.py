@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from services.engine.sampling import MAX_BAD_WORDS, SamplingParams, TokenLogprob
-from services.engine.structured import Grammars
-from services.engine.tokenizer import encode_chat, encode_prompt
+from services.engine.core.sampling import MAX_BAD_WORDS, SamplingParams, TokenLogprob
+from services.engine.text import json_schema
+from services.engine.text.tokenizer import encode_chat, encode_prompt
 from services.router.access import attach
 from services.router.admission import Admission
 from services.router.cluster import Cluster
@@ -54,12 +54,7 @@ class FrontEnd:
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         max_workers=2, thread_name_prefix="tokenize"))
     sse_keepalive: float = 15.0
-    grammars: Grammars = field(init=False)
     _token_text: dict[int, str] = field(init=False, default_factory=dict)
-
-    def __post_init__(self) -> None:
-        # Only to refuse a schema that cannot compile before any worker is involved.
-        self.grammars = Grammars(lambda: self.tokenizer, len(self.tokenizer), frozenset())
 
     @property
     def vocab_size(self) -> int:
@@ -79,8 +74,10 @@ class FrontEnd:
         return text
 
     async def check_schema(self, schema: str, param: str) -> str:
+        """`schema` if it is one some value can meet; else a 400 naming `param`. Compiling
+        it is the workers' (xgrammar loads torch, which the router does not)."""
         try:
-            await asyncio.get_running_loop().run_in_executor(self.executor, self.grammars.compile, schema)
+            await asyncio.get_running_loop().run_in_executor(self.executor, json_schema.parse, schema)
         except ValueError as exc:
             raise bad_request(str(exc), param=param, code="invalid_json_schema") from None
         return schema

@@ -7,8 +7,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from services.engine.prefix_cache import block_hashes
-from services.engine.sampling import SamplingParams, TokenLogprob
+from services.engine.core.prefix_cache import block_hashes
+from services.engine.core.sampling import SamplingParams, TokenLogprob
 
 # What workers stream: (choice, new token ids, finish reason or "", their logprobs or None).
 Tokens = tuple[int, list[int], str, "list[TokenLogprob] | None"]

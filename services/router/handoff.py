@@ -27,13 +27,13 @@ import grpc
 
 from services.common.metrics import RouterMetrics
 from services.common.settings import RouterSettings
-from services.engine.sampling import TokenLogprob
+from services.engine.core.sampling import TokenLogprob
 from services.router.generation import Generation, Tokens
 from services.router.policy import CostModel
 from services.router.protocol import APIError
 from services.router.workers import INFO_TIMEOUT, Worker, WorkerSet
 from services.rpc import worker_pb2
-from services.worker.wire import logprob_from_proto, sampling_to_proto
+from services.worker.wire import ERROR_CODE_KEY, logprob_from_proto, sampling_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -317,7 +317,8 @@ def worker_error(worker: Worker, exc: grpc.aio.AioRpcError) -> APIError:
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
         return APIError(504, f"{worker.label} timed out", type_="timeout", grpc_code="DEADLINE_EXCEEDED")
     if code is grpc.StatusCode.INVALID_ARGUMENT:
-        return APIError(400, exc.details() or "invalid request")
+        codes = [v for k, v in exc.trailing_metadata() or () if k == ERROR_CODE_KEY]
+        return APIError(400, exc.details() or "invalid request", code=codes[0] if codes else None)
     if code is grpc.StatusCode.UNAUTHENTICATED:
         return APIError(502, f"{worker.label} refused the router's credential (is --cluster-secret-file the same "
                              "on both?)", type_="server_error", grpc_code="INTERNAL")

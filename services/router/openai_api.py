@@ -23,8 +23,8 @@ from pydantic import BaseModel
 
 from services.common.security import KeyCheck
 from services.common.version import VERSION
-from services.engine.sampling import TokenLogprob
-from services.engine.structured import JSON_OBJECT
+from services.engine.core.sampling import TokenLogprob
+from services.engine.text.json_schema import JSON_OBJECT
 from services.router.access import AccessLogMiddleware
 from services.router.frontend import Collected, FrontEnd, RunningRequest, choices
 from services.router.http_input import HTTP_CODES, error_response, RequireAPIKey, RequestId, read_json, parse

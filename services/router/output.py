@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from services.engine.sampling import TokenLogprob
-from services.engine.tokenizer import IncrementalDetokenizer, StopMatcher
+from services.engine.core.sampling import TokenLogprob
+from services.engine.text.tokenizer import IncrementalDetokenizer, StopMatcher
 from services.router.generation import Delta, Generation
 from services.router.schema_guard import SchemaGuard
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from services.engine.tokenizer import IncrementalDetokenizer, StopMatcher
+from services.engine.text.tokenizer import IncrementalDetokenizer, StopMatcher
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Container, Sequence
 
-from services.engine.prefix_cache import cached_prefix_blocks
+from services.engine.core.prefix_cache import cached_prefix_blocks
 
 
 # How many more sequences than the least loaded decode worker one may run and still win

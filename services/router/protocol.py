@@ -16,7 +16,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Stric
                       field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
-from services.engine.sampling import MAX_CHOICES, MAX_STOP, MAX_TOP_LOGPROBS
+from services.engine.core.sampling import MAX_CHOICES, MAX_STOP, MAX_TOP_LOGPROBS
 
 # An int is a float here, as in JSON; `true` or "0.5" is not (pydantic's lax float takes both).
 Number = Annotated[float, Field(strict=True)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import secrets
 
-from services.engine.sampling import SEED_MASK, InvalidSampling, SamplingParams
+from services.engine.core.sampling import SEED_MASK, InvalidSampling, SamplingParams
 from services.router.protocol import APIError, bad_request
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from services.engine.json_schema import output_violation
-from services.engine.sampling import SamplingParams
+from services.engine.text.json_schema import output_violation
+from services.engine.core.sampling import SamplingParams
 from services.router.protocol import APIError
 
 log = logging.getLogger(__name__)

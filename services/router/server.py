@@ -13,8 +13,8 @@ from services.common.lifecycle import announce, settle_garbage_collector, stop_e
 from services.common.metrics import RouterMetrics
 from services.common.security import KeyCheck, RequireBearer, TLSFiles, read_api_keys
 from services.common.settings import RouterSettings
-from services.engine.model_store import context_length, generic_config, resolve_model
-from services.engine.tokenizer import load_tokenizer
+from services.engine.text.model_store import context_length, read_config, resolve_model
+from services.engine.text.tokenizer import load_tokenizer
 from services.router.admission import Admission, tenant_policies
 from services.router.cluster import Cluster
 from services.router.connections import http_protocol
@@ -38,7 +38,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     admission = Admission(settings.max_pending, tenant_policies(api_keys), lambda: cluster.capacity(), metrics)
     cluster = Cluster(settings, tokenizer, metrics)
     await cluster.start()
-    max_model_len = context_length(generic_config(model_dir), settings.max_model_len)
+    max_model_len = context_length(read_config(model_dir), settings.max_model_len)
     fe = FrontEnd(cluster, admission, tokenizer, served_model_name, max_model_len, settings.max_body_bytes,
                   settings.request_timeout, sse_keepalive=settings.sse_keepalive_seconds)
 

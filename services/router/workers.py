@@ -26,7 +26,7 @@ from services.common.metrics import RouterMetrics
 from services.common.registry import RedisRegistry
 from services.common.security import ClusterSecret, call_interceptors
 from services.common.settings import RouterSettings
-from services.engine.prefix_cache import cached_prefix_blocks
+from services.engine.core.prefix_cache import cached_prefix_blocks
 from services.router.generation import Generation
 from services.router.latency import LatencyLedger
 from services.router.policy import CostModel, DecodeLoad, PrefillLoad, pick_decode, plan_prefill

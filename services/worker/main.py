@@ -13,6 +13,8 @@ import logging
 import time
 from typing import Callable
 
+import grpc
+
 from services.common.grpc_server import ServiceHost
 from services.common.lifecycle import (announce, keep_freed_memory, set_torch_threads, settle_garbage_collector,
                                        stop_event_on_signals)
@@ -20,13 +22,13 @@ from services.common.metrics import WorkerMetrics
 from services.common.registry import Heartbeat, RedisRegistry
 from services.common.security import ClusterSecret, KeyCheck, RequireBearer
 from services.common.settings import WorkerSettings
-from services.engine.model_store import resolve_model
-from services.engine.runner import ModelRunner
-from services.engine.scheduler import SchedulerConfig
-from services.engine.sampling import SamplingParams
-from services.engine.structured import Grammars
-from services.engine.tokenizer import eos_token_ids, load_tokenizer
-from services.worker.wire import check_tokens
+from services.engine.text.model_store import resolve_model
+from services.engine.model.runner import ModelRunner
+from services.engine.core.scheduler import SchedulerConfig
+from services.engine.core.sampling import SamplingParams
+from services.engine.structured import Grammars, SchemaError
+from services.engine.text.tokenizer import eos_token_ids, load_tokenizer
+from services.worker.wire import ERROR_CODE_KEY, check_tokens
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +88,15 @@ def prepare(params: SamplingParams, vocab_size: int, grammars: Grammars, taken: 
         if not constraint.accept(token):
             raise ValueError(f"token {token} does not fit the request's JSON schema")
     return constraint
+
+
+async def refuse(context, exc: ValueError) -> None:
+    """Abort the call with INVALID_ARGUMENT for `exc`; a schema that cannot be used also
+    says so in the trailing metadata, so the router answers with the code it gives the
+    schemas it refuses itself."""
+    if isinstance(exc, SchemaError):
+        context.set_trailing_metadata(((ERROR_CODE_KEY, "invalid_json_schema"),))
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
 
 class EngineStatus:

@@ -1,7 +1,7 @@
 """Conversions between wire messages and engine dataclasses, in one place."""
 from __future__ import annotations
 
-from services.engine.sampling import SamplingParams, TokenLogprob
+from services.engine.core.sampling import SamplingParams, TokenLogprob
 from services.rpc import generate_pb2
 
 
@@ -62,3 +62,6 @@ def check_request_id(request_id: str) -> str:
 
 
 MAX_REQUEST_ID = 256
+# Trailing metadata of a refusal: the OpenAI error code the router answers with (e.g.
+# "invalid_json_schema"), where the worker knows a more precise one than a 400's default.
+ERROR_CODE_KEY = "pdserve-error-code"

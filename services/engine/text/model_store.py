@@ -8,6 +8,7 @@ cache directory; later starts load that folder in well under a second.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 from pathlib import Path
@@ -27,12 +28,19 @@ DEFAULT_CONTEXT = 2048
 
 
 def context_length(config, limit: int = 0) -> int:
-    """The model's context length from `config`, a transformers config object of any
-    class (its own or the generic PretrainedConfig): 2048 when it names none; at most
-    `limit` when one is given (--max-model-len)."""
-    lengths = [int(v) for v in (getattr(config, k, None) for k in CONTEXT_KEYS) if isinstance(v, int) and v > 0]
+    """The model's context length from `config`, a transformers config object or
+    config.json as a dict (`read_config`): 2048 when it names none; at most `limit` when
+    one is given (--max-model-len)."""
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    lengths = [int(v) for v in map(get, CONTEXT_KEYS) if isinstance(v, int) and v > 0]
     context = min(lengths) if lengths else DEFAULT_CONTEXT
     return min(limit, context) if limit else context
+
+
+def read_config(model_dir: Path) -> dict:
+    """config.json as a plain dict: what the router reads of it (the context length)
+    without a transformers config class, whose import loads torch."""
+    return json.loads((Path(model_dir) / "config.json").read_text())
 
 
 def generic_config(model_dir: Path):

@@ -1,7 +1,7 @@
 """Paged attention and KV writes on CUDA devices, in Triton.
 
 The kernels read and write pdserve's KV pool in place (layout [layer, k/v, block,
-slot, kv_head, dim], services/engine/kv_cache.py): no gather of a sequence's blocks
+slot, kv_head, dim], services/engine/model/kv_cache.py): no gather of a sequence's blocks
 into a contiguous copy, no Python per sequence.
 
     write_kv(kv_layer, slots, key, value)        each new token's K and V into its slot;

@@ -15,8 +15,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from services.engine.device import to_device
-from services.engine.sampling import SamplingParams, TokenLogprob
+from services.engine.model.device import to_device
+from services.engine.core.sampling import SamplingParams, TokenLogprob
 
 _MASK64 = (1 << 64) - 1
 

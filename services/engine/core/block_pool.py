@@ -1,7 +1,7 @@
 """A fixed pool of KV block ids: allocation, release and leak accounting.
 
 Plain Python, no torch: the tensors that hold the blocks live elsewhere
-(`services.engine.kv_cache.KVPoolMemory`); this only decides which ids are in use.
+(`services.engine.model.kv_cache.KVPoolMemory`); this only decides which ids are in use.
 """
 from __future__ import annotations
 

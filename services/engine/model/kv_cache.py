@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from services.engine.device import to_device
+from services.engine.model.device import to_device
 
 log = logging.getLogger(__name__)
 

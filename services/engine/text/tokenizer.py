@@ -5,13 +5,21 @@ import copy
 import json
 from pathlib import Path
 
-from services.engine.model_store import generic_config
+from services.engine.text.model_store import generic_config
 
 
 def load_tokenizer(model_dir: Path):
-    """The tokenizer class AutoTokenizer picks for the model, handed the generic config
-    (model_store.generic_config: the same model type, without the model's own config
-    class and the imports it drags in)."""
+    """The tokenizer class the model's tokenizer_config.json names, loaded alone: a
+    tokenizer's module imports no torch, and the router loads none. Where it names no
+    class transformers has, the class AutoTokenizer picks, handed the generic config
+    (model_store.generic_config: the same model type without the model's own config
+    class; transformers' config classes import torch)."""
+    import transformers
+    path = Path(model_dir) / "tokenizer_config.json"
+    name = json.loads(path.read_text()).get("tokenizer_class") if path.is_file() else None
+    named = getattr(transformers, name, None) if isinstance(name, str) else None
+    if named is not None:
+        return named.from_pretrained(model_dir)
     from transformers import AutoTokenizer
     try:
         config = generic_config(model_dir)

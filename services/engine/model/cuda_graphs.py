@@ -25,8 +25,8 @@ from itertools import chain
 import numpy as np
 import torch
 
-from services.engine import gpu_kernels
-from services.engine.attention import GPUDecode, PagedBatch, check_block_ids, decode_widths
+from services.engine.kernels import gpu_kernels
+from services.engine.model.attention import GPUDecode, PagedBatch, check_block_ids, decode_widths
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ write the blocks in place (`gpu_kernels`), and decode-only steps replay CUDA gra
 captured per batch-size bucket (`cuda_graphs`); prefill runs in torch's SDPA (flash
 attention). `--attention-kernel torch` keeps torch's own ops there too.
 
-On CPU, attention runs in native kernels (`services/engine/native`) where they win:
+On CPU, attention runs in native kernels (`services/engine/kernels/native`) where they win:
 decode reads the blocks in place; bfloat16 prefill has a flash-style kernel for CPUs
 with AVX512-BF16 and no AMX (with AMX, torch's SDPA is faster and is used). Elsewhere,
 or where they cannot be built, torch's ops.
@@ -30,19 +30,19 @@ from typing import Callable, TypeVar
 import torch
 
 from services.common.settings import ATTENTION_KERNELS, QUANTIZATIONS
-from services.engine.device import Fence, stream_for, to_device, use_device
-from services.engine.hardware import cpu_flags, cpu_kernels, pick_dtype
-from services.engine.kv_cache import (CPU_KV_TOKENS, KVLayout, KVPoolMemory, compat_hash, device_memory,
-                                      tokens_for_memory)
-from services.engine.model_store import context_length
-from services.engine import fusion
-from services.engine import gpu_kernels
-from services.engine.attention import (PREFIX_SCORES_BYTES, DecodeGroup, GPUDecode, NativeDecode, PagedBatch,
-                                       Segment, Workspace, check_block_ids, decode_widths, length_groups,
-                                       paged_attention)
-from services.engine.cuda_graphs import DecodeGraphs, capture_sizes
-from services.engine.native import (NativeAttention, NativeBuildError, NativeDecoder, NativeLayers, NativeMatmul,
-                                   load_attention, load_decoder, load_layers, load_matmul)
+from services.engine.model.device import Fence, stream_for, to_device, use_device
+from services.engine.model.hardware import cpu_flags, cpu_kernels, pick_dtype
+from services.engine.model.kv_cache import (CPU_KV_TOKENS, KVLayout, KVPoolMemory, compat_hash, device_memory,
+                                            tokens_for_memory)
+from services.engine.text.model_store import context_length
+from services.engine.model import fusion
+from services.engine.kernels import gpu_kernels
+from services.engine.model.attention import (PREFIX_SCORES_BYTES, DecodeGroup, GPUDecode, NativeDecode, PagedBatch,
+                                             Segment, Workspace, check_block_ids, decode_widths, length_groups,
+                                             paged_attention)
+from services.engine.model.cuda_graphs import DecodeGraphs, capture_sizes
+from services.engine.kernels.native import (NativeAttention, NativeBuildError, NativeDecoder, NativeLayers,
+                                            NativeMatmul, load_attention, load_decoder, load_layers, load_matmul)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -149,12 +149,12 @@ class ModelRunner:
         self.vocab_size = config.vocab_size
         self.workspace = Workspace()
         if kernel_cache is None:
-            from services.engine.model_store import cache_dir
+            from services.engine.text.model_store import cache_dir
             kernel_cache = cache_dir()
         self.native = self._native(attention, kernel_cache)
         calibration = None
         if quantization != "none":
-            from services.engine.tokenizer import load_tokenizer
+            from services.engine.text.tokenizer import load_tokenizer
             calibration = load_tokenizer(self.model_dir)(fusion.CALIBRATION_TEXT)["input_ids"]
         layer_kernels, matmul = self._layer_kernels(attention, kernel_cache), self._matmul(attention, kernel_cache)
         self.fusions = fusion.apply(self.model, layer_kernels, quantization, calibration, matmul)
@@ -278,7 +278,7 @@ class ModelRunner:
         """Run `batch`; returns the logits of its `sample_rows` then its `logprob_rows`,
         [rows, vocab] float32.
         `on_layer(layer, fence)` is called as each layer's KV write is launched; the
-        write is done once `fence.wait()` returns (services/engine/device.py)."""
+        write is done once `fence.wait()` returns (services/engine/model/device.py)."""
         if (self.graph_sizes and batch.decode_tokens and not batch.segments and not batch.logprob_rows
                 and on_layer is None and len(batch.decode_tokens) <= self.graph_sizes[-1]):
             graphs = self._decode_graphs(pool)

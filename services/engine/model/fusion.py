@@ -21,10 +21,10 @@ The model keeps running its own modelling code; only modules are replaced:
   `generate` token for token (tests/test_parity.py); `--attention-kernel torch`
   keeps torch's own matmul everywhere.
 - bfloat16 on CPU: every linear layer's weight is packed once, for pdserve's own matmul
-  on CPUs with AVX512-BF16 and no AMX (`NativeLinear`, `services/engine/native/matmul.c`:
+  on CPUs with AVX512-BF16 and no AMX (`NativeLinear`, `services/engine/kernels/native/matmul.c`:
   1.4-1.8x oneDNN's speed at decode's 1-4 rows, level from 64 up), else for oneDNN
   (`PackedLinear`; torch otherwise re-lays it out on every call), and RMSNorm, SiLU-and-multiply and
-  rotary embedding run in native one-pass kernels (`services/engine/native/layers.c`)
+  rotary embedding run in native one-pass kernels (`services/engine/kernels/native/layers.c`)
   instead of a chain of element-wise ops. Float32 keeps torch's own ops there, for
   exact parity.
 - bfloat16 or float16 on a CUDA device: the same three element-wise steps in Triton
@@ -32,7 +32,7 @@ The model keeps running its own modelling code; only modules are replaced:
 
 Where every decoder layer ends up in the native kernels (bfloat16 on AVX512-BF16),
 `native_decoder` hands the runner all of them as one native call for decode steps
-(`services/engine/native/decoder.c`): the same kernels in the same order, so the same
+(`services/engine/kernels/native/decoder.c`): the same kernels in the same order, so the same
 bits, without Python between them.
 
 What was applied is returned as a list of words for the start-up log.
@@ -47,10 +47,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.hardware import cpu_flags
-from services.engine.native import (DecoderLayerWeights, NativeAttention, NativeDecoder, NativeLayers,
-                                    NativeMatmul)
-from services.engine.attention import paged_attention
+from services.engine.model.hardware import cpu_flags
+from services.engine.kernels.native import (DecoderLayerWeights, NativeAttention, NativeDecoder, NativeLayers,
+                                            NativeMatmul)
+from services.engine.model.attention import paged_attention
 
 log = logging.getLogger(__name__)
 

@@ -25,6 +25,14 @@ from urllib.parse import quote
 
 import jsonschema_rs
 
+JSON_OBJECT = json.dumps({"type": "object"})        # response_format {"type": "json_object"}
+# A schema is text from a client: bound what compiling it may cost. xgrammar unrolls
+# length bounds (a maxLength of a million takes seconds to compile); no output of a
+# model's context reaches bounds this large anyway.
+MAX_SCHEMA_CHARS = 64 * 1024
+MAX_BOUND = 100_000
+_BOUNDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+
 _OPTIONS = dict(offline=True, validate_formats=False,
                 pattern_options=jsonschema_rs.FancyRegexOptions(backtrack_limit=1_000_000))
 _ROOT = "urn:pdserve:schema"               # the schema's name in the registry of its own subschemas
@@ -42,6 +50,40 @@ _KINDS = {"null": {"null"}, "boolean": {"boolean"}, "object": {"object"}, "array
           "string": {"string"}, "integer": {"integer"}, "number": {"integer", "fraction"}}
 _ALL_KINDS = frozenset().union(*_KINDS.values())
 _OLD_DRAFTS = ("draft-03", "draft-04", "draft-06", "draft-07")     # where `$ref` hides its siblings
+
+
+def parse(schema: str) -> dict | bool:
+    """`schema` (JSON text from a client) parsed, or ValueError saying why it cannot be
+    used: too long, not JSON, not a schema, bounds past MAX_BOUND, or `check`'s reasons.
+    What the router checks before any worker compiles the schema (structured.py)."""
+    if len(schema) > MAX_SCHEMA_CHARS:
+        raise ValueError(f"the JSON schema is longer than {MAX_SCHEMA_CHARS} characters")
+    try:
+        parsed = json.loads(schema)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError("the JSON schema nests objects or arrays too deeply") from None
+    if not isinstance(parsed, (dict, bool)):
+        raise ValueError("a JSON schema must be an object or a boolean")
+    _check_bounds(parsed)
+    check(parsed)
+    return parsed
+
+
+def _check_bounds(node) -> None:
+    """ValueError for a length or count bound past MAX_BOUND anywhere in the schema."""
+    stack = [node]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key in _BOUNDS:
+                value = node.get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and value > MAX_BOUND:
+                    raise ValueError(f"the JSON schema's {key} of {value} is above the {MAX_BOUND} supported")
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
 
 
 def check(schema: dict | bool) -> None:

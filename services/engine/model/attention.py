@@ -17,9 +17,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from services.engine import gpu_kernels
-from services.engine.device import Fence, HostStream
-from services.engine.native import NativeAttention
+from services.engine.kernels import gpu_kernels
+from services.engine.model.device import Fence, HostStream
+from services.engine.kernels.native import NativeAttention
 
 
 @dataclass

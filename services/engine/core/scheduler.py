@@ -47,9 +47,9 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.engine.block_manager import BlockManager
-from services.engine.block_pool import NoFreeBlocks
-from services.engine.sampling import SamplingParams
+from services.engine.core.block_manager import BlockManager
+from services.engine.core.block_pool import NoFreeBlocks
+from services.engine.core.sampling import SamplingParams
 
 # A token sampled by a step still running on the device (async scheduling): it stands in
 # a sequence's `token_ids` until the step's tokens are read.

@@ -19,8 +19,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
-from services.engine.block_pool import BlockPool, NoFreeBlocks
-from services.engine.prefix_cache import block_hashes
+from services.engine.core.block_pool import BlockPool, NoFreeBlocks
+from services.engine.core.prefix_cache import block_hashes
 
 
 # Keys of cached blocks a worker advertises to the router (8 bytes each).
