@@ -257,7 +257,7 @@ def prefill_case(runner, tokens: int, repeats: int) -> float:
 def attention_case(runner, batch: int, context: int, repeats: int) -> dict:
     """One layer's decode attention, Triton paged kernel against torch's gather path."""
     from services.engine.kernels import gpu_kernels
-    from services.engine.model.attention import Workspace, _decode_attention
+    from services.engine.model.attention import Workspace, decode_attention
     c = runner.config
     dim = runner.head_dim
     width = context // BLOCK_SIZE + 1
@@ -275,7 +275,7 @@ def attention_case(runner, batch: int, context: int, repeats: int) -> dict:
         t32 = table.int()
         out["triton_s"] = timed(lambda: gpu_kernels.paged_decode(q, kv, t32, lens, dim ** -0.5, splits, scratch),
                                 dev, repeats)
-    out["torch_gather_s"] = timed(lambda: _decode_attention(q, kv, table, mask, dim ** -0.5, ws), dev, repeats)
+    out["torch_gather_s"] = timed(lambda: decode_attention(q, kv, table, mask, dim ** -0.5, ws), dev, repeats)
     out["kv_bytes"] = kv_bytes({"hidden_size": dim * c.num_attention_heads,
                                 "num_attention_heads": c.num_attention_heads, "num_hidden_layers": 1,
                                 "num_key_value_heads": runner.num_kv_heads}, batch * (context + 1), kv.element_size())

@@ -5,7 +5,7 @@ a real step) at several row counts:
   onednn bf16   bfloat16 weights packed for oneDNN (pdserve's bf16 path on AMX CPUs)
   native bf16   pdserve's own bfloat16 matmul (services/engine/kernels/native/matmul.c; its bf16
                 path on AVX512-BF16 CPUs without AMX; absent elsewhere)
-  onednn int8   `--quantization int8`'s layers (services/engine/model/fusion.py `Int8Linear`:
+  onednn int8   `--quantization int8`'s layers (services/engine/model/int8.py `Int8Linear`:
                 weights int8 per channel, activations quantized per token by the native
                 kernels, oneDNN's u8 x s8 GEMM, VNNI where the CPU has it, products scaled
                 back per row), quantizing and scaling back included (its path on AMX CPUs)
@@ -38,7 +38,7 @@ LAYERS = 30
 
 
 def measure(rows: int, kernels, matmul) -> dict:
-    from services.engine.model.fusion import Int8Linear
+    from services.engine.model.int8 import Int8Linear
     gen = torch.Generator().manual_seed(0)
     weights = [[torch.randn(n, k, generator=gen).bfloat16() * 0.02 for n, k in SHAPES] for _ in range(LAYERS)]
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in layer] for layer in weights]

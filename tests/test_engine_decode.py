@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from services.engine.model.kv_cache import KVPoolMemory
-from services.engine.model.runner import ModelRunner, length_groups
+from services.engine.model.attention import length_groups
+from services.engine.model.runner import ModelRunner
 
 BLOCK = 16
 

@@ -136,14 +136,14 @@ def check_runner(model_dir: str, device: str = "cpu") -> list[str]:
     graphs are replaced by their eager step, as on any machine without CUDA; on a GPU
     they are captured and replayed."""
     from bench.gpu_speed import BLOCK_SIZE
-    from services.engine.kernels import gpu_kernels
+    from services.engine.model.backends import CudaBackend
     from services.engine.model.kv_cache import KVPoolMemory
     from services.engine.model.runner import ForwardBatch, ModelRunner, PrefillSegment
     torch.set_num_threads(1)
     ref = ModelRunner(Path(model_dir), "float32", device, attention="torch")
     if device == "cpu":
         gpu = ModelRunner(Path(model_dir), "float32", device, attention="torch")
-        gpu.gpu_kernels, gpu.decode_scratch, gpu.graph_sizes = True, gpu_kernels.DecodeScratch(), [1, 2, 4, 8]
+        gpu.backend, gpu.graph_sizes = CudaBackend(torch.device(device), torch.float32), [1, 2, 4, 8]
     else:
         gpu = ModelRunner(Path(model_dir), "float32", device, max_batch=8)
     g = torch.Generator().manual_seed(3)
@@ -269,7 +269,7 @@ def test_graphs_are_captured_in_inference_mode_and_thread_local(tmp_path, monkey
     from services.engine.model.runner import ModelRunner
 
     runner = ModelRunner(build_tiny_model(tmp_path / "tiny"), "float32", "cpu", attention="torch")
-    graphs = cuda_graphs.DecodeGraphs(runner.model, torch.zeros(runner.layout(8, 16).shape), 16,
+    graphs = cuda_graphs.DecodeGraphs(runner.backend, runner.model, torch.zeros(runner.layout(8, 16).shape), 16,
                                       runner.max_model_len, [1, 2])
     seen = []
 

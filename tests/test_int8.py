@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from services.common.settings import EngineSettings
 from services.engine.kernels import native
-from services.engine.model.fusion import Int8DecoderLayer, Int8Linear
+from services.engine.model.int8 import Int8DecoderLayer, Int8Linear
 from services.engine.model.hardware import cpu_kernels
 from services.engine.model.runner import ModelRunner
 from tests.conftest import start_cluster, stop_cluster

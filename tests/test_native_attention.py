@@ -105,14 +105,14 @@ def test_without_a_compiler_auto_falls_back_and_native_refuses(model_dir, tmp_pa
     monkeypatch.setenv("PATH", str(tmp_path))
     with caplog.at_level(logging.WARNING):
         runner = ModelRunner(model_dir, "float32", "cpu", attention="auto", kernel_cache=tmp_path)
-    assert runner.native is None
+    assert runner.backend.decode_kernel == "torch" and runner.backend.prefill_kernel == "torch SDPA"
     assert "no C compiler" in caplog.text
     with pytest.raises(native.NativeBuildError, match="no C compiler"):
         ModelRunner(model_dir, "float32", "cpu", attention="native", kernel_cache=tmp_path)
 
 
 def test_native_is_cpu_float32_and_bfloat16_only(model_dir, kernel_cache):
-    assert ModelRunner(model_dir, "float16", "cpu", kernel_cache=kernel_cache).native is None
+    assert ModelRunner(model_dir, "float16", "cpu", kernel_cache=kernel_cache).backend.decode_kernel == "torch"
     with pytest.raises(ValueError, match="run on CPU in float32 or bfloat16"):
         ModelRunner(model_dir, "float16", "cpu", attention="native", kernel_cache=kernel_cache)
     with pytest.raises(ValueError, match="attention must be one of"):
@@ -185,9 +185,9 @@ def test_bfloat16_prefill_agrees_with_sdpa_whole_and_in_chunks(model_dir, kernel
     the first's cached blocks) against one pass."""
     torch.set_num_threads(1)
     fast = ModelRunner(model_dir, "bfloat16", "cpu", attention="native", kernel_cache=kernel_cache)
-    if not fast.native.prefills:
+    if not fast.backend.attention.prefills:
         pytest.skip("this CPU has no AVX512-BF16")
-    fast.native_prefill = True          # on AMX the engine prefers torch's SDPA; test the kernel anyway
+    fast.backend.native_prefill = True      # on AMX the engine prefers torch's SDPA; test the kernel anyway
     slow = ModelRunner(model_dir, "bfloat16", "cpu", attention="torch")
     torch.manual_seed(3)
     prompt = torch.randint(100, 20000, (150,)).tolist()

@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.kernels import native
+from services.engine.model.backends import CpuBackend
 from services.engine.model.hardware import cpu_flags, cpu_kind
-from services.engine.model.fusion import Int8Linear
+from services.engine.model.int8 import Int8Linear
 from services.engine.model.runner import ModelRunner
 
 HAS_BF16 = "avx512_bf16" in cpu_flags()
@@ -154,9 +155,9 @@ def test_the_real_model_agrees_with_onednn(model_dir, kernel_cache, monkeypatch)
     """SmolLM2 in bfloat16: a prompt's last logits and one decode step's, through the
     native matmul and through oneDNN's; the same token or a tie within bfloat16's steps.
     (On AMX CPUs the engine keeps oneDNN; the native path is asked for here all the same.)"""
-    monkeypatch.setattr("services.engine.model.runner.cpu_flags", lambda: cpu_flags() - {"amx_bf16"})
+    monkeypatch.setattr("services.engine.model.backends.cpu_flags", lambda: cpu_flags() - {"amx_bf16"})
     fast = ModelRunner(model_dir, "bfloat16", "cpu", kernel_cache=kernel_cache)
-    monkeypatch.setattr(ModelRunner, "_matmul", lambda self, *args: None)
+    monkeypatch.setattr(CpuBackend, "_matmul", lambda self, model: None)      # oneDNN's or torch's own
     slow = ModelRunner(model_dir, "bfloat16", "cpu", kernel_cache=kernel_cache)
     assert "native bf16 matmul" in fast.fusions and "packed bf16 weights" in slow.fusions
     from services.engine.model.kv_cache import KVPoolMemory
@@ -253,9 +254,9 @@ def test_float32_real_model_agrees_with_torch(model_dir, kernel_cache, monkeypat
     native float32 matmul and through torch's own; within float32 summation noise, and
     the same greedy token. (On CPUs with AVX-512 the engine keeps torch's float32
     matmul; the native one is asked for here all the same.)"""
-    monkeypatch.setattr("services.engine.model.runner.cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr("services.engine.model.backends.cpu_flags", lambda: frozenset({"avx2", "fma"}))
     fast = ModelRunner(model_dir, "float32", "cpu", kernel_cache=kernel_cache)
-    monkeypatch.setattr(ModelRunner, "_matmul", lambda self, *args: None)
+    monkeypatch.setattr(CpuBackend, "_matmul", lambda self, model: None)      # oneDNN's or torch's own
     slow = ModelRunner(model_dir, "float32", "cpu", kernel_cache=kernel_cache)
     assert "native f32 matmul" in fast.fusions and "native f32 matmul" not in slow.fusions
     from services.engine.model.kv_cache import KVPoolMemory

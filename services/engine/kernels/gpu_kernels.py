@@ -293,6 +293,7 @@ class TritonLayers:
     device, with the interface of the CPU's `NativeLayers` (fusion.LeanDecoderLayer
     takes either): a Llama layer then runs ~14 kernels instead of ~40, which at decode's
     batch sizes is launch time saved, not arithmetic. `threads` is ignored."""
+    name = "triton"
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, threads: int = 1) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])

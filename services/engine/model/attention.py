@@ -1,13 +1,14 @@
 """Attention over the paged KV cache: the function transformers calls in each layer.
 
-It writes the layer's new K/V into the block pool, then attends. A forward pass's rows
-come in two kinds: single tokens over a cached context (decode), first, then chunks of
-prompts (prefill), each attending causally to its own cached prefix and itself.
+It hands the layer to the step's execution backend (backends.py), which writes the
+layer's new K/V into the block pool, then attends. A forward pass's rows come in two
+kinds: single tokens over a cached context (decode), first, then chunks of prompts
+(prefill), each attending causally to its own cached prefix and itself.
 
-Decode runs in the native kernel where it was built (it reads the blocks in place),
-on a CUDA device in the Triton kernels of `gpu_kernels` (likewise in place), else
-gathers each sequence's blocks and uses two batched matmuls. Prefill runs in torch's
-SDPA, or in the native bfloat16 kernel where the runner chose it.
+This module holds what every backend shares: the step's data (`PagedBatch`, and the
+decode rows' tables in the form each backend reads), and torch's reference ops, which
+the torch backend runs and the others fall back to: decode gathers each sequence's
+blocks and uses two batched matmuls; prefill runs in torch's SDPA.
 """
 from __future__ import annotations
 
@@ -17,9 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from services.engine.kernels import gpu_kernels
 from services.engine.model.device import Fence, HostStream
-from services.engine.kernels.native import NativeAttention
 
 
 @dataclass
@@ -33,7 +32,7 @@ class Segment:
 
 @dataclass
 class NativeDecode:
-    kernel: NativeAttention
+    """Decode rows through the native kernel: int64 tables and int32 lengths on the host."""
     block_table: torch.Tensor                   # int64 [rows, widest row's blocks]
     context_lens: torch.Tensor                  # int32 [rows]
 
@@ -59,16 +58,14 @@ class DecodeGroup:
 
 @dataclass
 class PagedBatch:
-    """What the attention function needs for one forward pass."""
+    """One forward pass's data for the attention function, and the backend that runs it."""
     kv: torch.Tensor                    # [layers, 2, blocks, block_size, kv_heads, dim]
     slots: torch.Tensor                 # [tokens] flat slot of each new token's K/V
+    backend: object                     # the runner's execution backend (backends.py)
     num_decode: int = 0
-    native: NativeDecode | None = None          # decode rows through the native kernel
-    gpu: GPUDecode | None = None                # decode rows through the Triton kernel
-    gpu_writes: bool = False                    # new K/V written by the Triton kernel (slot -1: skipped)
-    groups: list[DecodeGroup] | None = None     # decode rows through torch's ops
+    # the decode rows' tables, as the backend made them (`Backend.decode_rows`)
+    decode: NativeDecode | GPUDecode | list[DecodeGroup] | None = None
     segments: list[Segment] = field(default_factory=list)
-    prefill_kernel: NativeAttention | None = None
     workspace: "Workspace | None" = None
     threads: int = 1
     on_layer: Callable[[int, Fence], None] | None = None     # layer L's KV is written (once the fence passes)
@@ -123,14 +120,14 @@ class Workspace:
         return buf[:n].view(shape)
 
 
-def _write(kv: torch.Tensor, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+def write(kv: torch.Tensor, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
     """key/value: [tokens, kv_heads, dim]."""
     heads, dim = kv.shape[-2:]
     kv[layer, 0].view(-1, heads, dim).index_copy_(0, slots, key)
     kv[layer, 1].view(-1, heads, dim).index_copy_(0, slots, value)
 
 
-def _decode_attention(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, mask: torch.Tensor,
+def decode_attention(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, mask: torch.Tensor,
                       scale: float, ws: Workspace) -> torch.Tensor:
     """One query token per sequence over its blocks; query [batch, q_heads, dim], kv
     [2, blocks, block_size, kv_heads, dim] (one layer). The blocks are gathered with one
@@ -154,21 +151,26 @@ def _decode_attention(query: torch.Tensor, kv: torch.Tensor, block_table: torch.
     return torch.matmul(probs, v).view(batch, q_heads, dim)
 
 
-def _prefill_attention(b: PagedBatch, s: Segment, layer: int, query: torch.Tensor, key: torch.Tensor,
-                       value: torch.Tensor, scale: float) -> torch.Tensor:
-    """One chunk's causal attention; query [1, heads, n, dim], key/value [1, kv_heads,
-    n, dim] (its own new tokens). Returns [n, heads, dim]."""
-    if s.prefix_len == 0 and b.prefill_kernel is None:
+def chunk_kv(b: PagedBatch, s: Segment, layer: int, key: torch.Tensor,
+             value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a prompt chunk attends to, [tokens, kv_heads, dim] each: its own new K/V
+    (key/value [1, kv_heads, n, dim], as views), or with a cached prefix, the prefix's
+    and its own gathered from the pool (written there already)."""
+    if s.prefix_len == 0:
+        return key[0].transpose(0, 1), value[0].transpose(0, 1)
+    heads, dim = b.kv.shape[-2:]
+    return (b.kv[layer, 0].view(-1, heads, dim).index_select(0, s.context_slots),
+            b.kv[layer, 1].view(-1, heads, dim).index_select(0, s.context_slots))
+
+
+def prefill_attention(b: PagedBatch, s: Segment, layer: int, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, scale: float) -> torch.Tensor:
+    """One chunk's causal attention in torch's SDPA; query [1, heads, n, dim], key/value
+    [1, kv_heads, n, dim] (its own new tokens). Returns [n, heads, dim]."""
+    if s.prefix_len == 0:
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)
-    if s.prefix_len == 0:                                   # [tokens, kv_heads, dim] views
-        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
-    else:                                                   # the cached prefix and the new tokens
-        heads, dim = b.kv.shape[-2:]
-        k = b.kv[layer, 0].view(-1, heads, dim).index_select(0, s.context_slots)
-        v = b.kv[layer, 1].view(-1, heads, dim).index_select(0, s.context_slots)
-    if b.prefill_kernel is not None:
-        return b.prefill_kernel.prefill(query[0].transpose(0, 1), k, v, s.prefix_len, scale, b.threads)
+    k, v = chunk_kv(b, s, layer, key, value)
     k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     if query.device.type != "cpu":
         rows = prefix_rows(query.shape[1], k.shape[2], query.dtype, query.shape[-1])
@@ -222,33 +224,8 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     _, heads, tokens, dim = query.shape
     out = query.new_empty(1, tokens, heads, dim)
-    b.stream.launch(lambda: _attend(b, layer, query, key, value, scale, out))
+    b.stream.launch(lambda: b.backend.attend(b, layer, query, key, value, scale, out))
     if b.on_layer is not None:
         b.on_layer(layer, b.stream.record())
     b.stream.ready()
     return out, None
-
-
-def _attend(b: PagedBatch, layer: int, query, key, value, scale: float, out: torch.Tensor) -> None:
-    """The layer's work on the device: write the new tokens' K/V, then attend."""
-    if b.gpu_writes:
-        gpu_kernels.write_kv(b.kv[layer], b.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    else:
-        _write(b.kv, layer, b.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    d = b.num_decode
-    if d:
-        q = query[0, :, :d].transpose(0, 1)                # [rows, heads, dim]
-        if b.gpu is not None:
-            g = b.gpu
-            gpu_kernels.paged_decode(q, b.kv[layer], g.block_table, g.context_lens, scale, g.splits, g.scratch,
-                                     out=out[0, :d])
-        elif b.native is not None:
-            n = b.native
-            out[0, :d] = n.kernel.decode(q, b.kv[layer], n.block_table, n.context_lens, scale, b.threads)
-        else:
-            for g in b.groups:
-                out[0].index_copy_(0, g.rows, _decode_attention(q.index_select(0, g.rows), b.kv[layer],
-                                                                g.block_table, g.context_mask, scale, b.workspace))
-    for s in b.segments:
-        rows = slice(s.row, s.row + s.num_tokens)
-        out[0, rows] = _prefill_attention(b, s, layer, query[:, :, rows], key[:, :, rows], value[:, :, rows], scale)

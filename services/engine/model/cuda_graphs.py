@@ -43,8 +43,10 @@ def capture_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     """The graphs of one model over one KV pool."""
 
-    def __init__(self, model: torch.nn.Module, kv: torch.Tensor, block_size: int, max_model_len: int,
+    def __init__(self, backend, model: torch.nn.Module, kv: torch.Tensor, block_size: int, max_model_len: int,
                  sizes: list[int]) -> None:
+        """`backend`: the runner's (backends.CudaBackend), whose kernels the graphs capture."""
+        self.backend = backend
         self.model = model
         self.kv = kv
         self.block_size = block_size
@@ -81,9 +83,9 @@ class DecodeGraphs:
     def _forward(self, n: int) -> torch.Tensor:
         """The decode step of rows [0, n) of the persistent inputs: logits [n, vocab] float32."""
         body = self.model.model
-        paged = PagedBatch(kv=self.kv, slots=self.slots[:n], num_decode=n, gpu_writes=True,
-                           gpu=GPUDecode(self.table[:n], self.lens[:n],
-                                         gpu_kernels.splits_for(n, self.num_kv_heads), self.scratch))
+        paged = PagedBatch(kv=self.kv, slots=self.slots[:n], backend=self.backend, num_decode=n,
+                           decode=GPUDecode(self.table[:n], self.lens[:n], gpu_kernels.splits_for(n, self.num_kv_heads),
+                                            self.scratch))
         hidden = body.embed_tokens(self.ids[:n]).unsqueeze(0)
         position_embeddings = body.rotary_emb(hidden, position_ids=self.positions[:n].unsqueeze(0))
         for layer in body.layers:

@@ -30,36 +30,32 @@ The model keeps running its own modelling code; only modules are replaced:
 - bfloat16 or float16 on a CUDA device: the same three element-wise steps in Triton
   kernels (`gpu_kernels.TritonLayers`), one launch each.
 
-Where every decoder layer ends up in the native kernels (bfloat16 on AVX512-BF16),
-`native_decoder` hands the runner all of them as one native call for decode steps
-(`services/engine/kernels/native/decoder.c`): the same kernels in the same order, so the same
-bits, without Python between them.
+Which of these a model gets is its execution backend's choice (backends.py), which
+hands `apply` its kernels; int8 layers are in int8.py. Where every decoder layer ends up
+in the native kernels, the CPU backend also runs them as one native call for decode
+steps (`services/engine/kernels/native/decoder.c`).
 
 What was applied is returned as a list of words for the start-up log.
 """
 from __future__ import annotations
 
 import logging
-from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.model.hardware import cpu_flags
-from services.engine.kernels.native import (DecoderLayerWeights, NativeAttention, NativeDecoder, NativeLayers,
-                                            NativeMatmul)
+from services.engine.kernels.native import NativeLayers, NativeMatmul
 from services.engine.model.attention import paged_attention
 
 log = logging.getLogger(__name__)
 
 # Modules whose forward is Llama's RMSNorm: x * rsqrt(mean(x^2) + eps) * weight.
 RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
-# Decoder layers whose forward is Llama's (checked further in `_lean_compatible`).
+# Decoder layers whose forward is Llama's (checked further in `lean_compatible`).
 LEAN_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
 # Models whose forward is embed -> rotary angles -> decoder layers -> norm, nothing else
-# (what `native_decoder`'s one-call decode step stands in for).
+# (what the CPU backend's one-call decode step stands in for).
 DECODER_MODELS = ("LlamaModel", "MistralModel", "Qwen2Model")
 # Modules whose forward is down(silu(gate(x)) * up(x)).
 SILU_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
@@ -70,7 +66,7 @@ FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 PACK_FOR_ROWS = 32
 
 
-def _packs_bf16() -> bool:
+def packs_bf16() -> bool:
     """Whether oneDNN takes packed bfloat16 weights here (it refuses on AVX2-only CPUs)."""
     return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -324,176 +320,7 @@ class LeanDecoderLayer(nn.Module):
         return hidden_states + self.down_proj(x)
 
 
-class Int8Linear(nn.Module):
-    """A linear layer with int8 weights: per output channel, symmetric (scale = max |w|
-    / 127; / 63 on CPUs without VNNI, see below). Its input comes quantized per token
-    (`NativeLayers.quantize_rows`: uint8 with zero point 128); a u8 x s8 matmul returns
-    float32 products, which the caller scales back per row and adds `bias` to
-    (`NativeLayers.dequant_rows`). The matmul is pdserve's own where `matmul` is given
-    and runs int8 (AVX512-VNNI; ~2x oneDNN's speed at one row, about level from 64 rows
-    up), else oneDNN's; both give the same products, bit for bit (exact int32 sums,
-    scaled once)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None = None,
-                 matmul: NativeMatmul | None = None) -> None:
-        """`dtype`: the outputs' (and so the bias's) dtype, default the bias's own."""
-        super().__init__()
-        w = weight.detach().float()
-        self.out_features, self.in_features = w.shape
-        self.native = matmul is not None and matmul.int8 and self.in_features % 4 == 0
-        # Without VNNI, oneDNN multiplies u8 x s8 with vpmaddubsw, which adds each pair of
-        # products in int16 and saturates: 2 * 255 * 127 does not fit, 2 * 255 * 63 does.
-        # There the weights take 7 bits (measured on an AVX2 EPYC: with 8, products were
-        # off by up to 10 % of the largest).
-        limit = 127 if self.native or {"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_flags() else 63
-        scale = w.abs().amax(dim=1) / limit
-        self.scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round(w / self.scale[:, None]).clamp(-limit, limit).to(torch.int8)
-        if self.native:
-            self.packed, self.comp, self.native_scale = matmul.pack_int8(q, self.scale)
-            object.__setattr__(self, "matmul", matmul)
-        else:
-            self.packed = torch.ops.onednn.qlinear_prepack(q, [PACK_FOR_ROWS, self.in_features])
-            self.zero_points = torch.zeros(self.out_features, dtype=torch.int64)
-        self.bias = None if bias is None else bias.detach().to(dtype or bias.dtype)
-
-    def products(self, quantized: torch.Tensor) -> torch.Tensor:
-        """[rows, in] uint8 (value + 128) -> [rows, out] float32, before the rows' scales."""
-        if self.native:
-            return self.matmul.products(quantized, self.packed, self.out_features, self.comp, self.native_scale,
-                                        torch.get_num_threads())
-        return torch.ops.onednn.qlinear_pointwise(quantized, 1.0, 128, self.packed, self.scale, self.zero_points,
-                                                  None, 1.0, 0, torch.float32, "none", [], "")
-
-
-def _cat_linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None], dtype: torch.dtype,
-                matmul: NativeMatmul | None = None) -> Int8Linear:
-    """One int8 matmul for several projections of one input."""
-    bias = None if biases[0] is None else torch.cat([b.float() for b in biases])
-    return Int8Linear(torch.cat([w.float() for w in weights]), bias, dtype, matmul)
-
-
-# SmoothQuant's migration strength: how much of an input channel's range moves into the
-# weights (0: none, 1: all). 0.5 is the paper's default for most models.
-SMOOTHING_ALPHA = 0.5
-# What the int8 layers are calibrated on at load: where each input channel's range lies.
-CALIBRATION_TEXT = (
-    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
-    "combined movable metal type, oil-based ink and a wooden screw press. Within fifty years, "
-    "presses were running in more than two hundred European cities, and the price of books fell "
-    "sharply.\n\nQ: How do I reverse a list in Python?\nA: Use `items[::-1]` for a reversed copy, or "
-    "`items.reverse()` to reverse it in place.\n\ndef fibonacci(n):\n    a, b = 0, 1\n    for _ in "
-    "range(n):\n        a, b = b, a + b\n    return a\n\nPhotosynthesis converts light energy into "
-    "chemical energy: plants take in carbon dioxide and water and release oxygen. Dear team, the "
-    "meeting on Thursday moves to 3 pm; please send your slides by noon. 1, 2, 3, 5, 8, 13, 21. "
-    "Paris, Tokyo, Nairobi, Lima and Sydney are capitals or large cities on five continents.")
-
-
-def _smoothing(act_max: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
-    """SmoothQuant's per-input-channel factors for matmuls that share one input: divide
-    the input's channel j by s_j and multiply the weights' column j by it, so outlier
-    channels of the activations (which per-token int8 quantizes badly) are tamed at
-    the cost of the weights' (quantized per output channel, which takes it better)."""
-    return _factors(act_max, torch.stack([w.float().abs().amax(dim=0) for w in weights]).amax(dim=0))
-
-
-def _factors(act_max: torch.Tensor, w_max: torch.Tensor) -> torch.Tensor:
-    s = act_max.clamp_min(1e-5).pow(SMOOTHING_ALPHA) / w_max.clamp_min(1e-5).pow(1 - SMOOTHING_ALPHA)
-    return s.clamp_min(1e-5)
-
-
-@torch.inference_mode()
-def calibrate(model: nn.Module, input_ids: list[int]) -> dict[nn.Module, dict[str, torch.Tensor]]:
-    """Each decoder layer's per-channel max |input| of its q, o, gate and down
-    projections over `input_ids`, one forward pass with torch's SDPA attention."""
-    stats: dict[nn.Module, dict[str, torch.Tensor]] = {}
-    hooks = []
-
-    def watch(layer: nn.Module, name: str, linear: nn.Module) -> None:
-        def hook(_module, inputs, _output):
-            x = inputs[0].detach().float().reshape(-1, inputs[0].shape[-1]).abs().amax(dim=0)
-            seen = stats.setdefault(layer, {})
-            seen[name] = torch.maximum(seen[name], x) if name in seen else x
-        hooks.append(linear.register_forward_hook(hook))
-
-    for layer in model.modules():
-        if _lean_compatible(layer):
-            watch(layer, "qkv", layer.self_attn.q_proj)
-            watch(layer, "gate_up", layer.mlp.gate_proj)
-            watch(layer, "down", layer.mlp.down_proj)
-            watch(layer, "o", layer.self_attn.o_proj)
-    attention = model.config._attn_implementation
-    model.set_attn_implementation("sdpa")
-    try:
-        model(input_ids=torch.tensor([input_ids], device=model.device), use_cache=False)
-    finally:
-        model.set_attn_implementation(attention)
-        for h in hooks:
-            h.remove()
-    return stats
-
-
-class Int8DecoderLayer(LeanDecoderLayer):
-    """`LeanDecoderLayer` with int8 weights in its four matmuls (q|k|v, o, gate|up,
-    down), activations quantized per token as they enter each, in the native kernels:
-    RMSNorm and quantize in one pass, scale back plus bias plus residual in one, and
-    SiLU-and-multiply between gate|up and down on the float32 products. Attention, the
-    KV cache and the vocabulary projection keep the model's dtype. With `stats` from
-    `calibrate`, SmoothQuant's factors are folded into the RMSNorm weights (for q|k|v
-    and gate|up), into up's rows (for down) and into v's rows (for o: the KV cache
-    then holds V / s) before quantizing. An approximation, like vLLM's W8A8
-    (per-channel weights, dynamic per-token activations): opt-in."""
-
-    def __init__(self, layer: nn.Module, kernels: NativeLayers, stats: dict[str, torch.Tensor] | None = None,
-                 matmul: NativeMatmul | None = None) -> None:
-        nn.Module.__init__(self)                     # none of LeanDecoderLayer's matmuls
-        self._take_shape(layer)
-        attn, mlp = layer.self_attn, layer.mlp
-        self.dtype = attn.q_proj.weight.dtype
-        qkv = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
-        gate_up = [mlp.gate_proj.weight, mlp.up_proj.weight]
-        down, o, v_bias = mlp.down_proj.weight, attn.o_proj.weight, attn.v_proj.bias
-        if stats:
-            norms = []
-            for i, (name, weights) in enumerate((("qkv", qkv), ("gate_up", gate_up))):
-                s = _smoothing(stats[name], weights)
-                norms.append((self.norm_weights[i].float() / s).to(self.dtype))
-                weights[:] = [w.float() * s for w in weights]
-            self.norm_weights = tuple(norms)
-            s = _smoothing(stats["down"], [down])
-            gate_up[1] = gate_up[1] / s[:, None]             # silu(gate) * up / s = the input / s
-            down = down.float() * s
-            # o's input is attention's output, a mix of V rows: V / s gives input / s. One
-            # factor per V channel, shared by the query heads that read that KV head.
-            kv, dim = self.num_kv_heads, self.head_dim
-            per_head = (kv, self.num_heads // kv, dim)
-            s = _factors(stats["o"].view(per_head).amax(dim=1),
-                         o.float().abs().amax(dim=0).view(per_head).amax(dim=1)).reshape(-1)
-            qkv[2] = qkv[2].float() / s[:, None]
-            v_bias = None if v_bias is None else v_bias / s
-            o = o.float() * s.view(kv, 1, dim).expand(per_head).reshape(-1)
-        self.qkv = _cat_linear(qkv, [attn.q_proj.bias, attn.k_proj.bias, v_bias], self.dtype, matmul)
-        self.qkv_sizes = [w.shape[0] for w in qkv]
-        self.o_proj = Int8Linear(o, attn.o_proj.bias, self.dtype, matmul)
-        self.gate_up = _cat_linear(gate_up, [None, None], self.dtype, matmul)
-        self.down_proj = Int8Linear(down, mlp.down_proj.bias, self.dtype, matmul)
-        object.__setattr__(self, "kernels", kernels)
-
-    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, pdserve_batch=None, **_):
-        k, threads, shape = self.kernels, torch.get_num_threads(), hidden_states.shape
-        x, scales = k.rms_norm_quantize(hidden_states, self.norm_weights[0], self.eps[0], threads)
-        qkv = k.dequant_rows(self.qkv.products(x), scales, self.qkv.bias, None, self.dtype, threads)
-        q, key, value = qkv.view(1, shape[1], -1).split(self.qkv_sizes, dim=-1)
-        x, scales = k.quantize_rows(self._attention(q, key, value, position_embeddings, pdserve_batch), threads)
-        hidden_states = k.dequant_rows(self.o_proj.products(x), scales, self.o_proj.bias, hidden_states, self.dtype,
-                                       threads)
-        x, scales = k.rms_norm_quantize(hidden_states, self.norm_weights[1], self.eps[1], threads)
-        x, scales = k.silu_mul_quantize(self.gate_up.products(x), scales, threads)
-        return k.dequant_rows(self.down_proj.products(x), scales, self.down_proj.bias, hidden_states, self.dtype,
-                              threads).view(shape)
-
-
-def _lean_compatible(layer: nn.Module) -> bool:
+def lean_compatible(layer: nn.Module) -> bool:
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     names = ("q_proj", "k_proj", "v_proj", "o_proj")
     return (type(layer).__name__ in LEAN_LAYERS and attn is not None and mlp is not None
@@ -523,42 +350,31 @@ def _silu(mlp: nn.Module) -> bool:
     return type(act).__name__ in ("SiLU", "SiLUActivation") or act is F.silu
 
 
-def apply(model: nn.Module, kernels: NativeLayers | None, quantization: str = "none",
-          calibration_ids: list[int] | None = None, matmul: NativeMatmul | None = None) -> list[str]:
-    """Swap faster equivalents into `model` (in place); returns what was applied.
-    `quantization` "int8": the decoder layers' matmuls in int8 (`Int8DecoderLayer`),
-    calibrated on `calibration_ids` (CALIBRATION_TEXT, tokenized) where given.
-    `matmul`: pdserve's own matmuls, used for every bfloat16 (and int8) linear layer they
-    take (the caller decides where they beat oneDNN's)."""
-    dtype, device = model.dtype, model.device
-    cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
-    pack = cpu_bf16 and _packs_bf16()
-    native = kernels if cpu_bf16 or (device.type == "cuda" and dtype != torch.float32) else None
-    int8_matmul = matmul if matmul is not None and matmul.int8 else None
-    matmul = matmul if device.type == "cpu" and matmul is not None and matmul.supports(dtype) else None
+def apply(model: nn.Module, layers, pack: bool, matmul: NativeMatmul | None) -> list[str]:
+    """Swap faster equivalents into `model` (in place), with the kernels its backend
+    chose (backends.py): `layers`, element-wise kernels (`NativeLayers`,
+    `gpu_kernels.TritonLayers`; None: torch's ops); `pack`, bfloat16 weights laid out
+    for oneDNN; `matmul`, pdserve's own matmul for every linear layer it takes. Returns
+    what was applied."""
+    dtype = model.dtype
     applied: set[str] = set()
-    if quantization == "int8":               # first: the float32 check below then finds no q/k/v left
-        _quantize_layers(model, kernels, calibration_ids, int8_matmul)
-        applied.add("int8 decoder layers" + (" (smoothed)" if calibration_ids else ""))
-        if int8_matmul is not None:
-            applied.add("native int8 matmul")
     qkv = FUSED_PROJECTIONS[0]
     owners = [m for m in model.modules() if all(isinstance(getattr(m, n, None), nn.Linear) for n in qkv)]
     # The native matmul sums each output column alone, in one k order: fused is exact.
     fuse = (dtype != torch.float32 or matmul is not None or not owners
             or _exact_in_float32([getattr(owners[0], n) for n in qkv]))
     for module in list(model.modules()):
-        if _lean_compatible(module):
-            _replace(model, module, LeanDecoderLayer(module, native, pack, fuse, matmul))
+        if lean_compatible(module):
+            replace(model, module, LeanDecoderLayer(module, layers, pack, fuse, matmul))
             applied.add("lean decoder layers")
     for module in list(model.modules()):
-        if native is not None and type(module).__name__ in SILU_MLPS and _silu(module):
-            _replace(model, module, NativeSiluMLP(module, native, pack, matmul))
+        if layers is not None and type(module).__name__ in SILU_MLPS and _silu(module):
+            replace(model, module, NativeSiluMLP(module, layers, pack, matmul))
             applied.add("gate|up+silu")
             continue
-        if native is not None and type(module).__name__ in RMS_NORMS:
-            _replace(model, module, NativeRMSNorm(module, native))
-            applied.add("triton rmsnorm" if device.type == "cuda" else "native rmsnorm")
+        if layers is not None and type(module).__name__ in RMS_NORMS:
+            replace(model, module, NativeRMSNorm(module, layers))
+            applied.add(f"{layers.name} rmsnorm")
             continue
         for names in FUSED_PROJECTIONS if fuse else ():
             parts = [getattr(module, n, None) for n in names]
@@ -578,7 +394,7 @@ def apply(model: nn.Module, kernels: NativeLayers | None, quantization: str = "n
                     setattr(parent, name, _linear(child.weight, child.bias, pack, matmul))
         kinds = {type(m) for m in model.modules()}
         if NativeLinear in kinds:
-            applied.add("native bf16 matmul" if cpu_bf16 else "native f32 matmul")
+            applied.add("native bf16 matmul" if dtype == torch.bfloat16 else "native f32 matmul")
         if PackedLinear in kinds:
             applied.add("packed bf16 weights")
     if dtype == torch.float32 and not fuse:
@@ -586,59 +402,8 @@ def apply(model: nn.Module, kernels: NativeLayers | None, quantization: str = "n
     return sorted(applied)
 
 
-def native_decoder(model: nn.Module, attention: NativeAttention | None, kernels: NativeLayers | None,
-                   matmul: NativeMatmul | None, build: Callable[[], Path | None]) -> NativeDecoder | None:
-    """The model's decoder layers as one native call for decode steps, where every layer
-    runs in the native kernels already (a bfloat16 Llama-family model on a CPU with
-    AVX512-BF16, after `apply`; not int8, whose layers are `Int8DecoderLayer`). `build`
-    gives the library (`native.load_decoder`), or None where it cannot be built; it is
-    called only for a model that qualifies. None otherwise."""
-    inner = getattr(model, "model", None)
-    layers = list(getattr(inner, "layers", None) or [])
-    if (model.dtype != torch.bfloat16 or model.device.type != "cpu" or attention is None
-            or not isinstance(kernels, NativeLayers) or matmul is None or not matmul.bf16
-            or type(inner).__name__ not in DECODER_MODELS or not layers
-            or not all(type(layer) is LeanDecoderLayer and layer.kernels is kernels and layer.pack   # not int8's
-                       for layer in layers)):
-        return None
-    first = layers[0]
-    shape = (first.num_heads, first.num_kv_heads, first.head_dim, first.scaling)
-    weights = []
-    for layer in layers:
-        qkv = layer.qkv.linear if layer.qkv is not None else None
-        o, gated, down = layer.o_proj, layer.gated, layer.down_proj
-        if (not all(isinstance(m, NativeLinear) for m in (qkv, o, gated, down)) or qkv.gated or not gated.gated
-                or (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scaling) != shape):
-            return None
-        weights.append(DecoderLayerWeights(layer.norm_weights[0], layer.norm_weights[1], layer.eps[0], layer.eps[1],
-                                           (qkv.packed, qkv.bias), (o.packed, o.bias), (gated.packed, gated.bias),
-                                           (down.packed, down.bias)))
-    library = build()
-    if library is None:
-        return None
-    return NativeDecoder(library, attention, kernels, matmul, weights, first.num_heads, first.num_kv_heads,
-                         first.head_dim, first.gated.out_features, first.scaling)
-
-
-def _quantize_layers(model: nn.Module, kernels: NativeLayers | None, calibration_ids: list[int] | None,
-                     matmul: NativeMatmul | None = None) -> None:
-    """Every decoder layer as an `Int8DecoderLayer` (smoothed where `calibration_ids`
-    are given), or ValueError saying why not."""
-    if model.device.type != "cpu" or kernels is None or not hasattr(torch.ops.onednn, "qlinear_pointwise"):
-        raise ValueError("--quantization int8 runs on CPU in float32 or bfloat16, with the native layer kernels "
-                         "and torch's oneDNN int8 matmul (not in float16, with --attention-kernel torch, or on GPUs)")
-    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
-    unfit = sorted({type(m).__name__ for m in layers if not _lean_compatible(m)
-                    or m.mlp.gate_proj.bias is not None or m.mlp.up_proj.bias is not None})
-    if not layers or unfit:
-        raise ValueError(f"--quantization int8 takes Llama-family decoder layers ({', '.join(LEAN_LAYERS)}) "
-                         f"without MLP biases; this model has {', '.join(unfit) or 'none found'}")
-    stats = calibrate(model, calibration_ids) if calibration_ids else {}
-    for layer in layers:
-        _replace(model, layer, Int8DecoderLayer(layer, kernels, stats.get(layer), matmul))
-
-
-def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
+def replace(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    """Put `new` where `old` is among `model`'s modules."""
     for parent in model.modules():
         for name, child in parent.named_children():
             if child is old:

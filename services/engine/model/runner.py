@@ -10,42 +10,34 @@ A forward pass runs every token of a step as one packed sequence [1, tokens]: th
 linear layers see one tall matrix, whatever mix of sequences it holds: single tokens
 over a cached context (decode) first, then chunks of prompts (prefill).
 
-On a CUDA device, decode attention and KV writes run in Triton kernels that read and
-write the blocks in place (`gpu_kernels`), and decode-only steps replay CUDA graphs
-captured per batch-size bucket (`cuda_graphs`); prefill runs in torch's SDPA (flash
-attention). `--attention-kernel torch` keeps torch's own ops there too.
-
-On CPU, attention runs in native kernels (`services/engine/kernels/native`) where they win:
-decode reads the blocks in place; bfloat16 prefill has a flash-style kernel for CPUs
-with AVX512-BF16 and no AMX (with AMX, torch's SDPA is faster and is used). Elsewhere,
-or where they cannot be built, torch's ops.
+Which kernels run is the execution backend's choice, made once at start
+(backends.py): on a CUDA device Triton kernels that read and write the blocks in place,
+and decode-only steps replayed from CUDA graphs (`cuda_graphs`); on a CPU pdserve's
+native kernels where they build and win; torch's own ops otherwise, or with
+`--attention-kernel torch`.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable
 
 import torch
 
-from services.common.settings import ATTENTION_KERNELS, QUANTIZATIONS
+from services.common.settings import QUANTIZATIONS
+from services.engine.model import backends
+from services.engine.model.attention import (PREFIX_SCORES_BYTES, PagedBatch, Segment, Workspace, check_block_ids,
+                                             decode_widths, paged_attention)
+from services.engine.model.cuda_graphs import DecodeGraphs
 from services.engine.model.device import Fence, stream_for, to_device, use_device
-from services.engine.model.hardware import cpu_flags, cpu_kernels, pick_dtype
+from services.engine.model.hardware import pick_dtype
+from services.engine.model.int8 import CALIBRATION_TEXT
 from services.engine.model.kv_cache import (CPU_KV_TOKENS, KVLayout, KVPoolMemory, compat_hash, device_memory,
                                             tokens_for_memory)
 from services.engine.text.model_store import context_length
-from services.engine.model import fusion
-from services.engine.kernels import gpu_kernels
-from services.engine.model.attention import (PREFIX_SCORES_BYTES, DecodeGroup, GPUDecode, NativeDecode, PagedBatch,
-                                             Segment, Workspace, check_block_ids, decode_widths, length_groups,
-                                             paged_attention)
-from services.engine.model.cuda_graphs import DecodeGraphs, capture_sizes
-from services.engine.kernels.native import (NativeAttention, NativeBuildError, NativeDecoder, NativeLayers,
-                                            NativeMatmul, load_attention, load_decoder, load_layers, load_matmul)
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 ATTN_IMPL = "pdserve_paged"
 
@@ -92,15 +84,6 @@ def pick_device(requested: str | None = None) -> torch.device:
     if requested and requested != "auto":
         return torch.device(requested)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _built(load: Callable[[Path], T], kernel_cache: Path, otherwise: str) -> T | None:
-    """`load(kernel_cache)`, or None with a warning saying what runs `otherwise`."""
-    try:
-        return load(kernel_cache)
-    except NativeBuildError as e:
-        log.warning("%s: %s", otherwise, e)
-        return None
 
 
 class ModelRunner:
@@ -151,88 +134,24 @@ class ModelRunner:
         if kernel_cache is None:
             from services.engine.text.model_store import cache_dir
             kernel_cache = cache_dir()
-        self.native = self._native(attention, kernel_cache)
+        self.backend = backends.select(attention, self.device, self.model.dtype, quantization, kernel_cache,
+                                       self.dtype_name)
         calibration = None
         if quantization != "none":
             from services.engine.text.tokenizer import load_tokenizer
-            calibration = load_tokenizer(self.model_dir)(fusion.CALIBRATION_TEXT)["input_ids"]
-        layer_kernels, matmul = self._layer_kernels(attention, kernel_cache), self._matmul(attention, kernel_cache)
-        self.fusions = fusion.apply(self.model, layer_kernels, quantization, calibration, matmul)
-        self.decoder = self._decoder(kernel_cache, layer_kernels, matmul)
-        self.native_prefill = (self.native is not None and self.native.prefills
-                               and self.model.dtype == torch.bfloat16 and cpu_kernels(cpu_flags()).bf16_prefill)
-        self.gpu_kernels = self.device.type == "cuda" and attention != "torch" and gpu_kernels.available()
-        self.decode_scratch = gpu_kernels.DecodeScratch() if self.gpu_kernels else None
-        layers = getattr(getattr(self.model, "model", None), "layers", None) or []
-        lean = bool(layers) and all(isinstance(m, fusion.LeanDecoderLayer) for m in layers)
-        self.graph_sizes = (capture_sizes(max_batch) if self.gpu_kernels and cuda_graphs and lean
-                            and max_batch > 0 else [])
+            calibration = load_tokenizer(self.model_dir)(CALIBRATION_TEXT)["input_ids"]
+        self.fusions = self.backend.fuse(self.model, quantization, calibration)
+        self.decoder = self.backend.decoder(self.model)
+        self.graph_sizes = self.backend.graph_sizes(self.model, max_batch, cuda_graphs)
         self._graphs: DecodeGraphs | None = None
 
-    def _native(self, attention: str, kernel_cache: Path | None) -> NativeAttention | None:
-        """The native kernels for `attention` "native" (required) or "auto" (where they
-        apply and build), else None: the torch path."""
-        if attention not in ATTENTION_KERNELS:
-            raise ValueError(f"attention must be one of {', '.join(ATTENTION_KERNELS)}, not {attention!r}")
-        if attention == "torch":
-            return None
-        if not NativeAttention.supports(self.model.dtype, self.device):
-            if attention == "native":
-                raise ValueError(f"the native attention kernels run on CPU in float32 or bfloat16, "
-                                 f"not {self.device} {self.dtype_name}")
-            return None
-        try:
-            return load_attention(kernel_cache)
-        except NativeBuildError as e:
-            if attention == "native":
-                raise
-            log.warning("attention stays on torch's own ops: %s", e)
-            return None
-
-    def _layer_kernels(self, attention: str, kernel_cache: Path) -> NativeLayers | gpu_kernels.TritonLayers | None:
-        """Element-wise layer kernels: native ones on a CPU, Triton ones on a CUDA device
-        in bfloat16 or float16 (float32 keeps torch's ops there, for exact parity)."""
-        if self.device.type == "cuda":
-            usable = attention != "torch" and gpu_kernels.available() and self.model.dtype != torch.float32
-            return gpu_kernels.TritonLayers() if usable else None
-        if attention == "torch" or not NativeAttention.supports(self.model.dtype, self.device):
-            return None
-        try:
-            return load_layers(kernel_cache)
-        except NativeBuildError as e:
-            if attention == "native":
-                raise
-            log.warning("norms and activations stay on torch's own ops: %s", e)
-            return None
-
-    def _matmul(self, attention: str, kernel_cache: Path) -> NativeMatmul | None:
-        """pdserve's own matmuls where this CPU takes them (hardware.CpuKernels says
-        where); None keeps torch's own."""
-        kinds = cpu_kernels(cpu_flags())
-        f32 = self.model.dtype == torch.float32 and kinds.f32_matmul
-        wanted = ((self.model.dtype == torch.bfloat16 and kinds.bf16_matmul)
-                  or (self.quantization == "int8" and kinds.int8_matmul) or f32)
-        if attention == "torch" or self.device.type != "cpu" or not wanted:
-            return None
-        matmul = _built(load_matmul, kernel_cache, "matmuls stay on oneDNN")
-        if matmul is not None:
-            matmul.f32 = matmul.f32 and f32      # int8 on AVX-512 in float32: the other layers keep torch's
-        return matmul
-
-    def _decoder(self, kernel_cache: Path, layer_kernels, matmul: NativeMatmul | None) -> NativeDecoder | None:
-        """Decode steps' decoder layers in one native call, where every layer already runs
-        in the native kernels (`fusion.native_decoder` decides); None otherwise."""
-        return fusion.native_decoder(
-            self.model, self.native, layer_kernels, matmul,
-            lambda: _built(load_decoder, kernel_cache, "decode steps call their layers one by one"))
-
     def describe(self) -> str:
-        decode = "native" if self.native is not None else "triton paged" if self.gpu_kernels else "torch"
+        decode = self.backend.decode_kernel
         if self.graph_sizes:
             decode += f", CUDA graphs for 1-{self.graph_sizes[-1]} sequences"
         if self.decoder is not None:
             decode += ", its layers in one call"
-        prefill = "native" if self.native_prefill else "torch SDPA"
+        prefill = self.backend.prefill_kernel
         weights = "" if self.quantization == "none" else f", {self.quantization} weights"
         return (f"{self.dtype_name} ({self.dtype_reason}){weights} on {self.device}; attention: decode {decode}, "
                 f"prefill {prefill}; fused: {', '.join(self.fusions) or 'nothing'}")
@@ -291,10 +210,9 @@ class ModelRunner:
         if self.decoder is not None and batch.decode_tokens and not batch.segments and on_layer is None:
             return self._native_decode(pool, batch)
         bs = pool.layout.block_size
-        paged = PagedBatch(kv=pool.tensor, slots=torch.empty(0, dtype=torch.long), on_layer=on_layer,
-                           stream=self.stream, gpu_writes=self.gpu_kernels,
-                           num_decode=len(batch.decode_tokens), threads=torch.get_num_threads(),
-                           prefill_kernel=self.native if self.native_prefill else None, workspace=self.workspace)
+        paged = PagedBatch(kv=pool.tensor, slots=torch.empty(0, dtype=torch.long), backend=self.backend,
+                           on_layer=on_layer, stream=self.stream, num_decode=len(batch.decode_tokens),
+                           threads=torch.get_num_threads(), workspace=self.workspace)
         slots: list[torch.Tensor] = []
         if batch.decode_tokens:
             slots.append(self._decode_slots(paged, batch.decode_positions, batch.decode_tables, pool))
@@ -335,13 +253,13 @@ class ModelRunner:
         """A decode-only step with its decoder layers in one native call (`NativeDecoder`):
         the model's own embedding, rotary angles, final norm and head around it, as its
         forward runs them."""
-        paged = PagedBatch(kv=pool.tensor, slots=torch.empty(0, dtype=torch.long))
+        paged = PagedBatch(kv=pool.tensor, slots=torch.empty(0, dtype=torch.long), backend=self.backend)
         slots = self._decode_slots(paged, batch.decode_positions, batch.decode_tables, pool)
         inner = self.model.model
         hidden = inner.embed_tokens(self._input_ids(batch)).contiguous()
         cos, sin = inner.rotary_emb(hidden[None], torch.tensor([batch.decode_positions], dtype=torch.long))
-        self.decoder.run(hidden, pool.tensor, cos[0], sin[0], slots, paged.native.block_table,
-                         paged.native.context_lens, torch.get_num_threads())
+        self.decoder.run(hidden, pool.tensor, cos[0], sin[0], slots, paged.decode.block_table,
+                         paged.decode.context_lens, torch.get_num_threads())
         return self._logits(inner.norm(hidden), batch)
 
     def _decode_graphs(self, pool: KVPoolMemory) -> DecodeGraphs | None:
@@ -349,8 +267,8 @@ class ModelRunner:
         None where capture failed (the steps then run eagerly)."""
         if self._graphs is None or self._graphs.kv is not pool.tensor:
             self._graphs = None
-            graphs = DecodeGraphs(self.model, pool.tensor, pool.layout.block_size, self.max_model_len,
-                                  self.graph_sizes)
+            graphs = DecodeGraphs(self.backend, self.model, pool.tensor, pool.layout.block_size,
+                                  self.max_model_len, self.graph_sizes)
             try:
                 graphs.capture()
             except Exception as e:
@@ -382,33 +300,16 @@ class ModelRunner:
 
     def _decode_slots(self, paged: PagedBatch, positions: list[int], tables: list[list[int]],
                       pool: KVPoolMemory) -> torch.Tensor:
-        """Decode rows' slots (CPU), with their block tables set up on `paged` for the
-        native kernel or for torch's grouped path."""
+        """Decode rows' slots (CPU), with their block tables set up on `paged` the way
+        the backend's attention reads them."""
         bs = pool.layout.block_size
         widths = decode_widths(positions, tables, bs)
         width = max(widths)
         table = torch.tensor([list(t[:w]) + [0] * (width - w) for t, w in zip(tables, widths)], dtype=torch.long)
         check_block_ids(int(table.min()), int(table.max()), pool.layout.num_blocks)
         pos = torch.tensor(positions, dtype=torch.long)
-        slots = table[torch.arange(len(positions)), pos // bs] * bs + pos % bs
-        if self.gpu_kernels:
-            paged.gpu = GPUDecode(to_device(table, torch.int32, self.device),
-                                  to_device(pos + 1, torch.int32, self.device),
-                                  gpu_kernels.splits_for(len(positions), self.num_kv_heads), self.decode_scratch)
-            return slots
-        if self.native is not None:
-            paged.native = NativeDecode(self.native, table, (pos + 1).to(torch.int32))
-            return slots
-        order = sorted(range(len(positions)), key=lambda i: positions[i])
-        paged.groups = []
-        for start, stop in length_groups([widths[i] for i in order]):
-            rows = torch.tensor(order[start:stop], dtype=torch.long)
-            w = widths[order[stop - 1]]
-            mask = torch.arange(w * bs)[None, :] <= pos[rows, None]
-            paged.groups.append(DecodeGroup(to_device(rows, torch.long, self.device),
-                                            to_device(table[rows, :w], torch.long, self.device),
-                                            to_device(mask, torch.bool, self.device)))
-        return slots
+        paged.decode = self.backend.decode_rows(pool.tensor, table, pos, widths)
+        return table[torch.arange(len(positions)), pos // bs] * bs + pos % bs
 
     # ---- single-purpose passes (benchmarks, tests) ----
     def prefill(self, pool: KVPoolMemory, token_ids: list[int], block_ids: list[int], start: int = 0,

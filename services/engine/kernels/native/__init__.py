@@ -180,6 +180,7 @@ def _writable(directory: Path) -> bool:
 
 class NativeLayers:
     """The per-token layer kernels of one loaded library (float32 or bfloat16, CPU)."""
+    name = "native"
 
     def __init__(self, library: Path) -> None:
         lib = _load(library)
