@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from services.engine.model.kv_cache import KVPoolMemory
 from services.engine.kernels import native
+from services.engine.kernels.native import library
 from services.engine.model.runner import ModelRunner
 
 
@@ -84,9 +85,9 @@ def test_kernel_refuses_what_it_cannot_run(kernel):
 
 
 def test_build_is_cached_per_machine_and_source(tmp_path):
-    first = native._build(native.SOURCE, tmp_path)
+    first = library.build(native.SOURCE, tmp_path)
     stamp = first.stat().st_mtime_ns
-    assert native._build(native.SOURCE, tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert library.build(native.SOURCE, tmp_path) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]       # no temporary files left
 
 

@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "fastmath.h"
+#include "pdserve_kernels.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>

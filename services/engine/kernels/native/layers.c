@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "fastmath.h"
+#include "pdserve_kernels.h"
 
 
 static inline float bf16_to_f32(uint16_t h) {

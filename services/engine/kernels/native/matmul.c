@@ -41,6 +41,7 @@
 #include <string.h>
 
 #include "fastmath.h"
+#include "pdserve_kernels.h"
 
 /* One kind's panel: rows [m0, m0 + mt) by column groups [g0, g1). [n0, n1): the groups of
  * the panel this thread takes next, which it prefetches meanwhile (n0 == n1: none known,

@@ -1,0 +1,134 @@
+"""A kernel source to a loaded library: built with the machine's C compiler into the cache
+directory, under a name keyed by the source, the headers beside it, the flags, the
+compiler and the CPU (so a cache shared between machines never hands one machine
+another's build, and a changed header rebuilds), then loaded with ctypes, each function
+typed from pdserve_kernels.h (header.py).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from services.engine.kernels.native import header
+
+log = logging.getLogger(__name__)
+
+COMPILE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC"]
+# Linked without -ffast-math: linking with it would add crtfastmath.o, which turns on
+# flush-to-zero for the whole process when the library loads. -fopenmp links libgomp.so.1,
+# which resolves to the copy torch already loaded: one OpenMP thread team for torch's ops
+# and these kernels (two teams would spin against each other on the same cores).
+LINK_LIBS = (["-fopenmp", "-lmvec", "-lm"], ["-fopenmp", "-lm"])
+BUILD_TIMEOUT_S = 120
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}        # the kernels' `bf16` argument
+
+
+class NativeBuildError(RuntimeError):
+    """The kernel could not be built or loaded here."""
+
+
+class Library:
+    """One loaded kernel library. `function` gives an exported function typed as
+    pdserve_kernels.h declares it; `struct`, a struct the header declares, as ctypes."""
+
+    def __init__(self, path: Path, declared: header.Header) -> None:
+        self.path = path
+        self._declared = declared
+        try:
+            self._cdll = ctypes.CDLL(str(path))
+        except OSError as e:
+            raise NativeBuildError(f"cannot load {path}: {e}") from e
+
+    def function(self, name: str) -> ctypes._CFuncPtr:
+        declared = self._declared.functions.get(name)
+        if declared is None:
+            raise header.HeaderError(f"{name} is not declared in {header.HEADER.name}")
+        fn = getattr(self._cdll, name)           # one object per name: the types stay set on it
+        fn.argtypes, fn.restype = declared.argtypes, declared.restype
+        return fn
+
+    def struct(self, name: str) -> type[ctypes.Structure]:
+        if name not in self._declared.structs:
+            raise header.HeaderError(f"struct {name} is not declared in {header.HEADER.name}")
+        return self._declared.structs[name].ctype()
+
+
+def load(path: Path) -> Library:
+    return Library(path, header.read())
+
+
+def kernel_dir(cache_root: Path) -> Path:
+    """`cache_root`/kernels, or the temp directory where that is read-only (a
+    container's baked-in cache)."""
+    out_dir = cache_root / "kernels"
+    return out_dir if _writable(out_dir) else Path(tempfile.gettempdir()) / "pdserve-kernels"
+
+
+def build(source: Path, out_dir: Path) -> Path:
+    """The shared library built from `source` in `out_dir`, built now unless a build of
+    this source, headers, compiler and CPU is already there."""
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        raise NativeBuildError("no C compiler (cc, gcc or clang) on PATH")
+    version = _run([cc, "--version"]).stdout
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]     # what the source includes
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(COMPILE_FLAGS), version,
+                                    platform.machine(), _cpu_signature()]).encode()).hexdigest()[:16]
+    target = out_dir / f"{source.stem}-{key}.so"
+    if target.exists():
+        return target
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise NativeBuildError(f"cannot create {out_dir}: {e}") from e
+    obj, tmp = out_dir / f".{key}.{os.getpid()}.o", out_dir / f".{key}.{os.getpid()}.so"
+    try:
+        result = _run([cc, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)])
+        if result.returncode:
+            raise NativeBuildError(f"{cc} failed on {source.name}: {result.stderr.strip()[-2000:]}")
+        for libs in LINK_LIBS:
+            result = _run([cc, "-shared", str(obj), "-o", str(tmp), *libs])
+            if result.returncode == 0:
+                break
+        else:
+            raise NativeBuildError(f"linking {source.name} failed: {result.stderr.strip()[-2000:]}")
+        tmp.replace(target)                 # atomic: workers building at once all end with one file
+    finally:
+        obj.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
+    log.info("built %s", target)
+    return target
+
+
+def _cpu_signature() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise NativeBuildError(f"{argv[0]}: {e}") from e
+
+
+def _writable(directory: Path) -> bool:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(directory, os.W_OK)
