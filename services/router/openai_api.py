@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP front end: /v1/chat/completions, /v1/completions, /v1/responses,
 /v1/models, vLLM's /tokenize, /detokenize and /tokenizer_info, plus /health, /ready and
 /metrics. Requests run as `RunningRequest` tasks (frontend.py), so a client that
-disconnects cancels its request on every worker.
+disconnects cancels its request on every worker; choices.py writes the completions' answers.
 
 With API keys, every route but /health and /ready (and /metrics, unless protected) needs
 `Authorization: Bearer <key>`. JSON routes take only `Content-Type: application/json`
@@ -12,29 +12,26 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
-from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel
 
 from services.common.security import KeyCheck
 from services.common.version import VERSION
-from services.engine.core.sampling import TokenLogprob
 from services.engine.text.json_schema import JSON_OBJECT
 from services.router.access import AccessLogMiddleware
-from services.router.frontend import Collected, FrontEnd, RunningRequest, choices
+from services.router.choices import Shape, respond, token_names
+from services.router.frontend import FrontEnd, choices
 from services.router.http_input import HTTP_CODES, error_response, RequireAPIKey, RequestId, read_json, parse
-from services.router.generation import Delta, Generation, new_request_id
-from services.router.output_text import TextOptions
+from services.router.generation import Generation, new_request_id
 from services.router.protocol import (APIError, ChatCompletionRequest, CommonRequest, CompletionRequest,
                                       DetokenizeRequest, TokenizeRequest, bad_request, unsupported)
 from services.router.responses import ResponsesRequest, ResponseWriter, in_responses_terms, new_response_id
 from services.router.sampling import resolve_sampling
-from services.router.tools import CallStream, ToolPlan, new_call, parse_calls, plan_tools
+from services.router.tools import ToolPlan, plan_tools
 
 log = logging.getLogger(__name__)
 
@@ -81,74 +78,6 @@ async def response_schema(fe: FrontEnd, req: ChatCompletionRequest) -> str:
     if fmt.json_schema is None:
         raise bad_request("response_format json_schema needs its json_schema", param="response_format.json_schema")
     return await fe.check_schema(json.dumps(fmt.json_schema.schema_), "response_format.json_schema.schema")
-
-
-def sse(obj) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-
-
-SSE_KEEPALIVE = b": keep-alive\n\n"
-
-
-def usage(gens: list[Generation], n: int = 1) -> dict:
-    """Summed over the request's prompts (`gens`: n choices per prompt, in order)."""
-    prompts = [gens[i:i + n] for i in range(0, len(gens), n)]
-    p, c = sum(len(g[0].prompt_ids) for g in prompts), sum(g.completion_tokens for g in gens)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": sum(max(g.cached_tokens for g in gs) for gs in prompts)}}
-
-
-TokenName = Callable[[int], str]
-
-
-def token_names(fe: FrontEnd, as_ids: bool) -> TokenName:
-    """How logprobs name a token: its text, or vLLM's "token_id:N" (return_tokens_as_token_ids)."""
-    return (lambda t: f"token_id:{t}") if as_ids else fe.token_text
-
-
-def chat_logprobs(name: TokenName, logprobs: list[TokenLogprob]) -> dict:
-    def entry(token_id: int, logprob: float) -> dict:
-        text = name(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-    return {"content": [{**entry(lp.token_id, lp.logprob),
-                         "top_logprobs": [entry(t, v) for t, v in zip(lp.top_ids, lp.top_logprobs)]}
-                        for lp in logprobs]}
-
-
-def completion_logprobs(name: TokenName, logprobs: list[TokenLogprob | None], offset: int,
-                        token_ids: list[int] | None = None, top: int | None = None) -> dict:
-    """OpenAI's completions logprobs; `token_ids` names the tokens where an entry is None
-    (an echoed prompt's first token has no log probability); `top` cuts each entry's
-    likeliest tokens to that many (a prompt's may have been computed for more)."""
-    tokens, offsets = [], []
-    for i, lp in enumerate(logprobs):
-        tokens.append(name(lp.token_id if lp is not None else token_ids[i]))
-        offsets.append(offset)
-        offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [lp and lp.logprob for lp in logprobs],
-            "top_logprobs": [lp and {name(t): v for t, v in list(zip(lp.top_ids, lp.top_logprobs))[:top]}
-                             for lp in logprobs],
-            "text_offset": offsets}
-
-
-def prompt_logprobs(name: TokenName, leader: Generation, top: int) -> list[dict | None]:
-    """vLLM's prompt_logprobs: None for the first prompt token, then for each a dict by
-    token id of the token itself and the `top` likeliest, each with its log probability,
-    its rank (1 = likeliest; null for a token outside the `top` computed) and its text."""
-    out: list[dict | None] = [None]
-    for token, lp in zip(leader.prompt_ids[1:], leader.prompt_logprobs or ()):
-        ranks = {t: r for r, t in enumerate(lp.top_ids[:top], 1)}
-        entry = {str(token): {"logprob": lp.logprob, "rank": ranks.get(token), "decoded_token": name(token)}}
-        for t, v in list(zip(lp.top_ids, lp.top_logprobs))[:top]:
-            entry.setdefault(str(t), {"logprob": v, "rank": ranks[t], "decoded_token": name(t)})
-        out.append(entry)
-    return out
-
-
-def echoed_logprobs(leader: Generation) -> list[TokenLogprob | None]:
-    """The prompt's logprobs, for `echo` with `logprobs`: None for its first token. The
-    prompt's first choice has them (its prompt is the one computed)."""
-    return [None, *(leader.prompt_logprobs or ())]
 
 
 def tokenizer_info(fe: FrontEnd) -> dict:
@@ -344,205 +273,6 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
     return app
 
 
-@dataclass(frozen=True)
-class Shape:
-    """What a response looks like besides its choices' text."""
-    chat: bool
-    names: TokenName                    # how logprobs name a token (token_names)
-    tools: ToolPlan | None = None
-    echo: tuple[str, ...] = ()          # completions: each prompt, returned before its choices' text
-    echo_only: bool = False             # echo with max_tokens 0: the prompt and nothing else
-    n: int = 1                          # choices per prompt: choice index = prompt x n + choice
-    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: this many likeliest per prompt token
-
-    def leader(self, gens: list[Generation], index: int) -> Generation:
-        """The first choice of choice `index`'s prompt (it holds the prompt's logprobs)."""
-        return gens[index - index % self.n]
-
-
 def tenant_of(request: Request) -> str:
     """The tenant RequireAPIKey found for the request's key ("" where no key is required)."""
     return request.scope.get("state", {}).get("tenant", "")
-
-
-def text_options(req: CommonRequest) -> TextOptions:
-    return TextOptions(req.skip_special_tokens, req.spaces_between_special_tokens, req.include_stop_str_in_output)
-
-
-async def respond(fe: FrontEnd, req: CommonRequest, request_id: str, prompts: list[list[Generation]], shape: Shape,
-                  tenant: str) -> Response:
-    running = fe.start_prompts(prompts, tenant=tenant, text=text_options(req))
-    gens = running.gens
-    base = {"id": request_id, "object": "chat.completion" if shape.chat else "text_completion",
-            "created": int(time.time()), "model": fe.served_model_name}
-    if req.stream:
-        return StreamingResponse(stream_events(fe, running, req, base, shape), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    try:
-        results = await running.collect()
-    except APIError as exc:
-        return error_response(exc)
-    if shape.echo_only:
-        for gen in gens:
-            gen.completion_tokens = 0
-    choices = [whole_choice(i, gens, result, req, shape) for i, result in enumerate(results)]
-    body = {**base, "choices": choices, "usage": usage(gens, shape.n)}
-    if req.return_token_ids and len(prompts) == 1:
-        body["prompt_token_ids"] = gens[0].prompt_ids
-    if shape.chat and shape.prompt_logprobs is not None:
-        body["prompt_logprobs"] = prompt_logprobs(shape.names, gens[0], shape.prompt_logprobs)
-    return JSONResponse(body, headers={"x-pdserve-route": ", ".join(g.route() for g in gens)})
-
-
-def whole_choice(index: int, gens: list[Generation], result: Collected, req: CommonRequest, shape: Shape) -> dict:
-    gen, leader = gens[index], shape.leader(gens, index)
-    choice: dict = {"index": index, "logprobs": None, "finish_reason": gen.finish_reason}
-    if shape.chat:
-        message: dict = {"role": "assistant", "content": result.text}
-        if shape.tools is not None:
-            content, calls = parse_calls(shape.tools, result.text)
-            message["content"] = content
-            if calls:
-                message["tool_calls"] = calls
-                if shape.tools.mode != "named" and gen.finish_reason == "stop":
-                    choice["finish_reason"] = "tool_calls"
-        choice["message"] = message
-        if gen.params.logprobs is not None:
-            choice["logprobs"] = chat_logprobs(shape.names, result.logprobs)
-    else:
-        if shape.echo_only:                     # max_tokens 0: the prompt alone
-            result = Collected("", [], [])
-            choice["finish_reason"] = "length"
-        echo = shape.echo[index // shape.n] if shape.echo else ""
-        choice["text"] = echo + result.text
-        if gen.params.logprobs is not None:
-            lps = (echoed_logprobs(leader) if shape.echo else []) + result.logprobs
-            choice["logprobs"] = completion_logprobs(shape.names, lps, 0, gen.prompt_ids, gen.params.logprobs)
-        if shape.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = prompt_logprobs(shape.names, leader, shape.prompt_logprobs)
-        if req.return_token_ids:
-            choice["prompt_token_ids"] = gen.prompt_ids        # vLLM's place for it
-    if req.return_token_ids:
-        choice["token_ids"] = result.token_ids
-    return choice
-
-
-async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonRequest, base: dict,
-                        shape: Shape) -> AsyncIterator[bytes]:
-    gens = running.gens
-    chat = shape.chat
-    base = {**base, "object": "chat.completion.chunk" if chat else "text_completion"}
-    options = req.stream_options
-    with_usage = bool(options and options.include_usage)
-    every_usage = bool(with_usage and options.continuous_usage_stats)
-    tools = shape.tools
-    held = {i: [] for i in range(len(gens))}       # "required" tool output: known only at its end
-    calls = [CallStream() for _ in gens]           # "auto": content streams, calls go out whole
-    offsets = [0] * len(gens)                     # completions: where each choice's text is
-
-    def chunk(index: int, delta: dict | None = None, text: str = "", finish: str | None = None,
-              token_ids: list[int] | None = None, logprobs: list[TokenLogprob] | None = None,
-              prompt_ids: list[int] | None = None) -> bytes:
-        choice: dict = {"index": index, "logprobs": None, "finish_reason": finish}
-        if chat:
-            choice["delta"] = delta or {}
-            if logprobs:
-                choice["logprobs"] = chat_logprobs(shape.names, logprobs)
-        else:
-            choice["text"] = text
-            if logprobs:
-                choice["logprobs"] = completion_logprobs(shape.names, logprobs, offsets[index],
-                                                         gens[index].prompt_ids, gens[index].params.logprobs)
-            offsets[index] += len(text)
-            if prompt_ids is not None:
-                choice["prompt_token_ids"] = prompt_ids
-        if token_ids is not None:
-            choice["token_ids"] = token_ids
-        event = {**base, "choices": [choice]}
-        if finish:
-            # The route is known only once the choice is done: it rides on its last chunk.
-            event["pdserve_route"] = gens[index].route()
-        if with_usage:
-            event["usage"] = usage(gens, shape.n) if every_usage else None
-        return sse(event)
-
-    def content(index: int, d: Delta) -> dict:
-        if tools is None:       # a chunk per token, text or not: clients time tokens by chunks
-            return {"content": d.text} if d.text or d.token_ids else {}
-        if tools.streams_arguments:
-            return {"tool_calls": [{"index": 0, "function": {"arguments": d.text}}]} if d.text else {}
-        if tools.mode == "auto":
-            return auto_delta(index, *calls[index].feed(d.text))
-        held[index].append(d.text)
-        return {}
-
-    def auto_delta(index: int, text: str, found: list[dict]) -> dict:
-        delta: dict = {"content": text} if text else {}
-        if found:
-            first = calls[index].calls - len(found)
-            delta["tool_calls"] = [{"index": first + k, **call} for k, call in enumerate(found)]
-        return delta
-
-    def closing(index: int, finish: str) -> tuple[dict, str]:
-        """A choice's last delta: for tool calls known only at the end, the calls."""
-        if tools is None or tools.streams_arguments:
-            return {}, finish
-        if tools.mode == "auto":
-            rest = calls[index].close()
-            return ({"content": rest} if rest else {}), \
-                "tool_calls" if calls[index].calls and finish == "stop" else finish
-        text, calls_found = parse_calls(tools, "".join(held[index]))
-        if not calls_found:
-            return ({"content": text} if text else {}), finish
-        delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls_found)]}
-        if text:
-            delta["content"] = text
-        return delta, "tool_calls" if finish == "stop" else finish
-
-    started = set()
-    single = len(gens) == shape.n                  # one prompt: its ids go in a chunk of their own
-    try:
-        async for d in running.deltas(fe.sse_keepalive):
-            if d is None:
-                yield SSE_KEEPALIVE
-                continue
-            i = d.index
-            ids = d.token_ids if req.return_token_ids else None
-            if i not in started:
-                # The role chunk goes out with the first token, as vLLM's and OpenAI's do:
-                # clients time the first token from the first chunk.
-                started.add(i)
-                if ids is not None and single and not started - {i}:
-                    yield sse({**base, "choices": [], "prompt_token_ids": gens[0].prompt_ids,
-                               **({"usage": None} if with_usage else {})})
-                prompt_ids = gens[i].prompt_ids if ids is not None and not single else None
-                if chat:
-                    first = {"role": "assistant", "content": ""}
-                    if tools is not None and tools.streams_arguments:
-                        first = {"role": "assistant", "content": None, "tool_calls": [
-                            {"index": 0, **new_call(tools.name, "")}]}
-                    yield chunk(i, first)
-                elif shape.echo:
-                    prompt = echoed_logprobs(shape.leader(gens, i)) if gens[i].params.logprobs is not None else None
-                    yield chunk(i, text=shape.echo[i // shape.n], logprobs=prompt, prompt_ids=prompt_ids)
-                elif prompt_ids is not None:
-                    yield chunk(i, prompt_ids=prompt_ids)
-            if shape.echo_only:
-                if d.finish_reason:
-                    gens[i].completion_tokens = 0
-                    yield chunk(i, finish="length")
-                continue
-            if chat:
-                delta = content(i, d)
-                if delta or ids or d.logprobs:
-                    yield chunk(i, delta, token_ids=ids, logprobs=d.logprobs)
-            elif d.text or d.token_ids or d.logprobs:
-                yield chunk(i, text=d.text, token_ids=ids, logprobs=d.logprobs)
-            if d.finish_reason:
-                delta, finish = closing(i, d.finish_reason)
-                yield chunk(i, delta, finish=finish)
-        if with_usage:
-            yield sse({**base, "choices": [], "usage": usage(gens, shape.n)})
-    except APIError as exc:
-        yield sse(exc.body())
-    yield b"data: [DONE]\n\n"
