@@ -15,11 +15,12 @@ With --autoscale an autoscaler thread (services/autoscaler) resizes the pools th
 `resize`: new workers are spawned like the first ones and join through the registry;
 a removed worker gets SIGTERM and drains (deregister, refuse new work, finish what it
 accepted), and its exit is expected, not a failure. Workers still loading go first.
+
+How each process is started, pinned and waited for is in local_processes.py.
 """
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import itertools
 import json
 import os
@@ -30,14 +31,16 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 from services.autoscaler.settings import AutoscalerSettings
 from services.common.security import ClusterSecret, new_secret_file, read_api_keys, redact_url
 from services.common.settings import ClusterSettings, WorkerSettings, to_argv
 from services.engine.model.kv_cache import live_segments
+from services.local_processes import (LENT_CORE_NICE, Child, assign_gpus, child_setup, plan_cpus, router_url,
+                                      start_private_redis, wait_router_sees)
 
 START_TIMEOUT = 600.0
 STOP_TIMEOUT = 45.0                 # workers drain up to --drain-timeout (30 s)
@@ -45,155 +48,6 @@ STOP_TIMEOUT = 45.0                 # workers drain up to --drain-timeout (30 s)
 # this long has its count of restarts in a row cleared.
 RESTART_BACKOFF = (1.0, 30.0)
 STABLE_SECONDS = 60.0
-# The niceness of a prefill worker that also runs on the decode workers' cores: when both
-# want a decode core, decode gets ~90 % of it (weights 1024 against 110), so prefill uses
-# the time decode leaves and no step of a running stream waits behind it. Measured with
-# vLLM's long workload (1,024 in, 8 concurrent; AVX512-BF16 EPYC): ITL p99 / p50 1.71 at
-# equal priority, 1.31-1.36 at nice 10, 1.46 with no lending; output 44.3, 43.0-43.6 and
-# 42.4 tok/s.
-LENT_CORE_NICE = 10
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
-
-def _child_setup(cpus: set[int] | None, nice: int = 0):
-    """Runs in the child before exec: die with `up`, keep to `cpus` if given, and lower
-    its priority by `nice` (every thread the service starts later inherits both)."""
-    def setup() -> None:
-        _die_with_parent()
-        if cpus:
-            os.sched_setaffinity(0, cpus)
-        if nice:
-            os.nice(nice)
-    return setup
-
-
-def plan_cpus(roles: list[str], available: list[int], lend: bool = False) -> list[set[int] | None]:
-    """One core of its own per worker when there are enough cores, else no pinning.
-    Decode workers then never wait behind a prompt on their core: that isolation is what
-    disaggregation buys on one host. With `lend`, each prefill worker also runs on the
-    decode workers' cores (dealt round robin among the prefill workers), a thread on
-    each: between decode steps, and while decode has little to do, those cores would
-    otherwise sit idle while a long prompt is computed on one. Decode keeps its own core
-    and has it first (the prefill worker runs at LENT_CORE_NICE); the kernels deal work
-    dynamically, so a prefill thread slowed by decode holds the rest of its team back by
-    one unit at most."""
-    if len(roles) > len(available):
-        return [None] * len(roles)
-    pins = [{cpu} for cpu in available[:len(roles)]]
-    prefill = [i for i, role in enumerate(roles) if role == "prefill"]
-    if lend and prefill:
-        for n, i in enumerate(i for i, role in enumerate(roles) if role == "decode"):
-            pins[prefill[n % len(prefill)]] |= pins[i]
-    return pins
-
-
-def router_url(settings, port: int, loopback: bool = True) -> str:
-    """The base URL of a router started with `settings` (its host and TLS files) on
-    `port`; with `loopback`, a wildcard host is reached on this machine's loopback."""
-    host = settings.host
-    if loopback:
-        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-    return f"{'https' if settings.tls_cert else 'http'}://{f'[{host}]' if ':' in host else host}:{port}"
-
-
-def wait_router_sees(url: str, workers: dict[str, int], timeout: float, check: Callable[[], None]) -> None:
-    """Until the router at `url` counts at least `workers` healthy workers of each role on
-    /ready: workers it was not given join through the registry, at its first refresh
-    after they register. `check()` runs between probes and raises to give up. The probe
-    checks no certificate, as a Kubernetes HTTPS probe does not: it reaches this
-    cluster's own router."""
-    import ssl
-    import urllib.error
-    import urllib.request
-    unverified = None
-    if url.startswith("https:"):
-        unverified = ssl.create_default_context()
-        unverified.check_hostname, unverified.verify_mode = False, ssl.CERT_NONE
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            try:
-                with urllib.request.urlopen(f"{url}/ready", timeout=5, context=unverified) as r:
-                    body = r.read()
-            except urllib.error.HTTPError as e:      # 503 until a worker of each role is in
-                body = e.read()
-            seen = json.loads(body or b"{}").get("workers", {})
-        except (OSError, ValueError):                # not listening yet, or not JSON
-            seen = {}
-        if all(seen.get(role, 0) >= n for role, n in workers.items()):
-            return
-        check()
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the router did not see the workers in {timeout:.0f} s (it sees {seen or 'none'})")
-        time.sleep(0.05)
-
-
-def start_private_redis(workdir: Path) -> tuple[subprocess.Popen, str] | None:
-    """A redis-server for this machine only, on a unix socket in `workdir`, stopped with
-    its parent: (process, URL), or None when redis-server is not installed."""
-    server = shutil.which("redis-server")
-    if server is None:
-        return None
-    sock = workdir / "redis.sock"
-    sock.unlink(missing_ok=True)                # left by one that was killed
-    proc = subprocess.Popen([server, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700",
-                             "--save", "", "--appendonly", "no", "--dir", str(workdir)],
-                            stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent)
-    deadline = time.monotonic() + 30
-    while not sock.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            raise RuntimeError("the private redis-server did not start")
-        time.sleep(0.05)
-    return proc, f"unix://{sock}"
-
-
-def assign_gpus(in_use: Sequence[tuple[int, ...]], num_gpus: int, per_worker: int, share: bool) -> tuple[int, ...]:
-    """The GPUs for one more worker, given those the live workers hold: `per_worker`
-    free ones, lowest first; with `share`, the least used when too few are free. Too
-    few without `share` is an error that says what to do."""
-    if per_worker > num_gpus:
-        raise RuntimeError(f"--gpus-per-worker {per_worker}, but this machine has {num_gpus} GPU(s)")
-    load = [0] * num_gpus
-    for gpus in in_use:
-        for g in gpus:
-            load[g] += 1
-    free = [g for g in range(num_gpus) if load[g] == 0]
-    if len(free) >= per_worker:
-        return tuple(free[:per_worker])
-    if not share:
-        held = len(in_use)
-        raise RuntimeError(f"{held + 1} workers at {per_worker} GPU(s) each need {(held + 1) * per_worker} GPUs; "
-                           f"this machine has {num_gpus}. Start fewer workers, or pass --share-gpus to place "
-                           "several on one GPU (each then needs --gpu-memory-utilization below 1/workers)")
-    return tuple(sorted(range(num_gpus), key=lambda g: (load[g], g))[:per_worker])
-
-
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen
-    announce: Path
-    respawn: Callable[[], subprocess.Popen] | None = None    # None: not restarted when it dies
-    started: float = field(default_factory=time.monotonic)
-    restarts: int = 0                   # in a row, without a long enough life in between
-    restart_at: float | None = None     # when a dead child is started again
-    announced_pid: int | None = None
-    gpus: tuple[int, ...] = ()          # the GPUs it sees (CUDA_VISIBLE_DEVICES)
-
-    def ports(self) -> dict | None:
-        try:
-            return json.loads(self.announce.read_text())
-        except (OSError, ValueError):
-            return None
 
 
 class LocalCluster:
@@ -231,7 +85,7 @@ class LocalCluster:
         def popen(settings=settings) -> subprocess.Popen:
             argv = to_argv(replace(settings, announce_file=str(announce)), skip=("redis",))
             return subprocess.Popen([sys.executable, "-m", "services.cli", command, *argv], env=env,
-                                    preexec_fn=_child_setup(cpus, nice))
+                                    preexec_fn=child_setup(cpus, nice))
         child = Child(name, popen(), announce, gpus=gpus)
 
         def respawn() -> subprocess.Popen:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from services.common.lifecycle import announce, setup_logging
 from services.common.settings import ClusterSettings, RouterSettings, WorkerSettings
-from services.local_cluster import router_url, start_private_redis, wait_router_sees
+from services.local_processes import router_url, start_private_redis, wait_router_sees
 
 log = logging.getLogger(__name__)
 

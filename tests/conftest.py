@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from services.engine.text.model_store import ensure_default_model
-from services.local_cluster import start_private_redis
+from services.local_processes import start_private_redis
 from services.rpc import worker_pb2, worker_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -229,7 +229,7 @@ def spawn_services(tmp: Path, services: list[tuple[str, str, list[str]]]) -> lis
 def wait_ready(http: str, workers: dict[str, int], timeout: float = 60.0) -> None:
     """Until the router at `http` counts `workers` healthy workers of each role (the
     probe `pdserve up` itself waits on)."""
-    from services.local_cluster import wait_router_sees
+    from services.local_processes import wait_router_sees
     wait_router_sees(http, workers, timeout, lambda: None)
 
 

@@ -10,7 +10,7 @@ import torch
 
 from services.engine.model.kv_cache import CPU_KV_TOKENS, tokens_for_memory
 from services.engine.text.model_store import resolve_model
-from services.local_cluster import assign_gpus
+from services.local_processes import assign_gpus
 
 GiB = 2**30
 

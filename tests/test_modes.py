@@ -9,7 +9,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.local_cluster import plan_cpus
+from services.local_processes import plan_cpus
 from tests.conftest import start_cluster, stop_cluster
 from tests.parity_cases import CASES, chat_body
 
@@ -141,7 +141,7 @@ def test_the_prefill_worker_runs_on_the_decode_core_too(cluster):
     assert len(decode_cores) == 1 and len(prefill_cores) == 2 and decode_cores < prefill_cores
     environ = dict(e.split("=", 1) for e in open(f"/proc/{prefill}/environ").read().split("\0") if "=" in e)
     assert environ["OMP_NUM_THREADS"] == "2"
-    from services.local_cluster import LENT_CORE_NICE
+    from services.local_processes import LENT_CORE_NICE
     ours = os.getpriority(os.PRIO_PROCESS, 0)
     assert os.getpriority(os.PRIO_PROCESS, decode) == ours
     assert os.getpriority(os.PRIO_PROCESS, prefill) == min(19, ours + LENT_CORE_NICE)

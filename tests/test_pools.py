@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from services.common.security import ClusterSecret, new_secret_file
-from services.local_cluster import start_private_redis
+from services.local_processes import start_private_redis
 from tests.conftest import free_port, spawn_service, spawn_services, terminate, wait_ready, worker_stats
 from tests.parity_cases import CASES, chat_body
 

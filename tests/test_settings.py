@@ -149,7 +149,7 @@ def test_token_budget_defaults_by_role_and_device():
 def test_the_router_url_reaches_a_wildcard_bind_on_loopback_and_names_https():
     from types import SimpleNamespace
 
-    from services.local_cluster import router_url
+    from services.local_processes import router_url
     plain, tls = SimpleNamespace(host="0.0.0.0", tls_cert=None), SimpleNamespace(host="::", tls_cert="cert.pem")
     assert router_url(plain, 8000) == "http://127.0.0.1:8000"
     assert router_url(plain, 8000, loopback=False) == "http://0.0.0.0:8000"
