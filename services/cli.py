@@ -8,8 +8,9 @@ import sys
 
 from services.bench.command import add_arguments as bench_arguments
 from services.autoscaler.settings import AutoscalerSettings
+from services.common.flags import add_arguments, env_defaults, from_args
 from services.common.settings import (LOG_FORMAT_HELP, LOG_FORMATS, LOG_LEVELS, ClusterSettings, RouterSettings,
-                                      WorkerSettings, add_arguments, env_defaults, from_args)
+                                      WorkerSettings)
 from services.common.version import VERSION
 
 

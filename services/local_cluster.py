@@ -37,7 +37,8 @@ from typing import Sequence
 
 from services.autoscaler.settings import AutoscalerSettings
 from services.common.security import ClusterSecret, new_secret_file, read_api_keys, redact_url
-from services.common.settings import ClusterSettings, WorkerSettings, to_argv
+from services.common.flags import to_argv
+from services.common.settings import ClusterSettings, WorkerSettings
 from services.engine.model.kv_cache import live_segments
 from services.local_processes import (LENT_CORE_NICE, Child, assign_gpus, child_setup, plan_cpus, router_url,
                                       start_private_redis, wait_router_sees)

@@ -2,7 +2,8 @@
 import pytest
 
 from services.cli import _parser
-from services.common.settings import RouterSettings, WorkerSettings, env_defaults
+from services.common.flags import env_defaults
+from services.common.settings import RouterSettings, WorkerSettings
 
 
 def test_environment_sets_any_flag_default_and_the_command_line_wins():
@@ -65,7 +66,7 @@ def test_one_name_means_one_thing_in_the_environment():
 
 
 def test_a_settings_object_renders_to_the_flags_that_rebuild_it():
-    from services.common.settings import from_args, to_argv
+    from services.common.flags import from_args, to_argv
     parser = _parser()
     w = WorkerSettings(role="prefill", dtype="float32", prefix_cache_tokens=0, redis="unix:///tmp/r.sock",
                        max_num_batched_tokens=2048, fault_drop_transfers=0.25)
@@ -76,7 +77,8 @@ def test_a_settings_object_renders_to_the_flags_that_rebuild_it():
 
 
 def test_up_hands_its_engine_settings_to_every_worker():
-    from services.common.settings import ClusterSettings, from_args
+    from services.common.flags import from_args
+    from services.common.settings import ClusterSettings
     c = from_args(ClusterSettings, _parser().parse_args(["up", "--dtype", "float32", "--block-size", "32",
                                                          "--max-num-batched-tokens", "1024", "--host", "0.0.0.0"]))
     w = c.worker("decode", threads=1, redis=None)

@@ -3,7 +3,7 @@ import argparse
 import sys
 
 from services.bench.command import add_arguments, run
-from services.common.settings import env_defaults
+from services.common.flags import env_defaults
 
 parser = argparse.ArgumentParser(prog="python -m services.bench")
 add_arguments(parser)
