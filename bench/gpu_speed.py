@@ -169,7 +169,7 @@ def engine_case(runner, batch: int, context: int, steps: int, async_scheduling: 
         for i in range(batch):
             prompt = torch.randint(3, runner.vocab_size, (context + 1,), generator=g).tolist()
             seq = Sequence(f"s{i}", prompt, context, params, frozenset())
-            seq.block_ids = blocks.allocate(blocks.blocks_for(context))
+            engine.scheduler.reserve(seq.request_id, context, float("inf"))      # as a handoff's blocks
             engine.add_prefilled(seq)
         _sync(runner.device)
         t0 = time.perf_counter()
@@ -214,7 +214,7 @@ def host_syncs(runner, batch: int, context: int, steps: int) -> dict:
             prompt = torch.randint(3, runner.vocab_size, (context + 1,), generator=g).tolist()
             seq = Sequence(f"s{i}", prompt, context, SamplingParams(max_tokens=steps, **kinds[i % len(kinds)]),
                            frozenset({2}))
-            seq.block_ids = blocks.allocate(blocks.blocks_for(context))
+            engine.scheduler.reserve(seq.request_id, context, float("inf"))      # as a handoff's blocks
             engine.add_prefilled(seq)
         prompt = torch.randint(3, runner.vocab_size, (200,), generator=g).tolist()
         params = SamplingParams(max_tokens=steps, temperature=0, prompt_logprobs=1, logprobs=1)

@@ -6,11 +6,12 @@
 The prefill worker writes into RESERVED blocks one-sided (nothing tells the decode worker
 while it writes); its Decode call says the writes are COMPLETE.
 
-Blocks are reserved with a lease: a writer must stop writing before `write_deadline`;
-if nobody has started decoding by `write_deadline + grace`, the handoff EXPIRES and
-its blocks return to the pool. Transitions are idempotent (repeating one is a no-op),
-illegal ones raise `HandoffError`, and every change is logged. Plain Python with an
-injected clock, so it is tested without processes.
+Blocks are reserved with a lease: a writer must stop writing before `write_deadline`.
+The blocks themselves are the decode worker's scheduler's (`Scheduler.reserve`): if
+nobody has started decoding by `write_deadline` and a grace period, the scheduler
+gives them back and the worker ends the handoff EXPIRED. Transitions are idempotent
+(repeating one is a no-op), illegal ones raise `HandoffError`, and every change is
+logged. Plain Python with an injected clock, so it is tested without processes.
 """
 from __future__ import annotations
 
@@ -54,10 +55,8 @@ class KVHandoff:
 
 
 class HandoffTable:
-    def __init__(self, epoch: str, grace_seconds: float = 2.0,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, epoch: str, clock: Callable[[], float] = time.time) -> None:
         self.epoch = epoch
-        self.grace_seconds = grace_seconds
         self._clock = clock
         self._live: dict[str, KVHandoff] = {}
 
@@ -106,15 +105,3 @@ class HandoffTable:
         log.debug("handoff %s %s -> %s", h.request_id, h.state.name, final.name)
         h.state = final
         self._live.pop(h.request_id, None)
-
-    def expire(self) -> list[KVHandoff]:
-        """End every handoff whose writer's lease ran out before decoding began."""
-        now = self._clock()
-        gone = [h for h in self._live.values()
-                if h.state in (HandoffState.RESERVED, HandoffState.COMPLETE)
-                and now > h.write_deadline + self.grace_seconds]
-        for h in gone:
-            log.warning("handoff %s EXPIRED in state %s; its %d blocks return to the pool",
-                        h.request_id, h.state.name, len(h.block_ids))
-            self._end(h, HandoffState.EXPIRED)
-        return gone

@@ -28,7 +28,7 @@ def scheduler(blocks=8, block_size=4, **config) -> Scheduler:
 
 def prefilled(s: Scheduler, q: Sequence) -> Sequence:
     """`q`'s prompt KV arrived through a handoff into blocks reserved for it."""
-    q.block_ids = s.blocks.allocate(s.blocks.blocks_for(q.prompt_len))
+    s.reserve(q.request_id, q.prompt_len, float("inf"))
     s.add_prefilled(q)
     return q
 
@@ -70,7 +70,7 @@ def test_prefilled_sequence_decodes_and_frees_blocks_on_length():
 def test_first_token_eos_finishes_at_admission():
     s = scheduler()
     q = seq("a", first=2)
-    q.block_ids = s.blocks.allocate(2)
+    s.reserve("a", q.prompt_len, float("inf"))
     assert s.add_prefilled(q) == "stop"
     assert s.blocks.num_available == 8
 

@@ -138,7 +138,10 @@ def _run_choices(runner, model_dir, prompt, params, n, num_blocks=256, prefilled
         while engine.has_work():
             engine.step()
         parent = Sequence("r#0", list(prompt) + [prefilled_first], len(prompt), params, eos, forks=forks)
-        parent.block_ids = list(engine.scheduler.retained.pop("donor").block_ids)
+        donated = engine.scheduler.retained.pop("donor").block_ids
+        reserved = engine.scheduler.reserve("r#0", len(prompt), float("inf")).block_ids
+        engine.memory.copy_blocks(list(zip(donated, reserved)))      # the handoff's writes
+        engine.scheduler.blocks.release(donated)
         engine.scheduler.config = replace(engine.scheduler.config, retain_finished=False)
         engine.add_prefilled(parent)
     out = {f"r#{i}": [] for i in range(n)}

@@ -75,7 +75,7 @@ def _prefill(runner, model_dir, transport_class) -> tuple[torch.Tensor, torch.Te
     worker = PrefillWorker(settings, runner, eos_token_ids(model_dir), WorkerMetrics("prefill", "test"))
     worker.transports.pop("shm").shutdown()                 # the double takes its place, under its name
     fabric = FakeFabric()
-    worker.transports = {"shm": transport_class(fabric)}
+    worker.transports["shm"] = transport_class(fabric)
     worker.transports["shm"].register(worker.memory, worker.compat_hash)
     blocks = -(-len(PROMPT) // BLOCK)
     dst_pool = KVPoolMemory.allocate(runner.layout(blocks + 4, BLOCK))

@@ -1,58 +1,63 @@
 """Decode worker: holds the paged KV pool, accepts handoffs, runs continuous batching.
 
 A request's life here, as queues:
-  Reserve   -> blocks taken from the pool, handoff RESERVED with a write lease
+  Reserve   -> the scheduler reserves blocks for the prompt (waiting for remote KV),
+               handoff RESERVED with a write lease
   (the prefill worker writes the prompt's KV straight into those blocks)
-  Decode    -> handoff COMPLETE -> DECODING; the sequence joins the engine's ready
-               queue, then the running batch at the next step, and streams tokens
+  Decode    -> handoff COMPLETE -> DECODING; the sequence takes the reserved blocks and
+               joins the engine's ready queue, then the running batch at the next step,
+               and streams tokens
   Decode with local_prefill -> the engine prefills the prompt here, in chunks that
                share each forward pass with the running batch's decode tokens
   finish / cancel / failure -> blocks back to the pool, handoff RELEASED
-  no Decode before the lease ends -> handoff EXPIRED, blocks back to the pool
+  no Decode before the lease ends -> the scheduler expires the reservation, blocks back
+               to the pool, handoff EXPIRED
 
-The engine core (`services/engine/engine.py`) owns scheduling, blocks and the model;
-this service adds the handoff table, leases and the token streams.
+The engine core (`services/engine/engine.py`) owns scheduling, blocks and the model, on
+its own thread: reservations are made and given back there too (`EngineLoop.call`).
+This service adds the handoff table, leases and the token streams.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
-import uuid
+import time
 
 import grpc
 
 from kv_transfer.backends import open_transports
-from kv_transfer.handoff import HandoffError, HandoffState, HandoffTable
+from kv_transfer.handoff import HandoffError, HandoffState, HandoffTable, KVHandoff
 from services.common.mailbox import Mailbox
 from services.common.metrics import WorkerMetrics
 from services.common.settings import WorkerSettings
-from services.engine.core.block_manager import BlockManager
-from services.engine.core.block_pool import BlockPool, NoFreeBlocks
-from services.engine.engine import EngineLoop, EngineOutput, LLMEngine, StepStats
+from services.engine.core.block_pool import NoFreeBlocks
+from services.engine.core.sampling import MAX_CHOICES, SamplingParams
+from services.engine.core.scheduler import Sequence
+from services.engine.engine import EngineOutput, StepStats
 from services.engine.model.kv_cache import KVPoolMemory, sweep_stale_segments
 from services.engine.model.runner import ModelRunner
-from services.engine.core.scheduler import Scheduler, Sequence
 from services.rpc import worker_pb2, worker_pb2_grpc
-from services.worker.main import EngineStatus, WorkerParts, grammars_for, prepare, refuse, scheduler_config
-from services.engine.core.sampling import MAX_CHOICES, SamplingParams
+from services.worker.engine_worker import EngineWorker
+from services.worker.main import EngineStatus, WorkerParts, prepare, refuse
 from services.worker.wire import (check_request_id, check_tokens, logprob_to_proto, prompt_logprobs_to_proto,
                                   sampling_from_proto)
 
 log = logging.getLogger(__name__)
 
+# A reservation outlives its writer's lease by this much before it expires: a Decode
+# call on its way when the lease ends still finds it.
+LEASE_GRACE_SECONDS = 2.0
 
-class DecodeWorker:
+
+class DecodeWorker(EngineWorker):
     """The engine, its KV pool and the handoffs into it; no gRPC in here."""
+    role = "decode"
 
     def __init__(self, settings: WorkerSettings, runner: ModelRunner, eos_token_ids: frozenset[int],
                  metrics: WorkerMetrics) -> None:
-        self.settings = settings
-        self.runner = runner
-        self.eos = eos_token_ids
-        self.metrics = metrics
-        self.epoch = uuid.uuid4().hex[:12]
-        config = scheduler_config(settings, runner.device.type)
+        super().__init__(settings, runner, eos_token_ids, metrics)
+        config = self.config
         tokens = runner.kv_tokens(settings.kv_cache_tokens, settings.gpu_memory_utilization,
                                   config.max_num_batched_tokens, config.max_num_seqs)
         num_blocks = tokens // settings.block_size
@@ -60,31 +65,25 @@ class DecodeWorker:
             # A sequence that can never fit would wait (or preempt itself) forever.
             raise ValueError(f"a KV pool of {tokens} tokens cannot hold one full context of {runner.max_model_len} "
                              "tokens: give --kv-cache-tokens, or --max-model-len")
-        self.layout = runner.layout(num_blocks, settings.block_size)
-        self.compat_hash = runner.compat_hash(self.layout)
+        self._layout(num_blocks)
         sweep_stale_segments()
         self.transports = open_transports(settings.kv_transport, settings.transport_options(),
                                           device=str(runner.device))
-        self.memory = self._allocate_pool(settings, str(runner.device))
-        self.offers = [worker_pb2.TransportOffer(backend=name, meta=t.register(self.memory, self.compat_hash))
+        memory = self._allocate_pool(settings, str(runner.device))
+        self.offers = [worker_pb2.TransportOffer(backend=name, meta=t.register(memory, self.compat_hash))
                        for name, t in self.transports.items()]
         log.info("decode worker offers KV transports: %s", ", ".join(self.transports))
-        self.blocks = BlockManager(BlockPool(num_blocks, settings.block_size),
-                                   prefix_caching=settings.enable_prefix_caching)
         overlap = settings.async_scheduling == "on" or (settings.async_scheduling == "auto"
                                                         and runner.device.type == "cuda")
-        self.engine = LLMEngine(runner, self.memory, Scheduler(self.blocks, config), async_scheduling=overlap)
+        self._open(memory, settings.enable_prefix_caching, async_scheduling=overlap)
         log.info("async scheduling: %s", "on (each step launched before the last one's tokens are read)"
                  if overlap else "off")
-        runner.capture_graphs(self.memory)              # on a GPU; before the worker says it is ready
-        self.grammars = grammars_for(runner, eos_token_ids)
-        self.loop = EngineLoop(self.engine, tick=self._tick, on_step=self._on_step, name="decode-engine")
+        runner.capture_graphs(memory)                   # on a GPU; before the worker says it is ready
         self.handoffs = HandoffTable(self.epoch)
         self.kv_bytes_received = 0
         self._lock = threading.Lock()           # the handoff table: RPC threads and the engine thread
         self._decoding: set[str] = set()        # request ids of the choices being decoded
         self._preemptions_seen = 0
-        metrics.set_blocks(num_blocks, num_blocks)
 
     def _allocate_pool(self, settings: WorkerSettings, device: str) -> KVPoolMemory:
         """In shared memory when `shm` is offered; if /dev/shm is too small and other
@@ -101,7 +100,9 @@ class DecodeWorker:
             return KVPoolMemory.allocate(self.layout, device=device)
 
     # ---- called from RPC handlers (any thread) ----
-    def reserve(self, request_id: str, num_tokens: int, lease_seconds: float):
+    async def reserve(self, request_id: str, num_tokens: int, lease_seconds: float) -> KVHandoff:
+        """Blocks for a prompt's KV, reserved by the scheduler on the engine thread, and
+        the handoff that leases them to a writer."""
         check_request_id(request_id)
         if not 1 <= num_tokens <= self.runner.max_model_len:
             raise ValueError(f"a reservation is for 1 to {self.runner.max_model_len} tokens, not {num_tokens}")
@@ -112,11 +113,16 @@ class DecodeWorker:
         with self._lock:
             if request_id in self._decoding:
                 raise HandoffError(f"request {request_id} is already decoding here")
-            blocks = self.blocks.allocate(self.blocks.blocks_for(num_tokens))
+            if request_id in self.handoffs:
+                raise HandoffError(f"request {request_id} already holds a reservation")
+        expires = time.time() + lease_seconds + LEASE_GRACE_SECONDS
+        scheduler = self.engine.scheduler
+        r = await asyncio.wrap_future(self.loop.call(lambda: scheduler.reserve(request_id, num_tokens, expires)))
+        with self._lock:
             try:
-                return self.handoffs.reserve(request_id, blocks, num_tokens, lease_seconds)
+                return self.handoffs.reserve(request_id, r.block_ids, num_tokens, lease_seconds)
             except HandoffError:
-                self.blocks.release(blocks)
+                self.loop.call(lambda: scheduler.cancel(request_id))
                 raise
 
     def release(self, request_id: str, epoch: str, reason: str) -> bool:
@@ -132,8 +138,7 @@ class DecodeWorker:
                 self.loop.abort(request_id)
                 return True
             self.handoffs.pop(request_id, HandoffState.FAILED if reason else HandoffState.RELEASED)
-            self.blocks.release(h.block_ids)
-        self.loop.wake()                        # a waiting prompt may fit now
+        self.loop.call(lambda: self.engine.scheduler.cancel(request_id))     # a waiting prompt may fit now
         self.metrics.handoffs.labels("released_before_decode").inc()
         log.info("request %s: reservation released (%s)", request_id, reason or "no reason given")
         return True
@@ -141,7 +146,7 @@ class DecodeWorker:
     def admit(self, seq: Sequence, epoch: str | None, sinks: list, kv_bytes: int, backend: str) -> None:
         """Start decoding `seq` and the choices forked from it (`seq.forks`); sink i
         receives choice i's outputs from the engine thread. With an epoch the prompt KV
-        came through a handoff."""
+        came through a handoff, into the blocks reserved for it."""
         lookup = [epoch is None]            # a prompt computed here: its cache lookup, counted once
         def deliver(request_id: str, sink):
             def to(output: EngineOutput) -> None:
@@ -164,10 +169,9 @@ class DecodeWorker:
             h = self.handoffs.get(seq.request_id, epoch)
             if len(seq.token_ids) - 1 != h.num_tokens:
                 raise HandoffError(f"handle covers {h.num_tokens} tokens, request has {len(seq.token_ids) - 1}")
-            self._claim(ids, reserved_ok=True)
+            self._claim(ids, reserved_ok=True)          # from here the reservation cannot expire
             self.handoffs.advance(h, HandoffState.COMPLETE)
             self.handoffs.advance(h, HandoffState.DECODING)
-            seq.block_ids = list(h.block_ids)           # the sequence owns them from here
         self.kv_bytes_received += kv_bytes
         self.metrics.kv_bytes.labels("received", backend).inc(kv_bytes)
         self.loop.submit(seq, first, prefilled=True, fork_sinks=others)
@@ -198,28 +202,20 @@ class DecodeWorker:
                              f"context of {context} tokens")
         return prompt, params
 
-    def start(self) -> None:
-        self.loop.start()
-
-    def stop(self) -> None:
-        self.loop.stop()
-        for t in self.transports.values():
-            t.shutdown()
-        self.memory.close()
-
     # ---- engine thread ----
     def _tick(self) -> None:
+        """Before each step: reservations whose lease ran out with no decode go back."""
         with self._lock:
-            expired = self.handoffs.expire()
-            for h in expired:
-                self.blocks.release(h.block_ids)
-        for _ in expired:
+            expired = self.engine.scheduler.expire(time.time(), claimed=self._decoding.__contains__)
+            for r in expired:
+                self.handoffs.pop(r.request_id, HandoffState.EXPIRED)
+        for r in expired:
+            log.warning("handoff %s EXPIRED; its %d blocks return to the pool", r.request_id, len(r.block_ids))
             self.metrics.handoffs.labels("expired").inc()
+        super()._tick()
         sch = self.engine.scheduler
-        self.metrics.set_blocks(self.blocks.num_available, self.blocks.num_blocks)
         self.metrics.running.set(len(sch.running))
         self.metrics.waiting.set(sch.num_waiting)
-        self.metrics.set_queue(len(sch.running), sch.num_waiting)
 
     def _on_step(self, stats: StepStats) -> None:
         kind = "mixed" if stats.prefill_tokens and stats.decode_tokens else "prefill" if stats.prefill_tokens \
@@ -247,14 +243,10 @@ class DecodeWorker:
         return bool(self.loop.num_requests or len(self.handoffs))
 
     def info(self) -> worker_pb2.WorkerInfo:
+        info = super().info()
         sch = self.engine.scheduler
-        return worker_pb2.WorkerInfo(
-            role="decode", epoch=self.epoch, compat_hash=self.compat_hash,
-            model_name=self.runner.model_dir.name, block_size=self.layout.block_size,
-            num_blocks=self.blocks.num_blocks, free_blocks=self.blocks.num_available,
-            running=len(sch.running), waiting=sch.num_waiting, max_batch=sch.config.max_num_seqs,
-            max_model_len=self.runner.max_model_len, kv_transports=list(self.transports),
-            prefix_hashes=self.blocks.keys_newest_first())
+        info.running, info.waiting, info.max_batch = len(sch.running), sch.num_waiting, sch.config.max_num_seqs
+        return info
 
 
 class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
@@ -272,7 +264,7 @@ class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this decode worker is draining")
         try:
-            h = e.reserve(request.request_id, request.num_prompt_tokens, request.lease_seconds or 30.0)
+            h = await e.reserve(request.request_id, request.num_prompt_tokens, request.lease_seconds or 30.0)
         except NoFreeBlocks as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no free KV blocks: {exc}")
         except (ValueError, HandoffError) as exc:

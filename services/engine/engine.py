@@ -4,9 +4,10 @@
 
 The decode worker, the prefill worker and aggregated mode all run this one core; a
 worker adds only what its role needs around it (RPC, KV handoffs and leases, token
-streaming). `add`, `add_prefilled`, `abort` and `release` may be called from any thread:
-they are queued and applied at the start of the next step, so nothing a forward pass
-uses changes under it. `step` runs on one thread, the engine thread (`EngineLoop`).
+streaming). `add`, `add_prefilled`, `abort`, `release` and `call` (any other scheduler
+change, such as a decode worker's reservation) may be called from any thread: they are
+queued and applied at the start of the next step, so nothing a forward pass uses
+changes under it, and the scheduler and its blocks have one thread. `step` runs on one thread, the engine thread (`EngineLoop`).
 
 A step that raises is run again one sequence at a time: only a sequence that fails by
 itself gets an "error" output (its blocks go back); the rest of the batch goes on.
@@ -36,9 +37,9 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
@@ -51,6 +52,7 @@ from services.engine.core.scheduler import PENDING, Chunk, Scheduler, Sequence, 
 from services.engine.structured import fill_masks
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Called once each layer's KV is written (on a device: once its write has finished, see
 # device.py), with the step's plan: where KV export hooks in. On a GPU it runs on a thread
@@ -160,6 +162,22 @@ class LLMEngine:
     def release(self, request_id: str) -> None:
         """Blocks of a finished sequence that `retain_finished` kept (prefill worker)."""
         self._inbox.put((request_id, lambda: self.scheduler.release(request_id) or []))
+
+    def call(self, action: Callable[[], T]) -> Future[T]:
+        """`action()` on the engine thread, at the start of the next step (a scheduler
+        change another thread needs the answer of: a reservation's blocks); its result,
+        or what it raised, in the future."""
+        future: Future[T] = Future()
+
+        def run() -> list[EngineOutput]:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(action())
+                except Exception as exc:             # the caller's to handle
+                    future.set_exception(exc)
+            return []
+        self._inbox.put(("", run))
+        return future
 
     def has_work(self) -> bool:
         return (not self._inbox.empty() or self.scheduler.has_work() or bool(self.scheduler.orphans)
@@ -446,6 +464,12 @@ class EngineLoop:
     def release(self, request_id: str) -> None:
         self.engine.release(request_id)
         self._wake.set()
+
+    def call(self, action: Callable[[], T]) -> Future[T]:
+        """`action()` on the engine thread (LLMEngine.call)."""
+        future = self.engine.call(action)
+        self._wake.set()
+        return future
 
     def wake(self) -> None:
         self._wake.set()

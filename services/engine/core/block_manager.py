@@ -9,8 +9,8 @@ that finds the pool empty evicts such idle blocks. With it off, a released block
 simply free again.
 
 Plain Python on block ids, like BlockPool; the KV bytes live in the worker's pool
-tensor. One lock guards it: the engine thread changes it while RPC threads reserve
-blocks and read summaries.
+tensor. The scheduler changes it, on the engine thread (a decode worker's reservations
+too); one lock guards it while RPC threads read summaries.
 """
 from __future__ import annotations
 

@@ -14,7 +14,10 @@ prompts are computed beside them, instead of waiting out whole prompts.
 A sequence's life here:
   add()            -> waiting -> blocks for its prompt (a cached prefix is reused)
                    -> running: prompt chunks until computed, then a token per step
-  add_prefilled()  -> ready (its prompt's KV is already in its blocks and its first
+  reserve()        -> waiting for remote KV: blocks held for a prompt another worker
+                      computes and writes into them (vLLM's WAITING_FOR_REMOTE_KVS);
+                      cancel() or expire() give them back
+  add_prefilled()  -> ready (its prompt's KV is in its reserved blocks and its first
                       token was sampled elsewhere) -> running
   a fork           -> another choice of a request whose prompt KV is complete: it
                       shares the full prompt blocks (reference counted) and gets a copy
@@ -37,7 +40,7 @@ runs on the device: `launched()` counts the running step's tokens as computed an
 stands a PENDING token in for each it samples, and `resolve()` writes the sampled
 tokens in once they are read. Meanwhile nothing is preempted (a sequence short of a
 block sits a step out), and blocks given back wait in `_held` until every step that
-may still write them has landed (`landed()`): another thread may hand them out at once,
+may still write them has landed (`landed()`): a reservation could take them at once,
 and a transfer could then write them before the device does. So do both ends of a
 fork's block copy, queued on the device ahead of the next step, until that step lands.
 """
@@ -46,6 +49,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from services.engine.core.block_manager import BlockManager
 from services.engine.core.block_pool import NoFreeBlocks
@@ -163,6 +167,15 @@ class StepPlan:
 
 
 @dataclass(frozen=True)
+class Reservation:
+    """Blocks held for a prompt whose KV another worker computes and writes."""
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+    expires: float              # past this time (the caller's clock) the blocks go back unless admitted
+
+
+@dataclass(frozen=True)
 class SeqUpdate:
     """A sequence's new token after a step, and its finish reason if it ended."""
     seq: Sequence
@@ -218,6 +231,7 @@ class Scheduler:
         self.launches = 0
         self.landed_upto = 0
         self._held: list[tuple[int, list[int], list[int], int]] = []
+        self.remote: dict[str, Reservation] = {}        # waiting for remote KV, by request id
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -243,9 +257,42 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
 
+    def reserve(self, request_id: str, num_tokens: int, expires: float) -> Reservation:
+        """Blocks for `num_tokens` of prompt KV that another worker computes and writes,
+        held for `request_id` until `add_prefilled` admits it, `cancel` or `expire`.
+        NoFreeBlocks if the pool cannot hold them now; ValueError for an id already here."""
+        if request_id in self.remote or request_id in self._by_id:
+            raise ValueError(f"request {request_id} is already here")
+        r = Reservation(request_id, self.blocks.allocate(self.blocks.blocks_for(num_tokens)), num_tokens, expires)
+        self.remote[request_id] = r
+        return r
+
+    def cancel(self, request_id: str) -> Reservation | None:
+        """Give back a reservation's blocks (its KV never came); returns it if it was held."""
+        r = self.remote.pop(request_id, None)
+        if r is not None:
+            self.blocks.release(r.block_ids)
+        return r
+
+    def expire(self, now: float, claimed: Callable[[str], bool] = lambda request_id: False) -> list[Reservation]:
+        """Give back every reservation past its expiry (its writer's lease ran out) that
+        no decode has `claimed` (one whose sequence is on its way to `add_prefilled`)."""
+        gone = [r for r in self.remote.values() if now > r.expires and not claimed(r.request_id)]
+        for r in gone:
+            self.cancel(r.request_id)
+        return gone
+
     def add_prefilled(self, seq: Sequence) -> str | None:
-        """Admit a sequence whose prompt KV already fills `seq.block_ids` and whose first
-        token was sampled elsewhere. Returns a finish reason if that token already ends it."""
+        """Admit a sequence whose prompt KV fills the blocks reserved for it (`reserve`)
+        and whose first token was sampled elsewhere. Returns a finish reason if that token
+        already ends it. ValueError without a reservation, or one for another length."""
+        r = self.remote.get(seq.request_id)
+        if r is None:
+            raise ValueError(f"request {seq.request_id} holds no reservation (cancelled or expired)")
+        if r.num_tokens != seq.prompt_len:
+            raise ValueError(f"the reservation covers {r.num_tokens} tokens, the prompt has {seq.prompt_len}")
+        del self.remote[seq.request_id]
+        seq.block_ids = list(r.block_ids)           # the sequence owns them from here
         self._register(seq)
         seq.num_computed = seq.prompt_len
         self._fork(seq)
