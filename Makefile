@@ -11,7 +11,7 @@ ARGS    ?=
 GPU_PY  ?= $(BIN)/python
 GPU_DEPS = $(if $(filter $(BIN)/python,$(GPU_PY)),install)
 
-.PHONY: run test test-slow install proto model clean redis helm-test gpu-check gpu-bench
+.PHONY: run test test-fast test-slow install proto model clean redis helm-test gpu-check gpu-bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -48,6 +48,11 @@ redis:
 test: model redis
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# the plain-Python tests alone: no process started, no model loaded (tests/conftest.py
+# marks the others), in well under a minute
+test-fast: install
+	$(BIN)/python -m pytest -m "not process and not model and not slow" $(PYTEST_ARGS)
 
 # soaks, chaos and long benchmarks (marked slow), and far more fuzzing examples
 test-slow: model redis

@@ -1,28 +1,18 @@
 """Fixtures: the real default model, and a real local cluster (`pdserve up`) of separate
-processes, started once per test session in float32 for token-exact parity."""
+processes, started once per test session in float32 for token-exact parity. What tests
+share besides fixtures is in tests/processes.py."""
 from __future__ import annotations
 
-import collections
-import json
-import os
+import inspect
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import pytest
 
 from services.engine.text.model_store import ensure_default_model
 from services.local_processes import start_private_redis
-from services.rpc import worker_pb2, worker_pb2_grpc
-
-ROOT = Path(__file__).resolve().parents[1]
-START_TIMEOUT = 300
+from tests.processes import ROOT, RunningCluster, spawn_service, start_cluster, stop_cluster, terminate
 
 
 @pytest.fixture(scope="session")
@@ -41,114 +31,6 @@ def kernel_cache(tmp_path_factory):
 def expected(model_dir):
     from tests.parity_cases import generate_expected
     return generate_expected(model_dir)
-
-
-class _Details(collections.namedtuple("_Details", ("method", "timeout", "metadata", "credentials",
-                                                   "wait_for_ready", "compression")), grpc.ClientCallDetails):
-    pass
-
-
-class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Puts a bearer credential on every call, as the router does on its calls to workers."""
-
-    def __init__(self, metadata) -> None:
-        self.metadata = tuple(metadata)
-
-    def _details(self, d):
-        return _Details(d.method, d.timeout, (*(d.metadata or ()), *self.metadata), d.credentials,
-                        d.wait_for_ready, d.compression)
-
-    def intercept_unary_unary(self, continuation, details, request):
-        return continuation(self._details(details), request)
-
-    def intercept_unary_stream(self, continuation, details, request):
-        return continuation(self._details(details), request)
-
-
-def worker_channel(address: str, secret_file: str | None = None) -> grpc.Channel:
-    """A channel to a worker carrying the cluster's credential (none: a stranger's)."""
-    ch = grpc.insecure_channel(address)
-    if secret_file is None:
-        return ch
-    from services.common.security import ClusterSecret
-    return grpc.intercept_channel(ch, _Bearer(ClusterSecret.from_file(secret_file).call_metadata()))
-
-
-def worker_stub(ch: grpc.Channel, role: str):
-    return (worker_pb2_grpc.DecodeWorkerStub if role == "decode" else worker_pb2_grpc.PrefillWorkerStub)(ch)
-
-
-def worker_stats(address: str, role: str, secret_file: str | None = None) -> worker_pb2.WorkerStats:
-    with worker_channel(address, secret_file) as ch:
-        return worker_stub(ch, role).Stats(worker_pb2.InfoRequest(), timeout=10)
-
-
-def wait_decode_idle(stats, timeout: float) -> worker_pb2.WorkerStats:
-    """Wait until the decode pool is full again, nothing runs and no handoff is live;
-    returns the last stats either way (the caller asserts on them)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        s = stats("decode")
-        if (s.info.free_blocks == s.info.num_blocks and s.active_handoffs == 0
-                and s.info.running == 0 and s.info.waiting == 0) or time.monotonic() > deadline:
-            return s
-        time.sleep(0.1)
-
-
-@dataclass
-class RunningCluster:
-    proc: subprocess.Popen
-    info: dict
-    log_path: Path
-
-    @property
-    def http(self) -> str:
-        return self.info["http"]
-
-    @property
-    def grpc(self) -> str:
-        return self.info["grpc"]
-
-    def worker_addr(self, role: str) -> str:
-        return f"127.0.0.1:{self.info[role]['grpc_port']}"
-
-    @property
-    def secret_file(self) -> str:
-        return self.info["cluster_secret_file"]
-
-    def worker_channel(self, role: str) -> grpc.Channel:
-        return worker_channel(self.worker_addr(role), self.secret_file)
-
-    def metrics_url(self, role: str) -> str:
-        return f"http://127.0.0.1:{self.info[role]['metrics_port']}/metrics"
-
-    def stats(self, role: str) -> worker_pb2.WorkerStats:
-        return worker_stats(self.worker_addr(role), role, self.secret_file)
-
-    def wait_idle(self, timeout: float = 30.0) -> worker_pb2.WorkerStats:
-        return wait_decode_idle(self.stats, timeout)
-
-    def pids(self) -> list[int]:
-        workers = [w["pid"] for w in self.info["prefills"] + self.info["decodes"]]
-        return [self.proc.pid, self.info["router_pid"], *workers] + ([self.info["redis_pid"]]
-                                                                      if self.info["redis_pid"] else [])
-
-
-def start_cluster(*extra: str, dtype: str = "float32") -> RunningCluster:
-    """`pdserve up` with every prompt sent through a prefill worker (no local prefill for
-    short prompts) unless `extra` says otherwise: the tests are about the KV handoff."""
-    tmp = Path(tempfile.mkdtemp(prefix="pdserve-test-"))
-    announce = tmp / "cluster.json"
-    log_path = tmp / "cluster.log"
-    cmd = [sys.executable, "-m", "services.cli", "up", "--http-port", "0", "--grpc-port", "0", "--dtype", dtype,
-           "--kv-cache-tokens", "16384", "--announce-file", str(announce), "--log-level", "warning",
-           "--local-prefill-max-tokens", "0", *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
-    return RunningCluster(proc, wait_announced(proc, announce, log_path, "cluster"), log_path)
-
-
-def stop_cluster(c: RunningCluster, sig: int = signal.SIGINT, timeout: float = 30.0) -> int:
-    return terminate(c.proc, timeout, sig)
 
 
 @pytest.fixture(scope="session")
@@ -174,159 +56,6 @@ def tools_router(cluster):
     terminate(proc)
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_announced(proc: subprocess.Popen, announce: Path, log_path: Path, name: str) -> dict:
-    """The announcement `proc` writes once it serves; kills it and raises with the tail
-    of its log if it exits or takes longer than START_TIMEOUT."""
-    deadline = time.monotonic() + START_TIMEOUT
-    while not announce.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"{name} failed to start:\n{log_path.read_text()[-4000:]}")
-        time.sleep(0.05)
-    return json.loads(announce.read_text())
-
-
-def spawn_service(tmp: Path, name: str, role: str, argv: list[str]) -> tuple[subprocess.Popen, dict]:
-    """`pdserve <role> argv` logging to tmp/<name>.log; returns once it has announced
-    its ports: (process, announcement)."""
-    (started,) = spawn_services(tmp, [(name, role, argv)])
-    return started
-
-
-def spawn_services(tmp: Path, services: list[tuple[str, str, list[str]]]) -> list[tuple[subprocess.Popen, dict]]:
-    """Several `spawn_service`s (name, role, argv) started at once, so their imports and
-    model loads overlap; returns once every one has announced its ports."""
-    started = []
-    for name, role, argv in services:
-        announce, log_path = tmp / f"{name}.json", tmp / f"{name}.log"
-        announce.unlink(missing_ok=True)
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", role, *argv, "--announce-file", str(announce)],
-                                cwd=ROOT, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
-        started.append((name, proc, announce, log_path))
-    try:
-        return [(proc, wait_announced(proc, announce, log_path, name)) for name, proc, announce, log_path in started]
-    except BaseException:                    # one failed to start: stop the others, by PID
-        for _, proc, _, _ in started:
-            terminate(proc)
-        raise
-
-
-def wait_ready(http: str, workers: dict[str, int], timeout: float = 60.0) -> None:
-    """Until the router at `http` counts `workers` healthy workers of each role (the
-    probe `pdserve up` itself waits on)."""
-    from services.local_processes import wait_router_sees
-    wait_router_sees(http, workers, timeout, lambda: None)
-
-
-def terminate(proc: subprocess.Popen, timeout: float = 20.0, sig: int = signal.SIGTERM) -> int:
-    """`sig` (SIGTERM: the service drains), then SIGKILL if it outlives `timeout`;
-    returns the exit code."""
-    if proc.poll() is None:
-        proc.send_signal(sig)
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait()
-
-
-class Services:
-    """Router, prefill and decode started one by one, so tests can kill and restart
-    any of them (on the same port, as a supervisor would)."""
-
-    def __init__(self, dtype: str = "float32", transport: str = "auto") -> None:
-        from services.common.security import new_secret_file
-        self.tmp = Path(tempfile.mkdtemp(prefix="pdserve-svc-"))
-        self.secret_file = str(new_secret_file(self.tmp / "cluster-secret"))
-        self.common = ["--dtype", dtype, "--threads", "1", "--kv-transport", transport, "--log-level", "warning",
-                       "--cluster-secret-file", self.secret_file]
-        self.ports = {"decode": free_port(), "prefill": free_port()}
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.info: dict[str, dict] = {}
-
-    def _spawn(self, role: str, argv: list[str]) -> dict:
-        self.procs[role], self.info[role] = spawn_service(self.tmp, role, role, argv)
-        return self.info[role]
-
-    def _worker_argv(self, role: str, *extra: str) -> list[str]:
-        argv = [*self.common, "--port", str(self.ports[role]), *extra]
-        return argv + ["--kv-cache-tokens", "16384"] if role == "decode" else argv
-
-    def _router_argv(self, *extra: str) -> list[str]:
-        return ["--http-port", "0", "--grpc-port", "0", "--log-level", "warning",
-                "--cluster-secret-file", self.secret_file, "--local-prefill-max-tokens", "0",
-                "--decode", self.addr("decode"), "--prefill", self.addr("prefill"), *extra]
-
-    def start_worker(self, role: str, *extra: str) -> dict:
-        return self._spawn(role, self._worker_argv(role, *extra))
-
-    def start_router(self, *extra: str) -> dict:
-        return self._spawn("router", self._router_argv(*extra))
-
-    def start_all(self) -> "Services":
-        """All three at once (the workers' ports are fixed, so the router knows them
-        before they listen); returns once the router has seen both."""
-        roles = ("decode", "prefill", "router")
-        argvs = [self._worker_argv("decode"), self._worker_argv("prefill"), self._router_argv()]
-        for role, (proc, info) in zip(roles, spawn_services(self.tmp, [(r, r, a) for r, a in zip(roles, argvs)])):
-            self.procs[role], self.info[role] = proc, info
-        wait_ready(self.http, {"prefill": 1, "decode": 1})
-        return self
-
-    def addr(self, role: str) -> str:
-        return f"127.0.0.1:{self.ports[role]}"
-
-    @property
-    def http(self) -> str:
-        return f"http://127.0.0.1:{self.info['router']['http_port']}"
-
-    def kill(self, role: str, sig: int = signal.SIGKILL) -> None:
-        proc = self.procs.pop(role)
-        proc.send_signal(sig)
-        proc.wait(timeout=30)
-
-    def stats(self, role: str) -> worker_pb2.WorkerStats:
-        return worker_stats(self.addr(role), role, self.secret_file)
-
-    def channel(self, role: str) -> grpc.Channel:
-        return worker_channel(self.addr(role), self.secret_file)
-
-    def wait_idle(self, timeout: float = 30.0) -> worker_pb2.WorkerStats:
-        return wait_decode_idle(self.stats, timeout)
-
-    def wait_routable(self, timeout: float = 30.0) -> None:
-        """Until the router routes a request remotely again (its refresh saw the workers)."""
-        import httpx
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            r = httpx.post(f"{self.http}/v1/completions", timeout=60, json={"prompt": "ping", "max_tokens": 1})
-            if r.status_code == 200 and "decision=remote" in r.headers.get("x-pdserve-route", ""):
-                return
-            time.sleep(0.3)
-        raise AssertionError("router did not route remotely again in time")
-
-    def stop(self) -> None:
-        for role in ("router", "prefill", "decode"):
-            proc = self.procs.pop(role, None)
-            if proc is not None:
-                terminate(proc)
-
-
 @pytest.fixture
 def redis_url():
     """A private redis-server on a unix socket, for one test."""
@@ -338,3 +67,31 @@ def redis_url():
     proc.terminate()
     proc.wait(timeout=10)
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+# A test starts processes if its own code or a fixture it uses (any scope, transitively)
+# does: a cluster, a service, redis, Ray, a subprocess (a compiler, helm, a fresh venv).
+# Those are marked `process`; tests that load the real model in this process are
+# marked `model`. `make test-fast` runs the rest: plain Python, in under a minute.
+STARTS_PROCESSES = ("start_cluster(", "Services(", "spawn_service", "start_private_redis", "subprocess.",
+                    "Popen(", "multiprocessing", "get_context(", "ray.init", "_interpreted(", "run_script(")
+LOADS_THE_MODEL = {"model_dir", "expected", "kernel_cache"}
+
+
+def _source(func) -> str:
+    try:
+        return inspect.getsource(func)
+    except (OSError, TypeError):
+        return ""
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        funcs = [getattr(item, "function", None)]
+        if info is not None:
+            funcs += [d.func for defs in info.name2fixturedefs.values() for d in defs]
+        if any(pattern in _source(f) for f in funcs if f is not None for pattern in STARTS_PROCESSES):
+            item.add_marker(pytest.mark.process)
+        elif LOADS_THE_MODEL & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.model)

@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ROOT, start_cluster, stop_cluster
+from tests.processes import ROOT, start_cluster, stop_cluster
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("redis-server") is None,

@@ -19,7 +19,7 @@ from services.bench.report import compare_table, format_summary, load_run
 from services.bench.workload import (LengthRange, PromptBuilder, Workload, RequestClass, build_requests,
                                      class_counts, make_workload)
 from services.cli import main
-from tests.conftest import ROOT, free_port
+from tests.processes import ROOT, free_port
 
 
 def rec(start=0.0, e2e=1.0, ttft=0.1, itl=(0.1,), output_len=2, prompt_len=10, error=None, **kw) -> RequestRecord:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.processes import ROOT
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import pytest
 
 from services.engine.model.kv_cache import live_segments
 from services.rpc import worker_pb2, worker_pb2_grpc
-from tests.conftest import Services
+from tests.processes import Services
 
 LONG = [{"role": "user", "content": "Summarise: " + "the tide comes in and the tide goes out. " * 120}]
 OTHER_LONG = [{"role": "user", "content": "Summarise: " + "the wind rises and the wind falls again. " * 120}]

@@ -4,7 +4,7 @@ schema describes), and the gRPC Generate API with hypothesis. Every answer must 
 or a clear 4xx (gRPC: a status naming the caller's mistake), never a 5xx, INTERNAL, a
 hang or a dead process; afterwards the cluster still serves and no KV block is held.
 
-`make test` runs PDSERVE_FUZZ_EXAMPLES (default 10) examples per case; `make test-slow`
+`make test` runs PDSERVE_FUZZ_EXAMPLES (default 5) examples per case; `make test-slow`
 runs many more. The cluster serves a 48-token context (the chat template alone takes
 ~30), so every valid request is quick.
 """
@@ -22,11 +22,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from services.rpc import generate_pb2, generate_pb2_grpc
-from tests.conftest import start_cluster, stop_cluster
+from tests.processes import start_cluster, stop_cluster
 
 pytestmark = pytest.mark.fuzz
 
-EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "10"))
+EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "5"))
 REPORT = os.environ.get("PDSERVE_FUZZ_REPORT")           # a JSON file for the answers counted
 TALLY: collections.Counter = collections.Counter()       # (case kind, status) -> answers
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT
+from tests.processes import ROOT
 
 
 def test_gpu_check_passes_its_checks_on_the_cpu(model_dir, tmp_path):

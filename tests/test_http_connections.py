@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from services.router.connections import ClientConnections
-from tests.conftest import spawn_service, terminate
+from tests.processes import spawn_service, terminate
 
 HEADER_TIMEOUT = 2.0
 CAP = 4

@@ -13,7 +13,7 @@ from services.engine.kernels import native
 from services.engine.model.int8 import Int8DecoderLayer, Int8Linear
 from services.engine.model.hardware import cpu_kernels
 from services.engine.model.runner import ModelRunner
-from tests.conftest import start_cluster, stop_cluster
+from tests.processes import start_cluster, stop_cluster
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.local_processes import plan_cpus
-from tests.conftest import start_cluster, stop_cluster
+from tests.processes import start_cluster, stop_cluster
 from tests.parity_cases import CASES, chat_body
 
 

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from services.cli import main
-from tests.conftest import ROOT, terminate, wait_announced
+from tests.processes import ROOT, terminate, wait_announced
 
 
 def test_version_prints_the_installed_distributions(capsys):

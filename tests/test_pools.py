@@ -21,7 +21,7 @@ import pytest
 
 from services.common.security import ClusterSecret, new_secret_file
 from services.local_processes import start_private_redis
-from tests.conftest import free_port, spawn_service, spawn_services, terminate, wait_ready, worker_stats
+from tests.processes import free_port, spawn_service, spawn_services, terminate, wait_ready, worker_stats
 from tests.parity_cases import CASES, chat_body
 
 TTL = 2.0
@@ -138,6 +138,8 @@ def test_workers_register_with_epoch_address_and_capacity(pools):
     assert 0 < r.pttl(keys[0]) <= TTL * 1000
 
 
+# Parity is test_parity's (one worker of each); routing across two pools, the shared-prefix test's.
+@pytest.mark.slow
 def test_parity_across_two_prefill_and_two_decode_workers(pools, expected):
     async def one(client, case):
         r = await client.post(f"{pools.http}/v1/chat/completions", json=chat_body(case))
@@ -238,6 +240,8 @@ def test_sigterm_drains_a_decode_worker_without_failing_its_requests(pools):
     wait_pools_idle(pools, ("decode-0", "decode-1"))
 
 
+# test_supervision kills a decode worker under `up` and sees only its streams fail and it rejoin.
+@pytest.mark.slow
 def test_killed_decode_worker_leaves_and_its_restart_rejoins(pools):
     victim = "decode-1"
     old_id = pools.id(victim)

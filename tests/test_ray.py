@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from services.ray_cluster import parse_counts, placement
-from tests.conftest import ROOT, worker_stats
+from tests.processes import ROOT, worker_stats
 from tests.parity_cases import CASES
 
 START_TIMEOUT = 240
@@ -126,6 +126,8 @@ def test_actors_serve_with_greedy_parity(expected, ray_up):
         assert route(r)["decode"] == _decode_id(ray_up.info["decodes"][0])
 
 
+# Ray's one check by default is serving with parity; scaling it goes with the slow tests.
+@pytest.mark.slow
 @needs_redis
 def test_scale_decode_out_and_back_in_without_failed_requests(ray_up):
     assert "decode 1 -> 2" in ray_up.scale("decode=2")

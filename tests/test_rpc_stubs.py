@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from services.rpc.build import OUT_DIR, stubs
-from tests.conftest import ROOT
+from tests.processes import ROOT
 
 
 def test_committed_stubs_match_the_protos(tmp_path):

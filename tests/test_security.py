@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.security import ClusterSecret, KeyCheck, new_secret_file
 from services.rpc import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.conftest import _Bearer, free_port, spawn_service, terminate
+from tests.processes import Bearer, free_port, spawn_service, terminate
 
 trustme = pytest.importorskip("trustme")
 
@@ -95,7 +95,7 @@ class Secure:
                                                              if client_cert else (None, None)))
         ch = grpc.secure_channel(self.addr(role), creds, options=[("grpc.ssl_target_name_override", WORKER_NAME)])
         if credential:
-            ch = grpc.intercept_channel(ch, _Bearer(ClusterSecret.from_file(self.secret).call_metadata()))
+            ch = grpc.intercept_channel(ch, Bearer(ClusterSecret.from_file(self.secret).call_metadata()))
         return ch
 
     def openai(self, key: str) -> openai.OpenAI:
@@ -281,6 +281,7 @@ def test_every_listener_binds_the_address_it_was_given(cluster):
             assert host in ("127.0.0.1", "::ffff:127.0.0.1"), (name, address, seen)
 
 
+@pytest.mark.slow          # the bench against a cluster is test_bench_tool's; here, only its key
 def test_bench_sends_its_api_key(secure, tmp_path):
     """`pdserve bench --api-key` against the HTTPS router (the test CA trusted through
     SSL_CERT_FILE, as for any client): served; without the key it stops at once."""

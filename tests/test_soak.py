@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from services.engine.model.kv_cache import live_segments
-from tests.conftest import Services, pid_alive
+from tests.processes import Services, pid_alive
 
 REQUESTS = 200
 CONCURRENCY = 8

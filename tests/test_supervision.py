@@ -17,7 +17,7 @@ import httpx
 
 from services.engine.model.kv_cache import live_segments
 from services.rpc import generate_pb2, worker_pb2, worker_pb2_grpc
-from tests.conftest import pid_alive, start_cluster, stop_cluster
+from tests.processes import pid_alive, start_cluster, stop_cluster
 
 TOKENS = 160                     # long enough to be mid-stream when the worker dies
 

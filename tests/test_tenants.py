@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import start_cluster, stop_cluster
+from tests.processes import start_cluster, stop_cluster
 
 KEYS = {"flood": "sk-flood-0123456789abcdef", "light": "sk-light-0123456789abcdef",
         "capped": "sk-capped-0123456789abcde", "metered": "sk-metered-0123456789abcd"}

@@ -9,7 +9,7 @@ import asyncio
 import httpx
 import pytest
 
-from tests.conftest import start_cluster, stop_cluster
+from tests.processes import start_cluster, stop_cluster
 from tests.parity_cases import CASES
 
 
