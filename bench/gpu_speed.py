@@ -154,7 +154,8 @@ def engine_case(runner, batch: int, context: int, steps: int, async_scheduling: 
     from services.engine.engine import LLMEngine
     from services.engine.model.kv_cache import KVPoolMemory
     from services.engine.core.sampling import SamplingParams
-    from services.engine.core.scheduler import Scheduler, SchedulerConfig, Sequence
+    from services.engine.core.scheduler import Scheduler, SchedulerConfig
+    from services.engine.core.sequence import Sequence
     num_blocks = batch * ((context + steps) // BLOCK_SIZE + 1)
     pool = KVPoolMemory.allocate(runner.layout(num_blocks, BLOCK_SIZE), device=str(runner.device))
     pool.tensor.normal_()
@@ -195,7 +196,8 @@ def host_syncs(runner, batch: int, context: int, steps: int) -> dict:
     from services.engine.engine import LLMEngine
     from services.engine.model.kv_cache import KVPoolMemory
     from services.engine.core.sampling import SamplingParams
-    from services.engine.core.scheduler import Scheduler, SchedulerConfig, Sequence
+    from services.engine.core.scheduler import Scheduler, SchedulerConfig
+    from services.engine.core.sequence import Sequence
     if runner.device.type != "cuda":
         return {"skipped": "no CUDA device"}
     kinds = [dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=7), dict(temperature=0, min_tokens=steps),

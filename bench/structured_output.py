@@ -29,7 +29,8 @@ from services.engine.model.kv_cache import KVPoolMemory
 from services.engine.text.model_store import ensure_default_model
 from services.engine.model.runner import ModelRunner
 from services.engine.core.sampling import SamplingParams
-from services.engine.core.scheduler import Scheduler, SchedulerConfig, Sequence
+from services.engine.core.scheduler import Scheduler, SchedulerConfig
+from services.engine.core.sequence import Sequence
 from services.engine.structured import Grammars, fill_masks
 from services.engine.text.tokenizer import eos_token_ids, load_tokenizer
 

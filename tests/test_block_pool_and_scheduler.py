@@ -4,7 +4,8 @@ import pytest
 from services.engine.core.block_manager import BlockManager
 from services.engine.core.block_pool import BlockPool, NoFreeBlocks
 from services.engine.core.sampling import SamplingParams
-from services.engine.core.scheduler import Scheduler, SchedulerConfig, Sequence, SeqStatus
+from services.engine.core.scheduler import Scheduler, SchedulerConfig
+from services.engine.core.sequence import Sequence, SeqStatus
 
 EOS = frozenset({2})
 
@@ -228,7 +229,7 @@ def test_a_launched_step_holds_pending_tokens_and_the_blocks_given_back_meanwhil
     """Async scheduling: a launched step's sampled tokens stand as PENDING until resolved;
     the next step is planned over them; blocks given back while a step may still write
     them (an abort, a sequence finished by the step before) wait until it lands."""
-    from services.engine.core.scheduler import PENDING
+    from services.engine.core.sequence import PENDING
     s = scheduler(blocks=8, block_size=4)
     a = prefilled(s, seq("a", prompt_len=5, first=1, max_tokens=2))
     b = prefilled(s, seq("b", prompt_len=5, first=1, max_tokens=10))

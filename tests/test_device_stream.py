@@ -25,11 +25,13 @@ import torch
 from services.engine.core.block_manager import BlockManager
 from services.engine.core.block_pool import BlockPool
 from services.engine.model.device import PASSED, Fence, HostCopy, HostStream, LayerPoster, stream_for, use_device
-from services.engine.engine import EngineLoop, LLMEngine
+from services.engine.engine import LLMEngine
+from services.engine.loop import EngineLoop
 from services.engine.model.kv_cache import KVPoolMemory
 from services.engine.model.runner import ModelRunner
 from services.engine.core.sampling import SamplingParams
-from services.engine.core.scheduler import Scheduler, SchedulerConfig, Sequence
+from services.engine.core.scheduler import Scheduler, SchedulerConfig
+from services.engine.core.sequence import Sequence
 
 BLOCK = 16
 

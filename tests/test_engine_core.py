@@ -17,7 +17,8 @@ from services.engine.engine import LLMEngine
 from services.engine.model.kv_cache import KVPoolMemory
 from services.engine.model.runner import ModelRunner
 from services.engine.core.sampling import SamplingParams
-from services.engine.core.scheduler import Scheduler, SchedulerConfig, Sequence
+from services.engine.core.scheduler import Scheduler, SchedulerConfig
+from services.engine.core.sequence import Sequence
 from services.engine.text.tokenizer import eos_token_ids
 from tests.parity_cases import CASES
 

@@ -6,7 +6,8 @@ from kv_transfer.handoff import HandoffError, HandoffState, HandoffTable
 from services.engine.core.block_manager import BlockManager
 from services.engine.core.block_pool import BlockPool
 from services.engine.core.sampling import SamplingParams
-from services.engine.core.scheduler import Scheduler, SchedulerConfig, Sequence
+from services.engine.core.scheduler import Scheduler, SchedulerConfig
+from services.engine.core.sequence import Sequence
 
 
 class Clock:

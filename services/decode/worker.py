@@ -33,7 +33,7 @@ from services.common.metrics import WorkerMetrics
 from services.common.settings import WorkerSettings
 from services.engine.core.block_pool import NoFreeBlocks
 from services.engine.core.sampling import MAX_CHOICES, SamplingParams
-from services.engine.core.scheduler import Sequence
+from services.engine.core.sequence import Sequence
 from services.engine.engine import EngineOutput, StepStats
 from services.engine.model.kv_cache import KVPoolMemory, sweep_stale_segments
 from services.engine.model.runner import ModelRunner

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,12 +42,13 @@ from typing import Callable, TypeVar
 
 import torch
 
-from services.engine.model.device import HostCopy, LayerPoster, to_device, use_device
+from services.engine.model.device import HostCopy, LayerPoster, to_device
 from services.engine.model.kv_cache import KVPoolMemory
 from services.engine.model.runner import ForwardBatch, ModelRunner, PrefillSegment
 from services.engine.model.sampler import Sampled, as_token_logprobs, choose, logprob_tensors, read_sampled, to_read
 from services.engine.core.sampling import TokenLogprob
-from services.engine.core.scheduler import PENDING, Chunk, Scheduler, Sequence, StepPlan
+from services.engine.core.scheduler import Scheduler
+from services.engine.core.sequence import PENDING, Chunk, Sequence, StepPlan
 from services.engine.structured import fill_masks
 
 log = logging.getLogger(__name__)
@@ -409,114 +409,3 @@ def record_prompt_logprobs(targets: list[tuple[Sequence, int]], found: list[torc
         if seq.prompt_logprobs is None:
             seq.prompt_logprobs = [None] * seq.prompt_len
         seq.prompt_logprobs[p] = lp
-
-
-# What a worker hands the loop to receive a request's output, called on the engine
-# thread. A prefilled sequence's sink also hears an output with no tokens and no finish
-# when it joins the running batch, before that step's forward pass.
-Sink = Callable[[EngineOutput], None]
-
-
-class EngineLoop:
-    """The engine thread: steps while there is work and sleeps until woken otherwise,
-    delivering each request's output to the sink it was submitted with. `tick` runs
-    before every step (a worker's lease expiry, gauges); `on_step` after each one that
-    ran a forward pass."""
-
-    def __init__(self, engine: LLMEngine, tick: Callable[[], None] | None = None,
-                 on_step: Callable[[StepStats], None] | None = None, name: str = "engine") -> None:
-        self.engine = engine
-        self.tick = tick
-        self.on_step = on_step
-        self._sinks: dict[str, Sink] = {}
-        self._submitting = threading.Lock()
-        self._wake = threading.Event()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._threads = torch.get_num_threads()
-        engine.on_joined = self._joined
-
-    def _joined(self, request_ids: list[str]) -> None:
-        """A prefilled sequence starts decoding: its sink hears an empty output now."""
-        for request_id in request_ids:
-            sink = self._sinks.get(request_id)
-            if sink is not None:
-                sink(EngineOutput(request_id, [], None))
-
-    def submit(self, seq: Sequence, sink: Sink, prefilled: bool = False,
-               fork_sinks: list[Sink] = ()) -> None:
-        """`fork_sinks`: one per sequence in `seq.forks`, which the engine starts itself.
-        An id already here is a ValueError: its sink must never take another's place."""
-        sinks = {seq.request_id: sink}
-        sinks.update((child.request_id, s) for child, s in zip(seq.forks, fork_sinks, strict=True))
-        with self._submitting:                  # RPC threads submit concurrently
-            taken = next((request_id for request_id in sinks if request_id in self._sinks), None)
-            if taken is not None or len(sinks) != 1 + len(seq.forks):
-                raise ValueError(f"request {taken or seq.request_id} is already in the engine")
-            self._sinks.update(sinks)
-        (self.engine.add_prefilled if prefilled else self.engine.add)(seq)
-        self._wake.set()
-
-    def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
-        self._wake.set()
-
-    def release(self, request_id: str) -> None:
-        self.engine.release(request_id)
-        self._wake.set()
-
-    def call(self, action: Callable[[], T]) -> Future[T]:
-        """`action()` on the engine thread (LLMEngine.call)."""
-        future = self.engine.call(action)
-        self._wake.set()
-        return future
-
-    def wake(self) -> None:
-        self._wake.set()
-
-    @property
-    def num_requests(self) -> int:
-        return len(self._sinks)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stopping = True
-        self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        # OpenMP's thread count is per thread: one set in the main thread does not reach
-        # this one, whose matmuls would otherwise fan out over every core (and spin on a
-        # worker pinned to one). CUDA's current device is per thread too.
-        torch.set_num_threads(self._threads)
-        use_device(self.engine.runner.device)
-        while not self._stopping:
-            if self.tick is not None:
-                self.tick()
-            if not self.engine.has_work():
-                self._wake.wait(timeout=0.1)
-                self._wake.clear()
-                continue
-            before = self.engine.last_step
-            try:
-                outputs = self.engine.step()
-            except Exception:                   # never lose the thread
-                log.exception("engine step failed")
-                continue
-            ran = self.engine.last_step is not before
-            if self.on_step is not None and ran:
-                self.on_step(self.engine.last_step)
-            self._deliver(outputs)
-            if not ran and not outputs and not self.engine.in_flight:
-                # work that cannot run yet (no free blocks): wait for a release instead of spinning
-                self._wake.wait(timeout=0.01)
-                self._wake.clear()
-
-    def _deliver(self, outputs: list[EngineOutput]) -> None:
-        for o in outputs:
-            sink = self._sinks.pop(o.request_id, None) if o.finish_reason else self._sinks.get(o.request_id)
-            if sink is not None:
-                sink(o)

@@ -27,7 +27,7 @@ from kv_transfer.base import IncompatiblePeer, TransferError
 from services.common.metrics import WorkerMetrics
 from services.common.settings import WorkerSettings
 from services.engine.core.block_pool import NoFreeBlocks
-from services.engine.core.scheduler import Sequence
+from services.engine.core.sequence import Sequence
 from services.engine.engine import EngineOutput, StepStats
 from services.engine.model.kv_cache import KVPoolMemory
 from services.engine.model.runner import ModelRunner

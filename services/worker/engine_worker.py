@@ -16,7 +16,8 @@ from services.common.settings import WorkerSettings
 from services.engine.core.block_manager import BlockManager
 from services.engine.core.block_pool import BlockPool
 from services.engine.core.scheduler import Scheduler
-from services.engine.engine import EngineLoop, LLMEngine, StepStats
+from services.engine.engine import LLMEngine, StepStats
+from services.engine.loop import EngineLoop
 from services.engine.model.kv_cache import KVPoolMemory
 from services.engine.model.runner import ModelRunner
 from services.rpc import worker_pb2

@@ -21,8 +21,8 @@ from typing import Callable
 
 from kv_transfer.backends import pair
 from kv_transfer.base import IncompatiblePeer, KVTransport, PeerHandle, TransferError, wait_for
-from services.engine.core.scheduler import StepPlan
-from services.engine.engine import EngineLoop
+from services.engine.core.sequence import StepPlan
+from services.engine.loop import EngineLoop
 from services.engine.model.kv_cache import KVLayout
 
 log = logging.getLogger(__name__)

@@ -46,141 +46,18 @@ fork's block copy, queued on the device ahead of the next step, until that step 
 """
 from __future__ import annotations
 
-import enum
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from services.engine.core.block_manager import BlockManager
 from services.engine.core.block_pool import NoFreeBlocks
-from services.engine.core.sampling import SamplingParams
-
-# A token sampled by a step still running on the device (async scheduling): it stands in
-# a sequence's `token_ids` until the step's tokens are read.
-PENDING = -1
+from services.engine.core.sequence import (PENDING, Chunk, Reservation, SeqStatus, SeqUpdate, Sequence,
+                                          StepPlan)
 
 # Blocks kept free when a new prompt is admitted, as a share of the pool, so that the
 # running sequences can grow without preempting the newcomer at once (vLLM's watermark).
 WATERMARK = 0.01
-
-
-class SeqStatus(enum.Enum):
-    WAITING = "waiting"
-    READY = "ready"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclass(eq=False)
-class Sequence:
-    request_id: str
-    token_ids: list[int]
-    prompt_len: int
-    params: SamplingParams
-    eos_token_ids: frozenset[int]
-    block_ids: list[int] = field(default_factory=list)
-    keys: list[int] = field(default_factory=list)   # prefix keys of its first admission's full blocks
-    num_computed: int = 0               # leading tokens whose KV is in block_ids
-    num_cached: int = 0                 # prompt tokens found in the prefix cache
-    status: SeqStatus = SeqStatus.WAITING
-    finish_reason: str | None = None
-    num_preemptions: int = 0
-    # Structured output's place in its grammar (structured.Constraint): the engine masks
-    # this sequence's logits with it and has it follow every token taken.
-    constraint: object | None = None
-    # Other choices of the same request (n > 1), waiting for this one's prompt KV: they
-    # share its full prompt blocks and recompute only the last prompt token (fork()).
-    forks: list["Sequence"] = field(default_factory=list)
-    # With params.prompt_logprobs: entry p is prompt token p's (None for the first, and
-    # until computed); the engine fills it as the prompt's chunks run.
-    prompt_logprobs: list | None = None
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.token_ids) - self.prompt_len
-
-    @property
-    def last_token(self) -> int:
-        return self.token_ids[-1]
-
-    def check_finished(self) -> str | None:
-        """The finish reason after the newest token, or None."""
-        if self.num_generated == 0:
-            return None
-        if self.num_generated > self.params.min_tokens and (
-                (not self.params.ignore_eos and self.last_token in self.eos_token_ids)
-                or self.last_token in self.params.stop_token_ids):
-            return "stop"
-        if self.constraint is not None and self.constraint.terminated:
-            return "stop"
-        if self.num_generated >= self.params.max_tokens:
-            return "length"
-        return None
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """Tokens start .. start + num_tokens of one sequence, computed in this step."""
-    seq: Sequence
-    start: int
-    num_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        return self.start + self.num_tokens == len(self.seq.token_ids)
-
-
-@dataclass
-class StepPlan:
-    """One forward pass: single-token chunks (decode) first, then longer ones (prefill).
-    `joined`: sequences prefilled elsewhere that join the running batch with this step."""
-    decode: list[Chunk] = field(default_factory=list)
-    prefill: list[Chunk] = field(default_factory=list)
-    joined: list[Sequence] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.decode or self.prefill)
-
-    @property
-    def chunks(self) -> list[Chunk]:
-        return self.decode + self.prefill
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decode) + sum(c.num_tokens for c in self.prefill)
-
-    def sampling(self) -> list[Chunk]:
-        """The chunks that sample a token, in the order of their rows."""
-        return [c for c in self.chunks if c.samples]
-
-    def _add(self, chunk: Chunk) -> None:
-        (self.decode if chunk.num_tokens == 1 else self.prefill).append(chunk)
-
-    def _drop(self, seq: Sequence) -> int:
-        """Take `seq` out of the plan (it was preempted); returns the tokens it had."""
-        for chunks in (self.decode, self.prefill):
-            for i, c in enumerate(chunks):
-                if c.seq is seq:
-                    del chunks[i]
-                    return c.num_tokens
-        return 0
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """Blocks held for a prompt whose KV another worker computes and writes."""
-    request_id: str
-    block_ids: list[int]
-    num_tokens: int
-    expires: float              # past this time (the caller's clock) the blocks go back unless admitted
-
-
-@dataclass(frozen=True)
-class SeqUpdate:
-    """A sequence's new token after a step, and its finish reason if it ended."""
-    seq: Sequence
-    token_id: int
-    finish_reason: str | None
 
 
 @dataclass(frozen=True)
