@@ -48,7 +48,10 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     generate_pb2_grpc.add_GeneratorServicer_to_server(GeneratorService(fe, keys), host.server)
     grpc_port = host.bind(settings.host, settings.grpc_port, tls.server_credentials())
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio turns Nagle off only on connections of a socket that says
+    # so, and with Nagle on, a kept-alive connection's response body waits ~40 ms behind
+    # its head for the client's delayed ACK (as does every small streamed chunk).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((settings.host, settings.http_port))
     http_port = sock.getsockname()[1]
