@@ -159,6 +159,12 @@ def test_every_series_the_dashboard_queries_is_exported(cluster):
     assert named and named <= exported, sorted(named - exported)
 
 
+def test_metrics_answer_a_head_probe(cluster):
+    """Load generators (aiperf) probe /metrics with HEAD before they scrape it."""
+    r = httpx.head(f"{cluster.http}/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain") and not r.content
+
+
 def test_dashboard_panels_cover_what_operators_look_at():
     dashboard = json.loads(DASHBOARD.read_text())
     titles = " | ".join(p["title"] for p in dashboard["panels"]).lower()

@@ -168,7 +168,7 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
         return JSONResponse({"status": "not ready", "detail": f"waiting for {fe.cluster.awaited()}",
                              "workers": workers}, status_code=503)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])        # load generators probe it with HEAD first
     async def metrics():
         return PlainTextResponse(render_metrics(), media_type="text/plain; version=0.0.4")
 
