@@ -1,5 +1,6 @@
 """The router's HTTP listener against slow and greedy clients, over raw sockets: a
-request head that trickles in is cut off at --header-timeout, one address cannot hold
+request head that trickles in is cut off at --header-timeout, a body at --body-timeout,
+one address cannot hold
 more than --max-connections-per-client connections, and the router answers normally
 afterwards. A router of its own (short limits) over the session cluster's workers."""
 from __future__ import annotations
@@ -16,6 +17,7 @@ from services.router.connections import ClientConnections
 from tests.processes import spawn_service, terminate
 
 HEADER_TIMEOUT = 2.0
+BODY_TIMEOUT = 2.0
 CAP = 4
 
 
@@ -26,7 +28,8 @@ def router(cluster):
         "--http-port", "0", "--grpc-port", "0", "--log-level", "warning",
         "--cluster-secret-file", cluster.secret_file, "--local-prefill-max-tokens", "0",
         "--decode", cluster.worker_addr("decode"), "--prefill", cluster.worker_addr("prefill"),
-        "--header-timeout", str(HEADER_TIMEOUT), "--max-connections-per-client", str(CAP)])
+        "--header-timeout", str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT),
+        "--max-connections-per-client", str(CAP)])
     yield info["http_port"]
     terminate(proc)
 
@@ -134,3 +137,20 @@ def test_the_count_per_address_goes_down_with_each_close():
     for _ in range(2):
         clients.close("a")
     assert clients.held("a") == 0 and ClientConnections(0).open("a")
+
+
+def test_a_body_that_trickles_in_is_cut_off_with_a_408(router):
+    """A whole head, then a body a byte at a time (slow POST): a 408 naming the body
+    once --body-timeout has passed since the head, and the connection closes; the
+    router serves the next request."""
+    s = _connect(router)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+              b"content-length: 400\r\n\r\n{")
+    (closed,) = _trickle_until_closed([s], limit=BODY_TIMEOUT + 10).values()
+    s.close()
+    after, answer = closed
+    assert BODY_TIMEOUT - 0.5 <= after <= BODY_TIMEOUT + 2, after
+    assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer and b"body" in answer, answer
+    ok = httpx.post(f"http://127.0.0.1:{router}/v1/completions", timeout=60,
+                    json={"prompt": "Hello", "max_tokens": 2, "temperature": 0})
+    assert ok.status_code == 200, ok.text

@@ -230,6 +230,8 @@ class RoutingSettings:
     header_timeout: float = setting(10.0, "seconds an HTTP connection has to send a whole request head (request "
                                           "line and headers), from its opening or its previous response's end; "
                                           "then it is closed (0: no limit)")
+    body_timeout: float = setting(30.0, "seconds a request's body has to arrive whole once its head is in; then "
+                                        "a 408 and the connection closes (0: no limit)")
     max_connections_per_client: int = setting(
         512, "HTTP connections one client address may hold open at once; the next gets 429 and is closed (0: no "
              "cap). Behind a proxy every connection comes from its address: raise it there")
@@ -242,6 +244,8 @@ class RoutingSettings:
             raise ValueError("--sse-keepalive-seconds must be 0 (never) or more")
         if self.header_timeout < 0:
             raise ValueError("--header-timeout must be 0 (no limit) or more")
+        if self.body_timeout < 0:
+            raise ValueError("--body-timeout must be 0 (no limit) or more")
         if self.max_connections_per_client < 0:
             raise ValueError("--max-connections-per-client must be 0 (no cap) or more")
         if self.local_prefill_max_tokens < 0:

@@ -1,10 +1,13 @@
-"""The router's HTTP connections: uvicorn's h11 protocol with two limits uvicorn lacks.
+"""The router's HTTP connections: uvicorn's h11 protocol with the limits uvicorn lacks.
 
   - A request head (request line and headers) must arrive whole within
     --header-timeout of the connection opening, or of the previous response ending. A
     connection that trickles a header byte a second (slowloris) is closed, with a 408
     if part of a head came; one that sent nothing is closed silently, as an idle
-    keep-alive connection is. Bodies and responses are not bounded here.
+    keep-alive connection is.
+  - A request's body must arrive whole within --body-timeout of its head: one that
+    trickles in (slow POST) gets a 408 and the connection closes. Responses are not
+    bounded here (a stream lasts as long as its generation).
   - One client address holds at most --max-connections-per-client connections at
     once. The next one gets a 429 and is closed before anything is read from it.
 
@@ -65,12 +68,14 @@ class ClientConnections:
 class LimitedH11Protocol(H11Protocol):
     """One HTTP connection, under the header deadline and the per-address cap."""
 
-    def __init__(self, *args, clients: ClientConnections, header_timeout: float, **kwargs) -> None:
+    def __init__(self, *args, clients: ClientConnections, header_timeout: float, body_timeout: float = 0.0,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.clients = clients
-        self.header_timeout = header_timeout
+        self.timeouts = {"head": header_timeout, "body": body_timeout}
         self._host: str | None = None              # set once counted
-        self._head_deadline = None
+        self._deadline = None
+        self._waiting_for: str | None = None      # "head" or "body": what the deadline runs for
         self._refused = None                       # the linger timer of a refused connection
 
     def connection_made(self, transport) -> None:
@@ -80,7 +85,7 @@ class LimitedH11Protocol(H11Protocol):
             return
         self._host = host
         super().connection_made(transport)
-        self._follow_head()
+        self._follow()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._host is None:                    # refused: uvicorn never saw it
@@ -95,35 +100,44 @@ class LimitedH11Protocol(H11Protocol):
         if self._host is None:                    # refused: what it sends is dropped
             return
         super().data_received(data)
-        self._follow_head()
+        self._follow()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self._follow_head()
+        self._follow()
 
-    def _follow_head(self) -> None:
-        """Start the head's deadline when the connection waits for a head (and none
-        runs yet: bytes that trickle in do not extend it); stop it once a head is in."""
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            if self._head_deadline is None and self.header_timeout > 0:
-                self._head_deadline = self.loop.call_later(self.header_timeout, self._head_late)
-        else:
-            self._stop_deadline()
+    def _follow(self) -> None:
+        """Run the deadline of what the connection waits for: a request head, or the
+        rest of a request's body. It starts when the wait does (bytes that trickle in
+        do not extend it) and stops once that part is in."""
+        waiting_for = None
+        if not self.transport.is_closing():
+            waiting_for = {h11.IDLE: "head", h11.SEND_BODY: "body"}.get(self.conn.their_state)
+        if waiting_for == self._waiting_for:
+            return
+        self._stop_deadline()
+        self._waiting_for = waiting_for
+        if waiting_for is not None and self.timeouts[waiting_for] > 0:
+            self._deadline = self.loop.call_later(self.timeouts[waiting_for], self._late, waiting_for)
 
     def _stop_deadline(self) -> None:
-        if self._head_deadline is not None:
-            self._head_deadline.cancel()
-            self._head_deadline = None
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
 
-    def _head_late(self) -> None:
-        self._head_deadline = None
-        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+    def _late(self, part: str) -> None:
+        self._deadline = None
+        state = {"head": h11.IDLE, "body": h11.SEND_BODY}[part]
+        if self.transport.is_closing() or self.conn.their_state is not state:
             return
-        if self.conn.trailing_data[0]:           # part of a head came: say why it ends
-            log.debug("%s: no whole request head within %g s; closing", self._host, self.header_timeout)
-            self.transport.write(_response(
-                "408 Request Timeout", "invalid_request_error", "request_timeout",
-                f"the request's headers did not arrive within {self.header_timeout:g} s"))
+        timeout = self.timeouts[part]
+        started = getattr(self.cycle, "response_started", False) if part == "body" else False
+        # Say why it ends where part of the request came and no response has begun.
+        if (part == "body" or self.conn.trailing_data[0]) and not started:
+            log.debug("%s: no whole request %s within %g s; closing", self._host, part, timeout)
+            what = "headers" if part == "head" else "body"
+            self.transport.write(_response("408 Request Timeout", "invalid_request_error", "request_timeout",
+                                           f"the request's {what} did not arrive within {timeout:g} s"))
         self.transport.close()
 
     def _refuse(self, transport, host: str) -> None:
@@ -140,8 +154,8 @@ class LimitedH11Protocol(H11Protocol):
             transport.close()
 
 
-def http_protocol(header_timeout: float, max_connections_per_client: int):
+def http_protocol(header_timeout: float, body_timeout: float, max_connections_per_client: int):
     """uvicorn's `http` argument: the protocol factory for one server (one count of
     connections per address, shared by all of its connections)."""
     return functools.partial(LimitedH11Protocol, clients=ClientConnections(max_connections_per_client),
-                             header_timeout=header_timeout)
+                             header_timeout=header_timeout, body_timeout=body_timeout)

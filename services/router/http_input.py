@@ -10,6 +10,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from services.common.security import KeyCheck
 from services.router.protocol import APIError, bad_request, unsupported
@@ -87,10 +88,14 @@ async def read_json(request: Request, max_bytes: int) -> dict:
     if declared and declared.isdigit() and int(declared) > max_bytes:
         raise bad_request(f"request body of {declared} bytes exceeds the limit of {max_bytes}", code="body_too_large")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_bytes:
-            raise bad_request(f"request body exceeds the limit of {max_bytes} bytes", code="body_too_large")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_bytes:
+                raise bad_request(f"request body exceeds the limit of {max_bytes} bytes", code="body_too_large")
+    except ClientDisconnect:            # gone (or cut off at --body-timeout): nobody reads an answer
+        raise APIError(499, "the connection closed before the request body arrived",
+                       code="client_closed_request") from None
     try:
         text = bytes(body).decode("utf-8")
     except UnicodeDecodeError as exc:

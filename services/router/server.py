@@ -62,7 +62,8 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     # (connections.py); ws="none": no WebSocket routes, so no upgrade either.
     config = uvicorn.Config(app, log_level=settings.log_level.lower(), timeout_graceful_shutdown=5, access_log=False,
                             log_config=None, ssl_certfile=settings.tls_cert, ssl_keyfile=settings.tls_key,
-                            http=http_protocol(settings.header_timeout, settings.max_connections_per_client),
+                            http=http_protocol(settings.header_timeout, settings.body_timeout,
+                                                settings.max_connections_per_client),
                             ws="none")
     http = uvicorn.Server(config)
     http.install_signal_handlers = lambda: None       # signals are handled below
