@@ -45,9 +45,10 @@ redis:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; } || { \
 	  echo "could not install redis-server: install it with your package manager, as root" >&2; exit 1; }
 
+# Two workers, a test file each at a time (the tests' own processes share the cores).
 test: model redis
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
 
 # the plain-Python tests alone: no process started, no model loaded (tests/conftest.py
 # marks the others), in well under a minute

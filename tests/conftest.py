@@ -86,12 +86,20 @@ def _source(func) -> str:
 
 
 def pytest_collection_modifyitems(config, items):
+    weight: dict[str, int] = {}                 # per file: 2 starts processes, 1 runs the model
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
         funcs = [getattr(item, "function", None)]
         if info is not None:
             funcs += [d.func for defs in info.name2fixturedefs.values() for d in defs]
+        kind = 0
         if any(pattern in _source(f) for f in funcs if f is not None for pattern in STARTS_PROCESSES):
             item.add_marker(pytest.mark.process)
+            kind = 2
         elif LOADS_THE_MODEL & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.model)
+            kind = 1
+        weight[item.path] = max(weight.get(item.path, 0), kind)
+    # Heavy files first, each file's tests in their own order: `make test` hands whole
+    # files to two workers (pytest-xdist), and a heavy file started last would run alone.
+    items.sort(key=lambda item: -weight[item.path])

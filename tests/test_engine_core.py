@@ -162,7 +162,7 @@ def test_forked_choices_share_the_prompt_and_draw_their_own_seeds(runner, model_
     """n choices of one prompt: the prompt is computed once, its full blocks shared and
     the last one copied; greedy choices equal the single greedy answer, and each sampled
     choice equals the same seed run alone. Locally prefilled and handed over alike."""
-    prompt = expected["long"].prompt_ids[:330]           # 21 blocks, the last one partial
+    prompt = expected["long"].prompt_ids[:120]           # 8 blocks, the last one partial
     greedy = SamplingParams(max_tokens=12, temperature=0)
     alone, peak_one = _run_choices(runner, model_dir, prompt, greedy, 1)
     choices, peak = _run_choices(runner, model_dir, prompt, greedy, 3)

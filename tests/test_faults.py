@@ -77,6 +77,7 @@ def test_killing_the_prefill_worker_mid_transfer_falls_back_to_local_prefill(svc
     assert_pools_full(svc)
 
 
+@pytest.mark.slow          # the fallback itself: the prefill worker killed mid-transfer, above
 def test_dropped_transfers_fall_back_and_answers_stay_correct(svc):
     prompts = [[{"role": "user", "content": f"Give me fact number {i} about owls."}] for i in range(6)]
     refs = [chat(svc, p).json()["choices"][0]["token_ids"] for p in prompts]

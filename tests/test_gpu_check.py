@@ -13,6 +13,9 @@ import torch
 from tests.processes import ROOT
 
 
+# The scripts for a GPU day, run on a CPU: the CUDA path's kernels and graph runner are
+# test_gpu_kernels' (in Triton's interpreter) by default.
+@pytest.mark.slow
 def test_gpu_check_passes_its_checks_on_the_cpu(model_dir, tmp_path):
     out = tmp_path / "gpu-check.json"
     r = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--quick", "--json", str(out)],
@@ -34,6 +37,7 @@ def test_gpu_check_without_a_gpu_says_so():
     assert r.returncode == 2 and "no CUDA device" in r.stderr
 
 
+@pytest.mark.slow
 def test_gpu_speed_measures_a_tiny_model_on_the_cpu(tmp_path):
     """`python -m bench.gpu_speed` end to end on a 4-layer shape (its kernel sweep through
     Triton's interpreter): every decode and prefill row is measured against this run's

@@ -48,6 +48,7 @@ def _fewest_faults(model_dir, mode: str) -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow          # a memory-use property, measured over many prefills
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning is Linux-only")
 def test_a_repeated_prefill_in_a_worker_thread_reuses_its_memory(model_dir):
     kept = _fewest_faults(model_dir, "keep")

@@ -183,6 +183,7 @@ def test_shared_pool_larger_than_dev_shm_is_refused_up_front(monkeypatch):
     assert live_segments() == before
 
 
+@pytest.mark.slow          # the benchmark's own check; the transports are tested above
 def test_bandwidth_bench_pairs_every_transfer_with_a_copy(tmp_path):
     """`python -m bench.kv_transfer` (bandwidth part, 1 MiB, 2 rounds) writes, per
     backend, its GB/s, the memcpy it was paired with and the median ratio."""

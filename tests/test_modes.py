@@ -75,6 +75,7 @@ def test_aggregated_chunked_prefill_with_async_scheduling_matches_generate(model
         stop_cluster(c)
 
 
+@pytest.mark.slow          # prefix routing is test_pools'; aggregated mode's check is the parity above
 def test_aggregated_conversation_returns_to_the_worker_holding_its_prefix(model_dir):
     """Two aggregated workers: a conversation's next turn goes where its earlier turns
     are cached (round robin would send it to the idle other one), and reuses them."""
