@@ -4,6 +4,7 @@ share besides fixtures is in tests/processes.py."""
 from __future__ import annotations
 
 import inspect
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -67,6 +68,15 @@ def redis_url():
     proc.terminate()
     proc.wait(timeout=10)
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+def pytest_configure(config):
+    # Under `make test` two workers share the cores (pytest-xdist): one torch thread
+    # each, or a model running in a test's process spins OpenMP threads against the
+    # other worker's.
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+        torch.set_num_threads(1)
 
 
 # A test starts processes if its own code or a fixture it uses (any scope, transitively)

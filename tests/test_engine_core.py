@@ -6,6 +6,7 @@ async scheduling (each step planned and launched before the last one's tokens ar
 read)."""
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -27,7 +28,7 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def runner(model_dir):
-    torch.set_num_threads(2)
+    torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)     # two workers: one each
     return ModelRunner(model_dir, "float32", "cpu")
 
 
