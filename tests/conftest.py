@@ -3,6 +3,7 @@ processes, started once per test session in float32 for token-exact parity. What
 share besides fixtures is in tests/processes.py."""
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import shutil
@@ -88,11 +89,15 @@ STARTS_PROCESSES = ("start_cluster(", "Services(", "spawn_service", "start_priva
 LOADS_THE_MODEL = {"model_dir", "expected", "kernel_cache"}
 
 
-def _source(func) -> str:
+@functools.cache
+def _starts_processes(func) -> bool:
+    """Whether `func`'s own code starts a process (read once per function: fixtures are
+    shared by many tests)."""
     try:
-        return inspect.getsource(func)
+        source = inspect.getsource(func)
     except (OSError, TypeError):
-        return ""
+        return False
+    return any(pattern in source for pattern in STARTS_PROCESSES)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -103,7 +108,7 @@ def pytest_collection_modifyitems(config, items):
         if info is not None:
             funcs += [d.func for defs in info.name2fixturedefs.values() for d in defs]
         kind = 0
-        if any(pattern in _source(f) for f in funcs if f is not None for pattern in STARTS_PROCESSES):
+        if any(_starts_processes(f) for f in funcs if f is not None):
             item.add_marker(pytest.mark.process)
             kind = 2
         elif LOADS_THE_MODEL & set(getattr(item, "fixturenames", ())):
