@@ -15,7 +15,7 @@ def update(s: Scheduler, plan, sampled: list[int]):
     """A step's results as the engine records them: launched, then its tokens read."""
     rows = plan.sampling()
     s.launched(plan, rows)
-    return s.resolve(rows, sampled)
+    return s.resolve(rows, [[t] for t in sampled])
 
 def seq(rid, prompt_len=5, max_tokens=10, first=None, **kw):
     tokens = list(range(10, 10 + prompt_len)) + ([first] if first is not None else [])
@@ -62,7 +62,7 @@ def test_prefilled_sequence_decodes_and_frees_blocks_on_length():
     q = prefilled(s, seq("a", prompt_len=5, max_tokens=3, first=7))
     plan, updates = step(s, 8)
     assert [c.seq for c in plan.decode] == [q] and not plan.prefill and plan.decode[0].start == 5
-    assert [(u.token_id, u.finish_reason) for u in updates] == [(8, None)]
+    assert [(u.token_ids, u.finish_reason) for u in updates] == [([8], None)]
     _, updates = step(s, 9)
     assert updates[0].finish_reason == "length"
     assert q.status is SeqStatus.FINISHED and s.blocks.num_available == 8 and len(s) == 0
@@ -94,7 +94,7 @@ def test_one_step_holds_decode_tokens_and_several_prompts_under_the_budget():
     assert plan.num_tokens == 20
     assert [x.seq for x in plan.sampling()] == [running, a, b]      # c's chunk does not end its prompt
     updates = update(s, plan, [11, 12, 13])
-    assert [(u.seq, u.token_id) for u in updates] == [(running, 11), (a, 12), (b, 13)]
+    assert [(u.seq, u.token_ids) for u in updates] == [(running, [11]), (a, [12]), (b, [13])]
     assert c.num_computed == 5 and c.token_ids == list(range(10, 19))
     plan = s.schedule()                       # c goes on before anything new; the others decode
     assert [(x.seq, x.start, x.num_tokens) for x in plan.prefill] == [(c, 5, 4)]
@@ -181,7 +181,7 @@ def test_prefill_only_ends_at_the_first_token_and_holds_blocks_until_released():
     q = seq("p", prompt_len=6)
     s.add(q)
     _, updates = step(s, 42)
-    assert [(u.token_id, u.finish_reason) for u in updates] == [(42, "prefilled")]
+    assert [(u.token_ids, u.finish_reason) for u in updates] == [([42], "prefilled")]
     assert s.blocks.num_available == 6 and "p" in s.retained       # its transfers may still read them
     s.release("p")
     assert s.blocks.num_available == 8 and not s.retained
@@ -241,9 +241,9 @@ def test_a_launched_step_holds_pending_tokens_and_the_blocks_given_back_meanwhil
     second = s.schedule()                     # planned over the pending tokens
     assert [(c.seq, c.start) for c in second.decode] == [(a, 6), (b, 6)]
     n2 = s.launch()
-    updates = s.resolve(rows, [8, 9])         # the first step's tokens: a reaches max_tokens
-    assert [(u.seq.request_id, u.token_id, u.finish_reason) for u in updates] == [("a", 8, "length"),
-                                                                                   ("b", 9, None)]
+    updates = s.resolve(rows, [[8], [9]])         # the first step's tokens: a reaches max_tokens
+    assert [(u.seq.request_id, u.token_ids, u.finish_reason) for u in updates] == [("a", [8], "length"),
+                                                                                    ("b", [9], None)]
     s.landed(n1)
     # a's blocks stay held: the second step, still running, writes a row of a's
     assert a.status is SeqStatus.FINISHED and s.blocks.num_available == 8 - 2 - 2
@@ -251,7 +251,7 @@ def test_a_launched_step_holds_pending_tokens_and_the_blocks_given_back_meanwhil
     s.launched(second, rows)
     assert a.token_ids[-1] == 8 and b.token_ids[-2:] == [9, PENDING]
     s.abort("b")
-    assert s.resolve(rows, [5, 6]) == []      # both ended: their tokens are dropped
+    assert s.resolve(rows, [[5], [6]]) == []      # both ended: their tokens are dropped
     assert s.blocks.num_available == 4
     s.landed(n2)
     assert s.blocks.num_available == 8 and not s.in_flight

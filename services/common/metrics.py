@@ -35,6 +35,14 @@ KV_TRANSFER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02
 FINISH_REASONS = ("stop", "length")
 
 
+# Speculative decoding's totals under vLLM's names (key in Speculator.stats, name, help).
+SPEC_COUNTERS = (
+    ("drafts", "vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+    ("draft_tokens", "vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+    ("accepted_tokens", "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+)
+
+
 class WorkerMetrics:
     def __init__(self, role: str, model_name: str) -> None:
         self.registry = CollectorRegistry()
@@ -76,6 +84,29 @@ class WorkerMetrics:
         self.prefix_cache_hits = Counter("vllm:prefix_cache_hits",
                                          "Prefix cache hits, in terms of number of cached tokens.",
                                          m, registry=r).labels(model_name)
+        self.model_name = model_name
+        self._spec: dict[str, Counter] = {}
+        self._spec_seen: dict[str, int] = {}
+
+    def observe_speculation(self, totals: dict[str, int | list[int]]) -> None:
+        """Speculative decoding's running totals (Speculator.stats: drafts, draft_tokens,
+        accepted_tokens, accepted_per_pos), as vLLM's spec_decode counters."""
+        if not self._spec:
+            r, m = self.registry, ["model_name"]
+            for key, name, text in SPEC_COUNTERS:
+                self._spec[key] = Counter(name, text, m, registry=r).labels(self.model_name)
+            self._spec["accepted_per_pos"] = Counter(
+                "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens per draft position.",
+                m + ["position"], registry=r)
+        for key, value in totals.items():
+            values = value if isinstance(value, list) else [value]
+            for pos, v in enumerate(values):
+                seen = f"{key}:{pos}"
+                delta = v - self._spec_seen.get(seen, 0)
+                if delta:
+                    self._spec_seen[seen] = v
+                    counter = self._spec[key]
+                    (counter.labels(self.model_name, str(pos)) if isinstance(value, list) else counter).inc(delta)
 
     def set_blocks(self, free: int, total: int) -> None:
         """Blocks an allocation can get (evictable cached ones count as free, as in vLLM)."""

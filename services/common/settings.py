@@ -13,6 +13,7 @@ from pathlib import Path
 
 from services.common.flags import setting
 from services.common.security import TLSFiles
+from services.common.speculative_config import SpeculativeConfig
 
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 KV_TRANSPORTS = ("auto", "shm", "nixl", "tcp")
@@ -66,6 +67,13 @@ class EngineSettings:
                 "computes a step while the host handles the one before (as vLLM's --async-scheduling); auto: on a "
                 "GPU (on a CPU the forward pass itself holds the host, so there is nothing to overlap)",
         choices=ASYNC_SCHEDULING, roles=("decode",))
+    speculative_config: str | None = setting(
+        None, "decode workers: speculative decoding, as a JSON object like vLLM's flag: "
+              "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}', or method "
+              "suffix (a frequency index over each prompt, its output and the worker's recent outputs); drafts are "
+              "verified in one forward pass, the output is what it is without them, and how much to draft is "
+              "decided each step from measured acceptance and step cost (\"adaptive\": false drafts all it finds)",
+        roles=("decode",), metavar="JSON")
     kv_cache_tokens: int = setting(0, "decode workers' KV pool size in tokens (0: 65536 on a CPU; on a GPU what "
                                       "--gpu-memory-utilization leaves after the weights)", roles=("decode",))
     gpu_memory_utilization: float = setting(0.9, "on a GPU: the share of the card's memory this worker may use, "
@@ -104,6 +112,8 @@ class EngineSettings:
             raise ValueError(f"--attention-kernel must be one of {', '.join(ATTENTION_KERNELS)}")
         if self.async_scheduling not in ASYNC_SCHEDULING:
             raise ValueError(f"--async-scheduling must be one of {', '.join(ASYNC_SCHEDULING)}")
+        if self.speculative_config:
+            self.speculation()
         check_log_format(self.log_format)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("--block-size must be a power of two")
@@ -126,6 +136,12 @@ class EngineSettings:
         if self.max_num_batched_tokens and self.max_num_batched_tokens < self.max_batch:
             raise ValueError(f"--max-num-batched-tokens {self.max_num_batched_tokens} cannot hold a decode token "
                              f"for each of --max-batch {self.max_batch} sequences")
+
+    def speculation(self):
+        """The parsed --speculative-config, or None; ValueError for one that is not valid."""
+        if not self.speculative_config:
+            return None
+        return SpeculativeConfig.parse(self.speculative_config)
 
 
 @dataclass(kw_only=True)

@@ -20,6 +20,7 @@ This service adds the handoff table, leases and the token streams.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -34,6 +35,7 @@ from services.common.settings import WorkerSettings
 from services.engine.core.block_pool import NoFreeBlocks
 from services.engine.core.sampling import MAX_CHOICES, SamplingParams
 from services.engine.core.sequence import Sequence
+from services.engine.core.speculation import Speculator
 from services.engine.engine import EngineOutput, StepStats
 from services.engine.model.kv_cache import KVPoolMemory, sweep_stale_segments
 from services.engine.model.runner import ModelRunner
@@ -73,11 +75,21 @@ class DecodeWorker(EngineWorker):
         self.offers = [worker_pb2.TransportOffer(backend=name, meta=t.register(memory, self.compat_hash))
                        for name, t in self.transports.items()]
         log.info("decode worker offers KV transports: %s", ", ".join(self.transports))
+        speculation = settings.speculation()
         overlap = settings.async_scheduling == "on" or (settings.async_scheduling == "auto"
                                                         and runner.device.type == "cuda")
-        self._open(memory, settings.enable_prefix_caching, async_scheduling=overlap)
+        if speculation is not None and overlap:
+            log.warning("async scheduling is off: speculative decoding drafts from each step's tokens, read "
+                        "before the next step is planned")
+            overlap = False
+        speculator = Speculator(speculation) if speculation is not None else None
+        self._open(memory, settings.enable_prefix_caching, speculator, async_scheduling=overlap)
         log.info("async scheduling: %s", "on (each step launched before the last one's tokens are read)"
                  if overlap else "off")
+        if speculation is not None:
+            log.info("speculative decoding: %s, up to %d tokens a step, %s", speculation.method,
+                     speculation.num_speculative_tokens,
+                     "adaptive" if speculation.adaptive else "every draft found")
         runner.capture_graphs(memory)                   # on a GPU; before the worker says it is ready
         self.handoffs = HandoffTable(self.epoch)
         self.kv_bytes_received = 0
@@ -222,7 +234,10 @@ class DecodeWorker(EngineWorker):
             else "decode"
         self.metrics.step_seconds.labels(kind).observe(stats.seconds)
         self.metrics.prompt_tokens_computed.inc(stats.prefill_tokens)
-        self.metrics.generated_tokens.inc(stats.decode_tokens)
+        self.metrics.generated_tokens.inc(stats.generated)
+        speculator = self.engine.scheduler.speculator
+        if speculator is not None:
+            self.metrics.observe_speculation(dataclasses.asdict(speculator.stats))
         self.metrics.preemptions.inc(self.engine.scheduler.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = self.engine.scheduler.num_preemptions
 

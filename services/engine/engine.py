@@ -30,6 +30,12 @@ A sequence that finishes on step N's token has a row in step N+1 whose token is
 dropped. Rows whose next step needs their token on the host first (structured output's
 grammar, penalties over the history) make the engine read the step in flight before it
 plans: those steps run as without async scheduling.
+
+With speculative decoding (the scheduler's speculator), a verify chunk samples a token at
+each of its positions, each as a row of its own would be sampled without drafts (its
+index in the output, its history with the drafts before it), and the scheduler keeps
+the drafts those samples agree with (core/speculation.py says why that is lossless).
+Drafting needs the last token on the host: an engine with a speculator is not async.
 """
 from __future__ import annotations
 
@@ -77,8 +83,8 @@ class EngineOutput:
 @dataclass
 class Launched:
     """A step on the device: its sampling chunks `rows` and their tokens `tokens`
-    ([rows] int64, on the device, maybe not computed yet: the next step's pending
-    inputs), and what the host reads of it on its way there (`copy`: `to_read`'s
+    ([sampled rows] int64, `Chunk.num_sampled` a chunk, on the device, maybe not computed
+    yet: the next step's pending inputs), and what the host reads of it on its way there (`copy`: `to_read`'s
     `num_sampled` tensors, then the log probabilities of the prompt positions `targets`)."""
     plan: StepPlan
     rows: list[Chunk]
@@ -95,7 +101,7 @@ class Launched:
         host = self.copy.wait()
         if self.targets:
             record_prompt_logprobs(self.targets, host[self.num_sampled:])
-        return read_sampled([c.seq.params for c in self.rows], host[:self.num_sampled])
+        return read_sampled([c.seq.params for c, _ in sample_rows(self.rows)], host[:self.num_sampled])
 
 
 def overlaps(seq: Sequence) -> bool:
@@ -108,9 +114,10 @@ def overlaps(seq: Sequence) -> bool:
 @dataclass(frozen=True)
 class StepStats:
     prefill_tokens: int                 # prompt tokens computed (chunks of more than one token)
-    decode_tokens: int                  # single-token rows
+    decode_tokens: int                  # decode rows: single-token ones and verify chunks' tokens
     sequences: int
     seconds: float
+    generated: int = 0                  # tokens the step's sequences took
 
 
 class LLMEngine:
@@ -120,6 +127,9 @@ class LLMEngine:
         if async_scheduling and (layer_hook is not None or scheduler.config.prefill_only):
             raise ValueError("async scheduling is for engines that decode: a prefill worker's step ends its "
                              "sequences and ships their KV")
+        if async_scheduling and scheduler.speculator is not None:
+            raise ValueError("async scheduling and speculative decoding do not combine yet: drafting needs the "
+                             "last token on the host")
         self.runner = runner
         self.async_scheduling = async_scheduling
         self._flight: Launched | None = None       # the step on the device whose tokens are unread
@@ -247,17 +257,20 @@ class LLMEngine:
         sequences, and the outputs they make."""
         outputs: list[EngineOutput] = []
         logprobs = {}
-        for c, token, lp in zip(rows, sampled.token_ids, sampled.logprobs):
+        tokens, found = per_chunk(rows, sampled.token_ids), per_chunk(rows, sampled.logprobs)
+        for c, ids, lps in zip(rows, tokens, found):
             if c.seq.finish_reason:
                 continue                        # ended while the step ran: its token is dropped
-            if c.seq.constraint is not None and not c.seq.constraint.accept(token):
+            if c.seq.constraint is not None and not c.seq.constraint.accept(ids[0]):
                 log.warning("request %s: no token fits its JSON schema here; its output ends", c.seq.request_id)
-            if lp is not None:
-                logprobs[c.seq] = [lp]
-        updates = self.scheduler.resolve(rows, sampled.token_ids)
+            if lps[0] is not None:
+                logprobs[c.seq] = lps
+        updates = self.scheduler.resolve(rows, tokens)
         for u in updates:
-            first = u.seq.num_generated == 1
-            outputs.append(EngineOutput(u.seq.request_id, [u.token_id], u.finish_reason, logprobs.get(u.seq),
+            first = u.seq.num_generated == len(u.token_ids)
+            lps = logprobs.get(u.seq)
+            outputs.append(EngineOutput(u.seq.request_id, u.token_ids, u.finish_reason,
+                                        lps[:len(u.token_ids)] if lps else None,
                                         u.seq.prompt_logprobs if first else None,
                                         u.seq.num_cached if first else 0))
         outputs += self._orphans()
@@ -265,10 +278,14 @@ class LLMEngine:
         seconds = end - max(started, self._last_end)      # overlapping steps: each second counted once
         self._last_end = end
         prefill = sum(c.num_tokens for c in plan.prefill)
-        self.last_step = StepStats(prefill, len(plan.decode), len(plan.chunks), seconds)
+        generated = sum(len(u.token_ids) for u in updates)      # not the dropped tokens of ended sequences
+        decode = len(plan.decode) + sum(c.num_tokens for c in plan.verify)
+        self.last_step = StepStats(prefill, decode, len(plan.chunks), seconds, generated)
         self.prompt_tokens_computed += sum(min(c.num_tokens, max(0, c.seq.prompt_len - c.start))
                                            for c in plan.chunks)
-        self.generated_tokens += len(updates)          # not the dropped tokens of ended sequences
+        self.generated_tokens += generated
+        if self.scheduler.speculator is not None and not plan.prefill:
+            self.scheduler.speculator.observe(decode, seconds)
         self.busy_seconds += seconds
         return outputs
 
@@ -298,7 +315,8 @@ class LLMEngine:
         if batch.pending_rows:
             batch.pending_tokens = flight.tokens
         rows = plan.sampling()
-        constraints = [c.seq.constraint for c in rows]
+        each = sample_rows(rows)
+        constraints = [c.seq.constraint for c, _ in each]
         # Structured output's masks are filled while the forward pass runs.
         masks = self._masks.submit(fill_masks, constraints) if any(constraints) else None
         poster = self._poster
@@ -311,10 +329,10 @@ class LLMEngine:
             mask = masks.result() if masks is not None else None
         prompt = prompt_logprob_tensors(logits[len(batch.sample_rows):], targets) if targets else []
         logits = logits[:len(batch.sample_rows)]
-        histories = [(c.seq.token_ids, c.seq.prompt_len) for c in rows] \
+        histories = [(c.seq.token_ids + list(c.draft[:j]), c.seq.prompt_len) for c, j in each] \
             if any(c.seq.params.reads_history for c in rows) else None
-        params = [c.seq.params for c in rows]
-        logits, tokens = choose(logits, params, [c.seq.num_generated for c in rows],
+        params = [c.seq.params for c, _ in each]
+        logits, tokens = choose(logits, params, [c.seq.num_generated + j for c, j in each],
                                 rows[0].seq.eos_token_ids if rows else frozenset(), histories, mask)
         sampled = to_read(logits, params, tokens)
         copy = self.runner.stream.to_host(sampled + prompt)
@@ -353,10 +371,14 @@ class LLMEngine:
 
 def pack(plan: StepPlan, pending: dict[Sequence, int] | None = None
          ) -> tuple[ForwardBatch, list[tuple[Sequence, int]]]:
-    """The forward pass for `plan`: single-token rows first, then prompt chunks. Also
-    which (sequence, prompt position) each of its `logprob_rows` predicts the token of.
-    `pending`: for a sequence whose input token is still PENDING, its row among the
-    tokens of the step in flight, which the runner takes on the device."""
+    """The forward pass for `plan`: single-token rows first, then each verify chunk's
+    tokens as decode rows of their own (each attends over the blocks up to its position,
+    whose K/V every row of the step writes before any attends: the drafts before it
+    included), then prompt chunks. Verifying drafts is then a decode step, with its
+    kernels, one-call decoder and CUDA graphs. Also which (sequence, prompt position)
+    each of its `logprob_rows` predicts the token of. `pending`: for a sequence whose
+    input token is still PENDING, its row among the tokens of the step in flight, which
+    the runner takes on the device."""
     b = ForwardBatch()
     targets: list[tuple[Sequence, int]] = []
 
@@ -376,12 +398,19 @@ def pack(plan: StepPlan, pending: dict[Sequence, int] | None = None
         b.decode_tokens.append(token)
         b.decode_positions.append(c.start)
         b.decode_tables.append(c.seq.block_ids)
+    for c in plan.verify:
+        b.decode_tokens.extend(c.token_ids)
+        b.decode_positions.extend(range(c.start, c.start + c.num_tokens))
+        b.decode_tables.extend([c.seq.block_ids] * c.num_tokens)
     row = 0
     for c in plan.decode:
         if c.samples:
             b.sample_rows.append(row)
         prompt_rows(c, row)
         row += 1
+    for c in plan.verify:
+        b.sample_rows.extend(range(row, row + c.num_tokens))
+        row += c.num_tokens
     for c in plan.prefill:
         b.prefill_tokens.extend(c.seq.token_ids[c.start:c.start + c.num_tokens])
         b.segments.append(PrefillSegment(c.start, c.num_tokens, c.seq.block_ids))
@@ -390,6 +419,21 @@ def pack(plan: StepPlan, pending: dict[Sequence, int] | None = None
         if c.samples:
             b.sample_rows.append(row - 1)
     return b, targets
+
+
+def sample_rows(rows: list[Chunk]) -> list[tuple[Chunk, int]]:
+    """Each sampled row of a step's sampling chunks: its chunk and its place among the
+    chunk's samples (a verify chunk's draft position; 0 otherwise)."""
+    return [(c, j) for c in rows for j in range(c.num_sampled)]
+
+
+def per_chunk(rows: list[Chunk], flat: list) -> list[list]:
+    """`flat`, one entry per sampled row, as one list per chunk."""
+    out, at = [], 0
+    for c in rows:
+        out.append(flat[at:at + c.num_sampled])
+        at += c.num_sampled
+    return out
 
 
 def prompt_logprob_tensors(logits: torch.Tensor, targets: list[tuple[Sequence, int]]) -> list[torch.Tensor]:

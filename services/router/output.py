@@ -42,10 +42,9 @@ class OutputProcessor:
         gen, choice, leader = self.gens[index], self.choices[index], self.gens[0]
         if gen is not leader:
             gen.same_route_as(leader)
-        gen.completion_tokens += len(token_ids)
-        # vLLM looks for stop strings only once min_tokens tokens are out
-        armed = gen.completion_tokens >= gen.params.min_tokens
-        text, hit = choice.stops.feed(choice.detok.push(token_ids), armed)
+        text, hit, used = self._text(gen, choice, token_ids)
+        if used < len(token_ids):               # a stop string inside a delta of several tokens
+            token_ids, logprobs = token_ids[:used], logprobs[:used] if logprobs else logprobs
         if hit:
             finish = "stop"
             if len(self.running) > 1:            # the others go on: end this one on its worker
@@ -58,3 +57,24 @@ class OutputProcessor:
             gen.finish_reason = finish
             self.running.discard(index)
         return Delta(text, token_ids, finish or None, logprobs, index)
+
+    @staticmethod
+    def _text(gen: Generation, choice: _Choice, token_ids: list[int]) -> tuple[str, bool, int]:
+        """The text `token_ids` add, whether a stop string ended it, and how many of the
+        tokens it took. A delta of several tokens (speculative decoding) is read a token
+        at a time, as it was made, when a stop string could end it inside: the choice
+        then ends on the token that completed the stop string, as it would without."""
+        if len(token_ids) == 1 or not gen.params.stop:
+            gen.completion_tokens += len(token_ids)
+            # vLLM looks for stop strings only once min_tokens tokens are out
+            armed = gen.completion_tokens >= gen.params.min_tokens
+            text, hit = choice.stops.feed(choice.detok.push(token_ids), armed)
+            return text, hit, len(token_ids)
+        parts = []
+        for used, token in enumerate(token_ids, 1):
+            gen.completion_tokens += 1
+            text, hit = choice.stops.feed(choice.detok.push([token]), gen.completion_tokens >= gen.params.min_tokens)
+            parts.append(text)
+            if hit:
+                return "".join(parts), True, used
+        return "".join(parts), False, len(token_ids)

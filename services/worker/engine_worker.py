@@ -16,6 +16,7 @@ from services.common.settings import WorkerSettings
 from services.engine.core.block_manager import BlockManager
 from services.engine.core.block_pool import BlockPool
 from services.engine.core.scheduler import Scheduler
+from services.engine.core.speculation import Speculator
 from services.engine.engine import LLMEngine, StepStats
 from services.engine.loop import EngineLoop
 from services.engine.model.kv_cache import KVPoolMemory
@@ -44,12 +45,15 @@ class EngineWorker:
         self.layout = self.runner.layout(num_blocks, self.settings.block_size)
         self.compat_hash = self.runner.compat_hash(self.layout)
 
-    def _open(self, memory: KVPoolMemory, prefix_caching: bool, **engine_options) -> None:
-        """The engine over `memory`: its blocks, scheduler, grammars and thread."""
+    def _open(self, memory: KVPoolMemory, prefix_caching: bool, speculator: Speculator | None = None,
+              **engine_options) -> None:
+        """The engine over `memory`: its blocks, scheduler (with `speculator`'s drafts),
+        grammars and thread."""
         self.memory = memory
         n = self.layout.num_blocks
         self.blocks = BlockManager(BlockPool(n, self.layout.block_size), prefix_caching=prefix_caching)
-        self.engine = LLMEngine(self.runner, memory, Scheduler(self.blocks, self.config), **engine_options)
+        self.engine = LLMEngine(self.runner, memory, Scheduler(self.blocks, self.config, speculator),
+                                **engine_options)
         self.grammars = grammars_for(self.runner, self.eos)
         self.loop = EngineLoop(self.engine, tick=self._tick, on_step=self._on_step, name=f"{self.role}-engine")
         self.metrics.set_blocks(n, n)

@@ -43,6 +43,14 @@ block sits a step out), and blocks given back wait in `_held` until every step t
 may still write them has landed (`landed()`): a reservation could take them at once,
 and a transfer could then write them before the device does. So do both ends of a
 fork's block copy, queued on the device ahead of the next step, until that step lands.
+
+With a speculator (speculative decoding, core/speculation.py), a decoding sequence may
+be planned as a verify chunk: its last token and the tokens drafted after it, each
+sampled in the step. `resolve()` keeps the drafts up to the first that differs from its
+position's sample, then that sample: 1 to k + 1 tokens. The rejected drafts' KV is
+left behind num_computed, to be written over, and blocks holding nothing but rejected
+drafts go back. A sequence is drafted for only when its blocks can grow without
+preempting anyone, and never while its last token is PENDING.
 """
 from __future__ import annotations
 
@@ -54,6 +62,7 @@ from services.engine.core.block_manager import BlockManager
 from services.engine.core.block_pool import NoFreeBlocks
 from services.engine.core.sequence import (PENDING, Chunk, Reservation, SeqStatus, SeqUpdate, Sequence,
                                           StepPlan)
+from services.engine.core.speculation import Speculator
 
 # Blocks kept free when a new prompt is admitted, as a share of the pool, so that the
 # running sequences can grow without preempting the newcomer at once (vLLM's watermark).
@@ -85,9 +94,11 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, config: SchedulerConfig = SchedulerConfig()) -> None:
+    def __init__(self, blocks: BlockManager, config: SchedulerConfig = SchedulerConfig(),
+                 speculator: Speculator | None = None) -> None:
         self.blocks = blocks
         self.config = config
+        self.speculator = speculator
         self.waiting: deque[Sequence] = deque()
         self.ready: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -212,6 +223,7 @@ class Scheduler:
         prompts = budget
         if self.config.max_mixed_prefill and any(s.num_computed == len(s.token_ids) - 1 for s in self.running):
             prompts = self.config.max_mixed_prefill
+        drafts = self._drafts()
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -220,6 +232,8 @@ class Scheduler:
             n = self._chunk_len(seq, budget, prompts)
             if n == 0:
                 continue
+            draft = self._fit_draft(seq, drafts.get(seq, ()), budget) if n == 1 else ()
+            n += len(draft)
             if self.in_flight and self._short(seq, seq.num_computed + n):
                 # no preemption under a running step: this one waits a step, and no
                 # newcomer takes the blocks it waits for
@@ -230,9 +244,9 @@ class Scheduler:
             preempted = preempted or freed is not None
             budget += freed or 0
             if seq.status is SeqStatus.RUNNING:
-                plan._add(Chunk(seq, seq.num_computed, n))
+                plan._add(Chunk(seq, seq.num_computed, n, draft))
                 budget -= n
-                prompts -= n if n > 1 else 0
+                prompts -= n if n > 1 and not draft else 0
         while (not preempted and self.waiting and min(budget, prompts) > 0
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
@@ -246,6 +260,21 @@ class Scheduler:
             budget -= n
             prompts -= n if n > 1 else 0
         return plan
+
+    def _drafts(self) -> dict[Sequence, list[int]]:
+        """The speculator's drafts for the decoding sequences, each at most the tokens its
+        max_tokens leaves after this step's own."""
+        if self.speculator is None:
+            return {}
+        decoding = [(s, s.params.max_tokens - s.num_generated - 1) for s in self.running
+                    if s.num_computed == len(s.token_ids) - 1 and s.num_generated > 0]
+        return self.speculator.drafts(decoding) if decoding else {}
+
+    def _fit_draft(self, seq: Sequence, draft: list[int], budget: int) -> tuple[int, ...]:
+        """`draft` cut to the token budget and to the blocks free now (a draft never
+        preempts)."""
+        room = (len(seq.block_ids) + self.blocks.num_available) * self.blocks.block_size - seq.num_computed - 1
+        return tuple(draft[:max(0, min(budget - 1, room))])
 
     def _chunk_len(self, seq: Sequence, budget: int, prompts: int) -> int:
         """Tokens of `seq` in this step: its next token, or as much of its prompt as the
@@ -316,30 +345,65 @@ class Scheduler:
             seq = c.seq
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            seq.num_computed = c.start + c.num_tokens
+            seq.num_computed = c.start + c.num_tokens - len(c.draft)
             if c.start < len(seq.keys) * self.blocks.block_size:     # full prompt blocks: shareable now
                 self.blocks.cache(seq.block_ids, seq.keys, seq.num_computed)
         for c in rows:
             if c.seq.status is SeqStatus.RUNNING:
                 c.seq.token_ids.append(PENDING)
 
-    def resolve(self, rows: list[Chunk], sampled: list[int]) -> list[SeqUpdate]:
-        """The tokens sampled for `rows` (a launched step's sampling chunks) take their
-        PENDING places; a sequence that ended meanwhile (aborted, or finished by the
-        step before) ignores its token."""
+    def resolve(self, rows: list[Chunk], sampled: list[list[int]]) -> list[SeqUpdate]:
+        """The tokens sampled for `rows` (a launched step's sampling chunks; one list per
+        chunk, a token per position it samples) take their PENDING places; a drafted
+        chunk keeps its drafts up to the first its samples differ from, then that sample.
+        A sequence that ended meanwhile (aborted, or finished by the step before) ignores
+        its tokens; one that ends on a token ignores those after it."""
         out: list[SeqUpdate] = []
-        for c, token in zip(rows, sampled, strict=True):
+        for c, tokens in zip(rows, sampled, strict=True):
             seq = c.seq
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            seq.token_ids[c.start + c.num_tokens] = token
-            if seq.num_generated == 1:
-                self._fork(seq)
-            reason = seq.check_finished() or ("prefilled" if self.config.prefill_only else None)
+            if c.draft:
+                tokens = self._verified(c, tokens)
+            taken: list[int] = []
+            reason = None
+            for token in tokens:
+                if taken:
+                    seq.token_ids.append(token)
+                else:
+                    seq.token_ids[c.start + c.num_tokens - len(c.draft)] = token
+                taken.append(token)
+                if seq.num_generated == 1:
+                    self._fork(seq)
+                reason = seq.check_finished() or ("prefilled" if self.config.prefill_only else None)
+                if reason:
+                    break
             if reason:
                 self._finish(seq, reason)
-            out.append(SeqUpdate(seq, token, reason))
+            elif c.draft:
+                self._roll_back(seq)
+            out.append(SeqUpdate(seq, taken, reason))
         return out
+
+    def _verified(self, c: Chunk, tokens: list[int]) -> list[int]:
+        """A drafted chunk's tokens to keep: the drafts its samples agree with, then the
+        first sample that differs (or the one after the last draft)."""
+        m = 0
+        while m < len(c.draft) and tokens[m] == c.draft[m]:
+            m += 1
+        self.speculator.accepted(c.seq, len(c.draft), m)
+        return tokens[:m + 1]
+
+    def _roll_back(self, seq: Sequence) -> None:
+        """After a verify step: the KV of every kept token but the newest is computed;
+        blocks past the tokens go back (they held only rejected drafts)."""
+        seq.num_computed = len(seq.token_ids) - 1
+        keep = self.blocks.blocks_for(len(seq.token_ids))
+        spare, seq.block_ids = seq.block_ids[keep:], seq.block_ids[:keep]
+        if spare and self.in_flight:
+            self._held.append((self.launches, spare, [], 0))
+        elif spare:
+            self.blocks.release(spare)
 
     def landed(self, number: int) -> None:
         """Step `number` (and every one before it) is done on the device: the blocks held
@@ -398,6 +462,8 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        if self.speculator is not None:
+            self.speculator.finished(seq)
         self.orphans.extend(seq.forks)
         seq.forks = []
         self._by_id.pop(seq.request_id, None)

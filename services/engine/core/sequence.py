@@ -68,45 +68,61 @@ class Sequence:
 
 @dataclass(frozen=True)
 class Chunk:
-    """Tokens start .. start + num_tokens of one sequence, computed in this step."""
+    """Tokens start .. start + num_tokens of one sequence, computed in this step. With a
+    `draft` (speculative decoding), the sequence's last token and the drafted tokens after
+    it, each scored in this step: the chunk samples a token at every position, and the
+    drafts are kept while they agree with those samples (Scheduler.resolve)."""
     seq: Sequence
     start: int
     num_tokens: int
+    draft: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
-        return self.start + self.num_tokens == len(self.seq.token_ids)
+        return self.start + self.num_tokens - len(self.draft) == len(self.seq.token_ids)
+
+    @property
+    def num_sampled(self) -> int:
+        """Tokens a sampling chunk samples: one, or one per position of a drafted chunk."""
+        return 1 + len(self.draft)
+
+    @property
+    def token_ids(self) -> list[int]:
+        end = self.start + self.num_tokens - len(self.draft)
+        return self.seq.token_ids[self.start:end] + list(self.draft)
 
 
 @dataclass
 class StepPlan:
-    """One forward pass: single-token chunks (decode) first, then longer ones (prefill).
+    """One forward pass: single-token chunks (decode) first, then drafted ones (verify:
+    a decode token and the drafts after it), then prompt chunks (prefill).
     `joined`: sequences prefilled elsewhere that join the running batch with this step."""
     decode: list[Chunk] = field(default_factory=list)
+    verify: list[Chunk] = field(default_factory=list)
     prefill: list[Chunk] = field(default_factory=list)
     joined: list[Sequence] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.decode or self.prefill)
+        return bool(self.decode or self.verify or self.prefill)
 
     @property
     def chunks(self) -> list[Chunk]:
-        return self.decode + self.prefill
+        return self.decode + self.verify + self.prefill
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decode) + sum(c.num_tokens for c in self.prefill)
+        return len(self.decode) + sum(c.num_tokens for c in self.verify + self.prefill)
 
     def sampling(self) -> list[Chunk]:
         """The chunks that sample a token, in the order of their rows."""
         return [c for c in self.chunks if c.samples]
 
     def _add(self, chunk: Chunk) -> None:
-        (self.decode if chunk.num_tokens == 1 else self.prefill).append(chunk)
+        (self.verify if chunk.draft else self.decode if chunk.num_tokens == 1 else self.prefill).append(chunk)
 
     def _drop(self, seq: Sequence) -> int:
         """Take `seq` out of the plan (it was preempted); returns the tokens it had."""
-        for chunks in (self.decode, self.prefill):
+        for chunks in (self.decode, self.verify, self.prefill):
             for i, c in enumerate(chunks):
                 if c.seq is seq:
                     del chunks[i]
@@ -125,7 +141,8 @@ class Reservation:
 
 @dataclass(frozen=True)
 class SeqUpdate:
-    """A sequence's new token after a step, and its finish reason if it ended."""
+    """A sequence's new tokens after a step (one, or more where drafts were accepted),
+    and its finish reason if it ended."""
     seq: Sequence
-    token_id: int
+    token_ids: list[int]
     finish_reason: str | None

@@ -1,0 +1,316 @@
+"""Speculative decoding's host side: what to draft, and how much. Plain Python, like the
+scheduler that asks it.
+
+    each step:  Speculator.drafts(sequences) -> proposer.propose(seq, most) per sequence
+                -> the adaptive cut: how many drafted tokens this step is worth
+                -> the scheduler plans each drafted sequence as one verify chunk
+    landed:     Speculator.accepted(proposed, accepted)   (per sequence, per position)
+                Speculator.observe(tokens, seconds, path) (the step's cost)
+
+A proposer drafts tokens as a point mass: the tokens it believes come next, no
+probabilities. Verification samples the target's own token at each drafted position
+(the same sampler, the same uniform number a step without speculation would draw there)
+and keeps the drafts while they agree. For a point-mass draft that is the rejection rule
+of Leviathan et al. and Chen et al. (accept a draft d with probability p(d), else draw from
+p with d removed), so the output's distribution is the target's, whatever the sampling
+parameters; greedy and seeded requests give the very tokens they give without it.
+
+Proposers:
+  ngram   prompt lookup (vLLM's `ngram`): the longest n-gram (prompt_lookup_max down to
+          prompt_lookup_min) ending the sequence that occurred before in its own tokens,
+          and the tokens that followed it there;
+  suffix  a frequency index of continuations (SuffixDecoding's idea, a trie of depth
+          `suffix_decoding_max_tree_depth` kept as counts per context): one over each
+          sequence's prompt and output, and one over the worker's recent outputs
+          (`suffix_decoding_max_cached_requests` of them, the oldest forgotten). It follows
+          the likeliest continuation of the longest matched context while the product of
+          its frequencies stays above `suffix_decoding_min_token_prob`, so it drafts more
+          where the match is confident and nothing where it is not.
+
+The adaptive cut: a verify step runs every drafted token as one more decode row (the
+engine's `pack`), so it costs what a decode step of that many rows costs, and a row
+whose draft is rejected is work thrown away. From the decode steps measured so far (a
+least-squares line of seconds over rows, recent steps weighing most) and each
+sequence's measured acceptance, the speculator keeps the drafted tokens in order of
+their chance of being accepted while the expected tokens per second rise, and drafts
+nothing when a plain step wins. One step in EXPLORE_EVERY drafts anyway, so the
+acceptance estimates follow the traffic.
+"""
+from __future__ import annotations
+
+import weakref
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Protocol
+
+from services.common.speculative_config import SpeculativeConfig
+from services.engine.core.sequence import PENDING, Sequence
+
+__all__ = ["SpeculativeConfig", "Speculator", "NgramProposer", "SuffixProposer"]
+# Steps that draft although the estimates say a plain step is faster: one in this many.
+EXPLORE_EVERY = 50
+# A step's cost as the lines fit it forgets older steps at this rate per step.
+COST_DECAY = 0.98
+
+
+class Proposer(Protocol):
+    def propose(self, seq: Sequence, most: int) -> list[int]:
+        """Up to `most` tokens likely to follow `seq.token_ids`."""
+
+    def finished(self, seq: Sequence) -> None:
+        """`seq` ended: what it made may help others."""
+
+
+class _ContextIndex:
+    """Where each n-gram of a growing token list last occurred, for n in a range:
+    n-gram -> the index of the token after it."""
+
+    def __init__(self, sizes: range) -> None:
+        self.sizes = sizes
+        self.last: dict[tuple[int, ...], int] = {}
+        self.indexed = 0            # n-grams ending before this index are in
+
+    def update(self, ids: list[int]) -> None:
+        # an n-gram goes in once the token after it is known (it must not match itself)
+        for end in range(max(self.indexed, 1), len(ids)):
+            for n in self.sizes:
+                if end >= n:
+                    self.last[tuple(ids[end - n:end])] = end
+        self.indexed = max(self.indexed, len(ids))
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.sizes = range(config.prompt_lookup_max, config.prompt_lookup_min - 1, -1)
+        self._index: weakref.WeakKeyDictionary[Sequence, _ContextIndex] = weakref.WeakKeyDictionary()
+
+    def propose(self, seq: Sequence, most: int) -> list[int]:
+        ids = seq.token_ids
+        index = self._index.get(seq)
+        if index is None:
+            index = self._index[seq] = _ContextIndex(self.sizes)
+        index.update(ids)
+        for n in self.sizes:                   # longest first
+            if len(ids) > n:
+                at = index.last.get(tuple(ids[-n:]))
+                if at is not None:
+                    return ids[at:at + most]
+        return []
+
+    def finished(self, seq: Sequence) -> None:
+        self._index.pop(seq, None)
+
+
+class _Continuations:
+    """Counts of the token after each context of 1..depth tokens, over some token lists."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.next: dict[tuple[int, ...], Counter[int]] = {}
+
+    def add(self, ids: list[int], start: int = 0, sign: int = 1) -> None:
+        """Count the tokens from `start` on, each after its contexts (sign -1: forget them)."""
+        for end in range(max(start, 1), len(ids)):
+            token = ids[end]
+            for n in range(1, min(self.depth, end) + 1):
+                key = tuple(ids[end - n:end])
+                counts = self.next.get(key)
+                if counts is None:
+                    if sign < 0:
+                        break
+                    counts = self.next[key] = Counter()
+                counts[token] += sign
+                if counts[token] <= 0:
+                    del counts[token]
+                    if not counts:
+                        del self.next[key]
+
+    def match(self, ids: list[int]) -> int:
+        """The longest context ending `ids` that was seen followed by a token."""
+        best = 0
+        for n in range(1, min(self.depth, len(ids)) + 1):
+            if tuple(ids[-n:]) not in self.next:
+                break
+            best = n
+        return best
+
+    def follow(self, ids: list[int], n: int, most: int, floor: float) -> list[int]:
+        """The likeliest continuation of the context `ids[-n:]`, while the product of each
+        step's frequency stays at or above `floor`."""
+        out: list[int] = []
+        context = list(ids[-n:])
+        confidence = 1.0
+        while len(out) < most:
+            counts = None
+            for k in range(min(n, len(context)), 0, -1):    # the longest context still seen
+                counts = self.next.get(tuple(context[-k:]))
+                if counts:
+                    break
+            if not counts:
+                break
+            token, count = counts.most_common(1)[0]
+            confidence *= count / sum(counts.values())
+            if confidence < floor:
+                break
+            out.append(token)
+            context.append(token)
+        return out
+
+
+class SuffixProposer:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self._own: weakref.WeakKeyDictionary[Sequence, tuple[_Continuations, list[int]]] = \
+            weakref.WeakKeyDictionary()
+        self.recent = _Continuations(config.suffix_decoding_max_tree_depth)
+        self._outputs: deque[list[int]] = deque()
+
+    def propose(self, seq: Sequence, most: int) -> list[int]:
+        ids = seq.token_ids
+        own = self._own.get(seq)
+        if own is None:
+            own = self._own[seq] = (_Continuations(self.config.suffix_decoding_max_tree_depth), [0])
+        index, done = own
+        index.add(ids, done[0])
+        done[0] = len(ids)
+        floor = self.config.suffix_decoding_min_token_prob
+        mine, theirs = index.match(ids), self.recent.match(ids)
+        source, n = (index, mine) if mine >= theirs else (self.recent, theirs)
+        if n == 0:
+            return []
+        return source.follow(ids, n, most, floor)
+
+    def finished(self, seq: Sequence) -> None:
+        self._own.pop(seq, None)
+        if self.config.suffix_decoding_max_cached_requests == 0 or seq.num_generated < 2:
+            return
+        output = seq.token_ids[seq.prompt_len:]
+        self.recent.add(output)
+        self._outputs.append(output)
+        while len(self._outputs) > self.config.suffix_decoding_max_cached_requests:
+            self.recent.add(self._outputs.popleft(), sign=-1)
+
+
+PROPOSERS = {"ngram": NgramProposer, "suffix": SuffixProposer}
+
+
+class _CostLine:
+    """Seconds a step takes as a line over its tokens, fit by least squares with older
+    steps weighing less."""
+
+    def __init__(self) -> None:
+        self.n = self.x = self.y = self.xx = self.xy = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        d = COST_DECAY
+        self.n, self.x, self.y = d * self.n + 1, d * self.x + tokens, d * self.y + seconds
+        self.xx, self.xy = d * self.xx + tokens * tokens, d * self.xy + tokens * seconds
+
+    @property
+    def known(self) -> bool:
+        return self.n >= 3
+
+    def __call__(self, tokens: int) -> float:
+        mean_x, mean_y = self.x / self.n, self.y / self.n
+        var = self.xx / self.n - mean_x * mean_x
+        slope = max(0.0, (self.xy / self.n - mean_x * mean_y) / var) if var > 1e-9 else 0.0
+        return max(1e-6, mean_y + slope * (tokens - mean_x))
+
+
+@dataclass
+class SpecStats:
+    """Totals, as vLLM's spec_decode metrics count them."""
+    drafts: int = 0                     # sequences verified with at least one drafted token
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] | None = None
+
+
+class Speculator:
+    """The scheduler's source of drafts; the engine tells it what each step cost and
+    what was accepted."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.proposer: Proposer = PROPOSERS[config.method](config)
+        self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self._cost = _CostLine()
+        self._tried = self._hit = 0.0          # drafted positions verified, and accepted, recent ones weighing most
+        self._per_seq: weakref.WeakKeyDictionary[Sequence, list[float]] = weakref.WeakKeyDictionary()
+        self._steps = 0
+        self.last_cut = 0                       # drafted tokens the last step kept
+
+    # ---- the scheduler ----
+    def drafts(self, candidates: list[tuple[Sequence, int]]) -> dict[Sequence, list[int]]:
+        """Drafts for some of `candidates` (a decoding sequence, the most tokens it may
+        take), as many tokens as are worth verifying this step."""
+        self._steps += 1
+        found: dict[Sequence, list[int]] = {}
+        for seq, most in candidates:
+            most = min(most, self.config.num_speculative_tokens)
+            if most > 0 and seq.last_token != PENDING and seq.constraint is None:
+                draft = self.proposer.propose(seq, most)
+                if draft:
+                    found[seq] = draft
+        if not found or not self.config.adaptive:
+            return found
+        keep = self._cut(len(candidates), found)
+        self.last_cut = sum(keep.values())
+        return {seq: found[seq][:n] for seq, n in keep.items() if n}
+
+    def _cut(self, batch: int, found: dict[Sequence, list[int]]) -> dict[Sequence, int]:
+        """How many of each sequence's drafted tokens to verify: the most likely first,
+        while the expected tokens per second of the step rise."""
+        chances = []                # (chance the token is accepted, its sequence)
+        for seq, draft in found.items():
+            rate, chance = self._rate(seq), 1.0
+            for _ in draft:
+                chance *= rate
+                chances.append((chance, seq))
+        chances.sort(key=lambda c: -c[0])
+        keep = dict.fromkeys(found, 0)
+        if not self._cost.known:
+            return {seq: len(d) for seq, d in found.items()}        # measure first
+        best, best_n, gain = batch / self._cost(batch), 0, 0.0
+        for n, (chance, _) in enumerate(chances, 1):
+            gain += chance
+            speed = (batch + gain) / self._cost(batch + n)
+            if speed > best:
+                best, best_n = speed, n
+        if best_n == 0 and self._steps % EXPLORE_EVERY == 0:
+            best_n = len(chances)
+        for _, seq in chances[:best_n]:
+            keep[seq] += 1
+        return keep
+
+    def _rate(self, seq: Sequence) -> float:
+        """The chance a drafted token of `seq` is accepted after the one before it was:
+        its own record, starting from the worker's."""
+        overall = (self._hit + 1.0) / (self._tried + 2.0)
+        hit, tried = self._per_seq.get(seq, (0.0, 0.0))
+        return (hit + 2.0 * overall) / (tried + 2.0)
+
+    def finished(self, seq: Sequence) -> None:
+        self.proposer.finished(seq)
+        self._per_seq.pop(seq, None)
+
+    # ---- the engine, after a step ----
+    def accepted(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        """`accepted` of the `proposed` drafted tokens of `seq` were kept."""
+        s = self.stats
+        s.drafts += 1
+        s.draft_tokens += proposed
+        s.accepted_tokens += accepted
+        for pos in range(accepted):
+            s.accepted_per_pos[pos] += 1
+        tried = min(proposed, accepted + 1)         # positions that were reached
+        self._tried = 0.99 * self._tried + tried
+        self._hit = 0.99 * self._hit + accepted
+        record = self._per_seq.setdefault(seq, [0.0, 0.0])
+        record[0] = 0.8 * record[0] + accepted
+        record[1] = 0.8 * record[1] + tried
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A decode step (no prompt chunk) of `rows` rows, drafted ones included, took
+        `seconds`."""
+        self._cost.add(rows, seconds)

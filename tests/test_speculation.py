@@ -1,0 +1,206 @@
+"""Speculative decoding's host side, pure Python: the flag, the proposers, the adaptive
+cut, and the scheduler's verify chunks (drafts kept while their samples agree, the
+rest rolled back, their blocks returned)."""
+import gc
+
+import pytest
+
+from services.engine.core.block_manager import BlockManager
+from services.engine.core.block_pool import BlockPool
+from services.engine.core.sampling import SamplingParams
+from services.engine.core.scheduler import Scheduler, SchedulerConfig
+from services.engine.core.sequence import PENDING, Sequence, SeqStatus
+from services.engine.core.speculation import (NgramProposer, SpeculativeConfig, Speculator, SuffixProposer)
+
+EOS = frozenset({2})
+
+
+def seq(rid, tokens, prompt_len=None, max_tokens=50, **kw):
+    return Sequence(rid, list(tokens), len(tokens) if prompt_len is None else prompt_len,
+                    SamplingParams(max_tokens=max_tokens, temperature=0, **kw), EOS)
+
+
+# ---- the flag ----
+
+def test_the_config_is_vllm_shaped_json_and_refuses_what_it_cannot_use():
+    c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}')
+    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == ("ngram", 5, 3, 2)
+    assert SpeculativeConfig.parse('{"method": "suffix"}').method == "suffix"
+    for bad, says in [("{", "not JSON"), ("[1]", "JSON object"), ('{"method": "eagle"}', "method"),
+                      ('{"num_speculative_tokens": 0}', "1 to 16"), ('{"num_speculative_tokens": "4"}', "int"),
+                      ('{"num_speculative_tokens": true}', "int"), ('{"adaptive": 1}', "bool"),
+                      ('{"prompt_lookup_min": 5}', "prompt_lookup_min"), ('{"draft_model": "x"}', "unknown keys")]:
+        with pytest.raises(ValueError, match=says):
+            SpeculativeConfig.parse(bad)
+
+
+# ---- proposers ----
+
+def test_ngram_proposes_what_followed_the_longest_earlier_match():
+    p = NgramProposer(SpeculativeConfig(prompt_lookup_min=1, prompt_lookup_max=3))
+    s = seq("a", [5, 6, 7, 8, 9, 1, 6, 7, 8, 4, 3, 6, 7])
+    # "6 7" occurs twice before; the longest tail match "3 6 7"? no: "6 7" (and "7"), the most recent
+    assert p.propose(s, 3) == [8, 4, 3]
+    s.token_ids.append(8)                            # "6 7 8": its latest occurrence is followed by 4 3 6
+    assert p.propose(s, 5) == [4, 3, 6, 7, 8]
+    assert p.propose(seq("b", [1, 2, 3, 4]), 4) == []            # nothing repeats
+    t = seq("c", [1, 2, 3, 1, 2])
+    assert p.propose(t, 4) == [3, 1, 2]                           # runs up to the end of the history
+
+
+def test_ngram_grows_its_index_with_the_sequence_and_forgets_it():
+    p = NgramProposer(SpeculativeConfig())
+    s = seq("a", [1, 2, 3, 4])
+    assert p.propose(s, 2) == []
+    s.token_ids += [9, 1, 2]
+    assert p.propose(s, 2) == [3, 4]
+    p.finished(s)
+    assert len(p._index) == 0
+    t = seq("b", [1, 2, 3, 1, 2])
+    p.propose(t, 2)
+    del t
+    gc.collect()
+    assert len(p._index) == 0                    # a sequence dropped without finished() leaves nothing
+
+
+def test_suffix_follows_confident_continuations_of_its_own_and_others_outputs():
+    p = SuffixProposer(SpeculativeConfig(method="suffix", suffix_decoding_min_token_prob=0.5))
+    done = seq("old", [1, 1, 40, 41, 42, 43, 44], prompt_len=2)
+    p.finished(done)                                  # its output enters the worker's index
+    s = seq("new", [7, 8, 40, 41], prompt_len=2)
+    assert p.propose(s, 8) == [42, 43, 44]            # from the other request's output
+    # its own history: "5 6" was followed by 7 twice and by 9 once: 7 (2/3) is confident
+    own = seq("own", [5, 6, 7, 1, 5, 6, 7, 2, 5, 6, 9, 3, 5, 6])
+    assert p.propose(own, 1) == [7]
+    unsure = seq("unsure", [5, 6, 7, 5, 6, 8, 5, 6, 9, 5, 6])
+    assert p.propose(unsure, 4) == []                 # 1/3 each: below the floor
+
+
+def test_suffix_keeps_a_bounded_number_of_outputs():
+    p = SuffixProposer(SpeculativeConfig(method="suffix", suffix_decoding_max_cached_requests=2))
+    for i in range(5):
+        p.finished(seq(f"r{i}", [0, 100 + i, 200 + i, 300 + i], prompt_len=1))
+    assert len(p._outputs) == 2
+    assert p.propose(seq("x", [9, 100, 200], prompt_len=1), 2) == []      # r0 forgotten
+    assert p.propose(seq("y", [9, 104, 204], prompt_len=1), 2) == [304]
+    contexts = {k for k in p.recent.next}
+    assert all(any(t in (103, 104, 203, 204, 303, 304) for t in k) for k in contexts)
+
+
+# ---- the adaptive cut ----
+
+def test_the_cut_drafts_only_what_pays_for_its_rows():
+    spec = Speculator(SpeculativeConfig(method="ngram", prompt_lookup_min=1))
+    seqs = [seq(f"s{i}", [1, 2, 3, 1, 2], prompt_len=3) for i in range(4)]
+    first = spec.drafts([(s, 10) for s in seqs])
+    assert all(first[s] == [3, 1, 2] for s in seqs)          # no costs measured yet: everything
+    # A decode step costs 10 ms plus 10 ms a row: a drafted row costs as much as a plain one.
+    for rows in (1, 4, 8, 16, 4, 8):
+        spec.observe(rows, 0.010 + 0.010 * rows)
+    for s in seqs:                                            # nothing was ever accepted
+        for _ in range(20):
+            spec.accepted(s, 3, 0)
+    spec._steps = 1
+    assert spec.drafts([(s, 10) for s in seqs]) == {}
+    for s in seqs:                                            # now every draft is accepted
+        for _ in range(40):
+            spec.accepted(s, 3, 3)
+    assert all(len(d) == 3 for d in spec.drafts([(s, 10) for s in seqs]).values())
+
+
+def test_the_cut_follows_the_step_cost():
+    spec = Speculator(SpeculativeConfig(method="ngram", prompt_lookup_min=1))
+    s = seq("s", [1, 2, 3, 1, 2], prompt_len=3)
+    for _ in range(30):
+        spec.accepted(s, 3, 1)                                # about one draft in two accepted
+    for rows in (1, 2, 4, 8):                                 # rows are nearly free (memory-bound decode)
+        spec.observe(rows, 0.050 + 0.0001 * rows)
+    spec._steps = 1
+    assert len(spec.drafts([(s, 10)])[s]) == 3
+    spec2 = Speculator(SpeculativeConfig(method="ngram", prompt_lookup_min=1))
+    for _ in range(30):
+        spec2.accepted(s, 3, 1)
+    for rows in (1, 2, 4, 8):                                 # rows cost all (compute-bound)
+        spec2.observe(rows, 0.001 + 0.050 * rows)
+    spec2._steps = 1
+    assert spec2.drafts([(s, 10)]) == {}
+
+
+# ---- the scheduler's verify chunks ----
+
+class Fixed:
+    """A proposer that drafts the given tokens for every sequence."""
+    def __init__(self, draft):
+        self.draft = draft
+
+    def propose(self, seq, most):
+        return self.draft[:most]
+
+    def finished(self, seq):
+        pass
+
+
+def speculating(draft, blocks=16, block_size=4, **config) -> Scheduler:
+    spec = Speculator(SpeculativeConfig(adaptive=False))
+    spec.proposer = Fixed(draft)
+    config.setdefault("max_num_seqs", 4)
+    config.setdefault("max_num_batched_tokens", 64)
+    return Scheduler(BlockManager(BlockPool(blocks, block_size)), SchedulerConfig(**config), spec)
+
+
+def run(s: Scheduler, sampled):
+    plan = s.schedule()
+    rows = plan.sampling()
+    s.launched(plan, rows)
+    return plan, s.resolve(rows, sampled(rows))
+
+
+def test_drafts_are_kept_up_to_the_first_disagreement_and_the_rest_rolled_back():
+    s = speculating([20, 21, 22, 23])
+    a = seq("a", range(10, 16), max_tokens=50)             # 6 prompt tokens: 2 blocks of 4
+    s.add(a)
+    plan, (u,) = run(s, lambda rows: [[19]])               # the prompt; first token 19
+    assert (u.token_ids, plan.verify) == ([19], [])
+    plan, (u,) = run(s, lambda rows: [[20, 21, 30, 31, 32]])
+    (c,) = plan.verify
+    assert (c.start, c.num_tokens, c.draft, c.token_ids) == (6, 5, (20, 21, 22, 23), [19, 20, 21, 22, 23])
+    assert u.token_ids == [20, 21, 30]                     # two drafts kept, then the sample that differed
+    assert a.token_ids[6:] == [19, 20, 21, 30] and a.num_computed == 9
+    assert len(a.block_ids) == 3 and s.blocks.num_available == 16 - 3     # the drafts' 4th block came back
+    plan, (u,) = run(s, lambda rows: [[20, 21, 22, 23, 24]])
+    assert u.token_ids == [20, 21, 22, 23, 24] and a.num_computed == 14   # all kept, and the bonus token
+    st = s.speculator.stats
+    assert (st.drafts, st.draft_tokens, st.accepted_tokens, st.accepted_per_pos) == (2, 8, 6, [2, 2, 1, 1])
+
+
+def test_a_sequence_ends_inside_its_drafts():
+    s = speculating([20, 21, 22, 23])
+    a = seq("a", range(10, 16), max_tokens=4)
+    b = seq("b", range(10, 16), max_tokens=50)
+    s.add(a)
+    s.add(b)
+    run(s, lambda rows: [[19], [19]])
+    plan, (ua, ub) = run(s, lambda rows: [[20, 21, 22, 23][:c.num_sampled] for c in rows[:1]] +
+                         [[20, 2, 5, 5, 5]])
+    assert [c.num_tokens for c in plan.verify] == [3, 5]  # a may take 3 more tokens: 2 drafts
+    assert (ua.token_ids, ua.finish_reason) == ([20, 21, 22], "length")
+    assert (ub.token_ids, ub.finish_reason) == ([20, 2], "stop")          # EOS inside the drafts
+    assert a.status is b.status is SeqStatus.FINISHED
+    assert s.blocks.num_available == 16                     # every block back
+
+
+def test_drafts_take_only_free_blocks_and_none_over_a_pending_token():
+    s = speculating([20, 21, 22, 23], blocks=2)
+    a = seq("a", range(10, 16), max_tokens=50)
+    s.add(a)
+    run(s, lambda rows: [[19]])                            # 7 tokens in 2 blocks of 4: room for 8
+    plan, _ = run(s, lambda rows: [[5] * rows[0].num_sampled])
+    assert plan.verify[0].draft == (20,)                    # the draft cut to the room left
+    s2 = speculating([20, 21, 22, 23], blocks=2)
+    b = seq("b", range(10, 17), max_tokens=50)
+    s2.add(b)
+    run(s2, lambda rows: [[19]])                           # 8 tokens: both blocks full
+    plan, _ = run(s2, lambda rows: [[5]])
+    assert plan.verify == [] and [c.seq for c in plan.decode] == [b]     # no room: no draft, no preemption
+    b.token_ids.append(PENDING)
+    assert s2.speculator.drafts([(b, 10)]) == {}
