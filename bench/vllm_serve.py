@@ -11,10 +11,14 @@ system's ratio to vLLM, and the ceiling: the run's linear-layer FLOPs against a
 one-core GEMM rate of that dtype measured in the same run, times the cores, and the
 fraction of that ceiling each system reached.
 
-Workloads (random token prompts, `--ignore-eos`, chat completions):
-  chat   256 in / 64 out, 64 prompts, 32 concurrent
-  long   1,024 in / 64 out, 32 prompts, 8 concurrent
-Flags after `--` go to `vllm bench serve` as they are.
+Workloads (chat completions, `--ignore-eos`):
+  chat       random tokens, 256 in / 64 out, 64 prompts, 32 concurrent
+  long       random tokens, 1,024 in / 64 out, 32 prompts, 8 concurrent
+  code-edit  a 300-600-token function to give back with an argument renamed
+             (bench/code_edit.py), as many tokens out as the function has, greedy,
+             16 prompts, 4 concurrent; each run its own prompts. For speculative
+             decoding: --systems pdserve-disaggregated,pdserve-disaggregated-ngram,vllm,vllm-ngram
+Flags after `--` go to `vllm bench serve` as they are (e.g. `-- --max-concurrency 1`).
 """
 from __future__ import annotations
 
@@ -33,11 +37,14 @@ from bench.peers.shell import Shell
 from bench.peers.systems import SYSTEMS, Context, Server, ServerError, free_port, parse_systems
 
 WORKLOADS = {
-    "chat": ["--random-input-len", "256", "--random-output-len", "64", "--num-prompts", "64",
-             "--max-concurrency", "32"],
-    "long": ["--random-input-len", "1024", "--random-output-len", "64", "--num-prompts", "32",
-             "--max-concurrency", "8"],
+    "chat": ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "64",
+             "--num-prompts", "64", "--max-concurrency", "32"],
+    "long": ["--dataset-name", "random", "--random-input-len", "1024", "--random-output-len", "64",
+             "--num-prompts", "32", "--max-concurrency", "8"],
+    "code-edit": ["--dataset-name", "custom", "--custom-output-len", "-1", "--temperature", "0",
+                  "--num-prompts", "16", "--max-concurrency", "4"],
 }
+CODE_EDIT_PROMPTS = 16          # a run's own prompts: run i takes the i-th 16 of the file
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms",
            "median_tpot_ms", "duration")
 
@@ -76,7 +83,7 @@ def bench_serve_argv(venv_bin: str, base_url: str, model: str, tokenizer: Path, 
     system has seen in an earlier run (a prefix cache would serve a repeat from memory)."""
     return [venv_bin, "bench", "serve", "--backend", "openai-chat", "--base-url", base_url,
             "--endpoint", "/v1/chat/completions", "--model", model, "--tokenizer", str(tokenizer),
-            "--dataset-name", "random", "--ignore-eos", "--seed", str(seed), *workload,
+            "--ignore-eos", "--seed", str(seed), *workload,
             "--percentile-metrics", "ttft,tpot,itl,e2el",
             "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(result.parent),
             "--result-filename", result.name, *extra]
@@ -96,7 +103,7 @@ def measure(system, context: Context, args, out: Path, sh: Shell, tokenizer: Pat
         for i in range(1, args.repeats + 1):
             result = folder / f"run-{i}.json"
             sh.run(bench_serve_argv(vllm_venv(context.peers_dir).bin("vllm"), server.base_url, model, tokenizer,
-                                    WORKLOADS[args.workload], result, extra, seed=i),
+                                    workload_args(args.workload, i, out, tokenizer), result, extra, seed=i),
                    env={"HF_HUB_OFFLINE": "1"}, log=folder / f"run-{i}.txt")
             runs.append(json.loads(result.read_text()))
             r = runs[-1]
@@ -107,6 +114,21 @@ def measure(system, context: Context, args, out: Path, sh: Shell, tokenizer: Pat
     finally:
         server.stop()
     return runs
+
+
+def workload_args(name: str, run: int, out: Path, tokenizer: Path) -> list[str]:
+    """`vllm bench serve`'s flags for run `run` of workload `name`; code-edit's prompts
+    are written once for every system (the same file, so the same requests)."""
+    if name != "code-edit":
+        return WORKLOADS[name]
+    path = out / f"code-edit-{run}.jsonl"
+    if not path.is_file():
+        from bench.code_edit import build
+        from services.engine.text.tokenizer import load_tokenizer
+        rows = build(load_tokenizer(tokenizer), CODE_EDIT_PROMPTS * run)[CODE_EDIT_PROMPTS * (run - 1):]
+        out.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [*WORKLOADS[name], "--dataset-path", str(path)]
 
 
 def _served_name(base_url: str) -> str:

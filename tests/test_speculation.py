@@ -204,3 +204,26 @@ def test_drafts_take_only_free_blocks_and_none_over_a_pending_token():
     assert plan.verify == [] and [c.seq for c in plan.decode] == [b]     # no room: no draft, no preemption
     b.token_ids.append(PENDING)
     assert s2.speculator.drafts([(b, 10)]) == {}
+
+
+# ---- what `pdserve bench --server-metrics` reads ----
+
+def test_bench_reads_acceptance_from_vllm_counter_names():
+    from services.bench.server_metrics import acceptance, parse
+    page = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+vllm:spec_decode_num_drafts_total{model_name="m"} 10.0
+vllm:spec_decode_num_draft_tokens_total{model_name="m"} 40.0
+vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 25.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 9.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 8.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 5.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="3"} 3.0
+vllm:spec_decode_num_drafts_created 1.7e9
+vllm:num_requests_running{model_name="m"} 3.0
+"""
+    before = parse(page.replace("10.0", "4.0").replace("40.0", "16.0").replace("25.0", "10.0"))
+    a = acceptance(before, parse(page))
+    assert (a.drafts, a.draft_tokens, a.accepted_tokens) == (6, 24, 15)
+    assert a.rate == 15 / 24 and a.mean_length == 1 + 15 / 6
+    assert acceptance({}, parse("vllm:num_requests_running 1")) is None
+    assert "no drafts" in acceptance(parse(page), parse(page)).describe()

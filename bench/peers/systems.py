@@ -58,14 +58,23 @@ def _pdserve(mode: str, *flags: str) -> Callable[[Context, int, Path], Launch]:
     return launch
 
 
-def _vllm(c: Context, port: int, workdir: Path) -> Launch:
-    from bench.peers.install import vllm_venv
-    env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "HF_HUB_OFFLINE": "1",
-           "VLLM_CACHE_ROOT": str(c.peers_dir / "vllm-cache")}
-    argv = [vllm_venv(c.peers_dir).bin("vllm"), "serve", str(c.model_dir), "--dtype", c.dtype,
-            "--max-model-len", str(c.vllm_max_model_len), "--no-enable-prefix-caching",
-            "--host", "127.0.0.1", "--port", str(port)]
-    return Launch(argv, env, ["--model", str(c.model_dir)], str(c.model_dir))
+def _vllm(*flags: str) -> Callable[[Context, int, Path], Launch]:
+    def launch(c: Context, port: int, workdir: Path) -> Launch:
+        from bench.peers.install import vllm_venv
+        env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "HF_HUB_OFFLINE": "1",
+               "VLLM_CACHE_ROOT": str(c.peers_dir / "vllm-cache")}
+        argv = [vllm_venv(c.peers_dir).bin("vllm"), "serve", str(c.model_dir), "--dtype", c.dtype,
+                "--max-model-len", str(c.vllm_max_model_len), "--no-enable-prefix-caching",
+                "--host", "127.0.0.1", "--port", str(port), *flags]
+        return Launch(argv, env, ["--model", str(c.model_dir)], str(c.model_dir))
+    return launch
+
+
+# Speculative decoding, the same drafts asked of each system: prompt lookup of up to
+# 4-grams, up to 4 tokens a step (vLLM's ngram); pdserve's suffix index beside it.
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                    "prompt_lookup_min": 2})
+SUFFIX = json.dumps({"method": "suffix", "num_speculative_tokens": 4})
 
 
 def _transformers_serve(c: Context, port: int, workdir: Path) -> Launch:
@@ -85,10 +94,15 @@ SYSTEMS = {s.name: s for s in (
     # Opt-in int8 weights (not in the default set: a quality trade, not the same model's output).
     System("pdserve-aggregated-int8", None, _pdserve("aggregated", "--quantization", "int8")),
     System("pdserve-disaggregated-int8", None, _pdserve("disaggregated", "--quantization", "int8")),
-    System("vllm", "vllm", _vllm),
+    System("vllm", "vllm", _vllm()),
     System("transformers-serve", "transformers", _transformers_serve),
+    # Speculative decoding (not in the default set: measured on workloads that repeat their prompts).
+    System("pdserve-disaggregated-ngram", None, _pdserve("disaggregated", "--speculative-config", NGRAM)),
+    System("pdserve-disaggregated-suffix", None, _pdserve("disaggregated", "--speculative-config", SUFFIX)),
+    System("pdserve-aggregated-ngram", None, _pdserve("aggregated", "--speculative-config", NGRAM)),
+    System("vllm-ngram", "vllm", _vllm("--speculative-config", NGRAM)),
 )}
-DEFAULT_SYSTEMS = tuple(name for name in SYSTEMS if not name.endswith("-int8"))
+DEFAULT_SYSTEMS = tuple(name for name in SYSTEMS if not name.endswith(("-int8", "-ngram", "-suffix")))
 
 
 def parse_systems(text: str) -> list[System]:

@@ -58,6 +58,7 @@ class BenchSettings:
     api_key: str | None = field(default=None, repr=False)   # sent as a bearer token; never written out
     headers: tuple[str, ...] = field(default=(), repr=False)  # "Name: value", sent; never written out
     label: str | None = None
+    server_metrics: tuple[str, ...] = ()    # /metrics URLs read before and after (speculative decoding)
     json: str | None = None
     plot: str | None = None
     progress: bool = True
@@ -183,13 +184,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--json", default=None, metavar="OUT.json", help="config, summary and every request")
     r.add_argument("--plot", default=None, metavar="OUT.png", help="latency CDFs and throughput over time")
     r.add_argument("--label", default=None, help="this run's name in `compare` (default: the file's)")
+    r.add_argument("--server-metrics", action="append", default=None, metavar="URL",
+                   help="a Prometheus /metrics page read before and after the run (repeat for several, e.g. each "
+                        "decode worker's): reports speculative decoding's acceptance from vLLM's counter names, "
+                        "which pdserve's decode workers and vLLM both export")
     r.add_argument("--no-progress", dest="progress", action="store_false")
 
 
 def settings_from_args(a: argparse.Namespace) -> BenchSettings:
     names = BenchSettings.__dataclass_fields__
     given = {k: v for k, v in vars(a).items() if k in names}
-    return BenchSettings(**{**given, "headers": tuple(a.headers or ())})
+    return BenchSettings(**{**given, "headers": tuple(a.headers or ()),
+                            "server_metrics": tuple(a.server_metrics or ())})
 
 
 def _load_tokenizer(name: str | None):
@@ -203,8 +209,9 @@ def _load_tokenizer(name: str | None):
         raise ValueError(f"--tokenizer {name}: {exc}") from None
 
 
-async def _measure(s: BenchSettings, requests: list[BenchRequest], warm: list[BenchRequest],
-                   count_tokens) -> tuple[str, list[RequestRecord], list[RequestRecord]]:
+async def _measure(s: BenchSettings, requests: list[BenchRequest], warm: list[BenchRequest], count_tokens):
+    """The model, the warm-up's and the run's records, and the run's speculative decoding
+    as --server-metrics counted it (None without)."""
     import httpx
 
     from services.bench.client import Endpoint, first_model, normalize_base_url, send
@@ -228,10 +235,24 @@ async def _measure(s: BenchSettings, requests: list[BenchRequest], warm: list[Be
             progress = Progress(len(warm), "warm-up", enabled=s.progress)
             warm_records = await drive(warm, call, LoadShape(max_concurrency=s.max_concurrency), progress)
             progress.close()
+        before = await _server_counts(client, s.server_metrics)
         progress = Progress(len(requests), "bench", enabled=s.progress)
         records = await drive(requests, call, s.load_shape(), progress)
         progress.close()
-    return model, warm_records, records
+        after = await _server_counts(client, s.server_metrics)
+    from services.bench.server_metrics import acceptance
+    return model, warm_records, records, (acceptance(before, after) if s.server_metrics else None)
+
+
+async def _server_counts(client, urls: tuple[str, ...]) -> dict[str, float]:
+    import httpx
+
+    from services.bench.client import EndpointError
+    from services.bench.server_metrics import scrape
+    try:
+        return await scrape(client, list(urls)) if urls else {}
+    except httpx.HTTPError as exc:
+        raise EndpointError(f"--server-metrics: {exc}") from None
 
 
 def bench(s: BenchSettings) -> int:
@@ -246,7 +267,7 @@ def bench(s: BenchSettings) -> int:
     warm = build_requests(workload, builder, s.warmup, s.seed, stream="warmup") if s.warmup else []
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     try:
-        model, warm_records, records = asyncio.run(_measure(s, requests, warm, builder.count))
+        model, warm_records, records, speculation = asyncio.run(_measure(s, requests, warm, builder.count))
     except EndpointError as exc:
         print(f"pdserve bench: {exc}", file=sys.stderr)
         return 2
@@ -263,6 +284,8 @@ def bench(s: BenchSettings) -> int:
     title = f"pdserve bench: {workload}, {s.num_prompts} prompts, {s.load_shape()} -> {s.base_url} " \
             f"({model}, {s.endpoint})"
     print(format_summary(summary, title, s.slo_note()))
+    if speculation is not None:
+        print(speculation.describe())
     if s.json:
         settings = {k: v for k, v in asdict(s).items() if k not in SECRET_FIELDS}
         config = {**settings, "model": model, "tokenizer": str(s.tokenizer or _default_model_name()),
@@ -271,7 +294,11 @@ def bench(s: BenchSettings) -> int:
                   "slo_description": s.slo_note(), "started_at": started_at}
         warmup = {"requests": len(warm_records), "failed": warm_failed,
                   "errors": sorted({r.error for r in warm_records if r.error})}
-        Path(s.json).write_text(json.dumps(run_document(config, summary, records, warmup), indent=1) + "\n")
+        doc = run_document(config, summary, records, warmup)
+        if speculation is not None:
+            doc["speculation"] = {**asdict(speculation), "rate": speculation.rate,
+                                  "mean_length": speculation.mean_length}
+        Path(s.json).write_text(json.dumps(doc, indent=1) + "\n")
     if s.plot:
         from services.bench.plot import plot_run
         plot_run(s.plot, records, title)

@@ -238,13 +238,14 @@ class Speculator:
         self._tried = self._hit = 0.0          # drafted positions verified, and accepted, recent ones weighing most
         self._per_seq: weakref.WeakKeyDictionary[Sequence, list[float]] = weakref.WeakKeyDictionary()
         self._steps = 0
-        self.last_cut = 0                       # drafted tokens the last step kept
 
     # ---- the scheduler ----
     def drafts(self, candidates: list[tuple[Sequence, int]]) -> dict[Sequence, list[int]]:
         """Drafts for some of `candidates` (a decoding sequence, the most tokens it may
         take), as many tokens as are worth verifying this step."""
         self._steps += 1
+        if self.config.adaptive and not self._may_pay(candidates):
+            return {}
         found: dict[Sequence, list[int]] = {}
         for seq, most in candidates:
             most = min(most, self.config.num_speculative_tokens)
@@ -255,8 +256,19 @@ class Speculator:
         if not found or not self.config.adaptive:
             return found
         keep = self._cut(len(candidates), found)
-        self.last_cut = sum(keep.values())
         return {seq: found[seq][:n] for seq, n in keep.items() if n}
+
+    def _may_pay(self, candidates: list[tuple[Sequence, int]]) -> bool:
+        """Whether drafting can beat a plain step now: with every candidate drafting
+        its most at the best acceptance any of them has shown. When it cannot, the
+        proposers are not asked (their indexes catch up when they next are), except on
+        the exploring steps."""
+        if not self._cost.known or self._steps % EXPLORE_EVERY == 0:
+            return True
+        batch, k = len(candidates), self.config.num_speculative_tokens
+        rate = max(self._rate(seq) for seq, _ in candidates)
+        gain = batch * sum(rate ** j for j in range(1, k + 1))
+        return (batch + gain) / self._cost(batch * (1 + k)) > batch / self._cost(batch)
 
     def _cut(self, batch: int, found: dict[Sequence, list[int]]) -> dict[Sequence, int]:
         """How many of each sequence's drafted tokens to verify: the most likely first,
