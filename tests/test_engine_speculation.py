@@ -11,6 +11,7 @@ not the model's, and 20,000 rows of the real one would take minutes)."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import random
 from dataclasses import replace
@@ -41,11 +42,13 @@ def runner(model_dir):
     return ModelRunner(model_dir, "float32", "cpu")
 
 
-def generate(runner, seqs, spec: str | None, num_blocks=512) -> tuple[dict, dict, Speculator | None]:
+def generate(runner, seqs, spec: str | None, num_blocks=512, speculator: Speculator | None = None
+             ) -> tuple[dict, dict, Speculator | None]:
     """Run `seqs` (fresh copies) to their ends; each one's tokens and logprobs."""
     blocks = BlockManager(BlockPool(num_blocks, BLOCK))
     memory = KVPoolMemory.allocate(runner.layout(num_blocks, BLOCK))
-    speculator = Speculator(SpeculativeConfig.parse(spec)) if spec else None
+    if spec:
+        speculator = Speculator(SpeculativeConfig.parse(spec))
     engine = LLMEngine(runner, memory, Scheduler(blocks, SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512),
                                                  speculator))
     out, logprobs = {}, {}
@@ -232,3 +235,34 @@ def test_samples_with_rejected_drafts_keep_the_models_distribution(tiny, top_p):
         seconds = [b for a, b in drafted if a == after]
         assert len(seconds) > 500
         assert agrees(seconds, target_probs(reference, prompt, [first, after], params)) > 0.01, after
+
+
+# ---- the draft model ----
+
+@pytest.mark.parametrize("quantization", ["none", pytest.param("int8", marks=pytest.mark.slow)])
+def test_a_draft_model_drafts_and_the_output_stays_generates(runner, model_dir, expected, quantization):
+    """The default model drafting for itself: in float32 its greedy drafts are nearly all
+    accepted; its int8 copy drafts less well, and the output is the same either way."""
+    from services.engine.model.draft import DraftProposer
+    config = SpeculativeConfig.parse(json.dumps({"model": str(model_dir), "num_speculative_tokens": 4,
+                                                 "quantization": quantization, "adaptive": False}))
+    assert config.method == "draft"
+    draft_runner = runner if quantization == "none" else ModelRunner(model_dir, "float32", "cpu",
+                                                                      quantization="int8")
+    eos = eos_token_ids(model_dir)
+    seqs = []
+    for case in CASES[:4]:
+        exp = expected[case.name]
+        n = len(exp.token_ids) if case.stop else case.max_tokens
+        seqs.append(Sequence(case.name, list(exp.prompt_ids), len(exp.prompt_ids),
+                             SamplingParams(max_tokens=n, temperature=0), eos))
+    proposer = DraftProposer(config, runner, 4096, BLOCK, runner=draft_runner)
+    out, _, speculator = generate(runner, seqs, None, speculator=Speculator(config, proposer))
+    for case in CASES[:4]:
+        assert out[case.name] == expected[case.name].token_ids[:len(out[case.name])], case.name
+    stats = speculator.stats
+    rate = stats.accepted_tokens / stats.draft_tokens
+    assert stats.drafts > 10
+    assert rate > 0.9 if quantization == "none" else 0.3 < rate < 1.0, rate
+    assert proposer.blocks.num_available == proposer.blocks.num_blocks     # every draft block back
+    proposer.close()

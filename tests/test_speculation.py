@@ -26,10 +26,14 @@ def test_the_config_is_vllm_shaped_json_and_refuses_what_it_cannot_use():
     c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}')
     assert (c.method, c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == ("ngram", 5, 3, 2)
     assert SpeculativeConfig.parse('{"method": "suffix"}').method == "suffix"
+    assert SpeculativeConfig.parse('{"model": "m"}').method == "draft"            # vLLM infers it from the model
+    assert SpeculativeConfig.parse('{"method": "draft_model", "model": "m"}').method == "draft"
     for bad, says in [("{", "not JSON"), ("[1]", "JSON object"), ('{"method": "eagle"}', "method"),
                       ('{"num_speculative_tokens": 0}', "1 to 16"), ('{"num_speculative_tokens": "4"}', "int"),
                       ('{"num_speculative_tokens": true}', "int"), ('{"adaptive": 1}', "bool"),
-                      ('{"prompt_lookup_min": 5}', "prompt_lookup_min"), ('{"draft_model": "x"}', "unknown keys")]:
+                      ('{"prompt_lookup_min": 5}', "prompt_lookup_min"), ('{"draft_model": "x"}', "unknown keys"),
+                      ('{"method": "draft"}', "draft model"), ('{"method": "ngram", "model": "m"}', "only it"),
+                      ('{"model": "m", "quantization": "fp8"}', "quantization")]:
         with pytest.raises(ValueError, match=says):
             SpeculativeConfig.parse(bad)
 

@@ -4,7 +4,7 @@ prompt and a prompt that asks for a passage back (where drafts are accepted many
 time) come back as `model.generate` makes them, through the `openai` client streamed
 and not, one at a time and sixteen in flight, and through gRPC; the decode worker
 counts its drafts under vLLM's metric names and every KV block comes back.
-The ngram proposer by default; suffix under `make test-slow`."""
+The ngram proposer by default; suffix and a draft model under `make test-slow`."""
 from __future__ import annotations
 
 import json
@@ -26,9 +26,13 @@ PASSAGE = ("def area(width, height):\n    return width * height\n\n\n"
 COPY = Case("copy", [{"role": "user", "content": f"Repeat this code exactly:\n\n{PASSAGE}"}], max_tokens=48)
 
 
-@pytest.fixture(scope="module", params=["ngram", pytest.param("suffix", marks=pytest.mark.slow)])
-def spec_cluster(request):
-    c = start_cluster("--speculative-config", json.dumps({"method": request.param, "num_speculative_tokens": 4}))
+@pytest.fixture(scope="module", params=["ngram", pytest.param("suffix", marks=pytest.mark.slow),
+                                        pytest.param("draft", marks=pytest.mark.slow)])
+def spec_cluster(request, model_dir):
+    config = {"method": request.param, "num_speculative_tokens": 4}
+    if request.param == "draft":            # the model drafting for itself: a test of the plumbing, not a speed-up
+        config.update(model=str(model_dir), adaptive=False)
+    c = start_cluster("--speculative-config", json.dumps(config))
     yield c
     stop_cluster(c)
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft")
+# vLLM's names for the same methods
+ALIASES = {"draft_model": "draft"}
+QUANTIZATIONS = ("none", "int8")
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,8 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_min_token_prob: float = 0.1
     adaptive: bool = True                       # False: draft whatever the proposer finds
+    model: str = ""                             # draft: the draft model (a folder or a Hub id), same tokenizer
+    quantization: str = "none"                  # draft: int8 for the draft model's matmuls (CPU)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -31,6 +36,10 @@ class SpeculativeConfig:
             raise ValueError("suffix_decoding_max_tree_depth must be at least 1, max_cached_requests 0 or more")
         if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
             raise ValueError("suffix_decoding_min_token_prob must be in [0, 1]")
+        if (self.method == "draft") != bool(self.model):
+            raise ValueError("the draft method takes a draft model (\"model\"), and only it does")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
@@ -49,4 +58,7 @@ class SpeculativeConfig:
             want = {"int": int, "float": (int, float), "bool": bool, "str": str}[known[key]]
             if isinstance(value, bool) is not (known[key] == "bool") or not isinstance(value, want):
                 raise ValueError(f"--speculative-config: {key} must be a {known[key]}, not {value!r}")
+        if "method" not in raw and raw.get("model"):
+            raw["method"] = "draft"                     # vLLM infers a draft model from "model"
+        raw["method"] = ALIASES.get(raw.get("method"), raw.get("method", "ngram"))
         return cls(**raw)

@@ -37,6 +37,7 @@ from services.engine.core.sampling import MAX_CHOICES, SamplingParams
 from services.engine.core.sequence import Sequence
 from services.engine.core.speculation import Speculator
 from services.engine.engine import EngineOutput, StepStats
+from services.engine.model.draft import draft_proposer
 from services.engine.model.kv_cache import KVPoolMemory, sweep_stale_segments
 from services.engine.model.runner import ModelRunner
 from services.rpc import worker_pb2, worker_pb2_grpc
@@ -82,7 +83,9 @@ class DecodeWorker(EngineWorker):
             log.warning("async scheduling is off: speculative decoding drafts from each step's tokens, read "
                         "before the next step is planned")
             overlap = False
-        speculator = Speculator(speculation) if speculation is not None else None
+        speculator = None
+        if speculation is not None:
+            speculator = Speculator(speculation, draft_proposer(speculation, runner, tokens, settings.block_size))
         self._open(memory, settings.enable_prefix_caching, speculator, async_scheduling=overlap)
         log.info("async scheduling: %s", "on (each step launched before the last one's tokens are read)"
                  if overlap else "off")

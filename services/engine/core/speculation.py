@@ -19,6 +19,9 @@ Proposers:
   ngram   prompt lookup (vLLM's `ngram`): the longest n-gram (prompt_lookup_max down to
           prompt_lookup_min) ending the sequence that occurred before in its own tokens,
           and the tokens that followed it there;
+  draft   a smaller model with the same tokenizer, run greedily over its own paged KV
+          on the decode worker (model/draft.py: the worker builds it, this module holds
+          no model);
   suffix  a frequency index of continuations (SuffixDecoding's idea, a trie of depth
           `suffix_decoding_max_tree_depth` kept as counts per context): one over each
           sequence's prompt and output, and one over the worker's recent outputs
@@ -38,6 +41,7 @@ acceptance estimates follow the traffic.
 """
 from __future__ import annotations
 
+import time
 import weakref
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -58,7 +62,10 @@ class Proposer(Protocol):
         """Up to `most` tokens likely to follow `seq.token_ids`."""
 
     def finished(self, seq: Sequence) -> None:
-        """`seq` ended: what it made may help others."""
+        """`seq` ended: what it made may help others.
+
+    A proposer may also have `propose_all([(seq, most), ...]) -> {seq: draft}`, asked
+    instead of `propose` for a step's sequences together (a draft model's batch)."""
 
 
 class _ContextIndex:
@@ -230,9 +237,13 @@ class Speculator:
     """The scheduler's source of drafts; the engine tells it what each step cost and
     what was accepted."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
+        """`proposer`: one built elsewhere (the draft model's); otherwise the method's."""
+        if proposer is None and config.method not in PROPOSERS:
+            raise ValueError(f"the {config.method} method's proposer is built by the worker")
         self.config = config
-        self.proposer: Proposer = PROPOSERS[config.method](config)
+        self.proposer: Proposer = proposer or PROPOSERS[config.method](config)
+        self._drafting = 0.0                    # seconds a step's drafting takes, recent steps weighing most
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._cost = _CostLine()
         self._tried = self._hit = 0.0          # drafted positions verified, and accepted, recent ones weighing most
@@ -246,13 +257,15 @@ class Speculator:
         self._steps += 1
         if self.config.adaptive and not self._may_pay(candidates):
             return {}
-        found: dict[Sequence, list[int]] = {}
-        for seq, most in candidates:
-            most = min(most, self.config.num_speculative_tokens)
-            if most > 0 and seq.last_token != PENDING and seq.constraint is None:
-                draft = self.proposer.propose(seq, most)
-                if draft:
-                    found[seq] = draft
+        wanted = [(seq, min(most, self.config.num_speculative_tokens)) for seq, most in candidates
+                  if most > 0 and seq.last_token != PENDING and seq.constraint is None]
+        t0 = time.perf_counter()
+        batched = getattr(self.proposer, "propose_all", None)
+        if batched is not None:
+            found = {seq: d for seq, d in batched(wanted).items() if d}
+        else:
+            found = {seq: d for seq, most in wanted if (d := self.proposer.propose(seq, most))}
+        self._drafting = 0.9 * self._drafting + 0.1 * (time.perf_counter() - t0)
         if not found or not self.config.adaptive:
             return found
         keep = self._cut(len(candidates), found)
@@ -268,7 +281,7 @@ class Speculator:
         batch, k = len(candidates), self.config.num_speculative_tokens
         rate = max(self._rate(seq) for seq, _ in candidates)
         gain = batch * sum(rate ** j for j in range(1, k + 1))
-        return (batch + gain) / self._cost(batch * (1 + k)) > batch / self._cost(batch)
+        return (batch + gain) / (self._cost(batch * (1 + k)) + self._drafting) > batch / self._cost(batch)
 
     def _cut(self, batch: int, found: dict[Sequence, list[int]]) -> dict[Sequence, int]:
         """How many of each sequence's drafted tokens to verify: the most likely first,
@@ -286,7 +299,7 @@ class Speculator:
         best, best_n, gain = batch / self._cost(batch), 0, 0.0
         for n, (chance, _) in enumerate(chances, 1):
             gain += chance
-            speed = (batch + gain) / self._cost(batch + n)
+            speed = (batch + gain) / (self._cost(batch + n) + self._drafting)
             if speed > best:
                 best, best_n = speed, n
         if best_n == 0 and self._steps % EXPLORE_EVERY == 0:
