@@ -64,7 +64,8 @@ def generate(runner, seqs, spec: str | None, num_blocks=512, speculator: Specula
     return out, logprobs, speculator
 
 
-@pytest.mark.parametrize("method", ["ngram", pytest.param("suffix", marks=pytest.mark.slow)])
+@pytest.mark.slow               # the cluster's test checks ngram's greedy output on every parity prompt
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_greedy_output_is_generates_with_each_proposer(runner, model_dir, expected, method):
     eos = eos_token_ids(model_dir)
     seqs = []
@@ -97,7 +98,7 @@ def test_sampled_output_is_what_it_is_without_speculation(runner, model_dir, exp
     kinds = [dict(temperature=0.8, top_p=0.9, seed=7), dict(temperature=1.0, top_k=20, seed=3, logprobs=3),
              dict(temperature=0.7, seed=11, repetition_penalty=1.2, frequency_penalty=0.3, min_tokens=5),
              dict(temperature=0.0, logprobs=2)]
-    seqs = [Sequence(f"s{i}", list(prompt), len(prompt), SamplingParams(max_tokens=40, **kw), eos)
+    seqs = [Sequence(f"s{i}", list(prompt), len(prompt), SamplingParams(max_tokens=24, **kw), eos)
             for i, kw in enumerate(kinds)]
     plain, plain_lp, _ = generate(runner, seqs, None)
     drafted, drafted_lp, speculator = generate(runner, seqs, '{"method": "suffix", "adaptive": false}')
@@ -251,14 +252,15 @@ def test_a_draft_model_drafts_and_the_output_stays_generates(runner, model_dir, 
                                                                       quantization="int8")
     eos = eos_token_ids(model_dir)
     seqs = []
-    for case in CASES[:4]:
+    cases = [c for c in CASES if c.name in ("short", "multi_turn", "stop_string")]
+    for case in cases:
         exp = expected[case.name]
         n = len(exp.token_ids) if case.stop else case.max_tokens
         seqs.append(Sequence(case.name, list(exp.prompt_ids), len(exp.prompt_ids),
                              SamplingParams(max_tokens=n, temperature=0), eos))
     proposer = DraftProposer(config, runner, 4096, BLOCK, runner=draft_runner)
     out, _, speculator = generate(runner, seqs, None, speculator=Speculator(config, proposer))
-    for case in CASES[:4]:
+    for case in cases:
         assert out[case.name] == expected[case.name].token_ids[:len(out[case.name])], case.name
     stats = speculator.stats
     rate = stats.accepted_tokens / stats.draft_tokens

@@ -106,6 +106,10 @@ def test_the_cut_drafts_only_what_pays_for_its_rows():
             spec.accepted(s, 3, 0)
     spec._steps = 1
     assert spec.drafts([(s, 10) for s in seqs]) == {}
+    newcomer = seq("new", [1, 2, 3, 1, 2], prompt_len=3)
+    assert spec.drafts([(s, 10) for s in seqs] + [(newcomer, 10)]) == {newcomer: [3, 1, 2]}   # its first: whole
+    spec.accepted(newcomer, 3, 0)
+    assert spec.drafts([(newcomer, 10)]) == {}                 # then its record decides
     for s in seqs:                                            # now every draft is accepted
         for _ in range(40):
             spec.accepted(s, 3, 3)

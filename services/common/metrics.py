@@ -98,6 +98,8 @@ class WorkerMetrics:
             self._spec["accepted_per_pos"] = Counter(
                 "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens per draft position.",
                 m + ["position"], registry=r)
+            for pos in range(len(totals.get("accepted_per_pos") or ())):     # every position from the start
+                self._spec["accepted_per_pos"].labels(self.model_name, str(pos))
         for key, value in totals.items():
             values = value if isinstance(value, list) else [value]
             for pos, v in enumerate(values):

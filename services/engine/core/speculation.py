@@ -36,8 +36,9 @@ whose draft is rejected is work thrown away. From the decode steps measured so f
 least-squares line of seconds over rows, recent steps weighing most) and each
 sequence's measured acceptance, the speculator keeps the drafted tokens in order of
 their chance of being accepted while the expected tokens per second rise, and drafts
-nothing when a plain step wins. One step in EXPLORE_EVERY drafts anyway, so the
-acceptance estimates follow the traffic.
+nothing when a plain step wins. A sequence's first draft is always verified (its own
+record starts there, so one early rejection elsewhere does not keep it from drafting),
+and one step in EXPLORE_EVERY drafts anyway, so the estimates follow the traffic.
 """
 from __future__ import annotations
 
@@ -248,6 +249,7 @@ class Speculator:
         self._cost = _CostLine()
         self._tried = self._hit = 0.0          # drafted positions verified, and accepted, recent ones weighing most
         self._per_seq: weakref.WeakKeyDictionary[Sequence, list[float]] = weakref.WeakKeyDictionary()
+        self._unmatched: weakref.WeakSet[Sequence] = weakref.WeakSet()    # asked once, nothing drafted
         self._steps = 0
 
     # ---- the scheduler ----
@@ -266,6 +268,9 @@ class Speculator:
         else:
             found = {seq: d for seq, most in wanted if (d := self.proposer.propose(seq, most))}
         self._drafting = 0.9 * self._drafting + 0.1 * (time.perf_counter() - t0)
+        for seq, _ in wanted:
+            if seq not in found:
+                self._unmatched.add(seq)            # no longer fresh: it waits for explored steps
         if not found or not self.config.adaptive:
             return found
         keep = self._cut(len(candidates), found)
@@ -278,6 +283,8 @@ class Speculator:
         the exploring steps."""
         if not self._cost.known or self._steps % EXPLORE_EVERY == 0:
             return True
+        if any(self._fresh(seq) for seq, _ in candidates):
+            return True                             # a sequence not yet drafted for
         batch, k = len(candidates), self.config.num_speculative_tokens
         rate = max(self._rate(seq) for seq, _ in candidates)
         gain = batch * sum(rate ** j for j in range(1, k + 1))
@@ -296,10 +303,16 @@ class Speculator:
         keep = dict.fromkeys(found, 0)
         if not self._cost.known:
             return {seq: len(d) for seq, d in found.items()}        # measure first
-        best, best_n, gain = batch / self._cost(batch), 0, 0.0
+        for seq in found:
+            if seq not in self._per_seq:            # a first draft is verified whole
+                keep[seq] = len(found[seq])
+        chances = [c for c in chances if c[1] in self._per_seq]
+        forced = sum(keep.values())
+        best = batch / (self._cost(batch + forced) + (self._drafting if forced else 0.0))
+        best_n, gain = 0, 0.0
         for n, (chance, _) in enumerate(chances, 1):
             gain += chance
-            speed = (batch + gain) / (self._cost(batch + n) + self._drafting)
+            speed = (batch + gain) / (self._cost(batch + forced + n) + self._drafting)
             if speed > best:
                 best, best_n = speed, n
         if best_n == 0 and self._steps % EXPLORE_EVERY == 0:
@@ -307,6 +320,9 @@ class Speculator:
         for _, seq in chances[:best_n]:
             keep[seq] += 1
         return keep
+
+    def _fresh(self, seq: Sequence) -> bool:
+        return seq not in self._per_seq and seq not in self._unmatched
 
     def _rate(self, seq: Sequence) -> float:
         """The chance a drafted token of `seq` is accepted after the one before it was:
@@ -318,6 +334,7 @@ class Speculator:
     def finished(self, seq: Sequence) -> None:
         self.proposer.finished(seq)
         self._per_seq.pop(seq, None)
+        self._unmatched.discard(seq)
 
     # ---- the engine, after a step ----
     def accepted(self, seq: Sequence, proposed: int, accepted: int) -> None:
