@@ -96,8 +96,7 @@ def test_sampled_output_is_what_it_is_without_speculation(runner, model_dir, exp
     eos = eos_token_ids(model_dir)
     prompt = expected["long"].prompt_ids[:150]
     kinds = [dict(temperature=0.8, top_p=0.9, seed=7), dict(temperature=1.0, top_k=20, seed=3, logprobs=3),
-             dict(temperature=0.7, seed=11, repetition_penalty=1.2, frequency_penalty=0.3, min_tokens=5),
-             dict(temperature=0.0, logprobs=2)]
+             dict(temperature=0.7, seed=11, repetition_penalty=1.2, frequency_penalty=0.3, min_tokens=5)]
     seqs = [Sequence(f"s{i}", list(prompt), len(prompt), SamplingParams(max_tokens=24, **kw), eos)
             for i, kw in enumerate(kinds)]
     plain, plain_lp, _ = generate(runner, seqs, None)

@@ -4,7 +4,8 @@ prompt and a prompt that asks for a passage back (where drafts are accepted many
 time) come back as `model.generate` makes them, through the `openai` client streamed
 and not, one at a time and sixteen in flight, and through gRPC; the decode worker
 counts its drafts under vLLM's metric names and every KV block comes back.
-The ngram proposer by default; suffix and a draft model under `make test-slow`."""
+The ngram proposer, sixteen in flight, by default; one at a time, and the suffix and
+draft-model proposers, under `make test-slow`."""
 from __future__ import annotations
 
 import json
@@ -77,6 +78,7 @@ def check(got, exp: Expected, name: str) -> None:
     assert completion == len(exp.token_ids), name       # a stop string inside a drafted delta ends it there
 
 
+@pytest.mark.slow               # the sixteen below stream half their requests
 def test_one_at_a_time_streamed_and_not(spec_cluster, references):
     """The passage back streamed and not, and a stop string inside a drafted delta; the
     other prompts run in the sixteen below."""
