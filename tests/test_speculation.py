@@ -235,3 +235,28 @@ vllm:num_requests_running{model_name="m"} 3.0
     assert a.rate == 15 / 24 and a.mean_length == 1 + 15 / 6
     assert acceptance({}, parse("vllm:num_requests_running 1")) is None
     assert "no drafts" in acceptance(parse(page), parse(page)).describe()
+
+
+def test_drafts_never_starve_or_preempt_another_sequence():
+    """Two sequences prefilled elsewhere, one block left: the first one's draft may use
+    the room left in its own last block, not the free block the second needs for its own
+    next token (whose free slots the second's draft may use); and drafts take no token
+    of the budget another sequence's turn needs."""
+    s = speculating([20, 21, 22, 23], blocks=5, max_num_batched_tokens=8, max_num_seqs=2)
+    a, b = seq("a", list(range(10, 16)) + [19], prompt_len=6), seq("b", list(range(30, 38)) + [19], prompt_len=8)
+    for q in (a, b):
+        s.reserve(q.request_id, q.prompt_len, float("inf"))
+        s.add_prefilled(q)
+    assert s.blocks.num_available == 1                 # a: 2 blocks (room for 1 more token), b: 2 full ones
+    plan, _ = run(s, lambda rows: [[5] * r.num_sampled for r in rows])
+    # a drafts into its last block's one free slot; b into the block its own token opens
+    assert [(c.seq.request_id, c.draft) for c in plan.chunks] == [("a", (20,)), ("b", (20, 21, 22))]
+    assert s.num_preemptions == 0 and len(b.block_ids) == 3
+    s2 = speculating([20, 21, 22, 23], blocks=16, max_num_batched_tokens=3, max_num_seqs=2)
+    c, d = seq("c", list(range(10, 16)) + [19], prompt_len=6), seq("d", list(range(30, 36)) + [19], prompt_len=6)
+    for q in (c, d):
+        s2.reserve(q.request_id, q.prompt_len, float("inf"))
+        s2.add_prefilled(q)
+    plan, _ = run(s2, lambda rows: [[5] * r.num_sampled for r in rows])
+    assert sorted(c.seq.request_id for c in plan.chunks) == ["c", "d"]   # the budget of 3 leaves one draft
+    assert sum(len(c.draft) for c in plan.chunks) == 1

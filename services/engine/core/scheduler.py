@@ -223,7 +223,7 @@ class Scheduler:
         prompts = budget
         if self.config.max_mixed_prefill and any(s.num_computed == len(s.token_ids) - 1 for s in self.running):
             prompts = self.config.max_mixed_prefill
-        drafts = self._drafts()
+        drafts, room = self._drafts(budget)
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -232,7 +232,7 @@ class Scheduler:
             n = self._chunk_len(seq, budget, prompts)
             if n == 0:
                 continue
-            draft = self._fit_draft(seq, drafts.get(seq, ()), budget) if n == 1 else ()
+            draft = self._fit_draft(seq, drafts.get(seq, ()), room) if n == 1 else ()
             n += len(draft)
             if self.in_flight and self._short(seq, seq.num_computed + n):
                 # no preemption under a running step: this one waits a step, and no
@@ -261,20 +261,35 @@ class Scheduler:
             prompts -= n if n > 1 else 0
         return plan
 
-    def _drafts(self) -> dict[Sequence, list[int]]:
+    def _drafts(self, budget: int) -> tuple[dict[Sequence, list[int]], list[int]]:
         """The speculator's drafts for the decoding sequences, each at most the tokens its
-        max_tokens leaves after this step's own."""
+        max_tokens leaves after this step's own; and the room drafts have, [tokens,
+        blocks]: what is left once every running sequence has its own next token and
+        the block for it, so a draft never starves or preempts another sequence."""
         if self.speculator is None:
-            return {}
+            return {}, [0, 0]
         decoding = [(s, s.params.max_tokens - s.num_generated - 1) for s in self.running
                     if s.num_computed == len(s.token_ids) - 1 and s.num_generated > 0]
-        return self.speculator.drafts(decoding) if decoding else {}
+        if not decoding:
+            return {}, [0, 0]
+        own_blocks = sum(max(0, self._needed(s, len(s.token_ids))) for s in self.running)
+        room = [budget - len(self.running), max(0, self.blocks.num_available - own_blocks)]
+        if room[0] <= 0:
+            return {}, room
+        return self.speculator.drafts(decoding), room
 
-    def _fit_draft(self, seq: Sequence, draft: list[int], budget: int) -> tuple[int, ...]:
-        """`draft` cut to the token budget and to the blocks free now (a draft never
-        preempts)."""
-        room = (len(seq.block_ids) + self.blocks.num_available) * self.blocks.block_size - seq.num_computed - 1
-        return tuple(draft[:max(0, min(budget - 1, room))])
+    def _fit_draft(self, seq: Sequence, draft: list[int], room: list[int]) -> tuple[int, ...]:
+        """`draft` cut to the room drafts have left (`_drafts`), which it then takes."""
+        tokens, blocks = room
+        bs = self.blocks.block_size
+        # tokens that fit in the blocks the sequence has and those it may take
+        fits = (self.blocks.blocks_for(seq.num_computed + 1) + blocks) * bs - seq.num_computed - 1
+        draft = draft[:max(0, min(tokens, fits))]
+        if draft:
+            room[0] -= len(draft)
+            room[1] -= (self.blocks.blocks_for(seq.num_computed + 1 + len(draft))
+                        - self.blocks.blocks_for(seq.num_computed + 1))
+        return tuple(draft)
 
     def _chunk_len(self, seq: Sequence, budget: int, prompts: int) -> int:
         """Tokens of `seq` in this step: its next token, or as much of its prompt as the
