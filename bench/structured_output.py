@@ -63,7 +63,7 @@ def decode_steps(runner, grammars: Grammars | None, batch: int, steps: int, eos)
             live = [s.constraint for s in seqs if s.constraint is not None and not s.constraint.terminated]
             if live:
                 t0 = time.perf_counter()
-                fill_masks(live)                            # reads the matchers, changes nothing
+                fill_masks([(c, ()) for c in live])         # reads the matchers, changes nothing
                 fills.append(time.perf_counter() - t0)
             engine.step()
             s = engine.last_step

@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     cores = len(os.sched_getaffinity(0))
     config = json.loads((model / "config.json").read_text())
     summary = summarize(results, config, rate, cores)
-    title = (f"vllm bench serve, workload {args.workload} ({' '.join(WORKLOADS[args.workload])}), "
+    title = (f"vllm bench serve, workload {args.workload} ({' '.join(WORKLOADS[args.workload] + extra)}), "
              f"{args.repeats} run(s) each, medians; {dtype.name} on {cpu_kind()} x {cores} cores; "
              f"one-core GEMM {rate / 1e9:.0f} GFLOP/s")
     table = format_table(summary, title)

@@ -32,6 +32,7 @@ from services.engine.model.kv_cache import KVPoolMemory
 from services.engine.model.runner import ModelRunner
 from services.engine.text.tokenizer import eos_token_ids, load_tokenizer
 from tests.parity_cases import CASES
+from tests.test_speculation import Fixed
 
 BLOCK = 16
 
@@ -107,17 +108,6 @@ def test_sampled_output_is_what_it_is_without_speculation(runner, model_dir, exp
 
 
 # ---- the distribution ----
-
-class Fixed:
-    def __init__(self, draft):
-        self.draft = draft
-
-    def propose(self, seq, most):
-        return self.draft[:most]
-
-    def finished(self, seq):
-        pass
-
 
 @pytest.fixture(scope="module")
 def tiny():
@@ -267,3 +257,47 @@ def test_a_draft_model_drafts_and_the_output_stays_generates(runner, model_dir, 
     assert rate > 0.9 if quantization == "none" else 0.3 < rate < 1.0, rate
     assert proposer.blocks.num_available == proposer.blocks.num_blocks     # every draft block back
     proposer.close()
+
+
+def test_structured_output_drafts_what_its_grammar_allows_and_stays_what_it_was(runner, model_dir):
+    """Under a JSON schema the drafts are cut to what the grammar allows, each drafted
+    position is masked as its row would be after the drafts before it (the matcher
+    follows them and rolls back), and the output is the output without speculation:
+    valid JSON of the schema, token for token."""
+    from services.engine.structured import Grammars
+    from services.engine.text.tokenizer import encode_chat
+    tok = load_tokenizer(model_dir)
+    eos = eos_token_ids(model_dir)
+    grammars = Grammars(lambda: tok, runner.vocab_size, eos)
+    schema = json.dumps({"type": "object", "properties": {"fruits": {"type": "array", "minItems": 4, "maxItems": 6,
+                                                                     "items": {"type": "object", "properties": {
+                                                                         "name": {"type": "string", "maxLength": 12},
+                                                                         "colour": {"type": "string",
+                                                                                    "maxLength": 12}},
+                                                                               "required": ["name", "colour"]}}},
+                         "required": ["fruits"]})
+    prompt = encode_chat(tok, [{"role": "user", "content": "List some fruits and their colours as JSON."}])
+    params = SamplingParams(max_tokens=120, temperature=0, json_schema=schema)
+
+    def run(spec):
+        seq = Sequence("s", list(prompt), len(prompt), params, eos, constraint=grammars.constraint(schema))
+        blocks = BlockManager(BlockPool(64, BLOCK))
+        memory = KVPoolMemory.allocate(runner.layout(64, BLOCK))
+        speculator = Speculator(SpeculativeConfig.parse(spec)) if spec else None
+        engine = LLMEngine(runner, memory, Scheduler(blocks, SchedulerConfig(max_num_seqs=4,
+                                                                             max_num_batched_tokens=256), speculator))
+        engine.add(seq)
+        out = []
+        while engine.has_work():
+            for o in engine.step():
+                out += o.token_ids
+        memory.close()
+        assert blocks.num_available == 64
+        return out, speculator
+
+    plain, _ = run(None)
+    drafted, speculator = run('{"method": "suffix", "adaptive": false}')
+    assert drafted == plain
+    value = json.loads(tok.decode(drafted, skip_special_tokens=True))
+    assert 4 <= len(value["fruits"]) <= 6 and all({"name", "colour"} <= set(f) for f in value["fruits"])
+    assert speculator.stats.accepted_tokens > 5             # the repeated keys were drafted and kept

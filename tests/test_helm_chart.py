@@ -930,6 +930,10 @@ def test_settings_render_as_flags_through_one_helper(helm):
     assert "--local-prefill-max-tokens=0" in router and {"--decode=a:1", "--decode=b:2"} <= set(router)
     bad = run_helm(helm, "template", "pdserve", str(CHART), "--set-json", 'decode.settings={"Bad Key": 1}')
     assert bad.returncode != 0
+    # a JSON-valued setting reaches the worker as one argument (speculative decoding's config)
+    spec = '{"method": "ngram", "num_speculative_tokens": 4}'
+    m = render(helm, "--set-json", f'decode.settings={{"speculative-config": {json.dumps(spec)}}}')
+    assert json.loads(flags(m.container("decode"))["speculative-config"]) == json.loads(spec)
 
 
 def test_notes_tell_how_to_reach_the_api(helm, tmp_path):

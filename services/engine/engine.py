@@ -261,8 +261,6 @@ class LLMEngine:
         for c, ids, lps in zip(rows, tokens, found):
             if c.seq.finish_reason:
                 continue                        # ended while the step ran: its token is dropped
-            if c.seq.constraint is not None and not c.seq.constraint.accept(ids[0]):
-                log.warning("request %s: no token fits its JSON schema here; its output ends", c.seq.request_id)
             if lps[0] is not None:
                 logprobs[c.seq] = lps
         updates = self.scheduler.resolve(rows, tokens)
@@ -316,9 +314,9 @@ class LLMEngine:
             batch.pending_tokens = flight.tokens
         rows = plan.sampling()
         each = sample_rows(rows)
-        constraints = [c.seq.constraint for c, _ in each]
+        constraints = [(c.seq.constraint, c.draft[:j]) for c, j in each]
         # Structured output's masks are filled while the forward pass runs.
-        masks = self._masks.submit(fill_masks, constraints) if any(constraints) else None
+        masks = self._masks.submit(fill_masks, constraints) if any(c for c, _ in constraints) else None
         poster = self._poster
         hook = None if poster is None else (lambda layer, fence: poster(layer, plan, fence))
         try:

@@ -17,6 +17,7 @@ The masks of a step are filled on a thread of their own while the forward pass r
 """
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from collections import OrderedDict
@@ -26,8 +27,13 @@ import torch
 
 from services.engine.text import json_schema
 
+log = logging.getLogger(__name__)
+
 # Compiled grammars kept per process (schemas repeat: a client sends the same one).
 CACHE_SIZE = 256
+# Tokens a matcher can take back: drafted tokens it follows to fill their masks
+# (speculative decoding drafts at most 16).
+MAX_ROLLBACK = 16
 # xgrammar's messages start "[12:00:00] /project/cpp/file.cc:123: ": the client needs the rest.
 _LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
@@ -78,7 +84,8 @@ class Grammars:
 
     def constraint(self, schema: str) -> "Constraint":
         import xgrammar as xgr
-        return Constraint(xgr.GrammarMatcher(self.compile(schema)), self.vocab_size)
+        return Constraint(xgr.GrammarMatcher(self.compile(schema), max_rollback_tokens=MAX_ROLLBACK),
+                          self.vocab_size)
 
 
 class Constraint:
@@ -92,6 +99,8 @@ class Constraint:
 
     def accept(self, token_id: int) -> bool:
         ok = self._matcher.accept_token(token_id)
+        if not ok and not self._stuck:
+            log.warning("no token fits the JSON schema here (token %d came); the output ends", token_id)
         self._stuck = self._stuck or not ok
         return ok
 
@@ -99,21 +108,41 @@ class Constraint:
     def terminated(self) -> bool:
         return self._stuck or self._matcher.is_terminated()
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+    def fill(self, bitmask: torch.Tensor, row: int, ahead: tuple[int, ...] = ()) -> None:
+        """The mask of the next token, or of the token after `ahead` (drafted tokens,
+        which the grammar accepts: `fitting`), in row `row`."""
+        for token in ahead:
+            self._matcher.accept_token(token)
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        if ahead:
+            self._matcher.rollback(len(ahead))
+
+    def fitting(self, draft: list[int]) -> list[int]:
+        """The leading tokens of `draft` the grammar allows from here (speculative
+        decoding drafts only those); the matcher is left where it was."""
+        n = 0
+        for token in draft[:MAX_ROLLBACK]:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
+                break
+            n += 1
+        if n:
+            self._matcher.rollback(n)
+        return draft[:n]
 
 
-def fill_masks(constraints: list[Constraint | None]) -> Callable[[torch.Tensor], None] | None:
-    """The masks of one step's sampling rows (None: a free row), as a function that
-    applies them to the step's logits in place."""
-    rows = [i for i, c in enumerate(constraints) if c is not None]
+def fill_masks(constraints: list[tuple[Constraint | None, tuple[int, ...]]]) -> Callable[[torch.Tensor], None] | None:
+    """The masks of one step's sampling rows, each (its sequence's constraint, None for
+    a free row; the drafted tokens before the row), as a function that applies them to
+    the step's logits in place."""
+    rows = [i for i, (c, _) in enumerate(constraints) if c is not None]
     if not rows:
         return None
     import xgrammar as xgr
-    vocab = constraints[rows[0]].vocab_size
+    vocab = constraints[rows[0]][0].vocab_size
     bitmask = xgr.allocate_token_bitmask(len(constraints), vocab)
     for i in rows:
-        constraints[i].fill(bitmask, i)
+        constraint, ahead = constraints[i]
+        constraint.fill(bitmask, i, ahead)
 
     def apply(logits: torch.Tensor) -> None:
         mask = bitmask.to(logits.device, non_blocking=True)

@@ -388,6 +388,8 @@ class Scheduler:
                 else:
                     seq.token_ids[c.start + c.num_tokens - len(c.draft)] = token
                 taken.append(token)
+                if seq.constraint is not None:
+                    seq.constraint.accept(token)    # a token no grammar path takes ends it ("stop")
                 if seq.num_generated == 1:
                     self._fork(seq)
                 reason = seq.check_finished() or ("prefilled" if self.config.prefill_only else None)

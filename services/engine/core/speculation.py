@@ -260,13 +260,17 @@ class Speculator:
         if self.config.adaptive and not self._may_pay(candidates):
             return {}
         wanted = [(seq, min(most, self.config.num_speculative_tokens)) for seq, most in candidates
-                  if most > 0 and seq.last_token != PENDING and seq.constraint is None]
+                  if most > 0 and seq.last_token != PENDING]
         t0 = time.perf_counter()
         batched = getattr(self.proposer, "propose_all", None)
         if batched is not None:
             found = {seq: d for seq, d in batched(wanted).items() if d}
         else:
             found = {seq: d for seq, most in wanted if (d := self.proposer.propose(seq, most))}
+        for seq in [s for s in found if s.constraint is not None]:
+            found[seq] = seq.constraint.fitting(found[seq])     # structured output: what its grammar allows
+            if not found[seq]:
+                del found[seq]
         self._drafting = 0.9 * self._drafting + 0.1 * (time.perf_counter() - t0)
         for seq, _ in wanted:
             if seq not in found:
