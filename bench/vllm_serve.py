@@ -35,6 +35,7 @@ import torch
 from bench.peers.install import ensure_peer, vllm_venv
 from bench.peers.shell import Shell
 from bench.peers.systems import SYSTEMS, Context, Server, ServerError, free_port, parse_systems
+from services.bench.server_metrics import acceptance, parse
 
 WORKLOADS = {
     "chat": ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "64",
@@ -102,18 +103,44 @@ def measure(system, context: Context, args, out: Path, sh: Shell, tokenizer: Pat
         model = launch.model or _served_name(server.base_url)
         for i in range(1, args.repeats + 1):
             result = folder / f"run-{i}.json"
+            before = spec_counts(server.base_url, folder)
             sh.run(bench_serve_argv(vllm_venv(context.peers_dir).bin("vllm"), server.base_url, model, tokenizer,
                                     workload_args(args.workload, i, out, tokenizer), result, extra, seed=i),
                    env={"HF_HUB_OFFLINE": "1"}, log=folder / f"run-{i}.txt")
             runs.append(json.loads(result.read_text()))
             r = runs[-1]
+            accepted = acceptance(before, spec_counts(server.base_url, folder))
+            if accepted is not None:
+                r["spec_acceptance_rate"], r["spec_mean_length"] = accepted.rate, accepted.mean_length
             sh.say(f"{system.name} run {i}: {r['output_throughput']:.1f} output tok/s, TTFT p50 "
-                   f"{r['median_ttft_ms']:.0f} ms, ITL p50/p99 {r['median_itl_ms']:.0f}/{r['p99_itl_ms']:.0f} ms")
+                   f"{r['median_ttft_ms']:.0f} ms, ITL p50/p99 {r['median_itl_ms']:.0f}/{r['p99_itl_ms']:.0f} ms"
+                   + (f"; {accepted.describe().strip()}" if accepted is not None else ""))
     except ServerError as exc:
         sh.say(f"{system.name}: {exc}")
     finally:
         server.stop()
     return runs
+
+
+def spec_counts(base_url: str, folder: Path) -> dict[str, float]:
+    """Speculative decoding's counters now (services/bench/server_metrics.py): from
+    pdserve's decode workers (the `up` announce file in `folder` lists them), or from
+    the server's own /metrics (vLLM's)."""
+    import httpx
+    announce = folder / "announce.json"
+    if announce.is_file():
+        urls = [f"http://127.0.0.1:{w['metrics_port']}/metrics" for w in json.loads(announce.read_text())["decodes"]]
+    else:
+        urls = [f"{base_url}/metrics"]
+    total: dict[str, float] = {}
+    for url in urls:
+        try:
+            page = httpx.get(url, timeout=30).text
+        except httpx.HTTPError:
+            continue
+        for k, v in parse(page).items():
+            total[k] = total.get(k, 0.0) + v
+    return total
 
 
 def workload_args(name: str, run: int, out: Path, tokenizer: Path) -> list[str]:
@@ -145,6 +172,9 @@ def summarize(results: dict[str, list[dict]], config: dict, rate: float, cores: 
         flops = statistics.median(linear_flops(config, r["total_input_tokens"], r["total_output_tokens"])
                                   for r in runs)
         row["ceiling_fraction"] = flops / (rate * cores) / row["duration"]
+        if all("spec_acceptance_rate" in r for r in runs):
+            row["spec_acceptance_rate"] = statistics.median(r["spec_acceptance_rate"] for r in runs)
+            row["spec_mean_length"] = statistics.median(r["spec_mean_length"] for r in runs)
         row["runs"] = len(runs)
         summary[name] = row
     base = summary.get("vllm", {}).get("output_throughput")
@@ -154,13 +184,19 @@ def summarize(results: dict[str, list[dict]], config: dict, rate: float, cores: 
 
 
 def format_table(summary: dict, title: str) -> str:
-    lines = [title, "| system | output tok/s | vs vLLM | TTFT p50 / p99 ms | ITL p50 / p99 ms | p99/p50 | "
-                    "of ceiling |", "|---|---|---|---|---|---|---|"]
+    spec = any("spec_acceptance_rate" in r for r in summary.values())
+    lines = [title, "| system | output tok/s | vs vLLM | TTFT p50 / p99 ms | ITL p50 / p99 ms | p99/p50 | of ceiling |"
+             + (" drafts accepted | tokens a verify step |" if spec else ""),
+             "|---|---|---|---|---|---|---|" + ("---|---|" if spec else "")]
     for name, r in summary.items():
         ratio = f"{r['vs_vllm']:.2f}x" if r["vs_vllm"] else "-"
-        lines.append(f"| {name} | {r['output_throughput']:.1f} | {ratio} | {r['median_ttft_ms']:.0f} / "
-                     f"{r['p99_ttft_ms']:.0f} | {r['median_itl_ms']:.0f} / {r['p99_itl_ms']:.0f} | "
-                     f"{r['p99_itl_ms'] / max(r['median_itl_ms'], 1e-9):.2f} | {100 * r['ceiling_fraction']:.0f} % |")
+        row = (f"| {name} | {r['output_throughput']:.1f} | {ratio} | {r['median_ttft_ms']:.0f} / "
+               f"{r['p99_ttft_ms']:.0f} | {r['median_itl_ms']:.0f} / {r['p99_itl_ms']:.0f} | "
+               f"{r['p99_itl_ms'] / max(r['median_itl_ms'], 1e-9):.2f} | {100 * r['ceiling_fraction']:.0f} % |")
+        if spec:
+            row += (f" {100 * r['spec_acceptance_rate']:.0f} % | {r['spec_mean_length']:.2f} |"
+                    if "spec_acceptance_rate" in r else " - | - |")
+        lines.append(row)
     return "\n".join(lines)
 
 

@@ -31,9 +31,6 @@ log = logging.getLogger(__name__)
 
 # Compiled grammars kept per process (schemas repeat: a client sends the same one).
 CACHE_SIZE = 256
-# Tokens a matcher can take back: drafted tokens it follows to fill their masks
-# (speculative decoding drafts at most 16).
-MAX_ROLLBACK = 16
 # xgrammar's messages start "[12:00:00] /project/cpp/file.cc:123: ": the client needs the rest.
 _LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
@@ -84,8 +81,7 @@ class Grammars:
 
     def constraint(self, schema: str) -> "Constraint":
         import xgrammar as xgr
-        return Constraint(xgr.GrammarMatcher(self.compile(schema), max_rollback_tokens=MAX_ROLLBACK),
-                          self.vocab_size)
+        return Constraint(xgr.GrammarMatcher(self.compile(schema)), self.vocab_size)   # it can roll back any number
 
 
 class Constraint:
@@ -121,7 +117,7 @@ class Constraint:
         """The leading tokens of `draft` the grammar allows from here (speculative
         decoding drafts only those); the matcher is left where it was."""
         n = 0
-        for token in draft[:MAX_ROLLBACK]:
+        for token in draft:
             if self._matcher.is_terminated() or not self._matcher.accept_token(token):
                 break
             n += 1
