@@ -84,7 +84,8 @@ def _install_vllm(v: PeerVenv, sh: Shell) -> None:
     sh.run([v.bin("pip"), "install", "-q", wheel], log=v.log)
     sh.run([v.bin("pip"), "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"], log=v.log)
     _vllm_dist_info(v, sh)
-    sh.run([v.bin("pip"), "install", "-q", "pandas"], log=v.log)     # vllm bench serve's custom datasets read JSONL with it
+    # vllm bench serve reads its custom datasets (JSONL: bench/code_edit.py) with pandas
+    sh.run([v.bin("pip"), "install", "-q", "pandas"], log=v.log)
     sh.run([v.bin("vllm"), "--version"], log=v.log)
     if not sh.dry_run:
         shutil.rmtree(download, ignore_errors=True)     # the wheel is installed; pip caches it anyway

@@ -84,8 +84,9 @@ class EngineOutput:
 class Launched:
     """A step on the device: its sampling chunks `rows` and their tokens `tokens`
     ([sampled rows] int64, `Chunk.num_sampled` a chunk, on the device, maybe not computed
-    yet: the next step's pending inputs), and what the host reads of it on its way there (`copy`: `to_read`'s
-    `num_sampled` tensors, then the log probabilities of the prompt positions `targets`)."""
+    yet: the next step's pending inputs), and what the host reads of it on its way there
+    (`copy`: `to_read`'s `num_sampled` tensors, then the log probabilities of the prompt
+    positions `targets`)."""
     plan: StepPlan
     rows: list[Chunk]
     tokens: torch.Tensor
