@@ -32,6 +32,18 @@ def chat_body(case: Case, **kw) -> dict:
     return {**body, **kw}
 
 
+def grpc_generate(address: str, case: Case) -> list:
+    """`case` asked greedily through the gRPC Generate API at `address`: every reply."""
+    import grpc
+
+    from services.rpc import generate_pb2, generate_pb2_grpc
+    req = generate_pb2.GenerateRequest(
+        chat=generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(**m) for m in case.messages]),
+        sampling=generate_pb2.SamplingParams(max_tokens=case.max_tokens, temperature=0, stop=case.stop or []))
+    with grpc.insecure_channel(address) as ch:
+        return list(generate_pb2_grpc.GeneratorStub(ch).Generate(req, timeout=120))
+
+
 CASES = [
     Case("short", [{"role": "user", "content": "What is the capital of France?"}]),
     Case("long", [{"role": "user", "content": _long_document()}]),

@@ -5,14 +5,12 @@ cluster (router -> prefill process -> KV over shared memory -> decode process) e
 from __future__ import annotations
 
 import asyncio
-import grpc
 import httpx
 import openai
 import pytest
 import torch
 
-from services.rpc import generate_pb2, generate_pb2_grpc
-from tests.parity_cases import CASES, chat_body
+from tests.parity_cases import CASES, chat_body, grpc_generate
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_http_matches_generate(cluster, expected, case):
@@ -60,11 +58,7 @@ def test_openai_client_matches_generate(cluster, expected, case):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_grpc_matches_generate(cluster, expected, case):
     exp = expected[case.name]
-    req = generate_pb2.GenerateRequest(
-        chat=generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(**m) for m in case.messages]),
-        sampling=generate_pb2.SamplingParams(max_tokens=case.max_tokens, temperature=0, stop=case.stop or []))
-    with grpc.insecure_channel(cluster.grpc) as ch:
-        replies = list(generate_pb2_grpc.GeneratorStub(ch).Generate(req, timeout=120))
+    replies = grpc_generate(cluster.grpc, case)
     assert [t for r in replies for t in r.token_ids] == exp.token_ids
     assert "".join(r.text for r in replies) == exp.text
     assert replies[-1].finish_reason == exp.finish_reason

@@ -11,15 +11,13 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import httpx
 import openai
 import pytest
 import torch
 
 from services.bench.server_metrics import acceptance, parse
-from services.rpc import generate_pb2, generate_pb2_grpc
-from tests.parity_cases import CASES, Case, Expected
+from tests.parity_cases import CASES, Case, Expected, grpc_generate
 from tests.processes import start_cluster, stop_cluster
 
 PASSAGE = ("def area(width, height):\n    return width * height\n\n\n"
@@ -100,11 +98,7 @@ def test_sixteen_in_flight(spec_cluster, references):
 def test_grpc_and_what_the_decode_worker_counts(spec_cluster, references):
     for case in (COPY, next(c for c in CASES if c.stop)):
         exp = references[case.name]
-        req = generate_pb2.GenerateRequest(
-            chat=generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(**m) for m in case.messages]),
-            sampling=generate_pb2.SamplingParams(max_tokens=case.max_tokens, temperature=0, stop=case.stop or []))
-        with grpc.insecure_channel(spec_cluster.grpc) as ch:
-            replies = list(generate_pb2_grpc.GeneratorStub(ch).Generate(req, timeout=120))
+        replies = grpc_generate(spec_cluster.grpc, case)
         assert [t for r in replies for t in r.token_ids] == exp.token_ids, case.name
         assert "".join(r.text for r in replies) == exp.text
         assert replies[-1].usage.completion_tokens == len(exp.token_ids)

@@ -8,6 +8,8 @@ is exported by each worker.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
@@ -85,30 +87,12 @@ class WorkerMetrics:
                                          "Prefix cache hits, in terms of number of cached tokens.",
                                          m, registry=r).labels(model_name)
         self.model_name = model_name
-        self._spec: dict[str, Counter] = {}
-        self._spec_seen: dict[str, int] = {}
 
-    def observe_speculation(self, totals: dict[str, int | list[int]]) -> None:
-        """Speculative decoding's running totals (Speculator.stats: drafts, draft_tokens,
-        accepted_tokens, accepted_per_pos), as vLLM's spec_decode counters."""
-        if not self._spec:
-            r, m = self.registry, ["model_name"]
-            for key, name, text in SPEC_COUNTERS:
-                self._spec[key] = Counter(name, text, m, registry=r).labels(self.model_name)
-            self._spec["accepted_per_pos"] = Counter(
-                "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens per draft position.",
-                m + ["position"], registry=r)
-            for pos in range(len(totals.get("accepted_per_pos") or ())):     # every position from the start
-                self._spec["accepted_per_pos"].labels(self.model_name, str(pos))
-        for key, value in totals.items():
-            values = value if isinstance(value, list) else [value]
-            for pos, v in enumerate(values):
-                seen = f"{key}:{pos}"
-                delta = v - self._spec_seen.get(seen, 0)
-                if delta:
-                    self._spec_seen[seen] = v
-                    counter = self._spec[key]
-                    (counter.labels(self.model_name, str(pos)) if isinstance(value, list) else counter).inc(delta)
+    def export_speculation(self, totals: Callable[[], object]) -> None:
+        """Speculative decoding's running totals (`totals()`: Speculator.stats, with
+        drafts, draft_tokens, accepted_tokens and accepted_per_pos), exported as vLLM's
+        spec_decode counters, read when /metrics is scraped."""
+        self.registry.register(SpecExport(totals, self.model_name))
 
     def set_blocks(self, free: int, total: int) -> None:
         """Blocks an allocation can get (evictable cached ones count as free, as in vLLM)."""
@@ -221,6 +205,28 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class SpecExport:
+    """Speculative decoding's totals as vLLM's spec_decode counters, every draft position
+    from the start; read at each scrape from the engine's own counts, so the engine
+    thread does nothing for them."""
+
+    def __init__(self, totals: Callable[[], object], model_name: str) -> None:
+        self.totals, self.model_name = totals, model_name
+
+    def collect(self):
+        t = self.totals()
+        families = []
+        for key, name, text in SPEC_COUNTERS:
+            family = CounterMetricFamily(name, text, labels=["model_name"])
+            family.add_metric([self.model_name], getattr(t, key))
+            families.append(family)
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted draft tokens per draft position.", labels=["model_name", "position"])
+        for pos, n in enumerate(list(t.accepted_per_pos)):
+            per_pos.add_metric([self.model_name, str(pos)], n)
+        return families + [per_pos]
 
 
 class AutoscalerExport:

@@ -20,7 +20,6 @@ This service adds the handoff table, leases and the token streams.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 import time
@@ -86,6 +85,7 @@ class DecodeWorker(EngineWorker):
         speculator = None
         if speculation is not None:
             speculator = Speculator(speculation, draft_proposer(speculation, runner, tokens, settings.block_size))
+            metrics.export_speculation(lambda: speculator.stats)
         self._open(memory, settings.enable_prefix_caching, speculator, async_scheduling=overlap)
         log.info("async scheduling: %s", "on (each step launched before the last one's tokens are read)"
                  if overlap else "off")
@@ -238,9 +238,6 @@ class DecodeWorker(EngineWorker):
         self.metrics.step_seconds.labels(kind).observe(stats.seconds)
         self.metrics.prompt_tokens_computed.inc(stats.prefill_tokens)
         self.metrics.generated_tokens.inc(stats.generated)
-        speculator = self.engine.scheduler.speculator
-        if speculator is not None:
-            self.metrics.observe_speculation(dataclasses.asdict(speculator.stats))
         self.metrics.preemptions.inc(self.engine.scheduler.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = self.engine.scheduler.num_preemptions
 

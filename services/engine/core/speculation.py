@@ -5,7 +5,7 @@ scheduler that asks it.
                 -> the adaptive cut: how many drafted tokens this step is worth
                 -> the scheduler plans each drafted sequence as one verify chunk
     landed:     Speculator.accepted(proposed, accepted)   (per sequence, per position)
-                Speculator.observe(tokens, seconds, path) (the step's cost)
+                Speculator.observe(rows, seconds)         (a decode step's cost)
 
 A proposer drafts tokens as a point mass: the tokens it believes come next, no
 probabilities. Verification samples the target's own token at each drafted position
@@ -115,6 +115,12 @@ class _Continuations:
     def __init__(self, depth: int) -> None:
         self.depth = depth
         self.next: dict[tuple[int, ...], Counter[int]] = {}
+        self.counted = 0                # tokens of a growing list counted so far (`catch_up`)
+
+    def catch_up(self, ids: list[int]) -> None:
+        """Count the tokens `ids` (a list that only grows) gained since the last call."""
+        self.add(ids, self.counted)
+        self.counted = len(ids)
 
     def add(self, ids: list[int], start: int = 0, sign: int = 1) -> None:
         """Count the tokens from `start` on, each after its contexts (sign -1: forget them)."""
@@ -168,19 +174,16 @@ class _Continuations:
 class SuffixProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        self._own: weakref.WeakKeyDictionary[Sequence, tuple[_Continuations, list[int]]] = \
-            weakref.WeakKeyDictionary()
+        self._own: weakref.WeakKeyDictionary[Sequence, _Continuations] = weakref.WeakKeyDictionary()
         self.recent = _Continuations(config.suffix_decoding_max_tree_depth)
         self._outputs: deque[list[int]] = deque()
 
     def propose(self, seq: Sequence, most: int) -> list[int]:
         ids = seq.token_ids
-        own = self._own.get(seq)
-        if own is None:
-            own = self._own[seq] = (_Continuations(self.config.suffix_decoding_max_tree_depth), [0])
-        index, done = own
-        index.add(ids, done[0])
-        done[0] = len(ids)
+        index = self._own.get(seq)
+        if index is None:
+            index = self._own[seq] = _Continuations(self.config.suffix_decoding_max_tree_depth)
+        index.catch_up(ids)
         floor = self.config.suffix_decoding_min_token_prob
         mine, theirs = index.match(ids), self.recent.match(ids)
         source, n = (index, mine) if mine >= theirs else (self.recent, theirs)

@@ -68,31 +68,25 @@ class DraftProposer:
         rows = [(seq, most) for seq, most in wanted if self._make_room(seq, most)]
         if not rows:
             return {}
+        # a sequence with one unseen token is a decode row; one with more, a prompt segment
+        unseen = {seq: seq.token_ids[len(self._seqs[seq].fed):] for seq, _ in rows}
+        order = [r for r in rows if len(unseen[r[0]]) == 1] + [r for r in rows if len(unseen[r[0]]) > 1]
         batch = ForwardBatch()
-        for seq, _ in rows:
-            d = self._seqs[seq]
-            new = seq.token_ids[len(d.fed):]
+        for seq, _ in order:
+            d, new = self._seqs[seq], unseen[seq]
             if len(new) == 1:
                 batch.decode_tokens.append(new[0])
                 batch.decode_positions.append(len(d.fed))
                 batch.decode_tables.append(d.block_ids)
-        segments = [(seq, most) for seq, most in rows if len(seq.token_ids) - len(self._seqs[seq].fed) > 1]
-        decodes = [(seq, most) for seq, most in rows if len(seq.token_ids) - len(self._seqs[seq].fed) == 1]
-        row = len(decodes)
-        batch.sample_rows = list(range(row))
-        for seq, _ in segments:
-            d = self._seqs[seq]
-            new = seq.token_ids[len(d.fed):]
-            batch.prefill_tokens += new
-            batch.segments.append(PrefillSegment(len(d.fed), len(new), d.block_ids))
-            row += len(new)
+            else:
+                batch.prefill_tokens += new
+                batch.segments.append(PrefillSegment(len(d.fed), len(new), d.block_ids))
+            d.fed, d.valid = list(seq.token_ids), len(seq.token_ids)
+        row, batch.sample_rows = len(batch.decode_tokens), list(range(len(batch.decode_tokens)))
+        for seg in batch.segments:
+            row += seg.num_tokens
             batch.sample_rows.append(row - 1)
-        order = decodes + segments
-        for seq, _ in order:
-            self._seqs[seq].fed = list(seq.token_ids)
         drafts = {seq: [t] for (seq, _), t in zip(order, self._greedy(batch))}
-        for seq, _ in order:
-            self._seqs[seq].valid = len(seq.token_ids)
         longest = max(most for _, most in order)
         for _ in range(1, longest):
             going = [(seq, most) for seq, most in order if len(drafts[seq]) < most]
