@@ -46,6 +46,34 @@ class PeerHandle:
 TransferId = int
 
 
+@dataclass(frozen=True)
+class HeadSlice:
+    """A write of some KV heads only: `count` heads from the source pool's head `src`
+    into the destination pool's head `dst` (pools that split the model's heads
+    differently: tensor-parallel workers of other degrees)."""
+    src: int
+    dst: int
+    count: int
+
+
+def pool_meta(pool: KVPoolMemory, backend: str, compat_hash: str, **fields) -> bytes:
+    """A registered pool's metadata as every backend gives it: which backend, the
+    compatibility hash, the pool's layout and the model's KV heads it holds."""
+    return json.dumps({"backend": backend, "compat_hash": compat_hash, "layout": pool.layout.__dict__,
+                       "heads": [pool.heads.start, pool.heads.stop], **fields}).encode()
+
+
+def meta_heads(peer: bytes) -> range:
+    """The model's KV heads a registered pool holds, from its metadata."""
+    try:
+        meta = json.loads(peer)
+        if "heads" in meta:
+            return range(*meta["heads"])
+        return range(meta["layout"]["num_kv_heads"])
+    except (ValueError, KeyError, TypeError):
+        raise TransferError("unreadable peer metadata: no KV heads") from None
+
+
 class KVTransport(Protocol):
     name: ClassVar[str]
     device_memory: ClassVar[bool]       # can register and move a pool that lives on a GPU
@@ -57,8 +85,9 @@ class KVTransport(Protocol):
         """Pair with a peer from its metadata; raises IncompatiblePeer on mismatch."""
 
     def write(self, peer: PeerHandle, src: Sequence[int], dst: Sequence[int],
-              layers: range | None = None) -> TransferId:
-        """Copy local blocks `src` into the peer's blocks `dst` (non-blocking)."""
+              layers: range | None = None, heads: HeadSlice | None = None) -> TransferId:
+        """Copy local blocks `src` into the peer's blocks `dst` (non-blocking); with
+        `heads`, only those heads of each block."""
 
     def poll(self, xfer: TransferId) -> TransferState: ...
 
@@ -79,6 +108,42 @@ def read_peer_meta(peer: bytes, backend: str, compat_hash: str) -> dict:
         raise IncompatiblePeer(
             f"peer KV layout {meta.get('compat_hash')} differs from ours {compat_hash}: refusing to pair")
     return meta
+
+
+def check_heads(heads: HeadSlice | None, local: int, remote: int) -> None:
+    """A head slice must lie inside both pools (TransferError otherwise); without one,
+    both pools must hold the same number of heads."""
+    if heads is None:
+        if local != remote:
+            raise TransferError(f"whole blocks of {local} KV heads into blocks of {remote}: give a head slice")
+        return
+    if heads.count < 1 or heads.src < 0 or heads.dst < 0 or heads.src + heads.count > local \
+            or heads.dst + heads.count > remote:
+        raise TransferError(f"heads {heads} lie outside pools of {local} and {remote} heads")
+
+
+def head_writes(ours: Sequence[range], theirs: Sequence[range]) -> list[tuple[int, int, HeadSlice | None]]:
+    """Who writes which KV heads where, between a writer whose ranks hold `ours` (the
+    model's heads, by rank) and a receiver whose ranks hold `theirs`: (writer rank,
+    receiver rank, heads; None for whole blocks), each receiver head written once, by
+    the first writer rank that holds it (heads replicated over ranks are written once
+    into each receiver rank that holds them). vLLM's NIXL connector calls the ratio of
+    the degrees `tp_ratio`."""
+    out: list[tuple[int, int, HeadSlice | None]] = []
+    for d, held in enumerate(theirs):
+        runs: list[list[int]] = []            # [writer rank, first head, count]
+        for h in held:
+            p = next((i for i, r in enumerate(ours) if h in r), None)
+            if p is None:
+                raise IncompatiblePeer(f"no rank of this worker holds KV head {h} (it holds {list(ours)})")
+            if runs and runs[-1][0] == p and runs[-1][1] + runs[-1][2] == h:
+                runs[-1][2] += 1
+            else:
+                runs.append([p, h, 1])
+        for p, h, n in runs:
+            whole = n == len(ours[p]) == len(held)
+            out.append((p, d, None if whole else HeadSlice(h - ours[p].start, h - held.start, n)))
+    return out
 
 
 def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from typing import ClassVar, Sequence
 
-from kv_transfer.base import IncompatiblePeer, PeerHandle, TransferError, TransferId, TransferState, block_runs
+from kv_transfer.base import (HeadSlice, IncompatiblePeer, PeerHandle, TransferError, TransferId, TransferState,
+                              block_runs, check_heads, pool_meta)
 from services.engine.model.kv_cache import KVPoolMemory
 
 
@@ -29,7 +30,7 @@ class FakeTransport:
         self._local = pool
         key = f"pool-{id(pool)}"
         self.fabric.pools[key] = (pool, compat_hash)
-        return json.dumps({"backend": self.name, "key": key, "compat_hash": compat_hash}).encode()
+        return pool_meta(pool, self.name, compat_hash, key=key)
 
     def connect(self, peer: bytes, compat_hash: str) -> PeerHandle:
         meta = json.loads(peer)
@@ -40,16 +41,19 @@ class FakeTransport:
         return PeerHandle(meta["key"])
 
     def write(self, peer: PeerHandle, src: Sequence[int], dst: Sequence[int],
-              layers: range | None = None) -> TransferId:
+              layers: range | None = None, heads: HeadSlice | None = None) -> TransferId:
         xfer = len(self._states) + 1
         if self.fabric.drop_writes:
             self._states[xfer] = TransferState.FAILED
             return xfer
         target, _ = self.fabric.pools[peer.peer_id]
+        check_heads(heads, self._local.tensor.shape[4], target.tensor.shape[4])
+        hs = slice(None) if heads is None else slice(heads.src, heads.src + heads.count)
+        hd = slice(None) if heads is None else slice(heads.dst, heads.dst + heads.count)
         layers = layers or range(self._local.layout.num_layers)
         for s, d, n in block_runs(src, dst):
-            chunk = self._local.tensor[layers.start:layers.stop, :, s:s + n]
-            target.tensor[layers.start:layers.stop, :, d:d + n].copy_(chunk)
+            chunk = self._local.tensor[layers.start:layers.stop, :, s:s + n, :, hs]
+            target.tensor[layers.start:layers.stop, :, d:d + n, :, hd].copy_(chunk)
             self.fabric.bytes_moved += chunk.numel() * chunk.element_size()
         self._states[xfer] = TransferState.DONE
         return xfer

@@ -21,7 +21,6 @@ from __future__ import annotations
 import atexit
 import base64
 import hashlib
-import json
 import logging
 import os
 import threading
@@ -34,7 +33,8 @@ import numpy as np
 import nixl._bindings as nixl_bindings
 from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
 
-from kv_transfer.base import PeerHandle, TransferError, TransferId, TransferState, block_runs, read_peer_meta
+from kv_transfer.base import (HeadSlice, PeerHandle, TransferError, TransferId, TransferState, block_runs,
+                              check_heads, pool_meta, read_peer_meta)
 from services.engine.model.kv_cache import KVLayout, KVPoolMemory
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,21 @@ class _Region:
         lkv = (np.asarray(layers, dtype=np.uint64)[:, None] * 2 + np.arange(2, dtype=np.uint64)).reshape(-1)
         blocks = lkv[:, None] * np.uint64(self.layout.num_blocks) + starts[None, :]
         return (np.uint64(self.base) + blocks * np.uint64(self.block_bytes)).reshape(-1)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one token's K (or V), every head: the stride between slots."""
+        return self.block_bytes // self.layout.block_size
+
+    def head_addresses(self, layers: Sequence[int], blocks: np.ndarray, head: int) -> np.ndarray:
+        """Where head `head` starts in each slot of each of `blocks`, for each (layer,
+        K/V): a head slice of a block is one piece per slot ([slot, head, dim] layout)."""
+        lkv = (np.asarray(layers, dtype=np.uint64)[:, None] * 2 + np.arange(2, dtype=np.uint64)).reshape(-1)
+        bs = np.uint64(self.layout.block_size)
+        slots = ((lkv[:, None] * np.uint64(self.layout.num_blocks) + blocks[None, :])[..., None] * bs
+                 + np.arange(self.layout.block_size, dtype=np.uint64))
+        head_bytes = self.slot_bytes // self.layout.num_kv_heads
+        return (np.uint64(self.base) + slots * np.uint64(self.slot_bytes) + np.uint64(head * head_bytes)).reshape(-1)
 
 
 def interfaces_of(host: str) -> list[str]:
@@ -160,9 +175,9 @@ class NixlTransport:
             agent_md = agent.get_agent_metadata()
             r = self._region
             self._start_progress()
-        return json.dumps({"backend": self.name, "compat_hash": compat_hash, "agent": self._agent_name,
-                           "agent_md": base64.b64encode(agent_md).decode(), "base": r.base, "mem_type": r.mem_type,
-                           "device": r.device, "layout": pool.layout.__dict__}).encode()
+        return pool_meta(pool, self.name, compat_hash, agent=self._agent_name,
+                         agent_md=base64.b64encode(agent_md).decode(), base=r.base, mem_type=r.mem_type,
+                         device=r.device)
 
     def _start_progress(self) -> None:
         """Writers' connection handshakes need this agent to make progress now and then
@@ -217,7 +232,7 @@ class NixlTransport:
         return PeerHandle(name)
 
     def write(self, peer: PeerHandle, src: Sequence[int], dst: Sequence[int],
-              layers: range | None = None) -> TransferId:
+              layers: range | None = None, heads: HeadSlice | None = None) -> TransferId:
         with self._lock:
             agent = self._open_agent()
             if self._region is None:
@@ -226,7 +241,8 @@ class NixlTransport:
             if p is None:
                 raise TransferError(f"not connected to {peer.peer_id}")
             local, remote = self._region, p.region
-            if local.block_bytes != remote.block_bytes:
+            check_heads(heads, local.layout.num_kv_heads, remote.layout.num_kv_heads)
+            if local.block_bytes // local.layout.num_kv_heads != remote.block_bytes // remote.layout.num_kv_heads:
                 raise TransferError(f"peer blocks are {remote.block_bytes} bytes, ours {local.block_bytes}")
             layers = layers if layers is not None else range(local.layout.num_layers)
             runs = np.asarray(block_runs(src, dst), dtype=np.int64).reshape(-1, 3)
@@ -236,10 +252,7 @@ class NixlTransport:
             if len(runs) == 0 or len(layers) == 0:
                 self._finish(xfer, TransferState.DONE)
                 return xfer
-            # Descriptors in (layer, K/V, run) order on both sides; run i has the same length on each.
-            lengths = np.tile(runs[:, 2].astype(np.uint64) * np.uint64(local.block_bytes), 2 * len(layers))
-            src_addrs = local.addresses(layers, runs[:, 0].astype(np.uint64))
-            dst_addrs = remote.addresses(layers, runs[:, 1].astype(np.uint64))
+            src_addrs, dst_addrs, lengths = self._pieces(local, remote, runs, layers, heads)
             handle = None
             try:
                 handle = agent.initialize_xfer(
@@ -257,6 +270,22 @@ class NixlTransport:
                     self._release(handle)
                 self._finish(xfer, TransferState.DONE if status == "DONE" else TransferState.FAILED)
             return xfer
+
+    @staticmethod
+    def _pieces(local: _Region, remote: _Region, runs: np.ndarray, layers: range,
+                heads: HeadSlice | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Source addresses, destination addresses and lengths, in (layer, K/V, run)
+        order on both sides: whole runs of blocks, or with `heads` one piece per slot
+        of each block."""
+        if heads is None:
+            lengths = np.tile(runs[:, 2].astype(np.uint64) * np.uint64(local.block_bytes), 2 * len(layers))
+            return (local.addresses(layers, runs[:, 0].astype(np.uint64)),
+                    remote.addresses(layers, runs[:, 1].astype(np.uint64)), lengths)
+        src = np.concatenate([np.arange(s, s + n, dtype=np.uint64) for s, _, n in runs])
+        dst = np.concatenate([np.arange(d, d + n, dtype=np.uint64) for _, d, n in runs])
+        src_addrs = local.head_addresses(layers, src, heads.src)
+        piece = np.uint64(heads.count * (local.slot_bytes // local.layout.num_kv_heads))
+        return src_addrs, remote.head_addresses(layers, dst, heads.dst), np.full_like(src_addrs, piece)
 
     @staticmethod
     def _check_bounds(runs: np.ndarray, layers: range, local: KVLayout, remote: KVLayout) -> None:

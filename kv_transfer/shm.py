@@ -2,13 +2,12 @@
 pool file and copies its blocks straight into the reserved blocks (one copy)."""
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import ClassVar, Sequence
 
-from kv_transfer.base import (PeerHandle, TransferError, TransferId, TransferState, block_runs,
-                              read_peer_meta)
+from kv_transfer.base import (HeadSlice, PeerHandle, TransferError, TransferId, TransferState, block_runs,
+                              check_heads, pool_meta, read_peer_meta)
 from services.engine.model.kv_cache import KVLayout, KVPoolMemory
 
 log = logging.getLogger(__name__)
@@ -25,9 +24,7 @@ class ShmTransport:
 
     def register(self, pool: KVPoolMemory, compat_hash: str) -> bytes:
         self._local = pool
-        meta = {"backend": self.name, "compat_hash": compat_hash,
-                "path": str(pool.path) if pool.path else None, "layout": pool.layout.__dict__}
-        return json.dumps(meta).encode()
+        return pool_meta(pool, self.name, compat_hash, path=str(pool.path) if pool.path else None)
 
     def connect(self, peer: bytes, compat_hash: str) -> PeerHandle:
         meta = read_peer_meta(peer, self.name, compat_hash)
@@ -44,17 +41,20 @@ class ShmTransport:
         return PeerHandle(peer_id=path)
 
     def write(self, peer: PeerHandle, src: Sequence[int], dst: Sequence[int],
-              layers: range | None = None) -> TransferId:
+              layers: range | None = None, heads: HeadSlice | None = None) -> TransferId:
         if self._local is None:
             raise TransferError("register() a local pool before writing")
         target = self._peers.get(peer.peer_id)
         if target is None:
             raise TransferError(f"not connected to {peer.peer_id}")
         source = self._local.tensor
+        check_heads(heads, source.shape[4], target.tensor.shape[4])
+        hs = slice(None) if heads is None else slice(heads.src, heads.src + heads.count)
+        hd = slice(None) if heads is None else slice(heads.dst, heads.dst + heads.count)
         layers = layers if layers is not None else range(self._local.layout.num_layers)
         for s, d, n in block_runs(src, dst):
-            target.tensor[layers.start:layers.stop, :, d:d + n].copy_(
-                source[layers.start:layers.stop, :, s:s + n])
+            target.tensor[layers.start:layers.stop, :, d:d + n, :, hd].copy_(
+                source[layers.start:layers.stop, :, s:s + n, :, hs])
         self._next_xfer += 1
         return self._next_xfer
 

@@ -9,13 +9,15 @@ goes out in one `sendmsg` of all its pieces and is scattered straight into the b
 by `recvmsg_into`. Writers wait on a condition the ack reader signals, not on a
 polling loop.
 
-Frame: header (magic, xfer id, first layer, layer count, run count), then the runs
-(dst start block, block count), then for each layer, K then V, each run's bytes.
+Frame: header (magic, xfer id, first layer, layer count, run count, first head, head
+count), then the runs (dst start block, block count), then for each layer, K then V,
+each run's bytes. A head count of 0 means whole blocks; otherwise the frame carries
+those heads of each block only (pools split by tensor parallelism), staged on both
+ends because a head slice of a block is not contiguous.
 A dead or stuck peer fails the transfer after `io_timeout` seconds; nothing waits forever.
 """
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import secrets
@@ -27,14 +29,14 @@ from typing import ClassVar, Sequence
 
 import torch
 
-from kv_transfer.base import (PeerHandle, TransferError, TransferId, TransferState, block_runs,
-                              read_peer_meta)
+from kv_transfer.base import (HeadSlice, PeerHandle, TransferError, TransferId, TransferState, block_runs,
+                              check_heads, meta_heads, pool_meta, read_peer_meta)
 from services.engine.model.kv_cache import KVPoolMemory
 
 log = logging.getLogger(__name__)
 
 MAGIC = 0x4B565450                       # "KVTP"
-HEADER = struct.Struct("!IQHHI")         # magic, xfer id, first layer, layer count, run count
+HEADER = struct.Struct("!IQHHIHH")       # magic, xfer id, first layer, layer count, run count, head, heads
 RUN = struct.Struct("!II")               # dst start block, block count
 ACK = struct.Struct("!QB")               # xfer id, ok
 HELLO = struct.Struct("!I32s")           # magic, shared token
@@ -96,6 +98,7 @@ class _Peer:
     pending: dict[int, int] = field(default_factory=dict)      # xfer -> frames not yet acked
     dead: str | None = None
     turn: int = 0                                               # round robin over streams
+    num_heads: int = 0                                          # KV heads in the peer's pool
 
 
 class TcpTransport:
@@ -129,8 +132,7 @@ class TcpTransport:
             self._listener = socket.create_server((self.host, 0), backlog=64)
             threading.Thread(target=self._accept, name="kv-tcp-accept", daemon=True).start()
         port = self._listener.getsockname()[1]
-        return json.dumps({"backend": self.name, "compat_hash": compat_hash, "host": self.advertise, "port": port,
-                           "token": self._token.hex(), "layout": pool.layout.__dict__}).encode()
+        return pool_meta(pool, self.name, compat_hash, host=self.advertise, port=port, token=self._token.hex())
 
     def _accept(self) -> None:
         while not self._closed:
@@ -152,13 +154,13 @@ class TcpTransport:
             header = bytearray(HEADER.size)
             while True:
                 _recv_all(conn, [memoryview(header)])
-                magic, xfer, first, count, nruns = HEADER.unpack(header)
+                magic, xfer, first, count, nruns, head, nheads = HEADER.unpack(header)
                 if magic != MAGIC:
                     raise ConnectionError("bad frame magic")
                 raw = bytearray(RUN.size * nruns)
                 _recv_all(conn, [memoryview(raw)])
                 runs = [RUN.unpack_from(raw, i * RUN.size) for i in range(nruns)]
-                ok = self._receive(conn, first, count, runs)
+                ok = self._receive(conn, first, count, runs, head, nheads)
                 conn.sendall(ACK.pack(xfer, 1 if ok else 0))
         except (ConnectionError, OSError) as exc:
             if not self._closed:
@@ -167,18 +169,29 @@ class TcpTransport:
             self._conns.discard(conn)
             conn.close()
 
-    def _receive(self, conn: socket.socket, first: int, count: int, runs: list[tuple[int, int]]) -> bool:
+    def _receive(self, conn: socket.socket, first: int, count: int, runs: list[tuple[int, int]], head: int = 0,
+                 nheads: int = 0) -> bool:
         t = self._local.tensor
         nblocks = t.shape[2]
-        valid = first + count <= t.shape[0] and all(d + n <= nblocks for d, n in runs)
+        valid = (first + count <= t.shape[0] and all(d + n <= nblocks for d, n in runs)
+                 and head + nheads <= t.shape[4])
+        block = t[0, 0, 0].numel() if not nheads else t[0, 0, 0, :, :nheads].numel()
         if not valid:                            # read and drop: the frame is out of bounds
-            left = 2 * count * sum(n for _, n in runs) * t[0, 0, 0].numel() * t.element_size()
+            left = 2 * count * sum(n for _, n in runs) * block * t.element_size()
             sink = memoryview(bytearray(min(left, 1 << 20)))
             while left:
                 chunk = min(left, len(sink))
                 _recv_all(conn, [sink[:chunk]])
                 left -= chunk
             return False
+        if nheads:                               # into a staging copy, then into the heads' places
+            parts = [(t[layer, kv, d:d + n, :, head:head + nheads], 
+                      torch.empty((n, t.shape[3], nheads, t.shape[5]), dtype=t.dtype))
+                     for layer in range(first, first + count) for kv in (0, 1) for d, n in runs]
+            _recv_all(conn, [_bytes_view(staged) for _, staged in parts])
+            for place, staged in parts:
+                place.copy_(staged)
+            return True
         _recv_all(conn, [_bytes_view(t[layer, kv, d:d + n])
                          for layer in range(first, first + count) for kv in (0, 1) for d, n in runs])
         return True
@@ -205,7 +218,7 @@ class TcpTransport:
             for sock in socks:
                 sock.close()
             raise TransferError(f"cannot reach KV peer {meta['host']}:{meta['port']}: {exc}") from None
-        p = _Peer([_Stream(sock) for sock in socks])
+        p = _Peer([_Stream(sock) for sock in socks], num_heads=len(meta_heads(peer)))
         for st in p.streams:
             threading.Thread(target=self._send_loop, args=(p, st), name="kv-tcp-send", daemon=True).start()
             threading.Thread(target=self._ack_loop, args=(p, st), name="kv-tcp-ack", daemon=True).start()
@@ -214,12 +227,13 @@ class TcpTransport:
         return PeerHandle(key)
 
     def write(self, peer: PeerHandle, src: Sequence[int], dst: Sequence[int],
-              layers: range | None = None) -> TransferId:
+              layers: range | None = None, heads: HeadSlice | None = None) -> TransferId:
         if self._local is None:
             raise TransferError("register() a local pool before writing")
         p = self._peers.get(peer.peer_id)
         if p is None:
             raise TransferError(f"not connected to {peer.peer_id}")
+        check_heads(heads, self._local.tensor.shape[4], p.num_heads)
         layers = layers if layers is not None else range(self._local.layout.num_layers)
         runs = block_runs(src, dst)
         # A many-layer write is cut into one frame per stream; single layers take turns.
@@ -235,7 +249,7 @@ class TcpTransport:
             first = p.turn
             p.turn = (p.turn + k) % len(p.streams)
         for i in range(k):
-            p.streams[(first + i) % len(p.streams)].jobs.put((xfer, range(cuts[i], cuts[i + 1]), runs))
+            p.streams[(first + i) % len(p.streams)].jobs.put((xfer, range(cuts[i], cuts[i + 1]), runs, heads))
         return xfer
 
     def _send_loop(self, p: _Peer, st: _Stream) -> None:
@@ -244,12 +258,15 @@ class TcpTransport:
                 job = st.jobs.get()
                 if job is None:
                     return
-                xfer, layers, runs = job
+                xfer, layers, runs, heads = job
                 t = self._local.tensor              # write() only queues jobs once registered
-                head = HEADER.pack(MAGIC, xfer, layers.start, len(layers), len(runs))
+                head = HEADER.pack(MAGIC, xfer, layers.start, len(layers), len(runs), heads.dst if heads else 0,
+                                   heads.count if heads else 0)
                 head += b"".join(RUN.pack(d, n) for _, d, n in runs)
-                _send_all(st.sock, [memoryview(head)] + [_bytes_view(t[layer, kv, s:s + n])
-                                                         for layer in layers for kv in (0, 1) for s, _, n in runs])
+                hs = slice(None) if heads is None else slice(heads.src, heads.src + heads.count)
+                pieces = [t[layer, kv, s:s + n, :, hs] for layer in layers for kv in (0, 1) for s, _, n in runs]
+                _send_all(st.sock, [memoryview(head)] + [_bytes_view(p if heads is None else p.contiguous())
+                                                         for p in pieces])
         except (OSError, ValueError) as exc:            # ValueError: socket closed under us
             self._kill(p, f"send failed: {exc}")
 

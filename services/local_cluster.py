@@ -103,7 +103,9 @@ class LocalCluster:
         gpus = ()
         if self._num_gpus:
             held = [c.gpus for c in self.pools["prefill"] + self.pools["decode"] + self.draining_children]
-            gpus = assign_gpus(held, self._num_gpus, self.settings.gpus_per_worker, self.settings.share_gpus)
+            # one GPU per tensor-parallel rank at least
+            per = max(self.settings.gpus_per_worker, self.settings.tp(role))
+            gpus = assign_gpus(held, self._num_gpus, per, self.settings.share_gpus)
         threads = len(cpus) if cpus else self._threads     # a thread per core it may run on
         lends = role == "prefill" and cpus is not None and len(cpus) > 1    # plan_cpus: on decode cores too
         child = self._spawn(f"{role}-{next(self._serial[role])}", role,
@@ -238,11 +240,15 @@ class LocalCluster:
         workers = num_prefill + num_decode
         # Disaggregated: a core and one torch thread per worker when they fit. Aggregated:
         # each worker shares the cores. Pools that grow and shrink are not pinned: cores
-        # are planned once, at start.
-        self._threads = s.threads or (max(1, len(cores) // workers) if s.aggregated else
+        # are planned once, at start. Tensor-parallel workers: a thread per rank where
+        # the cores go round, and no pinning (a worker's ranks inherit its affinity).
+        ranks = num_prefill * s.tp("prefill") + num_decode * s.tp("decode")
+        self._threads = s.threads or (max(1, len(cores) // ranks) if ranks > workers else
+                                      max(1, len(cores) // workers) if s.aggregated else
                                       max(1, len(cores) // max(2, workers)))
         pins = (plan_cpus(["decode"] * num_decode + ["prefill"] * num_prefill, cores, s.lend_decode_cores)
-                if s.pin_cpus and self._threads == 1 and not self.autoscaling else [None] * workers)
+                if s.pin_cpus and self._threads == 1 and not self.autoscaling and ranks == workers
+                else [None] * workers)
         self._num_gpus = self._gpus_to_hand_out()
         try:
             if self.autoscaling and s.aggregated:
@@ -370,7 +376,7 @@ class LocalCluster:
         """One, except aggregated on CPU: a single-threaded worker per core. Each then
         runs its own mixed steps with no OpenMP team to keep in step: one worker with a
         thread per core measured 220 output tok/s on 2 cores against 320 for two."""
-        return max(1, cores) if self._aggregated_on_cpu() else 1
+        return max(1, cores) if self._aggregated_on_cpu() and self.settings.tp("decode") == 1 else 1
 
     def _banner(self, r: dict, prefills: list[dict], decodes: list[dict], redis: str | None,
                 quiet: bool = False) -> None:

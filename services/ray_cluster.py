@@ -57,13 +57,14 @@ def worker_name(role: str, index: int) -> str:
     return f"pdserve-{role}-{index}"
 
 
-def placement(role: str, cluster_resources: dict[str, float]) -> dict:
-    """Ray options that place a worker: a GPU when the cluster has GPUs, and one unit of
-    the custom resource named after its role when nodes define it (`ray start
-    --resources='{"decode": 4}'` marks a node for four decode workers)."""
+def placement(role: str, cluster_resources: dict[str, float], gpus: int = 1) -> dict:
+    """Ray options that place a worker: `gpus` GPUs (one per tensor-parallel rank) when
+    the cluster has GPUs, and one unit of the custom resource named after its role when
+    nodes define it (`ray start --resources='{"decode": 4}'` marks a node for four decode
+    workers)."""
     options: dict = {"num_cpus": 0}
     if cluster_resources.get("GPU", 0) >= 1:
-        options["num_gpus"] = 1
+        options["num_gpus"] = gpus
     if cluster_resources.get(role, 0) >= 1:
         options["resources"] = {role: 1}
     return options
@@ -230,9 +231,12 @@ class RayPools:
     the actuator an autoscaler can call. Needs a connected `ray` (see `connect`). New
     workers take `template`'s settings (role replaced), else a running worker's."""
 
-    def __init__(self, ray, template: WorkerSettings | None = None, start_timeout: float = START_TIMEOUT) -> None:
+    def __init__(self, ray, template: WorkerSettings | None = None, start_timeout: float = START_TIMEOUT,
+                 tp: dict[str, int] | None = None) -> None:
+        """`tp`: each role's tensor-parallel size, where it differs from the template's."""
         self.ray = ray
         self.template = template
+        self.tp = tp or {}
         self.start_timeout = start_timeout
         self._actor = ray.remote(ServiceActor)
 
@@ -265,7 +269,8 @@ class RayPools:
 
     def _template_for(self, role: str) -> WorkerSettings:
         if self.template is not None:
-            return dataclasses.replace(self.template, role=role)
+            return dataclasses.replace(self.template, role=role,
+                                       tensor_parallel_size=self.tp.get(role, self.template.tensor_parallel_size))
         names = self.names(role) or [n for r in ROLES for n in self.names(r)]
         if not names:
             raise RuntimeError("no pdserve worker runs on this Ray cluster to copy settings from; "
@@ -275,7 +280,7 @@ class RayPools:
 
     def _add(self, role: str, k: int, existing: list[str]) -> list[tuple]:
         template = self._template_for(role)
-        options = placement(role, self.ray.cluster_resources())
+        options = placement(role, self.ray.cluster_resources(), template.tensor_parallel_size)
         taken, index, out = set(existing), 0, []
         for _ in range(k):
             while worker_name(role, index) in taken:
@@ -354,7 +359,8 @@ class RayCluster:
                                    "change its pools with `pdserve scale`")
             self.owns_actors = True
             self.registry_url = self._registry()
-            pools = RayPools(self.ray, self._worker_template(self.registry_url))
+            pools = RayPools(self.ray, self._worker_template(self.registry_url),
+                             tp={role: self.settings.tp(role) for role in ROLES})
             router_ready = self._start_router(self.registry_url)    # finds the workers in the registry
             sizes = {"decode": a.num_decode or 1, "prefill": a.num_prefill}
             workers = pools.apply(sizes)

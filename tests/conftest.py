@@ -85,7 +85,8 @@ def pytest_configure(config):
 # Those are marked `process`; tests that load the real model in this process are
 # marked `model`. `make test-fast` runs the rest: plain Python, in under a minute.
 STARTS_PROCESSES = ("start_cluster(", "Services(", "spawn_service", "start_private_redis", "subprocess.",
-                    "Popen(", "multiprocessing", "get_context(", "ray.init", "_interpreted(", "run_script(")
+                    "Popen(", "multiprocessing", "get_context(", "ray.init", "_interpreted(", "run_script(",
+                    "start_ranks(")
 LOADS_THE_MODEL = {"model_dir", "expected", "kernel_cache"}
 
 

@@ -79,7 +79,7 @@ def generate_expected(model_dir) -> dict[str, Expected]:
         toks = gen[0, len(ids):].tolist()
         finish = "stop" if toks[-1] == tok.eos_token_id else "length"
         text = tok.decode(toks, skip_special_tokens=True)
-        if case.stop:
+        if case.stop and any(s in text for s in case.stop):
             cut = min(text.index(s) for s in case.stop if s in text)
             text, finish = text[:cut], "stop"
             # the cluster stops at the token that completes the stop string

@@ -705,6 +705,22 @@ def test_gpu_values_request_gpus_on_separate_node_pools_with_nixl(helm):
     assert not any("nvidia.com/gpu" in r for r in m.container("router")["resources"].values())
 
 
+def test_each_pool_has_its_own_tensor_parallel_degree_and_gpus_to_match(helm):
+    """Prefill TP 4 and decode TP 2 (the 70B example in docs/deploy.md): each pool's
+    workers take their own --tensor-parallel-size, and a GPU pod asks for a GPU per rank."""
+    m = render(helm, "-f", str(GPU_VALUES), "--set", "prefill.tensorParallelSize=4",
+               "--set", "decode.tensorParallelSize=2")
+    for role, tp in (("prefill", 4), ("decode", 2)):
+        c = m.container(role)
+        assert flags(c)["tensor-parallel-size"] == str(tp)
+        assert int(c["resources"]["requests"]["nvidia.com/gpu"]) == int(c["resources"]["limits"]["nvidia.com/gpu"]) == tp
+    cpu = render(helm, "--set", "decode.tensorParallelSize=2").container("decode")
+    assert flags(cpu)["tensor-parallel-size"] == "2"
+    assert not any("nvidia.com/gpu" in r for r in cpu["resources"].values())       # a CPU pod asks for none
+    bad = run_helm(helm, "template", "pdserve", str(CHART), "--set", "decode.tensorParallelSize=0")
+    assert bad.returncode != 0 and "tensorParallelSize" in bad.stderr
+
+
 def test_gpu_values_size_the_decode_kv_pool_from_gpu_memory(helm):
     """Rendered, not applied: values-gpu.yaml leaves kv-cache-tokens at 0 (sized from
     what gpu-memory-utilization leaves on the GPU), and `pdserve decode` accepts the flag."""

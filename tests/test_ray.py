@@ -46,6 +46,21 @@ def test_placement_uses_gpus_and_role_resources_when_the_cluster_has_them():
     assert placement("decode", {"CPU": 8.0, "GPU": 4.0}) == {"num_cpus": 0, "num_gpus": 1}
     assert placement("prefill", {"CPU": 8.0, "prefill": 2.0, "decode": 2.0}) == {
         "num_cpus": 0, "resources": {"prefill": 1}}
+    assert placement("prefill", {"CPU": 8.0, "GPU": 8.0}, gpus=4) == {"num_cpus": 0, "num_gpus": 4}
+
+
+def test_each_pool_starts_workers_of_its_own_tensor_parallel_size():
+    """`up --ray --prefill-tp 4 --decode-tp 2`: the pools' new workers take their own
+    degree (and, on a GPU cluster, as many GPUs: above)."""
+    from services.common.settings import ClusterSettings
+    from services.ray_cluster import ROLES, RayPools
+
+    class NoRay:
+        remote = staticmethod(lambda cls: cls)
+    s = ClusterSettings(prefill_tp=4, decode_tp=2)
+    pools = RayPools(NoRay(), s.worker("decode"), tp={role: s.tp(role) for role in ROLES})
+    assert pools._template_for("prefill").tensor_parallel_size == 4
+    assert pools._template_for("decode").tensor_parallel_size == 2
 
 
 class RayUp:

@@ -51,6 +51,11 @@ class EngineSettings:
                                         "Llama-family models; faster, not bit-exact (opt-in)",
                                 choices=QUANTIZATIONS)
     device: str = setting("auto", "cpu, cuda, cuda:N or auto")
+    tensor_parallel_size: int = setting(
+        1, "rank processes this worker's model is split over (Megatron-style: attention heads and MLP features "
+           "per rank, an all-reduce after each block half, the KV cache split by head); one GPU each from "
+           "--device on, or on a CPU one process each. Prefill and decode workers may differ: KV is resharded "
+           "on its way across", flags=("--tensor-parallel-size", "-tp"))
     block_size: int = setting(16, "tokens per KV block")
     max_model_len: int = setting(0, "longest sequence (prompt and output) served, in tokens (0: the model's own "
                                     "context length)")
@@ -133,6 +138,10 @@ class EngineSettings:
             raise ValueError("--max-model-len must be 0 (the model's own) or more")
         if self.threads < 0:
             raise ValueError("--threads must be 0 (automatic) or more")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("--tensor-parallel-size must be at least 1")
+        if self.tensor_parallel_size > 1 and self.quantization != "none":
+            raise ValueError("--quantization int8 and --tensor-parallel-size do not combine yet")
         if self.max_num_batched_tokens and self.max_num_batched_tokens < self.max_batch:
             raise ValueError(f"--max-num-batched-tokens {self.max_num_batched_tokens} cannot hold a decode token "
                              f"for each of --max-batch {self.max_batch} sequences")
@@ -338,7 +347,13 @@ class ClusterSettings(RoutingSettings, EngineSettings):
     pin_cpus: bool = setting(True, "pin each disaggregated worker to a core of its own when they fit")
     lend_decode_cores: bool = setting(True, "with --pin-cpus: each prefill worker also runs a thread on the decode "
                                             "workers' cores, to use the time decode leaves idle there")
-    gpus_per_worker: int = setting(1, "on a CUDA machine: GPUs each worker gets to itself (CUDA_VISIBLE_DEVICES)")
+    prefill_tp: int = setting(0, "prefill workers' --tensor-parallel-size (0: --tensor-parallel-size)",
+                              flags=("--prefill-tp",), metavar="P")
+    decode_tp: int = setting(0, "decode workers' --tensor-parallel-size (0: --tensor-parallel-size); it may differ "
+                                "from the prefill workers': KV is resharded on its way across",
+                             flags=("--decode-tp",), metavar="D")
+    gpus_per_worker: int = setting(1, "on a CUDA machine: GPUs each worker gets to itself (CUDA_VISIBLE_DEVICES); "
+                                      "at least its tensor-parallel size")
     share_gpus: bool = setting(False, "place workers on GPUs already in use when there are too few (size each "
                                       "one's share with --gpu-memory-utilization)")
     redis: str | None = setting(None, "registry to use; default: start a private redis-server if one is "
@@ -364,6 +379,8 @@ class ClusterSettings(RoutingSettings, EngineSettings):
             raise ValueError("--prefill and --decode are worker counts")
         if self.gpus_per_worker < 1:
             raise ValueError("--gpus-per-worker must be at least 1")
+        if self.prefill_tp < 0 or self.decode_tp < 0:
+            raise ValueError("--prefill-tp and --decode-tp must be 0 (--tensor-parallel-size) or more")
         if not self.redis and not self.private_registry and (self.autoscale or self.ray):
             raise ValueError(f"{'--autoscale' if self.autoscale else '--ray'} needs a registry: --redis URL, "
                              "or drop --no-private-registry")
@@ -372,11 +389,16 @@ class ClusterSettings(RoutingSettings, EngineSettings):
     def aggregated(self) -> bool:
         return self.mode == "aggregated"
 
+    def tp(self, role: str) -> int:
+        """The tensor-parallel size of `role`'s workers."""
+        return (self.prefill_tp if role == "prefill" else self.decode_tp) or self.tensor_parallel_size
+
     def worker(self, role: str, **overrides) -> WorkerSettings:
         """A worker's settings: this cluster's engine settings, listening on loopback."""
         base = {f.name for f in dataclasses.fields(EngineSettings)}
         kwargs = {name: getattr(self, name) for name in base}
-        kwargs.update(role=role, host="127.0.0.1", served_model_name=self.served_model_name)
+        kwargs.update(role=role, host="127.0.0.1", served_model_name=self.served_model_name,
+                      tensor_parallel_size=self.tp(role))
         kwargs.update(overrides)
         return WorkerSettings(**kwargs)
 

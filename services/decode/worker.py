@@ -57,8 +57,8 @@ class DecodeWorker(EngineWorker):
     role = "decode"
 
     def __init__(self, settings: WorkerSettings, runner: ModelRunner, eos_token_ids: frozenset[int],
-                 metrics: WorkerMetrics) -> None:
-        super().__init__(settings, runner, eos_token_ids, metrics)
+                 metrics: WorkerMetrics, ranks=None) -> None:
+        super().__init__(settings, runner, eos_token_ids, metrics, ranks)
         config = self.config
         tokens = runner.kv_tokens(settings.kv_cache_tokens, settings.gpu_memory_utilization,
                                   config.max_num_batched_tokens, config.max_num_seqs)
@@ -72,8 +72,10 @@ class DecodeWorker(EngineWorker):
         self.transports = open_transports(settings.kv_transport, settings.transport_options(),
                                           device=str(runner.device))
         memory = self._allocate_pool(settings, str(runner.device))
+        memory.heads = runner.kv_heads
         self.offers = [worker_pb2.TransportOffer(backend=name, meta=t.register(memory, self.compat_hash))
                        for name, t in self.transports.items()]
+        self.offers += self._rank_offers(shared=memory.path is not None)
         log.info("decode worker offers KV transports: %s", ", ".join(self.transports))
         speculation = settings.speculation()
         overlap = settings.async_scheduling == "on" or (settings.async_scheduling == "auto"
@@ -345,8 +347,8 @@ class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
                 e.abort(ids[index])
 
 
-def build(settings: WorkerSettings, runner: ModelRunner, eos: frozenset[int], metrics: WorkerMetrics):
-    worker = DecodeWorker(settings, runner, eos, metrics)
+def build(settings: WorkerSettings, runner: ModelRunner, eos: frozenset[int], metrics: WorkerMetrics, ranks=None):
+    worker = DecodeWorker(settings, runner, eos, metrics, ranks)
     worker.start()
     return WorkerParts("pdserve.v1.DecodeWorker",
                        DecodeService(worker), worker_pb2_grpc.add_DecodeWorkerServicer_to_server, worker.stop)

@@ -44,7 +44,7 @@ import queue
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Callable, Protocol, TypeVar
 
 import torch
 
@@ -112,6 +112,15 @@ def overlaps(seq: Sequence) -> bool:
     return seq.constraint is None and not seq.params.reads_history
 
 
+class StepHooks(Protocol):
+    """Told before and after each step's forward pass (a tensor-parallel prefill
+    worker's other ranks learn what to write, and say what failed)."""
+
+    def before_step(self, plan: StepPlan) -> None: ...
+
+    def after_step(self, plan: StepPlan) -> None: ...
+
+
 @dataclass(frozen=True)
 class StepStats:
     prefill_tokens: int                 # prompt tokens computed (chunks of more than one token)
@@ -124,7 +133,8 @@ class StepStats:
 class LLMEngine:
     def __init__(self, runner: ModelRunner, memory: KVPoolMemory, scheduler: Scheduler,
                  layer_hook: LayerHook | None = None,
-                 on_joined: Callable[[list[str]], None] | None = None, async_scheduling: bool = False) -> None:
+                 on_joined: Callable[[list[str]], None] | None = None, async_scheduling: bool = False,
+                 step_hooks: StepHooks | None = None) -> None:
         if async_scheduling and (layer_hook is not None or scheduler.config.prefill_only):
             raise ValueError("async scheduling is for engines that decode: a prefill worker's step ends its "
                              "sequences and ships their KV")
@@ -138,6 +148,7 @@ class LLMEngine:
         self._last_end = 0.0                        # when the last step's outputs were made
         self.memory = memory
         self.scheduler = scheduler
+        self.step_hooks = step_hooks
         self._poster = (None if layer_hook is None
                         else LayerPoster(layer_hook, runner.stream.asynchronous, runner.device))
         # Told, before the forward pass, which prefilled sequences this step decodes first:
@@ -207,7 +218,7 @@ class LLMEngine:
             outputs += self._land()
         plan = self.scheduler.schedule()
         if self.scheduler.copies:               # forked choices' last prompt blocks, queued ahead of the step
-            self.memory.copy_blocks(self.scheduler.copies)
+            self.runner.copy_blocks(self.memory, self.scheduler.copies)
             self.scheduler.copies_made()
         if plan.joined and self.on_joined is not None:
             self.on_joined([seq.request_id for seq in plan.joined])
@@ -320,11 +331,16 @@ class LLMEngine:
         masks = self._masks.submit(fill_masks, constraints) if any(c for c, _ in constraints) else None
         poster = self._poster
         hook = None if poster is None else (lambda layer, fence: poster(layer, plan, fence))
+        hooks = self.step_hooks
+        if hooks is not None:
+            hooks.before_step(plan)
         try:
             logits = self.runner.execute(self.memory, batch, hook)
         finally:
             if poster is not None:
                 poster.flush()
+            if hooks is not None:
+                hooks.after_step(plan)
             mask = masks.result() if masks is not None else None
         prompt = prompt_logprob_tensors(logits[len(batch.sample_rows):], targets) if targets else []
         logits = logits[:len(batch.sample_rows)]

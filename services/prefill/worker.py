@@ -23,7 +23,7 @@ import time
 import grpc
 
 from kv_transfer.backends import open_transports
-from kv_transfer.base import IncompatiblePeer, TransferError
+from kv_transfer.base import IncompatiblePeer, TransferError, meta_heads
 from services.common.metrics import WorkerMetrics
 from services.common.settings import WorkerSettings
 from services.engine.core.block_pool import NoFreeBlocks
@@ -48,21 +48,28 @@ class PrefillWorker(EngineWorker):
     role = "prefill"
 
     def __init__(self, settings: WorkerSettings, runner: ModelRunner, eos: frozenset[int],
-                 metrics: WorkerMetrics) -> None:
-        super().__init__(settings, runner, eos, metrics)
+                 metrics: WorkerMetrics, ranks=None) -> None:
+        super().__init__(settings, runner, eos, metrics, ranks)
         bs = settings.block_size
         # Room for a full context and a full step being computed (twice over, for the
         # blocks still being read by writes) plus the prefix cache.
         working = 2 * -(-max(runner.max_model_len, self.config.max_num_batched_tokens) // bs)
         self._layout(working + settings.prefix_cache_tokens // bs)
         memory = KVPoolMemory.allocate(self.layout, device=str(runner.device))
+        memory.heads = runner.kv_heads
         self.transports = open_transports(settings.kv_transport, settings.transport_options(),
                                           drop_rate=settings.fault_drop_transfers, device=str(runner.device))
         for t in self.transports.values():
             t.register(memory, self.compat_hash)
+        # each rank's heads: whose slices of the model's KV this worker's ranks write
+        heads = [runner.kv_heads] + [meta_heads(next(offers).meta)
+                                     for _, offers in itertools.groupby(self._rank_offers(shared=False),
+                                                                        lambda o: o.rank)]
         self.exporter = KVExporter(self.transports, self.compat_hash, self.layout,
-                                   lambda failed, used: metrics.transport_fallbacks.labels(failed, used).inc())
-        self._open(memory, settings.prefix_cache_tokens > 0, layer_hook=self.exporter.push_layer)
+                                   lambda failed, used: metrics.transport_fallbacks.labels(failed, used).inc(),
+                                   heads=heads, group=runner.group)
+        self._open(memory, settings.prefix_cache_tokens > 0, layer_hook=self.exporter.push_layer,
+                   step_hooks=self.exporter if runner.leads else None)
         self.exporter.loop = self.loop
         self._ids = itertools.count()
         self.queued = 0
@@ -189,8 +196,8 @@ class PrefillService(EngineStatus, worker_pb2_grpc.PrefillWorkerServicer):
             await refuse(context, exc)
 
 
-def build(settings: WorkerSettings, runner: ModelRunner, eos: frozenset[int], metrics: WorkerMetrics):
-    worker = PrefillWorker(settings, runner, eos, metrics)
+def build(settings: WorkerSettings, runner: ModelRunner, eos: frozenset[int], metrics: WorkerMetrics, ranks=None):
+    worker = PrefillWorker(settings, runner, eos, metrics, ranks)
     worker.start()
     return WorkerParts("pdserve.v1.PrefillWorker",
                        PrefillService(worker), worker_pb2_grpc.add_PrefillWorkerServicer_to_server, worker.stop)

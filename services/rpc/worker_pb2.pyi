@@ -54,12 +54,14 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TransportOffer(_message.Message):
-    __slots__ = ("backend", "meta")
+    __slots__ = ("backend", "meta", "rank")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     META_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     backend: str
     meta: bytes
-    def __init__(self, backend: _Optional[str] = ..., meta: _Optional[bytes] = ...) -> None: ...
+    rank: int
+    def __init__(self, backend: _Optional[str] = ..., meta: _Optional[bytes] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class KVHandle(_message.Message):
     __slots__ = ("request_id", "epoch", "block_ids", "num_tokens", "write_deadline", "offers", "compat_hash")

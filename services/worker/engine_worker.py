@@ -23,6 +23,7 @@ from services.engine.model.kv_cache import KVPoolMemory
 from services.engine.model.runner import ModelRunner
 from services.rpc import worker_pb2
 from services.worker.main import grammars_for, scheduler_config
+from services.worker.ranks import Ranks
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +32,10 @@ class EngineWorker:
     role = ""
 
     def __init__(self, settings: WorkerSettings, runner: ModelRunner, eos: frozenset[int],
-                 metrics: WorkerMetrics) -> None:
+                 metrics: WorkerMetrics, ranks: Ranks | None = None) -> None:
         self.settings = settings
         self.runner = runner
+        self.ranks = ranks                          # tensor parallelism: the other ranks (services/worker/ranks.py)
         self.eos = eos
         self.metrics = metrics
         self.epoch = uuid.uuid4().hex[:12]          # a restarted worker is another epoch
@@ -44,6 +46,15 @@ class EngineWorker:
         """The pool's shape, and the hash a peer's must equal for KV to cross."""
         self.layout = self.runner.layout(num_blocks, self.settings.block_size)
         self.compat_hash = self.runner.compat_hash(self.layout)
+
+    def _rank_offers(self, shared: bool) -> list[worker_pb2.TransportOffer]:
+        """The other ranks' pools (same blocks, their own KV heads), allocated and
+        registered with their transports: what a writer needs to reach each."""
+        if self.ranks is None:
+            return []
+        pools = self.ranks.open_pools(self.layout.num_blocks, self.layout.block_size, shared, self.compat_hash)
+        return [worker_pb2.TransportOffer(backend=name, meta=meta, rank=rank)
+                for rank, offers in enumerate(pools, start=1) for name, meta in offers]
 
     def _open(self, memory: KVPoolMemory, prefix_caching: bool, speculator: Speculator | None = None,
               **engine_options) -> None:

@@ -28,6 +28,7 @@ from services.engine.core.scheduler import SchedulerConfig
 from services.engine.core.sampling import SamplingParams
 from services.engine.structured import Grammars, SchemaError
 from services.engine.text.tokenizer import eos_token_ids, load_tokenizer
+from services.worker.ranks import rank_device, start_ranks
 from services.worker.wire import ERROR_CODE_KEY, check_tokens
 
 log = logging.getLogger(__name__)
@@ -148,12 +149,16 @@ async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]
     set_torch_threads(settings.threads)
     keep_freed_memory()
     model_dir = resolve_model(settings.model, settings.revision)
-    runner = ModelRunner(model_dir, settings.dtype, settings.device, attention=settings.attention_kernel,
+    ranks = start_ranks(settings, model_dir) if settings.tensor_parallel_size > 1 else None
+    device = str(rank_device(settings.device, 0)) if ranks is not None else settings.device
+    runner = ModelRunner(model_dir, settings.dtype, device, attention=settings.attention_kernel,
                          max_model_len=settings.max_model_len, quantization=settings.quantization,
-                         cuda_graphs=not settings.enforce_eager,
-                         max_batch=settings.max_batch)
+                         cuda_graphs=not settings.enforce_eager, max_batch=settings.max_batch,
+                         group=ranks.group if ranks is not None else None)
     metrics = WorkerMetrics(settings.role, settings.served_model_name or model_dir.name)
-    parts = build(settings, runner, eos_token_ids(model_dir), metrics)
+    parts = build(settings, runner, eos_token_ids(model_dir), metrics, ranks)
+    if ranks is not None:
+        ranks.watch()
     secret = ClusterSecret.from_file(settings.cluster_secret_file)
     host = ServiceHost([parts.service_name],
                        [RequireBearer(KeyCheck([secret.call_token]), "cluster credential")] if secret else None)
@@ -195,4 +200,6 @@ async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]
         await _drain(parts.engine, settings.drain_timeout)
         await host.server.stop(SHUTDOWN_GRACE_SECONDS)
         parts.stop()
+        if ranks is not None:
+            ranks.stop()
         log.info("%s worker stopped", settings.role)

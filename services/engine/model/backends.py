@@ -175,6 +175,7 @@ class CpuBackend(TorchBackend):
         if (model.dtype != torch.bfloat16 or self.attention is None or kernels is None or matmul is None
                 or not matmul.bf16 or type(inner).__name__ not in fusion.DECODER_MODELS or not layers
                 or not all(type(layer) is fusion.LeanDecoderLayer and layer.kernels is kernels and layer.pack
+                           and layer.reduce is None     # a tensor-parallel shard sums between its layers
                            for layer in layers)):      # not int8's
             return None
         first = layers[0]

@@ -250,6 +250,10 @@ class LeanDecoderLayer(nn.Module):
             self.gate_proj, self.up_proj = mlp.gate_proj, mlp.up_proj
         self.o_proj = _linear(attn.o_proj.weight, attn.o_proj.bias, pack, matmul)
         self.down_proj = _linear(mlp.down_proj.weight, mlp.down_proj.bias, pack, matmul)
+        # Tensor parallelism (parallel.py): o and down make partial sums, added over the
+        # ranks; the residual joins on one rank (`adds_residual`), in its epilogue.
+        self.reduce = getattr(layer, "pdserve_reduce", None)
+        self.adds_residual = getattr(layer, "pdserve_adds_residual", True)
         # Epilogue form: "+ residual" (and the gating) inside the matmuls.
         self.pack = (pack or self.gated is not None) and all(hasattr(m, "then") for m in (self.o_proj, self.down_proj))
         object.__setattr__(self, "kernels", kernels)
@@ -300,11 +304,11 @@ class LeanDecoderLayer(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         out = self._attention(q, k, v, position_embeddings, pdserve_batch)
         if self.pack:
-            hidden_states = self.o_proj.then(out, hidden_states, "add")
+            hidden_states = self._plus(self.o_proj, out, hidden_states)
             x = self._norm(hidden_states, 1)
             x = self.gated(x) if self.gated is not None else self.up_proj.then(x, self.gate_proj(x, "swish"), "mul")
-            return self.down_proj.then(x, hidden_states, "add")
-        hidden_states = hidden_states + self.o_proj(out)
+            return self._plus(self.down_proj, x, hidden_states)
+        hidden_states = hidden_states + self._summed(self.o_proj(out))
         x = self._norm(hidden_states, 1)
         if self.gated is not None:
             x = self.gated(x)
@@ -317,7 +321,18 @@ class LeanDecoderLayer(nn.Module):
                 x = F.silu(gate) * up
         else:
             x = F.silu(self.gate_proj(x)) * self.up_proj(x)
-        return hidden_states + self.down_proj(x)
+        return hidden_states + self._summed(self.down_proj(x))
+
+    def _plus(self, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """linear(x) + residual, the add in the matmul's epilogue; under tensor
+        parallelism summed over the ranks, the residual added on one of them."""
+        if self.reduce is None:
+            return linear.then(x, residual, "add")
+        return self.reduce(linear.then(x, residual, "add") if self.adds_residual else linear(x))
+
+    def _summed(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel product summed over the tensor-parallel ranks (itself alone)."""
+        return partial if self.reduce is None else self.reduce(partial)
 
 
 def lean_compatible(layer: nn.Module) -> bool:

@@ -99,6 +99,9 @@ class KVPoolMemory:
         self.tensor = tensor
         self.path = path
         self._owner = owner
+        # The model's KV heads this pool holds: all of them, or a tensor-parallel rank's
+        # (services/engine/model/parallel.py); writers of another split read it.
+        self.heads = range(layout.num_kv_heads)
 
     @classmethod
     def allocate(cls, layout: KVLayout, shared: bool = False, device: str = "cpu") -> "KVPoolMemory":

@@ -18,6 +18,7 @@ native kernels where they build and win; torch's own ops otherwise, or with
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,8 @@ from services.engine.model.hardware import pick_dtype
 from services.engine.model.int8 import CALIBRATION_TEXT
 from services.engine.model.kv_cache import (CPU_KV_TOKENS, KVLayout, KVPoolMemory, compat_hash, device_memory,
                                             tokens_for_memory)
+from services.engine.model.parallel import (Command, RankGroup, TensorParallel, encode_batch, load_shard,
+                                             shard_model)
 from services.engine.text.model_store import context_length
 
 log = logging.getLogger(__name__)
@@ -92,10 +95,11 @@ class ModelRunner:
     def __init__(self, model_dir: Path, dtype: str = "auto", device: str | None = None,
                  attention: str = "auto", kernel_cache: Path | None = None, max_model_len: int = 0,
                  quantization: str = "none", cuda_graphs: bool = True, max_batch: int = 64,
-                 model: torch.nn.Module | None = None) -> None:
+                 model: torch.nn.Module | None = None, group: RankGroup | None = None) -> None:
         """`model`: an already built model (random weights of a real shape, for
         benchmarks) instead of loading `model_dir`'s; `max_batch`: the largest decode
-        step captured as a CUDA graph."""
+        step captured as a CUDA graph; `group`: this rank's place among a worker's
+        tensor-parallel ranks (parallel.py), its shard of the model kept."""
         from transformers import AutoConfig, AutoModelForCausalLM
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {quantization!r}")
@@ -109,6 +113,11 @@ class ModelRunner:
         self.dtype_name = choice.name
         self.dtype_reason = choice.reason
         self.model_dir = Path(model_dir)
+        self.group = group
+        self.tp = group.tp if group is not None else TensorParallel()
+        if quantization != "none" and self.tp.size > 1:
+            raise ValueError("int8 layers and tensor parallelism do not combine yet: use one or the other")
+        sharded = False
         if model is not None:
             config = model.config
             if hasattr(model, "set_attn_implementation"):
@@ -118,15 +127,25 @@ class ModelRunner:
             self.model = model.to(self.device, choice.torch_dtype).eval()
         else:
             config = AutoConfig.from_pretrained(self.model_dir)
-            # Straight onto the device: loading a large model on the host first needs its whole
-            # size in host memory (more than a pod's limit above ~14B parameters in bf16).
-            placement = {} if self.device.type == "cpu" else {"device_map": str(self.device)}
-            self.model = AutoModelForCausalLM.from_pretrained(
-                self.model_dir, dtype=choice.torch_dtype, attn_implementation=ATTN_IMPL,
-                **placement).to(self.device).eval()
+            self.model = None
+            if self.tp.size > 1:            # this rank's slices alone, read from the checkpoint
+                self.model = load_shard(self.model_dir, config, self.tp, choice.torch_dtype, self.device,
+                                        group.all_reduce, ATTN_IMPL)
+                sharded = self.model is not None
+            if self.model is None:
+                # Straight onto the device: loading a large model on the host first needs its whole
+                # size in host memory (more than a pod's limit above ~14B parameters in bf16).
+                placement = {} if self.device.type == "cpu" else {"device_map": str(self.device)}
+                self.model = AutoModelForCausalLM.from_pretrained(
+                    self.model_dir, dtype=choice.torch_dtype, attn_implementation=ATTN_IMPL,
+                    **placement).to(self.device).eval()
         self.config = config
+        if self.tp.size > 1 and not sharded:
+            shard_model(self.model, self.tp, group.all_reduce)
         self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = config.num_key_value_heads
+        self.total_kv_heads = config.num_key_value_heads
+        self.kv_heads = self.tp.kv_heads(self.total_kv_heads)       # the global KV heads in this rank's pool
+        self.num_kv_heads = len(self.kv_heads)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.max_model_len = context_length(config, max_model_len)
         self.vocab_size = config.vocab_size
@@ -145,6 +164,11 @@ class ModelRunner:
         self.graph_sizes = self.backend.graph_sizes(self.model, max_batch, cuda_graphs)
         self._graphs: DecodeGraphs | None = None
 
+    @property
+    def leads(self) -> bool:
+        """Rank 0 of several: each step is sent to the other ranks first."""
+        return self.tp.size > 1 and self.tp.rank == 0
+
     def describe(self) -> str:
         decode = self.backend.decode_kernel
         if self.graph_sizes:
@@ -153,6 +177,8 @@ class ModelRunner:
             decode += ", its layers in one call"
         prefill = self.backend.prefill_kernel
         weights = "" if self.quantization == "none" else f", {self.quantization} weights"
+        if self.tp.size > 1:
+            weights += f", tensor parallel over {self.tp.size} ranks (KV heads {self.kv_heads.start}-{self.kv_heads.stop - 1} here)"
         return (f"{self.dtype_name} ({self.dtype_reason}){weights} on {self.device}; attention: decode {decode}, "
                 f"prefill {prefill}; fused: {', '.join(self.fusions) or 'nothing'}")
 
@@ -185,6 +211,10 @@ class ModelRunner:
         return KVLayout(self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim, self.dtype_name)
 
     def compat_hash(self, layout: KVLayout) -> str:
+        """Of the whole model's KV (every head), whatever this rank holds: workers of other
+        tensor-parallel degrees pair, and the head split travels with each rank's pool
+        (`KVPoolMemory.heads`)."""
+        layout = dataclasses.replace(layout, num_kv_heads=self.total_kv_heads)
         model_id = f"{self.config.model_type}:{self.config.vocab_size}:{self.config.hidden_size}:{self.model_dir.name}"
         if self.quantization != "none":             # the same prompt makes other KV bytes
             model_id += f":{self.quantization}"
@@ -197,7 +227,11 @@ class ModelRunner:
         """Run `batch`; returns the logits of its `sample_rows` then its `logprob_rows`,
         [rows, vocab] float32.
         `on_layer(layer, fence)` is called as each layer's KV write is launched; the
-        write is done once `fence.wait()` returns (services/engine/model/device.py)."""
+        write is done once `fence.wait()` returns (services/engine/model/device.py).
+        Rank 0 of several sends the batch to the others first; on the others the result
+        is empty (only rank 0 samples)."""
+        if self.leads:
+            self._send(batch)
         if (self.graph_sizes and batch.decode_tokens and not batch.segments and not batch.logprob_rows
                 and on_layer is None and len(batch.decode_tokens) <= self.graph_sizes[-1]):
             graphs = self._decode_graphs(pool)
@@ -233,9 +267,23 @@ class ModelRunner:
                                   pdserve_batch=paged).last_hidden_state
         return self._logits(hidden[0], batch)
 
+    def _send(self, batch: ForwardBatch) -> None:
+        pending = [] if not batch.pending_rows else [batch.pending_tokens.numel()]
+        self.group.send(Command.STEP, encode_batch(batch) + pending)
+        if batch.pending_rows:
+            self.group.send_tensor(batch.pending_tokens)
+
+    def copy_blocks(self, pool: KVPoolMemory, pairs: list[tuple[int, int]]) -> None:
+        """KV blocks copied on every rank (`KVPoolMemory.copy_blocks`)."""
+        if self.leads:
+            self.group.send(Command.COPY, [x for pair in pairs for x in pair])
+        pool.copy_blocks(pairs)
+
     def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The head over the rows of `hidden` [tokens, hidden] that `batch` samples, then
-        its log-probability rows: [rows, vocab] float32."""
+        its log-probability rows: [rows, vocab] float32 (none on ranks after the first)."""
+        if self.tp.rank:
+            return hidden.new_empty(0, self.vocab_size, dtype=torch.float32)
         rows = to_device(batch.sample_rows + batch.logprob_rows, torch.long, self.device)
         return self.model.lm_head(hidden.index_select(0, rows)).float()
 

@@ -12,7 +12,8 @@ only in what their values say:
 {{- $grpcPort := int $pool.grpcPort }}
 {{- $settings := dict "host" "0.0.0.0" "port" $grpcPort "metrics-port" (int $pool.metricsPort)
       "advertise" (printf "$(POD_IP):%d" $grpcPort) "kv-transport" $pool.kvTransport "dtype" $pool.dtype
-      "device" $pool.device "threads" (int $pool.threads) }}
+      "device" $pool.device "threads" (int $pool.threads)
+      "tensor-parallel-size" (int ($pool.tensorParallelSize | default 1)) }}
 {{- with include "pdserve.modelDir" $root }}{{ $_ := set $settings "model" . }}{{ end }}
 {{- with $root.Values.model.servedModelName }}{{ $_ := set $settings "served-model-name" . }}{{ end }}
 {{- /* One quantization for both pools: the router pairs only workers whose KV agree. */}}
@@ -69,7 +70,8 @@ spec:
 What the KV transfer's network asks of a pool's pods (docs/deploy.md, "Networks for the
 KV transfer"), as the pdserve.deployment arguments it sets: (dict "root" $ "pool" $pool)
   resources        the pool's, plus rdma.count of rdma.resource in requests and limits
-                   (an extended resource: the two must be equal)
+                   (an extended resource: the two must be equal); nvidia.com/gpu raised
+                   to tensorParallelSize where it is asked for
   securityContext  the chart's containerSecurityContext with the pool's securityContext
                    over it: capabilities.add joins the chart's drop [ALL], never replaces it
   annotations      network.secondary as Multus's k8s.v1.cni.cncf.io/networks
@@ -78,6 +80,14 @@ KV transfer"), as the pdserve.deployment arguments it sets: (dict "root" $ "pool
 {{- define "pdserve.kvNetwork" -}}
 {{- $pool := .pool }}
 {{- $resources := deepCopy ($pool.resources | default dict) }}
+{{- /* A GPU pod: one GPU per tensor-parallel rank at least. */}}
+{{- $tp := int ($pool.tensorParallelSize | default 1) }}
+{{- range $kind := list "requests" "limits" }}
+{{- $r := get $resources $kind | default dict }}
+{{- if and (hasKey $r "nvidia.com/gpu") (lt (int (get $r "nvidia.com/gpu")) $tp) }}
+{{- $_ := set $r "nvidia.com/gpu" $tp }}
+{{- end }}
+{{- end }}
 {{- if $pool.rdma.enabled }}
 {{- range $kind := list "requests" "limits" }}
 {{- $r := get $resources $kind | default dict }}

@@ -1,0 +1,362 @@
+"""Tensor parallelism: one model split over N rank processes, each on its own device
+(or, on a CPU, its own core).
+
+Every rank holds a slice of every decoder layer (Megatron's split):
+
+    q|k|v, gate|up      column-parallel: each rank computes its heads / its share of the
+                        MLP's intermediate features
+    o, down             row-parallel: each rank's partial product, summed over the ranks
+                        by one all-reduce each (two a layer)
+    embedding, head     replicated: every rank has the whole hidden state after each
+                        all-reduce; only rank 0 computes logits
+
+The KV cache is split with the heads: rank r holds the KV heads its query heads read.
+When the model has fewer KV heads than ranks, heads are replicated (ranks r and r + 1
+may hold the same head), as vLLM does; query heads must divide by N, and N by the KV
+heads or the KV heads by N. Block ids are the same on every rank, so one scheduler and
+one block manager (rank 0's) serve them all.
+
+Rank 0 sends each step's `ForwardBatch` to the others as integers (`encode_batch`),
+never a Python pickle; the forward pass then runs on every rank, in lockstep through
+its all-reduces. On GPUs torch.distributed carries both: NCCL the all-reduces, a gloo
+group the plan. Ranks on one host's CPU use a shared-memory segment for both
+(shm_comm.py: microseconds where gloo took a millisecond), gloo for what does not fit.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from services.engine.model import fusion, shm_comm
+from services.engine.model.shm_comm import SharedMemoryComm
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """Where a rank stands: its index among `size` ranks."""
+    size: int = 1
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} of {self.size}: not a tensor-parallel position")
+
+    def q_heads(self, num_heads: int) -> range:
+        per = num_heads // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+    def kv_heads(self, num_kv_heads: int) -> range:
+        """The global KV heads this rank holds (one, replicated, when heads < ranks)."""
+        if num_kv_heads >= self.size:
+            per = num_kv_heads // self.size
+            return range(self.rank * per, (self.rank + 1) * per)
+        head = self.rank // (self.size // num_kv_heads)
+        return range(head, head + 1)
+
+    def columns(self, n: int) -> range:
+        per = n // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+
+def check_split(config, size: int) -> None:
+    """ValueError, naming the numbers, for a model that cannot be split `size` ways."""
+    if size == 1:
+        return
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    inter = config.intermediate_size
+    if heads % size:
+        raise ValueError(f"--tensor-parallel-size {size}: the model's {heads} attention heads do not divide by {size}")
+    if kv % size and size % kv:
+        raise ValueError(f"--tensor-parallel-size {size}: the model's {kv} KV heads neither divide by {size} nor "
+                         f"divide it (heads are split, or replicated when fewer than the ranks)")
+    if inter % size:
+        raise ValueError(f"--tensor-parallel-size {size}: the MLP's {inter} intermediate features do not divide "
+                         f"by {size}")
+
+
+def kv_head_ranges(num_kv_heads: int, size: int) -> list[range]:
+    """Each rank's global KV heads, by rank."""
+    return [TensorParallel(size, r).kv_heads(num_kv_heads) for r in range(size)]
+
+
+def _rows(linear: nn.Linear, rows: range) -> nn.Linear:
+    """The output features `rows` of `linear` (column-parallel)."""
+    out = nn.Linear(linear.in_features, len(rows), bias=linear.bias is not None, dtype=linear.weight.dtype,
+                    device=linear.weight.device)
+    out.weight = nn.Parameter(linear.weight[rows.start:rows.stop].clone(), requires_grad=False)
+    if linear.bias is not None:
+        out.bias = nn.Parameter(linear.bias[rows.start:rows.stop].clone(), requires_grad=False)
+    return out
+
+
+def _columns(linear: nn.Linear, cols: range, keep_bias: bool) -> nn.Linear:
+    """The input features `cols` of `linear` (row-parallel); its bias on one rank only,
+    so the all-reduce adds it once."""
+    bias = linear.bias is not None and keep_bias
+    out = nn.Linear(len(cols), linear.out_features, bias=bias, dtype=linear.weight.dtype, device=linear.weight.device)
+    out.weight = nn.Parameter(linear.weight[:, cols.start:cols.stop].clone(), requires_grad=False)
+    if bias:
+        out.bias = nn.Parameter(linear.bias.clone(), requires_grad=False)
+    return out
+
+
+def shard_model(model: nn.Module, tp: TensorParallel, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Keep `tp.rank`'s slice of every decoder layer of `model` (in place), and give each
+    layer the all-reduce (`reduce`, in place on its argument) that sums its row-parallel
+    products. Only Llama-family layers (fusion.lean_compatible) are split: their forward
+    is pdserve's (`LeanDecoderLayer`), which calls `reduce` where the split needs it.
+    ValueError for any other."""
+    check_split(model.config, tp.size)
+    layers = list(getattr(getattr(model, "model", None), "layers", None) or [])
+    if not layers or not all(fusion.lean_compatible(layer) for layer in layers):
+        kinds = sorted({type(layer).__name__ for layer in layers})
+        raise ValueError(f"tensor parallelism splits Llama-family decoder layers ({', '.join(fusion.LEAN_LAYERS)}), "
+                         f"not {', '.join(kinds) or type(model).__name__}")
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        d = attn.head_dim
+        q = tp.q_heads(attn.q_proj.out_features // d)
+        kv = tp.kv_heads(attn.k_proj.out_features // d)
+        attn.q_proj = _rows(attn.q_proj, range(q.start * d, q.stop * d))
+        attn.k_proj = _rows(attn.k_proj, range(kv.start * d, kv.stop * d))
+        attn.v_proj = _rows(attn.v_proj, range(kv.start * d, kv.stop * d))
+        attn.o_proj = _columns(attn.o_proj, range(q.start * d, q.stop * d), keep_bias=tp.rank == 0)
+        inter = tp.columns(mlp.gate_proj.out_features)
+        mlp.gate_proj = _rows(mlp.gate_proj, inter)
+        mlp.up_proj = _rows(mlp.up_proj, inter)
+        mlp.down_proj = _columns(mlp.down_proj, inter, keep_bias=tp.rank == 0)
+        layer.pdserve_reduce = reduce
+        layer.pdserve_adds_residual = tp.rank == 0
+
+
+def _cuts(model: nn.Module, tp: TensorParallel) -> dict[str, tuple[int, range]]:
+    """Checkpoint tensor name -> (dimension, range) of this rank's slice, for the split
+    weights of a sharded `model` (others are loaded whole)."""
+    cuts: dict[str, tuple[int, range]] = {}
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        d = attn.head_dim
+        q, kv = tp.q_heads(attn.config.num_attention_heads), tp.kv_heads(attn.config.num_key_value_heads)
+        inter = tp.columns(attn.config.intermediate_size)
+        at = f"model.layers.{i}."
+        for name, rows in (("self_attn.q_proj", range(q.start * d, q.stop * d)),
+                           ("self_attn.k_proj", range(kv.start * d, kv.stop * d)),
+                           ("self_attn.v_proj", range(kv.start * d, kv.stop * d)),
+                           ("mlp.gate_proj", inter), ("mlp.up_proj", inter)):
+            cuts[at + name + ".weight"] = cuts[at + name + ".bias"] = (0, rows)
+        cuts[at + "self_attn.o_proj.weight"] = (1, range(q.start * d, q.stop * d))
+        cuts[at + "mlp.down_proj.weight"] = (1, inter)
+    return cuts
+
+
+def load_shard(model_dir: Path, config, tp: TensorParallel, dtype: torch.dtype, device: torch.device,
+               reduce: Callable[[torch.Tensor], torch.Tensor], attn_implementation: str) -> nn.Module | None:
+    """Rank `tp.rank`'s shard of the model in `model_dir`, each weight read from the
+    safetensors files as the slice this rank keeps: no rank ever holds the whole model
+    (a 70B model is 141 GB in bfloat16), on the host or the device. None where the
+    checkpoint is not safetensors (the caller loads it whole, then splits it)."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        log.warning("%s has no safetensors files: each rank loads the whole model, then keeps its shard",
+                    model_dir)
+        return None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    shard_model(model, tp, reduce)
+    model.to_empty(device=device)
+    params = dict(model.named_parameters())
+    cuts = _cuts(model, tp)
+    loaded = set()
+    with torch.no_grad():
+        for path in files:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    param = params.get(name)
+                    if param is None:
+                        continue                # a bias of a row-parallel layer, on ranks after the first
+                    piece = f.get_slice(name)
+                    dim, keep = cuts.get(name, (None, None))
+                    t = (piece[keep.start:keep.stop] if dim == 0 else piece[:, keep.start:keep.stop] if dim == 1
+                         else piece[:])
+                    param.copy_(t.to(dtype))
+                    loaded.add(name)
+    model.tie_weights()
+    missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
+    if missing:
+        raise ValueError(f"{model_dir}: the checkpoint has no {', '.join(missing[:3])}"
+                         + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
+    inner = model.model                 # buffers that are computed, not stored: the rotary angles
+    inner.rotary_emb = type(inner.rotary_emb)(config=config).to(device)
+    return model.eval()
+
+
+# ---- the step plan, as integers ----
+
+class Command(enum.IntEnum):
+    """What rank 0 tells the others to do next."""
+    STEP = 1            # a forward pass: the payload is `encode_batch`'s
+    COPY = 2            # copy KV blocks: (src, dst) pairs
+    STOP = 3            # leave the loop
+    POOL = 4            # allocate the KV pool: (num_blocks, block_size, shared)
+    EXPORTS = 5         # a prefill step's writes (services/worker/ranks.py)
+    CONNECT = 6         # pair with a peer: the payload is bytes
+
+
+def encode_batch(b) -> list[int]:
+    """A `ForwardBatch` as a flat list of ints (what followers need to run it: no sample
+    rows, which only rank 0 reads)."""
+    out = [len(b.decode_tokens), len(b.prefill_tokens), len(b.segments), len(b.pending_rows)]
+    out += b.decode_tokens
+    out += b.decode_positions
+    for table in b.decode_tables:
+        out.append(len(table))
+        out += table
+    out += b.prefill_tokens
+    for s in b.segments:
+        out += (s.start, s.num_tokens, len(s.block_ids))
+        out += s.block_ids
+    out += b.pending_rows
+    out += b.pending_sources
+    return out
+
+
+def decode_batch(ints: list[int], batch_type, segment_type):
+    """`encode_batch`'s inverse (the types passed in: the runner's own)."""
+    nd, np_, ns, npend = ints[:4]
+    at = 4
+    b = batch_type()
+    b.decode_tokens = ints[at:at + nd]
+    at += nd
+    b.decode_positions = ints[at:at + nd]
+    at += nd
+    for _ in range(nd):
+        n = ints[at]
+        b.decode_tables.append(ints[at + 1:at + 1 + n])
+        at += 1 + n
+    b.prefill_tokens = ints[at:at + np_]
+    at += np_
+    for _ in range(ns):
+        start, num, n = ints[at:at + 3]
+        b.segments.append(segment_type(start, num, ints[at + 3:at + 3 + n]))
+        at += 3 + n
+    b.pending_rows = ints[at:at + npend]
+    b.pending_sources = ints[at + npend:at + 2 * npend]
+    return b
+
+
+class RankGroup:
+    """torch.distributed between a worker's ranks: `control` (gloo, host tensors) carries
+    commands, `compute` (gloo on a CPU, NCCL on GPUs) the all-reduces. Ranks on one
+    host's CPU do both through shared memory instead (shm_comm.py), gloo taking what
+    does not fit there."""
+
+    def __init__(self, tp: TensorParallel, device: torch.device, address: str, timeout_s: float = 120.0) -> None:
+        import datetime
+
+        import torch.distributed as dist
+        self.tp = tp
+        self.device = device
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, init_method=f"tcp://{address}", rank=tp.rank, world_size=tp.size,
+                                timeout=timeout, **({"device_id": device} if device.type == "cuda" else {}))
+        self.compute = dist.group.WORLD
+        self.control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else self.compute
+        self._dist = dist
+        self._header = torch.zeros(3, dtype=torch.long)
+        self.shm: SharedMemoryComm | None = None
+        if shm_comm.usable(device, tp.size):
+            self.shm = self._open_shared_memory()
+
+    def _open_shared_memory(self) -> SharedMemoryComm:
+        """Rank 0 makes the segment, the others map it; once all have, its name is
+        removed (the mappings stay), so nothing is left behind however the ranks end."""
+        path = [str(shm_comm.segment_path()) if self.tp.rank == 0 else None]
+        comm = SharedMemoryComm(self.tp.rank, self.tp.size, Path(path[0]), create=True) if self.tp.rank == 0 else None
+        self._dist.broadcast_object_list(path, 0, group=self.control)
+        if comm is None:
+            comm = SharedMemoryComm(self.tp.rank, self.tp.size, Path(path[0]), create=False)
+        self._dist.barrier(group=self.control)
+        if self.tp.rank == 0:
+            Path(path[0]).unlink(missing_ok=True)
+        return comm
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.shm is not None and self.shm.fits(t):         # the same answer on every rank: same shapes
+            return self.shm.all_reduce(t)
+        self._dist.all_reduce(t, group=self.compute)
+        return t
+
+    # ---- rank 0 ----
+    def send(self, command: Command, ints: list[int] = (), data: bytes = b"") -> None:
+        if self.shm is not None:
+            payload = np.array([int(command), len(ints), len(data), *ints], dtype=np.int64).tobytes() + data
+            if self.shm.send(payload):
+                return
+        self._header.copy_(torch.tensor([int(command), len(ints), len(data)]))
+        self._dist.broadcast(self._header, 0, group=self.control)
+        if ints:
+            self._dist.broadcast(torch.tensor(ints, dtype=torch.long), 0, group=self.control)
+        if data:
+            self._dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, group=self.control)
+
+    def send_tensor(self, t: torch.Tensor) -> None:
+        """A device tensor (async scheduling's pending tokens) to the others, through the
+        compute group: no trip through the host."""
+        self._dist.broadcast(t, 0, group=self.compute)
+
+    # ---- the others ----
+    def receive(self) -> tuple[Command, list[int], bytes]:
+        if self.shm is not None:
+            payload = self.shm.receive()
+            if payload is not None:
+                head = np.frombuffer(payload, dtype=np.int64, count=3)
+                command, n, nbytes = (int(x) for x in head)
+                ints = np.frombuffer(payload, dtype=np.int64, count=n, offset=24).tolist()
+                return Command(command), ints, payload[24 + 8 * n:24 + 8 * n + nbytes]
+        self._dist.broadcast(self._header, 0, group=self.control)
+        command, n, nbytes = self._header.tolist()
+        ints: list[int] = []
+        data = b""
+        if n:
+            buf = torch.empty(n, dtype=torch.long)
+            self._dist.broadcast(buf, 0, group=self.control)
+            ints = buf.tolist()
+        if nbytes:
+            raw = torch.empty(nbytes, dtype=torch.uint8)
+            self._dist.broadcast(raw, 0, group=self.control)
+            data = raw.numpy().tobytes()
+        return Command(command), ints, data
+
+    def receive_tensor(self, n: int) -> torch.Tensor:
+        t = torch.empty(n, dtype=torch.long, device=self.device)
+        self._dist.broadcast(t, 0, group=self.compute)
+        return t
+
+    # ---- start-up only: small objects, pickled once ----
+    def gather(self, obj) -> list | None:
+        out = [None] * self.tp.size if self.tp.rank == 0 else None
+        self._dist.gather_object(obj, out, dst=0, group=self.control)
+        return out
+
+    def barrier(self) -> None:
+        self._dist.barrier(group=self.control)
+
+    def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+        try:
+            self._dist.destroy_process_group()
+        except Exception:              # noqa: BLE001 - a peer already gone: nothing left to tear down
+            pass

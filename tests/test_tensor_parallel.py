@@ -1,0 +1,372 @@
+"""Tensor parallelism: a worker split over rank processes (gloo on this CPU), and KV
+resharded between prefill and decode workers of different degrees.
+
+- the split itself (which heads and features each rank keeps, which shapes are
+  refused) and who writes which KV heads where (`head_writes`), as plain functions;
+- KV bytes: a TP-1 pool written into TP-2 pools and back, through every backend, layer
+  by layer as a prefill does, gathered over the ranks: bitwise what was sent;
+- a TP-2 worker's ranks against one process: logits within 1e-4 (the all-reduce sums
+  in another order), the same greedy tokens;
+- through the cluster, float32 greedy against `model.generate`: prefill TP 1 -> decode
+  TP 2 and TP 2 -> TP 1 by default; TP 2 -> 2, aggregated TP 2 and the real default
+  model at TP 3 (9 heads, 3 KV heads) in `make test-slow`; and a killed rank under
+  load (slow).
+
+The model for most of these is random-initialised with the default model's tokenizer,
+shaped so its heads divide: 8 attention heads, 2 KV heads (replicated at TP 4).
+NCCL and CUDA graphs with the all-reduce inside need GPUs: docs/gpu.md has the command.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from kv_transfer.backends import create_transport
+from kv_transfer.base import HeadSlice, IncompatiblePeer, TransferError, head_writes, wait_for
+from services.engine.model.kv_cache import KVLayout, KVPoolMemory
+from services.engine.model.parallel import (TensorParallel, check_split, decode_batch, encode_batch,
+                                            kv_head_ranges)
+from services.engine.model.runner import ForwardBatch, PrefillSegment
+from tests.parity_cases import CASES, chat_body, generate_expected, grpc_generate
+from tests.processes import start_cluster, stop_cluster
+
+
+def shaped_model(path: Path, heads: int = 8, kv_heads: int = 2, layers: int = 3) -> Path:
+    """A random-initialised Llama of the default model's vocabulary and tokenizer, with
+    `heads` attention heads and `kv_heads` KV heads (weights large enough that greedy
+    output varies from token to token)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from services.engine.text.model_store import ensure_default_model
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
+                         initializer_range=0.1, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(path)
+    for f in ensure_default_model().iterdir():
+        if "token" in f.name or f.suffix == ".jinja":
+            shutil.copy(f, path / f.name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def shaped(tmp_path_factory) -> Path:
+    return shaped_model(tmp_path_factory.mktemp("shaped"))
+
+
+# ---- the split ----
+
+def test_each_rank_keeps_its_heads_and_replicates_kv_heads_when_fewer_than_ranks():
+    assert [TensorParallel(2, r).q_heads(8) for r in range(2)] == [range(0, 4), range(4, 8)]
+    assert kv_head_ranges(2, 2) == [range(0, 1), range(1, 2)]
+    assert kv_head_ranges(2, 4) == [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]
+    assert kv_head_ranges(3, 3) == [range(0, 1), range(1, 2), range(2, 3)]
+    # a rank's query heads read exactly its KV heads (grouped-query attention)
+    for size in (1, 2, 4, 8):
+        for r in range(size):
+            tp = TensorParallel(size, r)
+            assert {h // 4 for h in tp.q_heads(8)} == set(tp.kv_heads(2))
+
+
+def test_a_model_whose_heads_do_not_divide_is_refused_with_the_numbers(model_dir):
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(model_dir)          # 9 heads, 3 KV heads
+    check_split(config, 3)
+    with pytest.raises(ValueError, match="9 attention heads do not divide by 2"):
+        check_split(config, 2)
+    config.num_attention_heads, config.num_key_value_heads = 12, 3
+    with pytest.raises(ValueError, match="3 KV heads neither divide by 4 nor divide it"):
+        check_split(config, 4)
+
+
+def test_the_step_plan_travels_as_integers():
+    b = ForwardBatch(decode_tokens=[5, 6], decode_positions=[17, 3], decode_tables=[[4, 9], [1]],
+                     prefill_tokens=[7, 8, 9], segments=[PrefillSegment(16, 3, [2, 3])], pending_rows=[1],
+                     pending_sources=[0], sample_rows=[0, 1, 4])
+    again = decode_batch(encode_batch(b), ForwardBatch, PrefillSegment)
+    for name in ("decode_tokens", "decode_positions", "decode_tables", "prefill_tokens", "segments",
+                 "pending_rows", "pending_sources"):
+        assert getattr(again, name) == getattr(b, name), name
+
+
+@pytest.mark.parametrize("ours,theirs", [
+    ([range(0, 2)], [range(0, 1), range(1, 2)]),                     # prefill TP 1 -> decode TP 2
+    ([range(0, 1), range(1, 2)], [range(0, 2)]),                     # TP 2 -> TP 1
+    ([range(0, 1), range(1, 2)], [range(0, 1), range(1, 2)]),        # TP 2 -> TP 2: whole blocks
+    ([range(0, 2)], kv_head_ranges(2, 4)),                           # TP 1 -> TP 4, heads replicated
+    (kv_head_ranges(2, 4), [range(0, 2)]),                           # TP 4 (replicated) -> TP 1
+    (kv_head_ranges(8, 4), kv_head_ranges(8, 2)),
+])
+def test_every_receiver_head_is_written_once_by_a_rank_that_holds_it(ours, theirs):
+    writes = head_writes(ours, theirs)
+    got: dict[tuple[int, int], int] = {}
+    for p, d, hs in writes:
+        hs = hs or HeadSlice(0, 0, len(theirs[d]))
+        for i in range(hs.count):
+            head = ours[p].start + hs.src + i
+            assert theirs[d].start + hs.dst + i == head
+            assert (d, head) not in got
+            got[(d, head)] = p
+    assert set(got) == {(d, h) for d, held in enumerate(theirs) for h in held}
+    if ours == theirs:
+        assert all(hs is None for _, _, hs in writes)
+
+
+def test_a_receiver_head_nobody_holds_refuses_to_pair():
+    with pytest.raises(IncompatiblePeer, match="head 1"):
+        head_writes([range(0, 1)], [range(0, 2)])
+
+
+# ---- KV bytes, resharded ----
+
+LAYOUT = KVLayout(num_layers=3, num_blocks=12, block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
+
+
+def _pools(split: list[range], shared: bool, seed: int | None) -> list[KVPoolMemory]:
+    pools = []
+    for heads in split:
+        pool = KVPoolMemory.allocate(KVLayout(**{**LAYOUT.__dict__, "num_kv_heads": len(heads)}), shared=shared)
+        pool.heads = heads
+        pools.append(pool)
+    if seed is not None:                       # the model's KV, split as the ranks hold it
+        whole = torch.randn(*LAYOUT.shape, generator=torch.Generator().manual_seed(seed)).to(LAYOUT.torch_dtype)
+        for pool in pools:
+            pool.tensor.copy_(whole[..., pool.heads.start:pool.heads.stop, :])
+    return pools
+
+
+def _gathered(pools: list[KVPoolMemory], blocks: list[int]) -> torch.Tensor:
+    """The model's KV in `blocks`, its heads gathered from the pools that hold them."""
+    out = torch.zeros(LAYOUT.num_layers, 2, len(blocks), LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim,
+                      dtype=LAYOUT.torch_dtype)
+    for pool in pools:
+        out[..., pool.heads.start:pool.heads.stop, :] = pool.tensor[:, :, blocks]
+    return out
+
+
+@pytest.mark.parametrize("backend", ["shm", "tcp", "nixl", "fake"])
+@pytest.mark.parametrize("writers,receivers", [(1, 2), (2, 1), (2, 2), (1, 4)],
+                         ids=["tp1-to-tp2", "tp2-to-tp1", "tp2-to-tp2", "tp1-to-tp4-replicated"])
+def test_resharded_kv_is_bitwise_what_the_writer_holds(backend, writers, receivers):
+    if backend == "nixl":
+        pytest.importorskip("nixl")
+    from kv_transfer.fake import FakeFabric
+    options = {"fabric": FakeFabric()} if backend == "fake" else {}
+    ours, theirs = kv_head_ranges(2, writers), kv_head_ranges(2, receivers)
+    sources = _pools(ours, shared=False, seed=3)
+    targets = _pools(theirs, shared=backend == "shm", seed=None)
+    opened = []
+    try:
+        receiving = []
+        for pool in targets:
+            t = create_transport(backend, **options)
+            opened.append(t)
+            receiving.append(t.register(pool, "hash"))
+        src, dst = [0, 1, 2, 7], [5, 6, 9, 1]
+        for p, pool in enumerate(sources):
+            t = create_transport(backend, **options)
+            opened.append(t)
+            t.register(pool, "hash")
+            xfers = []
+            for _, d, heads in [w for w in head_writes(ours, theirs) if w[0] == p]:
+                peer = t.connect(receiving[d], "hash")
+                xfers += [t.write(peer, src, dst, range(layer, layer + 1), heads) for layer in range(3)]
+            wait_for(t, xfers, time.monotonic() + 30)
+        assert torch.equal(_gathered(targets, dst).view(torch.uint8), _gathered(sources, src).view(torch.uint8))
+        untouched = [b for b in range(LAYOUT.num_blocks) if b not in dst]
+        assert all(torch.count_nonzero(pool.tensor[:, :, untouched]) == 0 for pool in targets)
+    finally:
+        for t in opened:
+            t.shutdown()
+        for pool in sources + targets:
+            pool.close()
+
+
+def test_a_head_slice_outside_either_pool_is_refused():
+    from kv_transfer.fake import FakeFabric
+    fabric = FakeFabric()
+    src, dst = _pools([range(0, 2)], False, 1)[0], _pools([range(1, 2)], False, None)[0]
+    a, b = create_transport("fake", fabric=fabric), create_transport("fake", fabric=fabric)
+    a.register(src, "h")
+    peer = a.connect(b.register(dst, "h"), "h")
+    with pytest.raises(TransferError, match="outside"):
+        a.write(peer, [0], [0], heads=HeadSlice(1, 1, 1))
+    with pytest.raises(TransferError, match="head slice"):
+        a.write(peer, [0], [0])
+
+
+# ---- a worker's ranks ----
+
+def test_tp2_ranks_give_tp1s_logits_within_1e4_and_its_tokens(shaped):
+    """Rank processes as a worker starts them, the same steps through both: a prompt in
+    two chunks, then decode steps of two sequences (one with a block copied, as a fork)."""
+    from services.common.settings import WorkerSettings
+    from services.engine.model.runner import ModelRunner
+    from services.worker.ranks import start_ranks
+    torch.set_num_threads(1)
+    one = ModelRunner(shaped, "float32", "cpu")
+    settings = WorkerSettings(role="decode", model=str(shaped), tensor_parallel_size=2, dtype="float32",
+                              device="cpu", threads=1, kv_transport="tcp")
+    ranks = start_ranks(settings, shaped)
+    try:
+        two = ModelRunner(shaped, "float32", "cpu", group=ranks.group)
+        ranks.open_pools(64, 16, False, "h")
+        pools = [KVPoolMemory.allocate(r.layout(64, 16)) for r in (one, two)]
+        prompt = [(i * 7919) % 40000 + 100 for i in range(40)]
+        worst, tokens = 0.0, ([], [])
+        for k, (runner, pool) in enumerate(zip((one, two), pools)):
+            runner.prefill(pool, prompt[:20], [0, 1, 2])
+            logits = runner.prefill(pool, prompt[20:], [0, 1, 2], start=20)
+            runner.copy_blocks(pool, [(1, 5)])           # the second sequence: blocks 0, 5 (a fork's copy)
+            seqs = [[0, 1, 2], [0, 5, 6]]
+            last = [int(logits.argmax())] * 2
+            steps = [logits[None]]
+            for i in range(6):
+                logits = runner.decode(pool, last, [40 + i, 30 + i], seqs)
+                steps.append(logits)
+                last = logits.argmax(-1).tolist()
+                tokens[k].append(last)
+            if k == 0:
+                reference = steps
+            else:
+                worst = max(float((a - b).abs().max()) for a, b in zip(reference, steps))
+        assert worst <= 1e-4, worst
+        assert tokens[0] == tokens[1]
+        print(f"TP 2 vs TP 1: logits max |diff| {worst:.2e} over {len(steps)} steps")
+    finally:
+        ranks.stop()
+
+
+# ---- through the cluster ----
+
+def _cluster_matches_generate(model: Path, *args: str) -> None:
+    """`pdserve up` with `args` (tests calling it are marked `process`), every parity
+    case through HTTP and two through gRPC against `generate`; no block left held."""
+    expected = generate_expected(model)
+    c = start_cluster("--model", str(model), "--threads", "1", *args)
+    try:
+        for case in CASES:
+            r = httpx.post(f"{c.http}/v1/chat/completions", json=chat_body(case), timeout=300)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["token_ids"] == expected[case.name].token_ids, case.name
+            assert choice["message"]["content"] == expected[case.name].text, case.name
+        for case in CASES[:2]:
+            replies = grpc_generate(c.grpc, case)
+            assert [t for r in replies for t in r.token_ids] == expected[case.name].token_ids, case.name
+        route = httpx.post(f"{c.http}/v1/completions", json={"prompt": "ping", "max_tokens": 1},
+                           timeout=60).headers.get("x-pdserve-route", "")
+        assert ("decision=local" if "aggregated" in args else "decision=remote") in route, route
+        stats = c.wait_idle()
+        assert stats.info.free_blocks == stats.info.num_blocks
+    finally:
+        assert stop_cluster(c) == 0
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (2, 1)], ids=["tp1-to-tp2", "tp2-to-tp1"])
+def test_cluster_of_other_degrees_matches_generate(shaped, prefill_tp, decode_tp):
+    _cluster_matches_generate(shaped, "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp))
+
+
+@pytest.mark.process
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["shm", "tcp", "nixl"])
+def test_cluster_tp2_to_tp2_matches_generate_through_each_backend(shaped, transport):
+    if transport == "nixl":
+        pytest.importorskip("nixl")
+    _cluster_matches_generate(shaped, "--prefill-tp", "2", "--decode-tp", "2", "--kv-transport", transport)
+
+
+@pytest.mark.process
+@pytest.mark.slow
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (2, 1)], ids=["tp1-to-tp2", "tp2-to-tp1"])
+def test_cluster_of_other_degrees_matches_generate_over_tcp(shaped, prefill_tp, decode_tp):
+    _cluster_matches_generate(shaped, "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp),
+                              "--kv-transport", "tcp")
+
+
+@pytest.mark.process
+@pytest.mark.slow
+def test_aggregated_tp2_matches_generate(shaped):
+    _cluster_matches_generate(shaped, "--mode", "aggregated", "--tensor-parallel-size", "2")
+
+
+@pytest.mark.process
+@pytest.mark.slow
+def test_the_default_model_at_tp3_matches_generate(model_dir):
+    """SmolLM2's 9 heads and 3 KV heads split three ways, prefill TP 3 -> decode TP 1
+    and the other way round in one cluster each."""
+    _cluster_matches_generate(model_dir, "--prefill-tp", "3", "--decode-tp", "1")
+    _cluster_matches_generate(model_dir, "--prefill-tp", "1", "--decode-tp", "3")
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids += [int(k) for k in (task / "children").read_text().split()]
+    return kids
+
+
+def _ranks_of(pid: int) -> list[int]:
+    """A worker's rank processes (not multiprocessing's resource tracker)."""
+    return [k for k in _children(pid) if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+
+
+@pytest.mark.slow
+def test_a_killed_decode_rank_takes_its_worker_down_cleanly_and_it_comes_back(shaped):
+    """Two TP-2 decode workers under streaming load; one's rank 1 is SIGKILLed. The
+    worker exits with it; no request fails before its first token (the router sends
+    those to the other worker), only streams already decoding there end with an
+    error; the prefill worker leaks no block; `up` starts the worker again, ranks and
+    all, and it serves."""
+    from tests.processes import worker_stats
+    from tests.test_supervision import decoded_tokens, stream
+    c = start_cluster("--model", str(shaped), "--threads", "1", "--decode", "2", "--decode-tp", "2",
+                      "--prefill-tp", "1")
+    try:
+        victim = c.info["decodes"][0]["pid"]
+        rank = _ranks_of(victim)
+        assert len(rank) == 1, rank
+        before = set(_children(c.proc.pid))
+        results: dict[int, dict] = {}
+        stop = threading.Event()
+        serial = iter(range(10**6))
+
+        def load() -> None:
+            while not stop.is_set():
+                stream(c.http, next(serial), results)
+        threads = [threading.Thread(target=load) for _ in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(4)
+        os.kill(rank[0], signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while not (new := set(_children(c.proc.pid)) - before) or not all(_ranks_of(p) for p in new):
+            assert time.monotonic() < deadline, "the decode worker was not started again"
+            time.sleep(0.5)
+        assert not os.path.exists(f"/proc/{victim}/cmdline") or victim not in _children(c.proc.pid)
+        time.sleep(8)                                 # requests reach the new worker too
+        stop.set()
+        for t in threads:
+            t.join(130)
+        done = [r for r in results.values() if r["events"] and r["events"][-1] == "[DONE]"]
+        errors = [r for r in done if any(isinstance(e, dict) and "error" in e for e in r["events"])]
+        assert len(done) == len(results), [r for r in results.values() if r not in done]
+        assert all(decoded_tokens(r["events"]) > 0 for r in errors), "a request failed before its first token"
+        assert len(results) - len(errors) >= 5 and len(errors) <= 3, (len(results), len(errors))
+        prefill = worker_stats(f"127.0.0.1:{c.info['prefills'][0]['grpc_port']}", "prefill", c.secret_file)
+        assert prefill.info.free_blocks == prefill.info.num_blocks
+        print(f"killed rank: {len(results)} streams, {len(errors)} ended with an error mid-stream, "
+              f"none before its first token")
+    finally:
+        stop_cluster(c)
