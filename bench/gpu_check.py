@@ -21,6 +21,9 @@ Checks, each a row of the table and of the JSON:
              generate's, logprobs equal log_softmax of transformers' logits on the device
              (1e-3), and a JSON schema's masks keep the output to the schema's values
   host-only  a pool on the device offered through shm or tcp: refused at start
+  tp         tensor parallelism through a cluster: prefill TP = the card count (2 on one
+             card, its two ranks sharing it, for correctness only), decode TP half that,
+             KV resharded through NIXL: the same parity check as `parity`
 """
 from __future__ import annotations
 
@@ -176,6 +179,21 @@ def check_parity(cluster: Cluster, model_dir: Path, device: str, vocab: int, n: 
             "remote": remote, "transports": transports, "ok": same == n and remote == n and transports == ["nixl"]}
 
 
+def check_tensor_parallel(model_dir: Path, device: str, work: Path, vocab: int, quick: bool) -> dict:
+    """Prefill TP = the card count (at least 2), decode TP half of it, through NIXL."""
+    cards = torch.cuda.device_count() if device.startswith("cuda") else 0
+    prefill_tp = max(2, cards)
+    decode_tp = max(1, prefill_tp // 2)
+    cluster = Cluster(model_dir, device, work, Cluster.PARITY + ("--prefill-tp", str(prefill_tp), "--decode-tp",
+                                                                 str(decode_tp)))
+    try:
+        out = check_parity(cluster, model_dir, device, vocab, n=4, length=64 if quick else 300,
+                           max_tokens=8 if quick else 32, seed=3)
+    finally:
+        cluster.stop()
+    return {**out, "prefill_tp": prefill_tp, "decode_tp": decode_tp, "shared": 0 < cards < prefill_tp}
+
+
 def check_api(cluster: Cluster, model_dir: Path, device: str, vocab: int) -> dict:
     """What runs on the device for the API's features: logprobs against transformers'
     forward pass on the same device, n choices forked on the decode worker (greedy: all
@@ -301,10 +319,12 @@ def main(argv: list[str] | None = None) -> int:
         print("api", json.dumps(results["api"]), flush=True)
     finally:
         cluster.stop()
+    results["tp"] = check_tensor_parallel(model_dir, a.device, work, vocab, a.quick)
+    print("tp", json.dumps(results["tp"]), flush=True)
     blocks = 8 if a.quick else 256
     results["bandwidth"] = {name: check_bandwidth(a.device, shape, blocks, 2 if a.quick else 5)
                             for name, shape in KV_SHAPES.items()}
-    ok = all(results[k]["ok"] for k in ("parity", "race", "api", "host_only")) and all(
+    ok = all(results[k]["ok"] for k in ("parity", "race", "api", "host_only", "tp")) and all(
         b["ok"] for b in results["bandwidth"].values())
     results["ok"] = ok
     rows = [("device", results["device"]),
@@ -318,7 +338,10 @@ def main(argv: list[str] | None = None) -> int:
             *((f"NIXL {n} KV ({b['bytes'] / 2**20:.0f} MiB)", f"{b['gbps']:.1f} GB/s = {b['ratio_to_copy']:.2f}x a "
                f"device copy ({b['copy_gbps']:.1f} GB/s), bitwise {b['bitwise']}")
               for n, b in results["bandwidth"].items()),
-            ("host-only transports for a device pool", "refused" if results["host_only"]["ok"] else "OFFERED")]
+            ("host-only transports for a device pool", "refused" if results["host_only"]["ok"] else "OFFERED"),
+            (f"tensor parallel: prefill TP {results['tp']['prefill_tp']} -> decode TP {results['tp']['decode_tp']}"
+             + (" (ranks sharing a GPU)" if results["tp"]["shared"] else ""),
+             f"{results['tp']['identical']}/{results['tp']['prompts']} identical")]
     print("\n".join(f"| {k} | {v} |" for k, v in rows))
     print("gpu_check: " + ("all checks passed" if ok else "FAILED"))
     if a.json:

@@ -105,6 +105,8 @@ class LocalCluster:
             held = [c.gpus for c in self.pools["prefill"] + self.pools["decode"] + self.draining_children]
             # one GPU per tensor-parallel rank at least
             per = max(self.settings.gpus_per_worker, self.settings.tp(role))
+            if self.settings.share_gpus:        # ranks share the cards there are (correctness checks)
+                per = min(per, self._num_gpus)
             gpus = assign_gpus(held, self._num_gpus, per, self.settings.share_gpus)
         threads = len(cpus) if cpus else self._threads     # a thread per core it may run on
         lends = role == "prefill" and cpus is not None and len(cpus) > 1    # plan_cpus: on decode cores too

@@ -721,6 +721,21 @@ def test_each_pool_has_its_own_tensor_parallel_degree_and_gpus_to_match(helm):
     assert bad.returncode != 0 and "tensorParallelSize" in bad.stderr
 
 
+def test_the_70b_example_lints_validates_and_gives_each_rank_a_gpu(helm, tmp_path):
+    """Rendered, not applied: values-70b.yaml over values-gpu.yaml (docs/deploy.md's 70B
+    example) lints strictly, passes the Kubernetes schemas, and runs prefill TP 4 and
+    decode TP 2 with as many GPUs per pod."""
+    seventy = CHART / "values-70b.yaml"
+    out = run_helm(helm, "lint", "--strict", str(CHART), "-f", str(GPU_VALUES), "-f", str(seventy))
+    assert out.returncode == 0, out.stdout + out.stderr
+    m = render(helm, "-f", str(GPU_VALUES), "-f", str(seventy))
+    for role, tp, replicas in (("prefill", 4, 2), ("decode", 2, 4)):
+        c = m.container(role)
+        assert flags(c)["tensor-parallel-size"] == str(tp) and int(c["resources"]["limits"]["nvidia.com/gpu"]) == tp
+        assert m.one("Deployment", role)["spec"]["replicas"] == replicas
+    assert replicas * tp == 8
+
+
 def test_gpu_values_size_the_decode_kv_pool_from_gpu_memory(helm):
     """Rendered, not applied: values-gpu.yaml leaves kv-cache-tokens at 0 (sized from
     what gpu-memory-utilization leaves on the GPU), and `pdserve decode` accepts the flag."""

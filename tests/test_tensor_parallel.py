@@ -91,10 +91,10 @@ def test_a_model_whose_heads_do_not_divide_is_refused_with_the_numbers(model_dir
 def test_the_step_plan_travels_as_integers():
     b = ForwardBatch(decode_tokens=[5, 6], decode_positions=[17, 3], decode_tables=[[4, 9], [1]],
                      prefill_tokens=[7, 8, 9], segments=[PrefillSegment(16, 3, [2, 3])], pending_rows=[1],
-                     pending_sources=[0], sample_rows=[0, 1, 4])
+                     pending_sources=[0], sample_rows=[0, 1, 4], logprob_rows=[2, 3])
     again = decode_batch(encode_batch(b), ForwardBatch, PrefillSegment)
     for name in ("decode_tokens", "decode_positions", "decode_tables", "prefill_tokens", "segments",
-                 "pending_rows", "pending_sources"):
+                 "pending_rows", "pending_sources", "sample_rows", "logprob_rows"):
         assert getattr(again, name) == getattr(b, name), name
 
 
@@ -370,3 +370,82 @@ def test_a_killed_decode_rank_takes_its_worker_down_cleanly_and_it_comes_back(sh
               f"none before its first token")
     finally:
         stop_cluster(c)
+
+
+def _features(http: str) -> list:
+    """Answers that exercise what TP must leave unchanged: n > 1 forks with seeded
+    sampling, logprobs and prompt logprobs, a JSON schema, and the prefix cache (the
+    same long prompt twice)."""
+    long_prompt = "The lighthouse keeper wrote in the log: " + "wind, rain, calm. " * 40
+    bodies = [
+        {"prompt": "Once upon a time", "max_tokens": 12, "n": 2, "temperature": 1.0, "seed": 7},
+        {"prompt": "The list:", "max_tokens": 8, "temperature": 0, "logprobs": 3, "prompt_logprobs": 2},
+        {"prompt": long_prompt, "max_tokens": 6, "temperature": 0},
+        {"prompt": long_prompt, "max_tokens": 6, "temperature": 0},
+        {"messages": [{"role": "user", "content": "JSON:"}], "max_tokens": 24, "temperature": 0,
+         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+             "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}},
+    ]
+    out = []
+    for body in bodies:
+        chat = "messages" in body
+        r = httpx.post(f"{http}/v1/{'chat/completions' if chat else 'completions'}",
+                       json={"return_token_ids": True, **body}, timeout=120)
+        assert r.status_code == 200, r.text
+        j = r.json()
+        out.append([(c.get("token_ids"), c["message"]["content"] if chat else c["text"],
+                     None if chat else (c.get("logprobs") or {}).get("top_logprobs")) for c in j["choices"]]
+                   + [j.get("prompt_logprobs"), j["usage"].get("prompt_tokens_details")])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.process
+def test_forks_logprobs_schemas_prefix_cache_and_async_scheduling_are_unchanged_under_tp(shaped):
+    """The same requests, aggregated, against TP 1 and TP 2 with async scheduling on:
+    the same tokens, text and top logprobs (to 1e-4), and the second long prompt found
+    in the prefix cache on both."""
+    answers = []
+    for tp in ("1", "2"):
+        c = start_cluster("--model", str(shaped), "--threads", "1", "--mode", "aggregated", "--decode", "1",
+                          "--tensor-parallel-size", tp, "--async-scheduling", "on")
+        try:
+            answers.append(_features(c.http))
+        finally:
+            assert stop_cluster(c) == 0
+    one, two = answers
+    for a, b in zip(one, two):
+        for x, y in zip(a[:-2], b[:-2]):
+            assert x[0] == y[0] and x[1] == y[1]
+            for p, q in zip(x[2] or [], y[2] or []):
+                assert p.keys() == q.keys() and all(abs(p[k] - q[k]) < 1e-4 for k in p)
+        assert a[-1] == b[-1]
+    assert one[3][-1]["cached_tokens"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.process
+def test_speculative_decoding_at_tp3_drafts_verifies_and_matches_generate(model_dir):
+    """SmolLM2 at TP 3 with ngram drafts, on a prompt whose answer copies it: drafts are
+    made and accepted, and the tokens are generate's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from services.engine.text.tokenizer import encode_chat
+    code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+    messages = [{"role": "user", "content": "Repeat this code exactly, then stop:\n" + code}]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = encode_chat(tok, messages)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    want = model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)[0, len(ids):].tolist()
+    c = start_cluster("--threads", "1", "--mode", "aggregated", "--decode", "1", "--tensor-parallel-size", "3",
+                      "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "adaptive": false}')
+    try:
+        r = httpx.post(f"{c.http}/v1/chat/completions", timeout=300, json={
+            "messages": messages, "max_tokens": 48, "temperature": 0, "return_token_ids": True})
+        assert r.json()["choices"][0]["token_ids"] == want
+        metrics = httpx.get(c.metrics_url("decode"), timeout=10).text
+        accepted = next(float(line.split()[-1]) for line in metrics.splitlines()
+                        if line.startswith("vllm:spec_decode_num_accepted_tokens_total"))
+        assert accepted > 0
+    finally:
+        assert stop_cluster(c) == 0

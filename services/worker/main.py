@@ -153,8 +153,8 @@ async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]
     device = str(rank_device(settings.device, 0)) if ranks is not None else settings.device
     runner = ModelRunner(model_dir, settings.dtype, device, attention=settings.attention_kernel,
                          max_model_len=settings.max_model_len, quantization=settings.quantization,
-                         cuda_graphs=not settings.enforce_eager, max_batch=settings.max_batch,
-                         group=ranks.group if ranks is not None else None)
+                         cuda_graphs=not (settings.enforce_eager or (ranks is not None and ranks.group.shared)),
+                         max_batch=settings.max_batch, group=ranks.group if ranks is not None else None)
     metrics = WorkerMetrics(settings.role, settings.served_model_name or model_dir.name)
     parts = build(settings, runner, eos_token_ids(model_dir), metrics, ranks)
     if ranks is not None:

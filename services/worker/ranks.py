@@ -11,6 +11,7 @@ rank then loads the model, keeps its shard, and follows rank 0's commands:
              offers it to writers with the rank's number (a decode worker), or uses it
              to write (a prefill worker)
     STEP     run the step's forward pass over this rank's shard
+    CAPTURE  capture the decode steps' CUDA graphs, all-reduces inside, as rank 0 does
     COPY     copy KV blocks, as rank 0 does (forked choices, copy-on-write)
     CONNECT  pair this rank's transport with a peer rank's pool (a prefill worker)
     EXPORTS  before a prefill step: which blocks of which heads this rank writes where,
@@ -52,11 +53,19 @@ WATCH_SECONDS = 0.2
 
 def rank_device(device: str, rank: int) -> torch.device:
     """Rank `rank`'s device: the next GPU after the worker's first (--device cuda:N
-    starts at N), or the CPU."""
+    starts at N), round again when there are fewer GPUs than ranks (`shares_gpus`), or
+    the CPU."""
     first = pick_device(device)
     if first.type != "cuda":
         return first
-    return torch.device("cuda", (first.index or 0) + rank)
+    return torch.device("cuda", ((first.index or 0) + rank) % torch.cuda.device_count())
+
+
+def shares_gpus(device: str, size: int) -> bool:
+    """Whether `size` ranks from `device` on must put two on one GPU: for correctness
+    checks only (NCCL refuses two ranks on one GPU; gloo sums through the host then)."""
+    first = pick_device(device)
+    return first.type == "cuda" and (first.index or 0) + size > torch.cuda.device_count()
 
 
 def _free_port() -> int:
@@ -129,7 +138,11 @@ def start_ranks(settings: WorkerSettings, model_dir: Path) -> Ranks:
         processes.append(p)
     log.info("tensor parallel: %d ranks (pids %s) joining rank 0 at %s", size,
              ", ".join(str(p.pid) for p in processes), address)
-    return Ranks(RankGroup(TensorParallel(size, 0), rank_device(settings.device, 0), address), processes)
+    if shares_gpus(settings.device, size):
+        log.warning("tensor parallel: %d ranks on %d GPU(s): ranks share a GPU and sum through gloo on the "
+                    "host, with no CUDA graphs: for correctness checks, not speed", size, torch.cuda.device_count())
+    return Ranks(RankGroup(TensorParallel(size, 0), rank_device(settings.device, 0), address,
+                           shared=shares_gpus(settings.device, size)), processes)
 
 
 # ---- ranks 1..N-1 ----
@@ -150,10 +163,11 @@ def serve_rank(spec: RankSpec) -> None:
     setup_logging(s.log_level, f"{s.role}-rank-{spec.rank}", s.log_format)
     set_torch_threads(s.threads)
     device = rank_device(s.device, spec.rank)
-    group = RankGroup(TensorParallel(s.tensor_parallel_size, spec.rank), device, spec.address)
+    shared = shares_gpus(s.device, s.tensor_parallel_size)
+    group = RankGroup(TensorParallel(s.tensor_parallel_size, spec.rank), device, spec.address, shared=shared)
     runner = ModelRunner(spec.model_dir, s.dtype, str(device), attention=s.attention_kernel,
-                         max_model_len=s.max_model_len, cuda_graphs=not s.enforce_eager, max_batch=s.max_batch,
-                         group=group)
+                         max_model_len=s.max_model_len, cuda_graphs=not (s.enforce_eager or shared),
+                         max_batch=s.max_batch, group=group)
     log.info("rank %d of %d ready: %s", spec.rank, s.tensor_parallel_size, runner.describe())
     try:
         Follower(runner, group, s).run()
@@ -174,7 +188,8 @@ class Follower:
 
     def run(self) -> None:
         handlers = {Command.STEP: self._step, Command.COPY: self._copy, Command.POOL: self._pool,
-                    Command.CONNECT: self._connect, Command.EXPORTS: self.writer.plan}
+                    Command.CONNECT: self._connect, Command.EXPORTS: self.writer.plan,
+                    Command.CAPTURE: lambda ints, data: self.runner.capture_graphs(self.pool)}
         try:
             while True:
                 command, ints, data = self.group.receive()

@@ -211,12 +211,14 @@ class Command(enum.IntEnum):
     POOL = 4            # allocate the KV pool: (num_blocks, block_size, shared)
     EXPORTS = 5         # a prefill step's writes (services/worker/ranks.py)
     CONNECT = 6         # pair with a peer: the payload is bytes
+    CAPTURE = 7         # capture the decode steps' CUDA graphs (their all-reduces run on every rank)
 
 
 def encode_batch(b) -> list[int]:
-    """A `ForwardBatch` as a flat list of ints (what followers need to run it: no sample
-    rows, which only rank 0 reads)."""
-    out = [len(b.decode_tokens), len(b.prefill_tokens), len(b.segments), len(b.pending_rows)]
+    """A `ForwardBatch` as a flat list of ints: all of it (only rank 0 reads the sampled
+    rows, but which rows are asked for decides how a step runs: eager or a graph)."""
+    out = [len(b.decode_tokens), len(b.prefill_tokens), len(b.segments), len(b.pending_rows),
+           len(b.sample_rows), len(b.logprob_rows)]
     out += b.decode_tokens
     out += b.decode_positions
     for table in b.decode_tables:
@@ -228,13 +230,15 @@ def encode_batch(b) -> list[int]:
         out += s.block_ids
     out += b.pending_rows
     out += b.pending_sources
+    out += b.sample_rows
+    out += b.logprob_rows
     return out
 
 
 def decode_batch(ints: list[int], batch_type, segment_type):
     """`encode_batch`'s inverse (the types passed in: the runner's own)."""
-    nd, np_, ns, npend = ints[:4]
-    at = 4
+    nd, np_, ns, npend, nsample, nlogprob = ints[:6]
+    at = 6
     b = batch_type()
     b.decode_tokens = ints[at:at + nd]
     at += nd
@@ -252,6 +256,9 @@ def decode_batch(ints: list[int], batch_type, segment_type):
         at += 3 + n
     b.pending_rows = ints[at:at + npend]
     b.pending_sources = ints[at + npend:at + 2 * npend]
+    at += 2 * npend
+    b.sample_rows = ints[at:at + nsample]
+    b.logprob_rows = ints[at + nsample:at + nsample + nlogprob]
     return b
 
 
@@ -261,16 +268,19 @@ class RankGroup:
     host's CPU do both through shared memory instead (shm_comm.py), gloo taking what
     does not fit there."""
 
-    def __init__(self, tp: TensorParallel, device: torch.device, address: str, timeout_s: float = 120.0) -> None:
+    def __init__(self, tp: TensorParallel, device: torch.device, address: str, timeout_s: float = 120.0,
+                 shared: bool = False) -> None:
+        """`shared`: ranks share GPUs (correctness checks), where NCCL refuses to run."""
         import datetime
 
         import torch.distributed as dist
         self.tp = tp
         self.device = device
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        self.shared = shared
+        backend = "nccl" if device.type == "cuda" and not shared else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend, init_method=f"tcp://{address}", rank=tp.rank, world_size=tp.size,
-                                timeout=timeout, **({"device_id": device} if device.type == "cuda" else {}))
+                                timeout=timeout, **({"device_id": device} if backend == "nccl" else {}))
         self.compute = dist.group.WORLD
         self.control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else self.compute
         self._dist = dist

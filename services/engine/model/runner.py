@@ -320,6 +320,11 @@ class ModelRunner:
             try:
                 graphs.capture()
             except Exception as e:
+                if self.tp.size > 1:
+                    # the other ranks may have captured theirs: a step eager here and replayed
+                    # there would not meet in its all-reduces
+                    raise RuntimeError(f"capturing the tensor-parallel decode graphs failed on rank "
+                                       f"{self.tp.rank}; run with --enforce-eager") from e
                 # e.g. a rotary embedding that reads its positions back to the host (dynamic
                 # scaling, a RuntimeError), or a kernel compiler that cannot write its cache
                 # (an OSError): the steps run eagerly rather than the worker failing
@@ -335,6 +340,8 @@ class ModelRunner:
         request then pays no capture), not on the first decode-only step. A no-op
         without CUDA graphs."""
         if self.graph_sizes:
+            if self.leads:
+                self.group.send(Command.CAPTURE)
             self._decode_graphs(pool)
 
     def drop_graphs(self) -> None:
