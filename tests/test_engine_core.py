@@ -75,7 +75,9 @@ def test_mixed_steps_match_generate(runner, model_dir, expected, async_schedulin
     assert "stop" in finished.values()                    # a row ran past its end and was dropped
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+# Async steps' parity is the mixed-steps test's above (and test_modes' cluster).
+@pytest.mark.parametrize("async_scheduling", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["sync", "async"])
 def test_small_chunks_and_preemption_still_match_generate(runner, model_dir, expected, async_scheduling):
     longest = max(len(e.prompt_ids) + len(e.token_ids) for e in expected.values())
     # Barely more than the longest sequence: a short one's decode runs out of blocks and

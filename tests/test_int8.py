@@ -131,6 +131,7 @@ def test_int8_needs_the_native_kernels_and_a_known_name(model_dir):
         EngineSettings(quantization="fp8")
 
 
+@pytest.mark.slow          # int8 is opt-in; its engine is checked above, by default
 def test_a_quantized_cluster_serves_what_the_quantized_engine_computes(model_dir, int8_runner):
     """`up --quantization int8`: both workers quantize alike (the router pairs them by
     the compatibility hash), the prompt's KV (its V rows carry the smoothing) crosses

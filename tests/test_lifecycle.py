@@ -10,6 +10,7 @@ import signal
 import time
 
 import httpx
+import pytest
 
 from services.engine.model.kv_cache import live_segments
 from tests.processes import pid_alive, start_cluster, stop_cluster
@@ -44,6 +45,7 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, i: int) -> str:
     return mode
 
 
+@pytest.mark.slow          # a disconnect mid-prefill below, by default
 def test_random_disconnects_return_every_block(cluster):
     rng = random.Random(1234)
 

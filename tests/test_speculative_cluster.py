@@ -86,6 +86,7 @@ def test_one_at_a_time_streamed_and_not(spec_cluster, references):
         check(ask(client, case, stream=stream), references[case.name], f"{case.name}, streamed: {stream}")
 
 
+@pytest.mark.slow               # batches of drafting sequences: tests/test_engine_speculation.py by default
 def test_sixteen_in_flight(spec_cluster, references):
     cases = ([COPY, *CASES] * 3)[:16]
     client = openai.OpenAI(base_url=f"{spec_cluster.http}/v1", api_key="none", timeout=300, max_retries=0)
