@@ -263,12 +263,22 @@ class TcpTransport:
                 head = HEADER.pack(MAGIC, xfer, layers.start, len(layers), len(runs), heads.dst if heads else 0,
                                    heads.count if heads else 0)
                 head += b"".join(RUN.pack(d, n) for _, d, n in runs)
-                hs = slice(None) if heads is None else slice(heads.src, heads.src + heads.count)
-                pieces = [t[layer, kv, s:s + n, :, hs] for layer in layers for kv in (0, 1) for s, _, n in runs]
-                _send_all(st.sock, [memoryview(head)] + [_bytes_view(p if heads is None else p.contiguous())
-                                                         for p in pieces])
+                _send_all(st.sock, [memoryview(head)] + self._pieces(t, layers, runs, heads))
         except (OSError, ValueError) as exc:            # ValueError: socket closed under us
             self._kill(p, f"send failed: {exc}")
+
+    @staticmethod
+    def _pieces(t: torch.Tensor, layers: range, runs: list[tuple[int, int, int]],
+                heads: HeadSlice | None) -> list[memoryview]:
+        """A frame's bytes: each layer's K then V of each run, whole blocks (views of the
+        pool) or a head slice of them (staged contiguous copies). Built in a call of its
+        own: the sender thread keeps no tensor between frames (a daemon thread holding
+        one at exit can abort the process in torch's teardown)."""
+        if heads is None:
+            return [_bytes_view(t[layer, kv, s:s + n]) for layer in layers for kv in (0, 1) for s, _, n in runs]
+        hs = slice(heads.src, heads.src + heads.count)
+        return [_bytes_view(t[layer, kv, s:s + n, :, hs].contiguous())
+                for layer in layers for kv in (0, 1) for s, _, n in runs]
 
     def _ack_loop(self, p: _Peer, st: _Stream) -> None:
         buf = bytearray(ACK.size)

@@ -463,3 +463,33 @@ def test_speculative_decoding_at_tp3_drafts_verifies_and_matches_generate(model_
         assert accepted > 0
     finally:
         assert stop_cluster(c) == 0
+
+
+def test_shared_memory_ranks_sum_alike_hear_rank_0_and_give_up_on_a_missing_peer(tmp_path):
+    """Two ranks' ends of one segment, in two threads: an all-reduce gives both the same
+    sum, rank 0's messages arrive in order, and a rank whose peer never comes to an
+    all-reduce raises instead of waiting forever."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from services.engine.model.shm_comm import PeerTimeout, SharedMemoryComm
+    path = tmp_path / "segment"
+    zero = SharedMemoryComm(0, 2, path, create=True)
+    one = SharedMemoryComm(1, 2, path, create=False)
+    a = torch.randn(3, 512, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    b = torch.randn(3, 512, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    want = a + b
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(3):                          # both slot sets, and back to the first
+            x, y = a.clone(), b.clone()
+            done = [pool.submit(zero.all_reduce, x), pool.submit(one.all_reduce, y)]
+            for f in done:
+                f.result(timeout=30)
+            assert torch.equal(x, want) and torch.equal(y, want)
+        heard = pool.submit(lambda: [one.receive() for _ in range(2)])
+        assert zero.send(b"first") and zero.send(b"second")
+        assert heard.result(timeout=30) == [b"first", b"second"]
+    zero.peer_timeout = 0.2
+    with pytest.raises(PeerTimeout):
+        zero.all_reduce(a.clone())
+    zero.close()
+    one.close()

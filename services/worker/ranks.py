@@ -96,7 +96,11 @@ class Ranks:
         """Every other rank allocates its KV pool and registers it; returns each one's
         [(backend, metadata)], rank 1 first."""
         self.group.send(Command.POOL, [num_blocks, block_size, int(shared)], compat_hash.encode())
-        return self.group.gather(None)[1:]
+        pools = self.group.gather(None)[1:]
+        failed = [f"rank {rank}: {p}" for rank, p in enumerate(pools, start=1) if isinstance(p, str)]
+        if failed:
+            raise RuntimeError("tensor-parallel ranks could not open their KV pools: " + "; ".join(failed))
+        return pools
 
     def watch(self) -> None:
         """From now on, a rank that dies takes the worker with it."""
@@ -220,6 +224,17 @@ class Follower:
         self.pool.copy_blocks(list(zip(ints[::2], ints[1::2])))
 
     def _pool(self, ints: list[int], data: bytes) -> None:
+        """Allocate and register this rank's pool; rank 0 hears back either way (its
+        offers, or what failed)."""
+        try:
+            offers = self._open_pool(ints, data)
+        except Exception as exc:             # noqa: BLE001 - rank 0 reports it and stops the worker
+            log.exception("rank %d: opening the KV pool failed", self.group.tp.rank)
+            self.group.gather(f"{type(exc).__name__}: {exc}")
+            return
+        self.group.gather(offers)
+
+    def _open_pool(self, ints: list[int], data: bytes) -> list[tuple[str, bytes]]:
         num_blocks, block_size, shared = ints
         layout = self.runner.layout(num_blocks, block_size)
         s = self.settings
@@ -233,7 +248,7 @@ class Follower:
         compat = data.decode()
         offers = [(name, t.register(self.pool, compat)) for name, t in self.transports.items()]
         self.writer.transports, self.writer.compat_hash = self.transports, compat
-        self.group.gather(offers)
+        return offers
 
     def _connect(self, ints: list[int], data: bytes) -> None:
         self.writer.connect(ints, data)

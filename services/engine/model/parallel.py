@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -285,6 +286,7 @@ class RankGroup:
         self.control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else self.compute
         self._dist = dist
         self._header = torch.zeros(3, dtype=torch.long)
+        self.collectives = 0                # all-reduces run: a failed step that ran one leaves the ranks apart
         self.shm: SharedMemoryComm | None = None
         if shm_comm.usable(device, tp.size):
             self.shm = self._open_shared_memory()
@@ -303,10 +305,19 @@ class RankGroup:
         return comm
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        self.collectives += 1
         if self.shm is not None and self.shm.fits(t):         # the same answer on every rank: same shapes
             return self.shm.all_reduce(t)
         self._dist.all_reduce(t, group=self.compute)
         return t
+
+    def lost(self, why: str) -> None:
+        """The ranks no longer run the same step (one failed a forward pass after its
+        first all-reduce): nothing they compute can be trusted, so this process exits
+        (code 70, as when a rank dies) and the worker is started again."""
+        log.critical("tensor-parallel rank %d: %s; exiting, the ranks are out of step", self.tp.rank, why)
+        logging.shutdown()
+        os._exit(70)
 
     # ---- rank 0 ----
     def send(self, command: Command, ints: list[int] = (), data: bytes = b"") -> None:

@@ -230,8 +230,22 @@ class ModelRunner:
         write is done once `fence.wait()` returns (services/engine/model/device.py).
         Rank 0 of several sends the batch to the others first; on the others the result
         is empty (only rank 0 samples)."""
+        if self.tp.size == 1:
+            return self._execute(pool, batch, on_layer)
         if self.leads:
             self._send(batch)
+        ran = self.group.collectives
+        try:
+            return self._execute(pool, batch, on_layer)
+        except Exception as exc:
+            # Before the first all-reduce every rank fails alike (the same checks of the
+            # same batch) and the worker goes on; after it, the ranks are apart.
+            if self.group.collectives != ran:
+                self.group.lost(f"a forward pass failed after its all-reduces began ({type(exc).__name__}: {exc})")
+            raise
+
+    def _execute(self, pool: KVPoolMemory, batch: ForwardBatch,
+                 on_layer: Callable[[int, Fence], None] | None) -> torch.Tensor:
         if (self.graph_sizes and batch.decode_tokens and not batch.segments and not batch.logprob_rows
                 and on_layer is None and len(batch.decode_tokens) <= self.graph_sizes[-1]):
             graphs = self._decode_graphs(pool)

@@ -40,6 +40,13 @@ COUNTERS = 64
 _BSEQ, _BLEN, _ACKS = 16, 17, 32  # counter indexes; per-rank all-reduce seqs start at 0
 MAX_RANKS = 16
 SPIN = 200                        # polls before sleeping
+# A rank that waits longer than this for the others in an all-reduce gives up (gloo's
+# default is 30 min; a step here takes well under a second): they are stuck or gone.
+PEER_TIMEOUT = 120.0
+
+
+class PeerTimeout(RuntimeError):
+    """The other ranks did not reach an all-reduce (or read a message) in time."""
 
 
 def usable(device: torch.device, size: int) -> bool:
@@ -70,16 +77,21 @@ class SharedMemoryComm:
                                        offset=header + BROADCAST_BYTES).view(2, size, SLOT_BYTES)
         self._seq = 0
         self._bseq = 0
+        self.peer_timeout = PEER_TIMEOUT
 
-    @staticmethod
-    def _wait(ready: Callable[[], bool]) -> None:
+    def _wait(self, ready: Callable[[], bool], limited: bool = True) -> None:
         polls = 0
+        deadline = None
         while not ready():
             polls += 1
             if polls < SPIN:
                 os.sched_yield()
-            else:
-                time.sleep(0.00005 if polls < 4 * SPIN else 0.0005)
+                continue
+            time.sleep(0.00005 if polls < 4 * SPIN else 0.0005)
+            if limited:
+                deadline = deadline or time.monotonic() + self.peer_timeout
+                if time.monotonic() > deadline:
+                    raise PeerTimeout(f"the other tensor-parallel ranks did not answer in {self.peer_timeout:g} s")
 
     # ---- all-reduce ----
     def fits(self, t: torch.Tensor) -> bool:
@@ -119,7 +131,7 @@ class SharedMemoryComm:
         """The next message (None: it is on the fallback channel)."""
         counters = self._counters
         want = self._bseq + 1
-        self._wait(lambda: counters[_BSEQ] >= want)
+        self._wait(lambda: counters[_BSEQ] >= want, limited=False)       # idle between steps: no limit
         length = int(counters[_BLEN])
         payload = None if length < 0 else self._broadcast[:length].tobytes()
         self._bseq = want
