@@ -493,3 +493,36 @@ def test_shared_memory_ranks_sum_alike_hear_rank_0_and_give_up_on_a_missing_peer
         zero.all_reduce(a.clone())
     zero.close()
     one.close()
+
+
+def test_other_prefill_ranks_write_through_the_backend_rank_0_fell_back_to():
+    """The receiver offers shared memory that is not there (another host) and TCP: rank
+    0 falls back to TCP, and the plan for rank 1 pairs through TCP too, not through the
+    shared memory that failed."""
+    import json as _json
+
+    from services.rpc import worker_pb2
+    from services.worker.kv_export import KVExporter
+    receivers = _pools([range(0, 1), range(1, 2)], shared=False, seed=None)
+    tcp = [create_transport("tcp") for _ in receivers]
+    offers = []
+    for rank, (pool, t) in enumerate(zip(receivers, tcp)):
+        gone = {"backend": "shm", "compat_hash": "h", "layout": pool.layout.__dict__, "heads": [rank, rank + 1],
+                "path": f"/dev/shm/pdserve-kv-gone-{rank}"}
+        offers += [worker_pb2.TransportOffer(backend="shm", meta=_json.dumps(gone).encode(), rank=rank),
+                   worker_pb2.TransportOffer(backend="tcp", meta=t.register(pool, "h"), rank=rank)]
+    ours = _pools([range(0, 1)], shared=False, seed=1)[0]
+    writers = {"shm": create_transport("shm"), "tcp": create_transport("tcp")}
+    for t in writers.values():
+        t.register(ours, "h")
+    exporter = KVExporter(writers, "h", ours.layout, heads=[range(0, 1), range(1, 2)])
+    handle = worker_pb2.KVHandle(request_id="r", block_ids=[1], num_tokens=3, write_deadline=time.time() + 30,
+                                 offers=offers, compat_hash="h")
+    try:
+        export = exporter.open("r", handle)
+        assert [t.transport.name for t in export.targets] == ["tcp"] and export.fell_back
+        assert [r.rank for r in export.ranks] == [1]
+        assert [data.split(b"\0")[0] for _, data in exporter._connects] == [b"tcp"]
+    finally:
+        for t in [*tcp, *writers.values()]:
+            t.shutdown()

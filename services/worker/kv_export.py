@@ -127,26 +127,31 @@ class KVExporter:
             raise TransferError(f"the receiver offers pools of ranks {sorted(by_rank)}")
         theirs = [meta_heads(by_rank[d][0][1]) for d in range(len(by_rank))]
         targets, ranks, fell_back = [], [], False
+        writes = head_writes(self.heads, theirs)
         with self._pair_lock:
-            for p, d, heads in head_writes(self.heads, theirs):
+            for p, d, heads in writes:          # rank 0's first: the others use the backend it paired through
+                if p == 0:
+                    transport, peer, fell = pair(by_rank[d], self.transports, self.compat_hash,
+                                                 lambda failed, used: self._on_fallback(failed, used or "none"))
+                    targets.append(Target(transport, peer, heads))
+                    fell_back = fell_back or fell
+            for p, d, heads in writes:
                 if p:
-                    ranks.append(RankTarget(p, self._rank_peer(p, by_rank[d]), heads))
-                    continue
-                transport, peer, fell = pair(by_rank[d], self.transports, self.compat_hash,
-                                             lambda failed, used: self._on_fallback(failed, used or "none"))
-                targets.append(Target(transport, peer, heads))
-                fell_back = fell_back or fell
+                    ranks.append(RankTarget(p, self._rank_peer(p, by_rank[d], targets[0].transport.name), heads))
         # The lease is wall-clock (it crosses processes); waits use the monotonic clock.
         deadline = time.monotonic() + (handle.write_deadline - time.time())
         export = Export(targets, list(handle.block_ids), deadline, fell_back, ranks)
         self._exports[request_id] = export
         return export
 
-    def _rank_peer(self, rank: int, offers: list[tuple[str, bytes]]) -> int:
-        """Rank `rank`'s index for the receiver pool of `offers`: the first backend in
-        preference order that this worker has (its ranks open the same ones). New ones
-        are paired by that rank before the next step. Under `_pair_lock`."""
-        usable = sorted((o for o in offers if o[0] in self.transports), key=lambda o: PREFERENCE.index(o[0]))
+    def _rank_peer(self, rank: int, offers: list[tuple[str, bytes]], chosen: str) -> int:
+        """Rank `rank`'s index for the receiver pool of `offers`, through `chosen` (the
+        backend rank 0 paired through: shared memory offered across hosts fails there
+        and falls back) where offered, else the first this worker has in preference
+        order (its ranks open the same ones). New ones are paired by that rank before
+        the next step. Under `_pair_lock`."""
+        usable = sorted((o for o in offers if o[0] in self.transports),
+                        key=lambda o: (o[0] != chosen, PREFERENCE.index(o[0])))
         if not usable:
             raise IncompatiblePeer(f"no common KV transport: the peer offers {[b for b, _ in offers]}")
         backend, meta = usable[0]
