@@ -19,7 +19,7 @@ rank then loads the model, keeps its shard, and follows rank 0's commands:
     STOP     leave
 
 A rank dies with the worker (the kernel's parent-death signal), and the worker dies
-with any rank (`RankWatch`): a worker missing a shard cannot compute a step, so it
+with any rank (`Ranks.watch`): a worker missing a shard cannot compute a step, so it
 exits and its supervisor (`pdserve up`, Kubernetes) starts it again, as for any
 worker that dies. Requests it held fail over as for any dead worker.
 """
@@ -41,6 +41,7 @@ from kv_transfer.backends import open_transports
 from kv_transfer.base import HeadSlice, KVTransport, PeerHandle, TransferError, wait_for
 from services.common.lifecycle import set_torch_threads, setup_logging
 from services.common.settings import WorkerSettings
+from services.engine.model.device import LayerPoster
 from services.engine.model.kv_cache import KVPoolMemory
 from services.engine.model.parallel import Command, RankGroup, TensorParallel, decode_batch
 from services.engine.model.runner import ForwardBatch, ModelRunner, PrefillSegment, pick_device
@@ -189,6 +190,10 @@ class Follower:
         self.pool: KVPoolMemory | None = None
         self.transports: dict[str, KVTransport] = {}
         self.writer = RankWriter(group.tp.rank)
+        # each layer's writes posted once its KV is written, on a thread of their own on
+        # a GPU (as rank 0's, services/engine/engine.py)
+        self.poster = LayerPoster(lambda layer, _: self.writer.push_layer(layer), runner.stream.asynchronous,
+                                  runner.device)
 
     def run(self) -> None:
         handlers = {Command.STEP: self._step, Command.COPY: self._copy, Command.POOL: self._pool,
@@ -215,9 +220,11 @@ class Follower:
             batch.pending_tokens = self.group.receive_tensor(ints[-1])
         exporting, self.writer.active = self.writer.active, False
         try:
-            self.runner.execute(self.pool, batch, self.writer.push_layer if exporting else None)
+            self.runner.execute(self.pool, batch,
+                                (lambda layer, fence: self.poster(layer, None, fence)) if exporting else None)
         finally:
             if exporting:
+                self.poster.flush()
                 self.group.gather(self.writer.settle())
 
     def _copy(self, ints: list[int], data: bytes) -> None:
@@ -310,9 +317,8 @@ class RankWriter:
                 self.orders.append(_Order(export, peer, src, dst, HeadSlice(hs, hd, count) if count else None,
                                           now + ms / 1000))
 
-    def push_layer(self, layer: int, fence) -> None:
-        """Layer `layer` is written (once `fence` passes): post its writes."""
-        fence.wait()
+    def push_layer(self, layer: int) -> None:
+        """Layer `layer` is written: post its writes."""
         for o in self.orders:
             if o.export in self._failed:
                 continue
