@@ -40,17 +40,17 @@ from tests.parity_cases import CASES, chat_body, generate_expected, grpc_generat
 from tests.processes import start_cluster, stop_cluster
 
 
-def shaped_model(path: Path, heads: int = 8, kv_heads: int = 2, layers: int = 3) -> Path:
+def shaped_model(path: Path, heads: int = 8, kv_heads: int = 2, layers: int = 3, tied: bool = True) -> Path:
     """A random-initialised Llama of the default model's vocabulary and tokenizer, with
     `heads` attention heads and `kv_heads` KV heads (weights large enough that greedy
-    output varies from token to token)."""
+    output varies from token to token); `tied`: the head is the embedding's weight."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from services.engine.text.model_store import ensure_default_model
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
-                         initializer_range=0.1, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                         initializer_range=0.1, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2,
                          pad_token_id=2)
     LlamaForCausalLM(config).save_pretrained(path)
     for f in ensure_default_model().iterdir():
@@ -62,6 +62,12 @@ def shaped_model(path: Path, heads: int = 8, kv_heads: int = 2, layers: int = 3)
 @pytest.fixture(scope="module")
 def shaped(tmp_path_factory) -> Path:
     return shaped_model(tmp_path_factory.mktemp("shaped"))
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory) -> Path:
+    """Its own head, as Llama-3-70B has."""
+    return shaped_model(tmp_path_factory.mktemp("untied"), tied=False)
 
 
 # ---- the split ----
@@ -243,8 +249,34 @@ def _ranks_against_one_process(model: Path, size: int) -> float:
         ranks.stop()
 
 
-def test_tp2_ranks_give_tp1s_logits_within_1e4_and_its_tokens(shaped):
-    worst = _ranks_against_one_process(shaped, 2)
+def test_a_rank_after_the_first_reads_only_its_slices_and_no_untied_head(untied, shaped):
+    """Each weight's slice straight from the safetensors (the shapes a rank keeps), the
+    head dropped on ranks after the first where it is not the embedding."""
+    from transformers import AutoConfig
+
+    from services.engine.model.parallel import NoHead, load_shard
+    from services.engine.model.runner import ATTN_IMPL, _register_attention
+    _register_attention()
+    config = AutoConfig.from_pretrained(untied)
+    one = load_shard(untied, config, TensorParallel(2, 1), torch.float32, torch.device("cpu"), lambda t: t, ATTN_IMPL)
+    attn = one.model.layers[0].self_attn
+    assert attn.q_proj.weight.shape == (4 * 32, 256) and attn.k_proj.weight.shape == (1 * 32, 256)
+    assert attn.o_proj.weight.shape == (256, 4 * 32) and one.model.layers[0].mlp.down_proj.weight.shape == (256, 256)
+    assert isinstance(one.lm_head, NoHead) and one.model.embed_tokens.weight.shape == (49152, 256)
+    from safetensors import safe_open
+    with safe_open(str(untied / "model.safetensors"), "pt") as f:
+        whole = f.get_tensor("model.layers.0.self_attn.k_proj.weight")
+    assert torch.equal(attn.k_proj.weight, whole[32:64])             # KV head 1 of 2
+    zero = load_shard(untied, config, TensorParallel(2, 0), torch.float32, torch.device("cpu"), lambda t: t,
+                      ATTN_IMPL)
+    assert not isinstance(zero.lm_head, NoHead)
+    tied = load_shard(shaped, AutoConfig.from_pretrained(shaped), TensorParallel(2, 1), torch.float32,
+                      torch.device("cpu"), lambda t: t, ATTN_IMPL)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+
+
+def test_tp2_ranks_give_tp1s_logits_within_1e4_and_its_tokens(untied):
+    worst = _ranks_against_one_process(untied, 2)
     assert worst <= 1e-4, worst
     print(f"TP 2 vs TP 1: logits max |diff| {worst:.2e}")
 

@@ -36,8 +36,8 @@ from services.engine.model.hardware import pick_dtype
 from services.engine.model.int8 import CALIBRATION_TEXT
 from services.engine.model.kv_cache import (CPU_KV_TOKENS, KVLayout, KVPoolMemory, compat_hash, device_memory,
                                             tokens_for_memory)
-from services.engine.model.parallel import (Command, RankGroup, TensorParallel, encode_batch, load_shard,
-                                             shard_model)
+from services.engine.model.parallel import (Command, RankGroup, TensorParallel, drop_head, encode_batch,
+                                             load_shard, shard_model)
 from services.engine.text.model_store import context_length
 
 log = logging.getLogger(__name__)
@@ -142,6 +142,7 @@ class ModelRunner:
         self.config = config
         if self.tp.size > 1 and not sharded:
             shard_model(self.model, self.tp, group.all_reduce)
+            drop_head(self.model, self.tp)
         self.num_layers = config.num_hidden_layers
         self.total_kv_heads = config.num_key_value_heads
         self.kv_heads = self.tp.kv_heads(self.total_kv_heads)       # the global KV heads in this rank's pool
