@@ -7,8 +7,10 @@ Every rank holds a slice of every decoder layer (Megatron's split):
                         MLP's intermediate features
     o, down             row-parallel: each rank's partial product, summed over the ranks
                         by one all-reduce each (two a layer)
-    embedding, head     replicated: every rank has the whole hidden state after each
-                        all-reduce; only rank 0 computes logits
+    embedding           whole on every rank: each has the whole hidden state after
+                        each all-reduce
+    head                rank 0's, which alone samples (`drop_head`: the others keep no
+                        untied one)
 
 The KV cache is split with the heads: rank r holds the KV heads its query heads read.
 When the model has fewer KV heads than ranks, heads are replicated (ranks r and r + 1
