@@ -91,54 +91,62 @@ def kv_head_ranges(num_kv_heads: int, size: int) -> list[range]:
     return [TensorParallel(size, r).kv_heads(num_kv_heads) for r in range(size)]
 
 
-def _rows(linear: nn.Linear, rows: range) -> nn.Linear:
-    """The output features `rows` of `linear` (column-parallel)."""
-    out = nn.Linear(linear.in_features, len(rows), bias=linear.bias is not None, dtype=linear.weight.dtype,
-                    device=linear.weight.device)
-    out.weight = nn.Parameter(linear.weight[rows.start:rows.stop].clone(), requires_grad=False)
-    if linear.bias is not None:
-        out.bias = nn.Parameter(linear.bias[rows.start:rows.stop].clone(), requires_grad=False)
+# A decoder layer's split projections: 0 column-parallel (output features), 1 row-parallel
+# (input features, summed over the ranks).
+SPLITS = {"self_attn.q_proj": 0, "self_attn.k_proj": 0, "self_attn.v_proj": 0, "self_attn.o_proj": 1,
+          "mlp.gate_proj": 0, "mlp.up_proj": 0, "mlp.down_proj": 1}
+
+
+def _layer_cuts(layer: nn.Module, tp: TensorParallel) -> dict[str, range]:
+    """Each split projection of a whole (not yet split) decoder layer -> the features
+    of its split dimension (`SPLITS`) that rank `tp.rank` keeps."""
+    attn = layer.self_attn
+    d = attn.head_dim
+    q = tp.q_heads(attn.q_proj.out_features // d)
+    kv = tp.kv_heads(attn.k_proj.out_features // d)
+    heads, kv_heads = range(q.start * d, q.stop * d), range(kv.start * d, kv.stop * d)
+    inter = tp.columns(layer.mlp.gate_proj.out_features)
+    return {"self_attn.q_proj": heads, "self_attn.k_proj": kv_heads, "self_attn.v_proj": kv_heads,
+            "self_attn.o_proj": heads, "mlp.gate_proj": inter, "mlp.up_proj": inter, "mlp.down_proj": inter}
+
+
+def _sliced(linear: nn.Linear, dim: int, keep: range, keep_bias: bool) -> nn.Linear:
+    """`linear`'s features `keep` of dimension `dim` of its weight. A column-parallel
+    bias is sliced with it; a row-parallel one stays whole on one rank only
+    (`keep_bias`), so the all-reduce adds it once."""
+    weight = linear.weight[keep.start:keep.stop] if dim == 0 else linear.weight[:, keep.start:keep.stop]
+    bias = None if linear.bias is None or (dim == 1 and not keep_bias) else \
+        linear.bias[keep.start:keep.stop] if dim == 0 else linear.bias
+    out = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype, device=weight.device)
+    out.weight = nn.Parameter(weight.clone(), requires_grad=False)
+    if bias is not None:
+        out.bias = nn.Parameter(bias.clone(), requires_grad=False)
     return out
 
 
-def _columns(linear: nn.Linear, cols: range, keep_bias: bool) -> nn.Linear:
-    """The input features `cols` of `linear` (row-parallel); its bias on one rank only,
-    so the all-reduce adds it once."""
-    bias = linear.bias is not None and keep_bias
-    out = nn.Linear(len(cols), linear.out_features, bias=bias, dtype=linear.weight.dtype, device=linear.weight.device)
-    out.weight = nn.Parameter(linear.weight[:, cols.start:cols.stop].clone(), requires_grad=False)
-    if bias:
-        out.bias = nn.Parameter(linear.bias.clone(), requires_grad=False)
-    return out
-
-
-def shard_model(model: nn.Module, tp: TensorParallel, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+def shard_model(model: nn.Module, tp: TensorParallel,
+                reduce: Callable[[torch.Tensor], torch.Tensor]) -> list[dict[str, range]]:
     """Keep `tp.rank`'s slice of every decoder layer of `model` (in place), and give each
     layer the all-reduce (`reduce`, in place on its argument) that sums its row-parallel
-    products. Only Llama-family layers (fusion.lean_compatible) are split: their forward
-    is pdserve's (`LeanDecoderLayer`), which calls `reduce` where the split needs it.
-    ValueError for any other."""
+    products; returns what each layer kept (`_layer_cuts`). Only Llama-family layers
+    (fusion.lean_compatible) are split: their forward is pdserve's (`LeanDecoderLayer`),
+    which calls `reduce` where the split needs it. ValueError for any other."""
     check_split(model.config, tp.size)
     layers = list(getattr(getattr(model, "model", None), "layers", None) or [])
     if not layers or not all(fusion.lean_compatible(layer) for layer in layers):
         kinds = sorted({type(layer).__name__ for layer in layers})
         raise ValueError(f"tensor parallelism splits Llama-family decoder layers ({', '.join(fusion.LEAN_LAYERS)}), "
                          f"not {', '.join(kinds) or type(model).__name__}")
+    kept = []
     for layer in layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        d = attn.head_dim
-        q = tp.q_heads(attn.q_proj.out_features // d)
-        kv = tp.kv_heads(attn.k_proj.out_features // d)
-        attn.q_proj = _rows(attn.q_proj, range(q.start * d, q.stop * d))
-        attn.k_proj = _rows(attn.k_proj, range(kv.start * d, kv.stop * d))
-        attn.v_proj = _rows(attn.v_proj, range(kv.start * d, kv.stop * d))
-        attn.o_proj = _columns(attn.o_proj, range(q.start * d, q.stop * d), keep_bias=tp.rank == 0)
-        inter = tp.columns(mlp.gate_proj.out_features)
-        mlp.gate_proj = _rows(mlp.gate_proj, inter)
-        mlp.up_proj = _rows(mlp.up_proj, inter)
-        mlp.down_proj = _columns(mlp.down_proj, inter, keep_bias=tp.rank == 0)
+        kept.append(_layer_cuts(layer, tp))
+        for name, keep in kept[-1].items():
+            owner, attr = name.split(".")
+            parent = getattr(layer, owner)
+            setattr(parent, attr, _sliced(getattr(parent, attr), SPLITS[name], keep, keep_bias=tp.rank == 0))
         layer.pdserve_reduce = reduce
         layer.pdserve_adds_residual = tp.rank == 0
+    return kept
 
 
 class NoHead(nn.Module):
@@ -162,23 +170,17 @@ def drop_head(model: nn.Module, tp: TensorParallel) -> bool:
     return True
 
 
-def _cuts(model: nn.Module, tp: TensorParallel) -> dict[str, tuple[int, range]]:
-    """Checkpoint tensor name -> (dimension, range) of this rank's slice, for the split
-    weights of a sharded `model` (others are loaded whole)."""
+def _checkpoint_cuts(kept: list[dict[str, range]]) -> dict[str, tuple[int, range]]:
+    """Checkpoint tensor name -> (dimension, range) of this rank's slice, from what
+    `shard_model` kept of each layer (other tensors are loaded whole; row-parallel
+    biases too)."""
     cuts: dict[str, tuple[int, range]] = {}
-    for i, layer in enumerate(model.model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        d = attn.head_dim
-        q, kv = tp.q_heads(attn.config.num_attention_heads), tp.kv_heads(attn.config.num_key_value_heads)
-        inter = tp.columns(attn.config.intermediate_size)
-        at = f"model.layers.{i}."
-        for name, rows in (("self_attn.q_proj", range(q.start * d, q.stop * d)),
-                           ("self_attn.k_proj", range(kv.start * d, kv.stop * d)),
-                           ("self_attn.v_proj", range(kv.start * d, kv.stop * d)),
-                           ("mlp.gate_proj", inter), ("mlp.up_proj", inter)):
-            cuts[at + name + ".weight"] = cuts[at + name + ".bias"] = (0, rows)
-        cuts[at + "self_attn.o_proj.weight"] = (1, range(q.start * d, q.stop * d))
-        cuts[at + "mlp.down_proj.weight"] = (1, inter)
+    for i, layer in enumerate(kept):
+        for name, keep in layer.items():
+            at = f"model.layers.{i}.{name}"
+            cuts[at + ".weight"] = (SPLITS[name], keep)
+            if SPLITS[name] == 0:
+                cuts[at + ".bias"] = (0, keep)
     return cuts
 
 
@@ -197,11 +199,10 @@ def load_shard(model_dir: Path, config, tp: TensorParallel, dtype: torch.dtype, 
         return None
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-    shard_model(model, tp, reduce)
+    cuts = _checkpoint_cuts(shard_model(model, tp, reduce))
     drop_head(model, tp)
     model.to_empty(device=device)
     params = dict(model.named_parameters())
-    cuts = _cuts(model, tp)
     loaded = set()
     with torch.no_grad():
         for path in files:
@@ -394,9 +395,6 @@ class RankGroup:
         out = [None] * self.tp.size if self.tp.rank == 0 else None
         self._dist.gather_object(obj, out, dst=0, group=self.control)
         return out
-
-    def barrier(self) -> None:
-        self._dist.barrier(group=self.control)
 
     def close(self) -> None:
         if self.shm is not None:
