@@ -162,6 +162,15 @@ def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, i
     return runs
 
 
+def wait_all(xfers: Sequence[tuple[KVTransport, TransferId]], deadline: float) -> None:
+    """`wait_for` over transfers posted through several transports: (transport, id) pairs."""
+    by_transport: dict[int, tuple[KVTransport, list[TransferId]]] = {}
+    for transport, xfer in xfers:
+        by_transport.setdefault(id(transport), (transport, []))[1].append(xfer)
+    for transport, ids in by_transport.values():
+        wait_for(transport, ids, deadline)
+
+
 def wait_for(transport: KVTransport, xfers: Sequence[TransferId], deadline: float,
              first_sleep: float = 0.0001, max_sleep: float = 0.005) -> None:
     """Wait until all `xfers` are DONE: woken by the transport when it can say when a

@@ -558,3 +558,34 @@ def test_other_prefill_ranks_write_through_the_backend_rank_0_fell_back_to():
     finally:
         for t in [*tcp, *writers.values()]:
             t.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.process
+def test_a_prefill_ranks_failed_writes_fail_their_requests_alone(shaped):
+    """A TP-2 prefill worker whose transports drop half the writes midway (each rank's
+    own): a request whose KV did not all land, by either rank, falls back to a local
+    prefill on the decode worker, every answer is still generate's, and no block is
+    left held on either side."""
+    from tests.processes import Services
+    expected = generate_expected(shaped)
+    svc = Services()
+    try:
+        model = ("--model", str(shaped))
+        svc.start_worker("decode", *model)
+        svc.start_worker("prefill", *model, "--tensor-parallel-size", "2", "--fault-drop-transfers", "0.5")
+        svc.start_router(*model)
+        svc.wait_routable()
+        decisions = []
+        for case in CASES:
+            r = httpx.post(f"{svc.http}/v1/chat/completions", json=chat_body(case), timeout=300)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == expected[case.name].token_ids, case.name
+            decisions.append(dict(p.split("=", 1) for p in r.headers["x-pdserve-route"].split(";"))["decision"])
+        assert "local_fallback" in decisions, decisions
+        d = svc.wait_idle()
+        assert d.info.free_blocks == d.info.num_blocks and d.active_handoffs == 0
+        p = svc.stats("prefill")
+        assert p.info.free_blocks == p.info.num_blocks
+    finally:
+        svc.stop()

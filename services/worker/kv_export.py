@@ -28,7 +28,7 @@ from typing import Callable
 
 from kv_transfer.backends import PREFERENCE, pair
 from kv_transfer.base import (HeadSlice, IncompatiblePeer, KVTransport, PeerHandle, TransferError, head_writes,
-                              meta_heads, wait_for)
+                              meta_heads, wait_all)
 from services.engine.core.sequence import Chunk, StepPlan
 from services.engine.loop import EngineLoop
 from services.engine.model.kv_cache import KVLayout
@@ -83,11 +83,7 @@ class Export:
 
     def wait(self, deadline: float) -> None:
         """Until every write posted so far has ended (TransferError if one failed)."""
-        by_transport: dict[int, tuple[KVTransport, list[int]]] = {}
-        for transport, x in self.xfers:
-            by_transport.setdefault(id(transport), (transport, []))[1].append(x)
-        for transport, ids in by_transport.values():
-            wait_for(transport, ids, deadline)
+        wait_all(self.xfers, deadline)
 
 
 class KVExporter:
@@ -252,6 +248,7 @@ class KVExporter:
             step.append((c.seq.request_id, export))
         self._step = step if step else None
         if step:
+            orders[0] = len(step)
             self.group.send(Command.EXPORTS, orders)
 
     def after_step(self, plan: StepPlan) -> None:
@@ -260,8 +257,8 @@ class KVExporter:
         if self._step is None:
             return
         step, self._step = self._step, None
-        for rank, failed in enumerate(self.group.gather(None)):
-            for i in failed or ():
-                request_id, export = step[i]
-                if export.failure is None:
-                    self._fail(request_id, export, TransferError(f"tensor-parallel rank {rank}'s KV write failed"))
+        for i in self.group.marked(len(step), ()):
+            request_id, export = step[i]
+            if export.failure is None:
+                self._fail(request_id, export, TransferError("another tensor-parallel rank's KV write failed "
+                                                             "(its log says why)"))

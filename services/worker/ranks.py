@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from kv_transfer.backends import open_transports
-from kv_transfer.base import HeadSlice, KVTransport, PeerHandle, TransferError, wait_for
+from kv_transfer.base import HeadSlice, KVTransport, PeerHandle, TransferError, wait_all
 from services.common.lifecycle import set_torch_threads, setup_logging
 from services.common.settings import WorkerSettings
 from services.engine.model.device import LayerPoster
@@ -225,7 +225,7 @@ class Follower:
         finally:
             if exporting:
                 self.poster.flush()
-                self.group.gather(self.writer.settle())
+                self.group.marked(self.writer.num_exports, self.writer.settle())
 
     def _copy(self, ints: list[int], data: bytes) -> None:
         self.pool.copy_blocks(list(zip(ints[::2], ints[1::2])))
@@ -245,7 +245,8 @@ class Follower:
         num_blocks, block_size, shared = ints
         layout = self.runner.layout(num_blocks, block_size)
         s = self.settings
-        self.transports = open_transports(s.kv_transport, s.transport_options(), device=str(self.runner.device))
+        self.transports = open_transports(s.kv_transport, s.transport_options(), drop_rate=s.fault_drop_transfers,
+                                          device=str(self.runner.device))
         if not shared and s.role == "decode":        # rank 0 did not offer it either
             shm = self.transports.pop("shm", None)
             if shm is not None:
@@ -283,6 +284,7 @@ class RankWriter:
         self.peers: dict[int, tuple[KVTransport, PeerHandle]] = {}
         self.orders: list[_Order] = []
         self.active = False                 # the next step exports: report how it went after it
+        self.num_exports = 0                # the exports of that step, every rank's
         self._xfers: dict[int, list] = {}
         self._failed: set[int] = set()
 
@@ -304,7 +306,7 @@ class RankWriter:
         """The next step's orders: (number of exports), then per order (rank, export,
         peer, n, src * n, dst * n, head src, head dst, head count (0: whole blocks),
         milliseconds to its deadline)."""
-        self.active = True
+        self.active, self.num_exports = True, ints[0]
         self.orders, self._xfers, self._failed = [], {}, set()
         at = 1
         now = time.monotonic()
@@ -334,17 +336,13 @@ class RankWriter:
 
     def settle(self) -> list[int]:
         """After the step: wait for this step's writes to land; returns the exports whose
-        writes failed (rank 0 fails those requests)."""
+        writes failed (`RankGroup.marked` tells rank 0, which fails those requests)."""
         for export, xfers in self._xfers.items():
             if export in self._failed:
                 continue
             deadline = min(o.deadline for o in self.orders if o.export == export)
-            by_transport: dict[int, tuple[KVTransport, list]] = {}
-            for transport, x in xfers:
-                by_transport.setdefault(id(transport), (transport, []))[1].append(x)
             try:
-                for transport, ids in by_transport.values():
-                    wait_for(transport, ids, deadline)
+                wait_all(xfers, deadline)
             except TransferError as exc:
                 log.warning("rank %d: export %d: %s", self.rank, export, exc)
                 self._failed.add(export)

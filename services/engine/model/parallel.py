@@ -390,6 +390,15 @@ class RankGroup:
         self._dist.broadcast(t, 0, group=self.compute)
         return t
 
+    def marked(self, n: int, mine: list[int]) -> list[int]:
+        """Which of `n` items any rank marks (every rank calls it, with its own marks): a
+        0/1 tensor summed over the ranks, no pickle."""
+        flags = torch.zeros(n, dtype=torch.long)
+        if mine:
+            flags[torch.tensor(mine)] = 1
+        self._dist.all_reduce(flags, group=self.control)
+        return flags.nonzero().flatten().tolist()
+
     # ---- start-up only: small objects, pickled once ----
     def gather(self, obj) -> list | None:
         out = [None] * self.tp.size if self.tp.rank == 0 else None
