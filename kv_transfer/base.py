@@ -110,6 +110,14 @@ def read_peer_meta(peer: bytes, backend: str, compat_hash: str) -> dict:
     return meta
 
 
+def head_slices(heads: HeadSlice | None) -> tuple[slice, slice]:
+    """The source's and the destination's head dimension slices of a write (all heads
+    without a head slice)."""
+    if heads is None:
+        return slice(None), slice(None)
+    return slice(heads.src, heads.src + heads.count), slice(heads.dst, heads.dst + heads.count)
+
+
 def check_heads(heads: HeadSlice | None, local: int, remote: int) -> None:
     """A head slice must lie inside both pools (TransferError otherwise); without one,
     both pools must hold the same number of heads."""

@@ -6,7 +6,7 @@ import json
 from typing import ClassVar, Sequence
 
 from kv_transfer.base import (HeadSlice, IncompatiblePeer, PeerHandle, TransferError, TransferId, TransferState,
-                              block_runs, check_heads, pool_meta)
+                              block_runs, check_heads, head_slices, pool_meta)
 from services.engine.model.kv_cache import KVPoolMemory
 
 
@@ -48,8 +48,7 @@ class FakeTransport:
             return xfer
         target, _ = self.fabric.pools[peer.peer_id]
         check_heads(heads, self._local.tensor.shape[4], target.tensor.shape[4])
-        hs = slice(None) if heads is None else slice(heads.src, heads.src + heads.count)
-        hd = slice(None) if heads is None else slice(heads.dst, heads.dst + heads.count)
+        hs, hd = head_slices(heads)
         layers = layers or range(self._local.layout.num_layers)
         for s, d, n in block_runs(src, dst):
             chunk = self._local.tensor[layers.start:layers.stop, :, s:s + n, :, hs]

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import ClassVar, Sequence
 
 from kv_transfer.base import (HeadSlice, PeerHandle, TransferError, TransferId, TransferState, block_runs,
-                              check_heads, pool_meta, read_peer_meta)
+                              check_heads, head_slices, pool_meta, read_peer_meta)
 from services.engine.model.kv_cache import KVLayout, KVPoolMemory
 
 log = logging.getLogger(__name__)
@@ -49,8 +49,7 @@ class ShmTransport:
             raise TransferError(f"not connected to {peer.peer_id}")
         source = self._local.tensor
         check_heads(heads, source.shape[4], target.tensor.shape[4])
-        hs = slice(None) if heads is None else slice(heads.src, heads.src + heads.count)
-        hd = slice(None) if heads is None else slice(heads.dst, heads.dst + heads.count)
+        hs, hd = head_slices(heads)
         layers = layers if layers is not None else range(self._local.layout.num_layers)
         for s, d, n in block_runs(src, dst):
             target.tensor[layers.start:layers.stop, :, d:d + n, :, hd].copy_(

@@ -30,7 +30,7 @@ from typing import ClassVar, Sequence
 import torch
 
 from kv_transfer.base import (HeadSlice, PeerHandle, TransferError, TransferId, TransferState, block_runs,
-                              check_heads, meta_heads, pool_meta, read_peer_meta)
+                              check_heads, head_slices, meta_heads, pool_meta, read_peer_meta)
 from services.engine.model.kv_cache import KVPoolMemory
 
 log = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ class TcpTransport:
                 left -= chunk
             return False
         if nheads:                               # into a staging copy, then into the heads' places
-            parts = [(t[layer, kv, d:d + n, :, head:head + nheads], 
+            parts = [(t[layer, kv, d:d + n, :, head:head + nheads],
                       torch.empty((n, t.shape[3], nheads, t.shape[5]), dtype=t.dtype))
                      for layer in range(first, first + count) for kv in (0, 1) for d, n in runs]
             _recv_all(conn, [_bytes_view(staged) for _, staged in parts])
@@ -276,7 +276,7 @@ class TcpTransport:
         one at exit can abort the process in torch's teardown)."""
         if heads is None:
             return [_bytes_view(t[layer, kv, s:s + n]) for layer in layers for kv in (0, 1) for s, _, n in runs]
-        hs = slice(heads.src, heads.src + heads.count)
+        hs, _ = head_slices(heads)
         return [_bytes_view(t[layer, kv, s:s + n, :, hs].contiguous())
                 for layer in layers for kv in (0, 1) for s, _, n in runs]
 

@@ -199,10 +199,9 @@ class KVExporter:
                     raise LeaseExpired(f"write deadline passed at layer {layer}")
                 if stop > first:
                     for t in export.targets:
-                        heads = {} if t.heads is None else {"heads": t.heads}     # whole blocks: the plain call
                         export.xfers.append((t.transport, t.transport.write(
                             t.peer, c.seq.block_ids[first:stop], export.dst[first:stop], range(layer, layer + 1),
-                            **heads)))
+                            t.heads)))
             except Exception as exc:            # noqa: BLE001 - any failed post leaves the KV incomplete
                 self._fail(c.seq.request_id, export, exc if isinstance(exc, TransferError) else TransferError(
                     f"posting layer {layer}'s write failed: {type(exc).__name__}: {exc}"))
