@@ -109,7 +109,8 @@ def main() -> None:
           f"{results['tp1 x1']['dtype']}; medians of {args.repeats}")
     print(f"{'':10} {'prefill ' + str(args.prompt):>14} {'decode b1':>10} {'decode b' + str(args.batch):>11}")
     for name, r in results.items():
-        print(f"{name:10} {r['prefill_ms']:12.1f}ms {r['decode_b1_ms']:8.1f}ms {r[f'decode_b{args.batch}_ms']:9.1f}ms")
+        decode_b = r[f"decode_b{args.batch}_ms"]
+        print(f"{name:10} {r['prefill_ms']:12.1f}ms {r['decode_b1_ms']:8.1f}ms {decode_b:9.1f}ms")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"device": args.device, "kind": kind, "cores": os.cpu_count(),
                                            "results": results}, indent=1))

@@ -713,7 +713,8 @@ def test_each_pool_has_its_own_tensor_parallel_degree_and_gpus_to_match(helm):
     for role, tp in (("prefill", 4), ("decode", 2)):
         c = m.container(role)
         assert flags(c)["tensor-parallel-size"] == str(tp)
-        assert int(c["resources"]["requests"]["nvidia.com/gpu"]) == int(c["resources"]["limits"]["nvidia.com/gpu"]) == tp
+        gpus = {kind: int(c["resources"][kind]["nvidia.com/gpu"]) for kind in ("requests", "limits")}
+        assert gpus == {"requests": tp, "limits": tp}
     cpu = render(helm, "--set", "decode.tensorParallelSize=2").container("decode")
     assert flags(cpu)["tensor-parallel-size"] == "2"
     assert not any("nvidia.com/gpu" in r for r in cpu["resources"].values())       # a CPU pod asks for none

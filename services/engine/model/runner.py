@@ -179,7 +179,8 @@ class ModelRunner:
         prefill = self.backend.prefill_kernel
         weights = "" if self.quantization == "none" else f", {self.quantization} weights"
         if self.tp.size > 1:
-            weights += f", tensor parallel over {self.tp.size} ranks (KV heads {self.kv_heads.start}-{self.kv_heads.stop - 1} here)"
+            heads = self.kv_heads
+            weights += f", tensor parallel over {self.tp.size} ranks (KV heads {heads.start}-{heads.stop - 1} here)"
         return (f"{self.dtype_name} ({self.dtype_reason}){weights} on {self.device}; attention: decode {decode}, "
                 f"prefill {prefill}; fused: {', '.join(self.fusions) or 'nothing'}")
 
