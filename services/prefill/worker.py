@@ -23,13 +23,14 @@ import time
 import grpc
 
 from kv_transfer.backends import open_transports
-from kv_transfer.base import IncompatiblePeer, TransferError, meta_heads
+from kv_transfer.base import IncompatiblePeer, TransferError
 from services.common.metrics import WorkerMetrics
 from services.common.settings import WorkerSettings
 from services.engine.core.block_pool import NoFreeBlocks
 from services.engine.core.sequence import Sequence
 from services.engine.engine import EngineOutput, StepStats
 from services.engine.model.kv_cache import KVPoolMemory
+from services.engine.model.parallel import kv_head_ranges
 from services.engine.model.runner import ModelRunner
 from services.rpc import worker_pb2, worker_pb2_grpc
 from services.worker.engine_worker import EngineWorker
@@ -61,10 +62,10 @@ class PrefillWorker(EngineWorker):
                                           drop_rate=settings.fault_drop_transfers, device=str(runner.device))
         for t in self.transports.values():
             t.register(memory, self.compat_hash)
+        if self.ranks is not None:          # the other ranks' pools, which they write from
+            self.ranks.open_pools(self.layout.num_blocks, bs, False, self.compat_hash)
         # each rank's heads: whose slices of the model's KV this worker's ranks write
-        heads = [runner.kv_heads] + [meta_heads(next(offers).meta)
-                                     for _, offers in itertools.groupby(self._rank_offers(shared=False),
-                                                                        lambda o: o.rank)]
+        heads = kv_head_ranges(runner.total_kv_heads, runner.tp.size)
         self.exporter = KVExporter(self.transports, self.compat_hash, self.layout,
                                    lambda failed, used: metrics.transport_fallbacks.labels(failed, used).inc(),
                                    heads=heads, group=runner.group)
