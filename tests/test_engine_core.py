@@ -262,3 +262,39 @@ def test_async_scheduling_gives_what_sync_gives(runner, model_dir, expected):
     assert out == sync_out and finished == sync_finished
     assert lp.keys() == {"logprobs"} and [t for t, _ in lp["logprobs"]] == [t for t, _ in sync_lp["logprobs"]]
     assert lp["logprobs"] == pytest.approx(sync_lp["logprobs"])
+
+
+def test_a_reservation_is_made_during_the_forward_pass_not_after_it(runner, model_dir, expected, monkeypatch):
+    """`LLMEngine.now` (a decode worker's Reserve) runs while a step's forward pass does,
+    instead of waiting for the step to end: the scheduler is free then. From inside the
+    forward pass, another thread's reservation completes; the step's output is still
+    `generate`'s and every block comes back."""
+    import threading
+    blocks = BlockManager(BlockPool(64, BLOCK))
+    memory = KVPoolMemory.allocate(runner.layout(64, BLOCK))
+    engine = LLMEngine(runner, memory, Scheduler(blocks, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512)))
+    made = []
+    execute = runner.execute
+
+    def forward(*args, **kwargs):
+        if not made:
+            t = threading.Thread(target=lambda: made.append(
+                engine.now(lambda: engine.scheduler.reserve("handoff", 40, float("inf")))))
+            t.start()
+            t.join(timeout=30)
+            assert made, "the reservation waited for the step"
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", forward)
+    case = CASES[0]
+    prompt = expected[case.name].prompt_ids
+    engine.add(Sequence(case.name, list(prompt), len(prompt), SamplingParams(max_tokens=case.max_tokens,
+                                                                              temperature=0), eos_token_ids(model_dir)))
+    out = []
+    while engine.has_work():
+        out += [t for o in engine.step() for t in o.token_ids]
+    assert out == expected[case.name].token_ids
+    assert len(made[0].block_ids) == 3 and blocks.num_available == 64 - 3
+    engine.scheduler.cancel("handoff")
+    memory.close()
+    assert blocks.num_available == 64

@@ -134,7 +134,9 @@ class DecodeWorker(EngineWorker):
                 raise HandoffError(f"request {request_id} already holds a reservation")
         expires = time.time() + lease_seconds + LEASE_GRACE_SECONDS
         scheduler = self.engine.scheduler
-        r = await asyncio.wrap_future(self.loop.call(lambda: scheduler.reserve(request_id, num_tokens, expires)))
+        # At once, not at the next step: a decode step can take a tenth of a second, and
+        # the prompt's prefill waits for these blocks.
+        r = await asyncio.to_thread(self.engine.now, lambda: scheduler.reserve(request_id, num_tokens, expires))
         with self._lock:
             try:
                 return self.handoffs.reserve(request_id, r.block_ids, num_tokens, lease_seconds)

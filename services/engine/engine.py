@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -156,6 +157,10 @@ class LLMEngine:
         self.on_joined = on_joined
         # (request id, action): applied by the engine thread at the start of a step
         self._inbox: queue.SimpleQueue[tuple[str, Callable[[], list[EngineOutput]]]] = queue.SimpleQueue()
+        # Held by the engine thread while it plans and records a step (and by whatever
+        # drives it between steps, EngineLoop); free while the forward pass runs, when
+        # `now` makes another thread's scheduler change without waiting for the step.
+        self.scheduling = threading.RLock()
         self.last_step: StepStats | None = None
         self.prompt_tokens_computed = 0
         self.generated_tokens = 0
@@ -211,7 +216,19 @@ class LLMEngine:
         return self._flight is not None
 
     # ---- the engine thread ----
+    def now(self, action: Callable[[], T]) -> T:
+        """`action()` on the calling thread, at once while the engine is idle or in a
+        forward pass (otherwise when the step's planning or recording ends): for a
+        scheduler change that takes only free blocks (a reservation), which the step in
+        flight never reads, and must not wait for that step to end."""
+        with self.scheduling:
+            return action()
+
     def step(self) -> list[EngineOutput]:
+        with self.scheduling:
+            return self._step()
+
+    def _step(self) -> list[EngineOutput]:
         outputs = self._apply_inbox()
         outputs += self._orphans()
         if self._flight is not None and not all(overlaps(s) for s in self.scheduler.running):
@@ -334,9 +351,11 @@ class LLMEngine:
         hooks = self.step_hooks
         if hooks is not None:
             hooks.before_step(plan)
+        self.scheduling.release()               # the forward pass: `now` may run meanwhile
         try:
             logits = self.runner.execute(self.memory, batch, hook)
         finally:
+            self.scheduling.acquire()
             if poster is not None:
                 poster.flush()
             if hooks is not None:

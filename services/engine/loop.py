@@ -102,7 +102,8 @@ class EngineLoop:
         use_device(self.engine.runner.device)
         while not self._stopping:
             if self.tick is not None:
-                self.tick()
+                with self.engine.scheduling:        # a tick may change the scheduler (leases)
+                    self.tick()
             if not self.engine.has_work():
                 self._wake.wait(timeout=0.1)
                 self._wake.clear()
