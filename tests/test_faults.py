@@ -5,6 +5,7 @@ fallback) within the lease, nothing hangs, and both block pools return to full."
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -14,7 +15,7 @@ import pytest
 
 from services.engine.model.kv_cache import live_segments
 from services.rpc import worker_pb2, worker_pb2_grpc
-from tests.processes import Services
+from tests.processes import Services, free_port, spawn_service, terminate, wait_ready, worker_stats
 
 LONG = [{"role": "user", "content": "Summarise: " + "the tide comes in and the tide goes out. " * 120}]
 OTHER_LONG = [{"role": "user", "content": "Summarise: " + "the wind rises and the wind falls again. " * 120}]
@@ -114,9 +115,9 @@ def test_a_lapsed_lease_returns_the_blocks(svc):
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
-def _sampling():
+def _sampling(max_tokens: int = 4):
     from services.rpc import generate_pb2
-    return generate_pb2.SamplingParams(max_tokens=4, temperature=0, top_p=1.0)
+    return generate_pb2.SamplingParams(max_tokens=max_tokens, temperature=0, top_p=1.0)
 
 
 def test_killing_the_decode_worker_mid_stream_ends_the_stream_with_an_error(svc):
@@ -179,3 +180,56 @@ def test_a_handle_from_before_a_restart_is_refused(svc):
         assert e.value.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.FAILED_PRECONDITION)
     svc.wait_routable()
     assert_pools_full(svc)
+
+
+def test_a_decode_worker_lost_after_the_first_token_went_out_is_continued_from_it(svc):
+    """A remote prefill's first token goes to the client at once, before a decode worker
+    takes the sequence. When that worker is then lost (here one that answers every
+    Decode UNAVAILABLE), the request goes on on another decode worker from the token
+    already sent: the client's tokens are those of a healthy route, none twice, and every
+    block on all three workers goes back. A decode worker also continues a prompt from a
+    given first token itself (the retry's local prefill)."""
+    prompts = [[{"role": "user", "content": f"Name {i} birds that live near the sea."}] for i in range(2, 8)]
+    answers = [chat(svc, p).json() for p in prompts]
+    refs = [a["choices"][0]["token_ids"] for a in answers]
+    faulty_port = free_port()
+    faulty, _ = spawn_service(svc.tmp, "decode-faulty", "decode", [
+        *svc.common, "--port", str(faulty_port), "--kv-cache-tokens", "8192", "--fault-refuse-decodes", "1000"])
+    router = None
+    try:
+        router, info = spawn_service(svc.tmp, "router-two-decode", "router", [
+            "--http-port", "0", "--grpc-port", "0", "--log-level", "warning", "--cluster-secret-file",
+            svc.secret_file, "--local-prefill-max-tokens", "0", "--decode", f"127.0.0.1:{faulty_port}",
+            "--decode", svc.addr("decode"), "--prefill", svc.addr("prefill")])
+        http = f"http://127.0.0.1:{info['http_port']}"
+        wait_ready(http, {"prefill": 1, "decode": 2})
+        retries = 0.0
+        for p, ref in zip(prompts, refs):
+            body = {"messages": p, "temperature": 0, "return_token_ids": True, "max_tokens": 8}
+            r = httpx.post(f"{http}/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == ref
+            assert route(r)["decision"] == "remote"
+            retries = float(re.search(r"^pdserve_request_retries_total ([0-9.]+)$",
+                                      httpx.get(f"{http}/metrics").text, re.M)[1])
+            if retries >= 2:
+                break
+        assert retries >= 2, "no request was routed to the refusing decode worker"
+        faulty_stats = worker_stats(f"127.0.0.1:{faulty_port}", "decode", svc.secret_file)
+        assert faulty_stats.info.free_blocks == faulty_stats.info.num_blocks
+        assert faulty_stats.active_handoffs == 0
+    finally:
+        for proc in (router, faulty):
+            if proc is not None:
+                terminate(proc)
+    # The worker side of a local retry: the prompt and the given first token computed
+    # there, decoding on from the second token.
+    ids = answers[0]["prompt_token_ids"]
+    with svc.channel("decode") as ch:
+        chunks = list(worker_pb2_grpc.DecodeWorkerStub(ch).Decode(worker_pb2.DecodeRequest(
+            request_id="given-first", prompt_token_ids=ids, first_token_id=refs[0][0], local_prefill=True,
+            first_token_given=True, sampling=_sampling(max_tokens=8)), timeout=120))
+    assert [t for c in chunks for t in c.token_ids] == refs[0][1:]
+    assert chunks[-1].finish_reason == "length"
+    assert_pools_full(svc)
+

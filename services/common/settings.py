@@ -177,6 +177,8 @@ class WorkerSettings(EngineSettings):
                                  metavar="FILE")
     fault_drop_transfers: float = setting(0.0, "fault testing: fraction of KV transfers to drop midway",
                                           roles=("prefill",))
+    fault_refuse_decodes: int = setting(0, "fault testing: answer this many Decode calls UNAVAILABLE, as a worker "
+                                           "lost between a prompt's prefill and its decode", roles=("decode",))
     served_model_name: str | None = setting(None, "the model_name label of this worker's vLLM-style metrics: the "
                                                   "router's --served-model-name (default: the model folder's name)")
     announce_file: str | None = setting(None, argparse.SUPPRESS)
@@ -188,6 +190,8 @@ class WorkerSettings(EngineSettings):
         TLSFiles(self.tls_cert, self.tls_key, self.tls_ca)          # the files exist, in pairs
         if not 0.0 <= self.fault_drop_transfers <= 1.0:
             raise ValueError("--fault-drop-transfers must be in [0, 1]")
+        if self.fault_refuse_decodes < 0:
+            raise ValueError("--fault-refuse-decodes must be 0 or more")
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, not {self.role!r}")
         if self.registry_ttl <= 0:

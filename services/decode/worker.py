@@ -213,8 +213,10 @@ class DecodeWorker(EngineWorker):
         check_request_id(request.request_id)
         vocab, context = self.runner.vocab_size, self.runner.max_model_len
         prompt = check_tokens(request.prompt_token_ids, vocab)
-        if not request.local_prefill:
+        if not request.local_prefill or request.first_token_given:
             check_tokens([request.first_token_id], vocab, "first")
+        if request.first_token_given and (request.n or 1) > 1:
+            raise ValueError("a given first token is for one choice (n = 1)")
         params = sampling_from_proto(request.sampling)
         if len(prompt) + params.max_tokens > context:
             raise ValueError(f"{len(prompt)} prompt tokens and max_tokens {params.max_tokens} exceed the model's "
@@ -270,6 +272,13 @@ class DecodeWorker(EngineWorker):
 
 class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
     _mailbox: Mailbox | None = None
+    _refused = 0                        # Decode calls refused for --fault-refuse-decodes
+
+    def _faults_left(self) -> bool:
+        if self._refused < self.engine.settings.fault_refuse_decodes:
+            self._refused += 1
+            return True
+        return False
 
     def _mailbox_for(self, loop: asyncio.AbstractEventLoop) -> Mailbox:
         """The streams' tokens reach the RPC handlers through one mailbox per event loop:
@@ -309,12 +318,14 @@ class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
 
         if self.draining and request.local_prefill:      # new work; a handoff in flight is finished
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this decode worker is draining")
+        if self._faults_left():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "fault testing: --fault-refuse-decodes")
         n = request.n or 1
         try:
             prompt, params = e.check(request)
             if n > MAX_CHOICES:
                 raise ValueError(f"n must be between 1 and {MAX_CHOICES}, not {n}")
-            taken = [] if request.local_prefill else [request.first_token_id]
+            taken = [request.first_token_id] if not request.local_prefill or request.first_token_given else []
             constraint = await asyncio.to_thread(prepare, params, e.runner.vocab_size, e.grammars, taken)
             forks = []
             for i in range(1, n):           # each its own seed, and its own place in the grammar

@@ -169,8 +169,15 @@ class LLMEngine:
 
     # ---- any thread ----
     def add(self, seq: Sequence) -> None:
-        """A sequence whose prompt is computed here."""
-        self._inbox.put((seq.request_id, lambda: self.scheduler.add(seq) or []))
+        """A sequence whose prompt is computed here: with a first token given (sampled on
+        an earlier try), the prompt and that token, which may already end it."""
+        def admit() -> list[EngineOutput]:
+            reason = seq.check_finished()
+            if reason:
+                return [EngineOutput(seq.request_id, [], reason)]
+            self.scheduler.add(seq)
+            return []
+        self._inbox.put((seq.request_id, admit))
 
     def add_prefilled(self, seq: Sequence) -> None:
         """A sequence whose prompt KV is already in `seq.block_ids` and whose first token

@@ -65,20 +65,23 @@ class Handoff:
         self._handle: worker_pb2.KVHandle | None = None
         self._writer: asyncio.Future | None = None
         self._finished = False
+        # The first token, once sent to the client ahead of the decode stream (n = 1):
+        # a later attempt continues from it rather than sampling another.
+        self._sent_first: int | None = None
+        self._decoded = False               # anything of the decode stream sent
 
     async def tokens(self) -> AsyncIterator[Tokens]:
         """Tokens from the workers, for every choice. Closing the iterator early (client
         gone) cancels the request on every worker."""
         for attempt in range(1, ATTEMPTS + 1):
-            streamed = False
             try:
                 async with aclosing(self._attempt(attempt)) as tokens:
                     async for item in tokens:
-                        streamed = True
                         yield item
                 return
             except APIError as exc:
-                if streamed or exc.grpc_code != "UNAVAILABLE" or attempt == ATTEMPTS or not self.workers.ready():
+                if (self._decoded or exc.grpc_code != "UNAVAILABLE" or attempt == ATTEMPTS
+                        or not self.workers.ready()):
                     raise
                 log.warning("request %s: %s; trying again on another worker", self.gen.request_id, exc.message)
                 self.metrics.retries.inc()
@@ -108,10 +111,19 @@ class Handoff:
             if first is None:
                 self._handle = None                   # released by _await_prefill, or never taken
                 gen.decision = "local_fallback" if prefill is not None else "local"
-                req = self._decode_request(first_token=0, local=True, epoch="")
+                req = self._decode_request(first_token=self._sent_first or 0, local=True, epoch="")
             else:
                 gen.decision = "remote"
+                if self._sent_first is not None:      # an earlier attempt sent the first token
+                    first, first_logprob = self._sent_first, None
+                elif self.n == 1:
+                    # Sent now, not when the decode batch takes the sequence: that can be
+                    # a whole decode step away, and the token is already final.
+                    self._sent_first = first
+                    yield 0, [first], "", [first_logprob] if first_logprob else None
                 req = self._decode_request(first_token=first, local=False, epoch=self._handle.epoch)
+                if self._sent_first is not None:
+                    first = None                      # sent: the decode stream follows it
             async with aclosing(self._decode(decode, req, keys, first, first_logprob)) as tokens:
                 async for item in tokens:
                     yield item
@@ -136,12 +148,12 @@ class Handoff:
 
     async def _decode(self, decode: Worker, req: worker_pb2.DecodeRequest, keys: list[int],
                       first: int | None, first_logprob: TokenLogprob | None) -> AsyncIterator[Tokens]:
-        """The decode worker's stream, with the prefill's first token (if any) ahead of it;
-        meanwhile the sequence counts in that worker's batch, and a prompt it prefills
-        itself in its queue until the first token."""
+        """The decode worker's stream, with the prefill's first token (if not sent yet)
+        ahead of it; meanwhile the sequence counts in that worker's batch, and a prompt it
+        prefills itself in its queue until the first token."""
         gen = self.gen
         local_tokens = 0
-        if first is None:
+        if req.local_prefill:
             local_tokens = len(gen.prompt_ids)      # in the decode worker's queue until its first token
             decode.local_prefill_sent(local_tokens)
             decode.caches(keys)                     # its prefix is cached there from now on
@@ -154,9 +166,10 @@ class Handoff:
                     decode.local_prefill_answered(local_tokens)
                     local_tokens = 0
                     if first is not None:
-                        # The prefill's token goes out once the decode worker has the
-                        # sequence in its batch (its first, empty, message): the second
-                        # token then follows one step later, not up to two.
+                        # n > 1: the prefill's token goes out once the decode worker has
+                        # the sequence in its batch (its first, empty, message), with the
+                        # other choices' first tokens one step behind.
+                        self._decoded = True
                         yield 0, [first], "", [first_logprob] if first_logprob else None
                         first = None
                     if not token_ids and not finish:
@@ -164,6 +177,7 @@ class Handoff:
                     if finish:
                         ended.add(index)
                         self._finished = len(ended) == self.n
+                    self._decoded = True
                     yield index, token_ids, finish, logprobs
         finally:
             decode.batch_left()
@@ -174,7 +188,8 @@ class Handoff:
         return worker_pb2.DecodeRequest(
             request_id=gen.worker_id, epoch=epoch, prompt_token_ids=gen.prompt_ids, first_token_id=first_token,
             sampling=sampling_to_proto(gen.params), kv_bytes=gen.kv_bytes,
-            local_prefill=local, transport=gen.transport, n=self.n)
+            local_prefill=local, transport=gen.transport, n=self.n,
+            first_token_given=local and self._sent_first is not None)
 
     async def _reserve(self, decode: Worker) -> worker_pb2.KVHandle:
         """Reserve prompt blocks; while the pool is full, wait (this is the queue)."""

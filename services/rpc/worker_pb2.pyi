@@ -142,7 +142,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transport: _Optional[str] = ..., transport_fallback: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., first_logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "epoch", "prompt_token_ids", "first_token_id", "sampling", "kv_bytes", "local_prefill", "transport", "n")
+    __slots__ = ("request_id", "epoch", "prompt_token_ids", "first_token_id", "sampling", "kv_bytes", "local_prefill", "transport", "n", "first_token_given")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,7 @@ class DecodeRequest(_message.Message):
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_GIVEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     epoch: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -161,7 +162,8 @@ class DecodeRequest(_message.Message):
     local_prefill: bool
     transport: str
     n: int
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., kv_bytes: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., transport: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
+    first_token_given: bool
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., kv_bytes: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., transport: _Optional[str] = ..., n: _Optional[int] = ..., first_token_given: _Optional[bool] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "logprobs", "index", "prompt_logprobs", "cached_tokens")
