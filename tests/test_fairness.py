@@ -166,3 +166,38 @@ def test_few_prompts_wait_at_the_workers_however_many_slots_are_free():
     q.done(flood[1])                                    # ended before its first token
     assert q.dispatch(limit=64, prefill_limit=4) == [flood[4]]
     assert q.prefilling == 4 and q.running_slots == 5
+
+
+def test_a_flood_leaves_the_headroom_free_for_another_tenant():
+    """With a headroom, a lone flood stops short of the limit (slots and prompts), and a
+    newcomer's ticket takes the slots kept free at once, ahead of the flood's queue."""
+    q = FairQueue(1000)
+    flood = [q.admit("flood", 1) for _ in range(100)]
+    got = q.dispatch(limit=20, prefill_limit=4, headroom=4)
+    assert got == flood[:3]                              # one prompt's place kept
+    for t in got:
+        q.first_token(t)
+    while got := q.dispatch(limit=20, prefill_limit=4, headroom=4):
+        for t in got:
+            q.first_token(t)
+    assert q.running_slots == 16                         # 4 slots kept
+    light = q.admit("light", 1)
+    assert q.dispatch(limit=20, prefill_limit=4, headroom=4) == [light]
+    q.done(flood[0])                                     # 16 run: the limit less the headroom
+    assert q.dispatch(limit=20, prefill_limit=4, headroom=4) == []
+    q.done(light)
+    assert q.dispatch(limit=20, prefill_limit=4, headroom=4) == [flood[16]]
+
+
+def test_two_floods_both_stay_out_of_the_headroom():
+    """Each of two flooding tenants runs past the share it would have beside a third:
+    neither takes the headroom, which stays for whoever comes next."""
+    q = FairQueue(1000)
+    for _ in range(50):
+        q.admit("a", 1)
+        q.admit("b", 1)
+    while got := q.dispatch(limit=12, headroom=4):
+        pass
+    assert q.running_slots == 8
+    third = q.admit("c", 1)
+    assert q.dispatch(limit=12, headroom=4) == [third]

@@ -34,9 +34,11 @@ def tenant_policies(keys: list[ApiKey]) -> dict[str, TenantPolicy]:
 
 class Admission:
     def __init__(self, max_pending: int, policies: dict[str, TenantPolicy],
-                 limit: Callable[[], tuple[int, int]], metrics: RouterMetrics) -> None:
+                 limit: Callable[[], tuple[int, int, int]], metrics: RouterMetrics) -> None:
         self.queue = FairQueue(max_pending, lambda tenant: policies.get(tenant, TenantPolicy()))
         self.limit = limit
+        # Slots are kept free of a flood only where another tenant can come: two keys or more.
+        self.shared = len(policies) > 1
         self.metrics = metrics
         self._waiting: dict[Ticket, asyncio.Future] = {}
 
@@ -79,9 +81,9 @@ class Admission:
         self._pump()
 
     def _pump(self) -> None:
-        limit, prefill_limit = self.limit()
+        limit, prefill_limit, headroom = self.limit()
         self.metrics.dispatch_limit.set(limit)
-        for ticket in self.queue.dispatch(limit, prefill_limit):
+        for ticket in self.queue.dispatch(limit, prefill_limit, headroom if self.shared else 0):
             self.metrics.tenant_queued.labels(ticket.tenant).dec()
             self.metrics.tenant_running.labels(ticket.tenant).inc()
             future = self._waiting.get(ticket)

@@ -50,8 +50,9 @@ class Cluster:
     def pool_sizes(self) -> dict[str, int]:
         return self.workers.pool_sizes()
 
-    def capacity(self) -> tuple[int, int]:
-        """(sequences, prompts still prefilling) the router dispatches at once (admission.py)."""
+    def capacity(self) -> tuple[int, int, int]:
+        """(sequences, prompts still prefilling, headroom) the router dispatches at once
+        (admission.py)."""
         return self.workers.capacity()
 
     # ---- one generation ----

@@ -13,6 +13,11 @@ requests admitted at once, and a token rate (prompt plus max_tokens per minute, 
 at admission as OpenAI counts it). The queue as a whole is bounded: once full, a tenant
 is admitted only while it holds less than its weighted share of the bound, so a flood
 from one key cannot take every place from the others.
+
+Dispatch may keep a headroom of slots (and one prompt's place) free: only a tenant
+running less than the share it would have were one more tenant to arrive takes them. A
+flood then never fills every slot, and another key's request starts at once instead of
+after one of the flood's ends.
 """
 from __future__ import annotations
 
@@ -65,6 +70,8 @@ class _Tenant:
     policy: TenantPolicy
     finish: float = 0.0                 # the finish tag of its last admitted request
     admitted: int = 0                   # queued or running
+    running: int = 0                    # slots of its dispatched tickets
+    prefilling: int = 0                 # its dispatched tickets without a first token
     tokens: float = 0.0                 # its token bucket
     refilled: float = 0.0
 
@@ -137,31 +144,59 @@ class FairQueue:
         total = sum(self._tenants[name].policy.weight for name in holders)
         return self.max_pending * self._tenants[tenant].policy.weight / total
 
-    def dispatch(self, limit: int, prefill_limit: int | None = None) -> list[Ticket]:
+    def dispatch(self, limit: int, prefill_limit: int | None = None, headroom: int = 0) -> list[Ticket]:
         """The tickets to run now, in fair order, while running slots stay within `limit`
         and tickets still waiting for their first token within `prefill_limit` (one ticket
         always runs when nothing does, however many slots it takes). The second bound
         keeps the prompts queued at the workers few: a newcomer's prompt waits behind
-        those, whatever its tenant."""
+        those, whatever its tenant. The last `headroom` slots, and the last prompt's place,
+        go only to a tenant under its share (`_under_share`), whose ticket may pass others
+        queued before it."""
         out = []
+        kept = prefill_limit if prefill_limit is None or not headroom else max(1, prefill_limit - 1)
         while self._heap:
-            start, _, ticket = self._heap[0]
-            if self.running_slots and (self.running_slots + ticket.slots > limit
-                                       or (prefill_limit is not None and self.prefilling >= prefill_limit)):
-                break
-            heapq.heappop(self._heap)
+            entry = self._heap[0]
+            if not self._fits(entry[2], limit - headroom, kept):
+                entry = None
+                if headroom and self._fits(None, limit, prefill_limit):
+                    entry = min((e for e in self._heap if self._under_share(e[2], limit)
+                                 and self._fits(e[2], limit, prefill_limit)), default=None)
+                if entry is None:
+                    break
+                self._heap.remove(entry)
+                heapq.heapify(self._heap)
+            else:
+                heapq.heappop(self._heap)
+            start, _, ticket = entry
             self._vtime = max(self._vtime, start)
             ticket.dispatched = ticket.prefilling = True
             self.running_slots += ticket.slots
+            t = self._tenants[ticket.tenant]
+            t.running += ticket.slots
+            t.prefilling += 1
             self.prefilling += 1
             out.append(ticket)
         return out
+
+    def _fits(self, ticket: Ticket | None, limit: int, prefill_limit: int | None) -> bool:
+        """Whether `ticket` (None: one slot) may run within these bounds."""
+        return not self.running_slots or (self.running_slots + (ticket.slots if ticket else 1) <= limit
+                                          and (prefill_limit is None or self.prefilling < prefill_limit))
+
+    def _under_share(self, ticket: Ticket, limit: int) -> bool:
+        """Whether the ticket's tenant has no prompt of its own prefilling and would still
+        run within the share of `limit` it would have were one more tenant (of its weight)
+        to arrive: a flood is never under it, a newcomer beside one is."""
+        t = self._tenants[ticket.tenant]
+        total = sum(o.policy.weight for o in self._tenants.values() if o.admitted) + t.policy.weight
+        return not t.prefilling and t.running + ticket.slots <= limit * t.policy.weight / total
 
     def first_token(self, ticket: Ticket) -> None:
         """A dispatched ticket's first token came: its prompt is done."""
         if ticket.prefilling:
             ticket.prefilling = False
             self.prefilling -= 1
+            self._tenants[ticket.tenant].prefilling -= 1
 
     def done(self, ticket: Ticket) -> None:
         """A ticket ended, run or not (a client gone while queued)."""
@@ -170,6 +205,7 @@ class FairQueue:
         self.first_token(ticket)
         if ticket.dispatched:
             self.running_slots -= ticket.slots
+            t.running -= ticket.slots
         else:
             self._heap = [e for e in self._heap if e[2] is not ticket]
             heapq.heapify(self._heap)

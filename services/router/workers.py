@@ -45,6 +45,9 @@ RECENT_KEYS_SECONDS = 5.0
 DEFAULT_MAX_BATCH = 64
 # Prompts dispatched and not yet prefilled, per prefill worker (WorkerSet.capacity).
 PREFILL_LOOKAHEAD = 4
+# Of each decode batch, the rows (one in this many) a flood from one tenant leaves free
+# for the others (FairQueue.dispatch's headroom).
+HEADROOM_SHARE = 16
 
 
 @dataclass
@@ -319,19 +322,22 @@ class WorkerSet:
     def pool_sizes(self) -> dict[str, int]:
         return {"prefill": sum(w.healthy for w in self.prefill), "decode": sum(w.healthy for w in self.decode)}
 
-    def capacity(self) -> tuple[int, int]:
-        """(sequences, prompts still prefilling) the router dispatches at once
+    def capacity(self) -> tuple[int, int, int]:
+        """(sequences, prompts still prefilling, headroom) the router dispatches at once
         (admission.py): --max-running, or what the live decode workers batch and the
-        prompts prefilling; and a few prompts per prefill worker (or per decode worker,
+        prompts prefilling; a few prompts per prefill worker (or per decode worker,
         prefilling locally), enough to fill its next pass without a long queue behind
-        which a newcomer would wait."""
+        which a newcomer would wait; and the slots kept free of a tenant past its share:
+        the prompts prefilling and a sixteenth of each batch (a quarter of the sequences
+        at most), so another key's request finds a row free in a decode batch."""
         decode = [w for w in self.decode if w.healthy]
         prefilling = PREFILL_LOOKAHEAD * max(1, sum(w.healthy for w in self.prefill) or len(decode))
+        batches = [w.info.max_batch or DEFAULT_MAX_BATCH for w in decode]
         # The prompts prefilling count on top of the batches: the next one is ready to
         # join when a sequence ends, and no batch runs a row short meanwhile.
-        running = self.settings.max_running or prefilling + sum(w.info.max_batch or DEFAULT_MAX_BATCH
-                                                               for w in decode)
-        return running, prefilling
+        running = self.settings.max_running or prefilling + sum(batches)
+        headroom = min(running // 4, prefilling + sum(-(-b // HEADROOM_SHARE) for b in batches))
+        return running, prefilling, headroom
 
     # ---- selection (the decisions are policy.py's) ----
     def pick_decode(self, gen: Generation) -> Worker:
