@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -55,6 +56,13 @@ async def _stream(client: httpx.AsyncClient, key: str, prompt: str, max_tokens: 
     return ttft, tokens, finished
 
 
+async def _decisions(client: httpx.AsyncClient) -> dict[str, int]:
+    """The router's count of prompts computed remotely, locally, and by local fallback."""
+    text = (await client.get("/metrics")).text
+    return {m[1]: int(float(m[2])) for m in re.finditer(
+        r'^pdserve_disaggregation_decisions_total\{decision="([a-z_]+)"\} ([0-9.e+]+)$', text, re.M)}
+
+
 def _pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
@@ -70,6 +78,7 @@ async def _run(base: str, a: argparse.Namespace) -> dict:
             ttft, _, ok = await _stream(client, KEYS["B"], TRICKLE_PROMPT, a.trickle_tokens, False)
             assert ok and ttft is not None, "a request alone failed"
             alone.append(ttft)
+        before = await _decisions(client)
         t0 = time.monotonic()
         flood = [asyncio.create_task(_stream(client, KEYS["A"], FLOOD_PROMPT, a.flood_tokens, True))
                  for _ in range(a.flood)]
@@ -80,6 +89,7 @@ async def _run(base: str, a: argparse.Namespace) -> dict:
         flood_done = time.monotonic() - t0
         flood_results = [f.result() for f in flood]
         trickle_results = await asyncio.gather(*trickle)
+        after = await _decisions(client)
     under = [t for t, _, ok in trickle_results if ok and t is not None]
     a_tokens = sum(n for _, n, _ in flood_results)
     b_tokens = sum(n for _, n, _ in trickle_results)
@@ -94,6 +104,7 @@ async def _run(base: str, a: argparse.Namespace) -> dict:
         "a_output_tokens": a_tokens, "b_output_tokens": b_tokens,
         "a_share": a_tokens / max(1, a_tokens + b_tokens),
         "cluster_output_tok_s": (a_tokens + b_tokens) / flood_done,
+        "prefill_decisions": {k: after[k] - before.get(k, 0) for k in after if after[k] > before.get(k, 0)},
     }
 
 
@@ -134,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  A's share of output tokens {100 * result['a_share']:.1f} % (bar 80 %); cluster "
           f"{result['cluster_output_tok_s']:.1f} tok/s over {result['flood_seconds']} s")
     print(f"  failed: A {result['flood_failed']} / {result['flood']}, B {result['trickle_failed']} / "
-          f"{result['trickle_sent']}")
+          f"{result['trickle_sent']}; prompts computed during the flood: {result['prefill_decisions']}")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(result, indent=2))

@@ -159,8 +159,9 @@ class FairQueue:
             if not self._fits(entry[2], limit - headroom, kept):
                 entry = None
                 if headroom and self._fits(None, limit, prefill_limit):
-                    entry = min((e for e in self._heap if self._under_share(e[2], limit)
-                                 and self._fits(e[2], limit, prefill_limit)), default=None)
+                    under = self._under_share(limit)
+                    entry = min((e for e in self._heap if under(e[2]) and self._fits(e[2], limit, prefill_limit)),
+                                default=None)
                 if entry is None:
                     break
                 self._heap.remove(entry)
@@ -183,13 +184,17 @@ class FairQueue:
         return not self.running_slots or (self.running_slots + (ticket.slots if ticket else 1) <= limit
                                           and (prefill_limit is None or self.prefilling < prefill_limit))
 
-    def _under_share(self, ticket: Ticket, limit: int) -> bool:
-        """Whether the ticket's tenant has no prompt of its own prefilling and would still
+    def _under_share(self, limit: int) -> Callable[[Ticket], bool]:
+        """Whether a ticket's tenant has no prompt of its own prefilling and would still
         run within the share of `limit` it would have were one more tenant (of its weight)
         to arrive: a flood is never under it, a newcomer beside one is."""
-        t = self._tenants[ticket.tenant]
-        total = sum(o.policy.weight for o in self._tenants.values() if o.admitted) + t.policy.weight
-        return not t.prefilling and t.running + ticket.slots <= limit * t.policy.weight / total
+        total = sum(t.policy.weight for t in self._tenants.values() if t.admitted)
+
+        def under(ticket: Ticket) -> bool:
+            t = self._tenants[ticket.tenant]
+            w = t.policy.weight
+            return not t.prefilling and t.running + ticket.slots <= limit * w / (total + w)
+        return under
 
     def first_token(self, ticket: Ticket) -> None:
         """A dispatched ticket's first token came: its prompt is done."""
