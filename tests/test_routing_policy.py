@@ -73,6 +73,22 @@ def test_short_prompt_prefills_locally_only_when_it_stalls_nobody_much():
     assert long.prefill is not None
 
 
+def test_a_long_prompt_prefills_locally_only_while_the_prefill_pool_is_backed_up():
+    """Past --local-prefill-max-tokens a prompt goes to a prefill worker, unless the
+    least queue there holds more than the prompt itself and local is sooner by the
+    cost model (the long workload on two cores: eight 1,024-token prompts in flight)."""
+    n = len(PROMPT)
+    keys = block_hashes(list(range(5000, 5000 + n)), BS)         # nothing cached anywhere
+    short_queue = plan_prefill([PrefillLoad("p", n // 2)], keys, n, BS, 1, model(), local_max_tokens=256)
+    assert short_queue.prefill is not None
+    backed_up = plan_prefill([PrefillLoad("p", 7 * n)], keys, n, BS, 1, model(), local_max_tokens=256)
+    assert backed_up.prefill is None and "local" in backed_up.reason
+    stalls_many = plan_prefill([PrefillLoad("p", 7 * n)], keys, n, BS, 8, model(), local_max_tokens=256)
+    assert stalls_many.prefill is not None                    # eight streams would wait meanwhile
+    never = plan_prefill([PrefillLoad("p", 7 * n)], keys, n, BS, 0, model(), local_max_tokens=0)
+    assert never.prefill is not None                          # 0: always disaggregate
+
+
 def test_local_when_no_prefill_worker():
     plan = plan_prefill([], KEYS, len(PROMPT), BS, 5, model(), 0)
     assert plan.prefill is None and plan.reason == "no prefill worker"

@@ -237,7 +237,8 @@ class RoutingSettings:
                                   "queue, shared fairly among API keys (0: what the decode workers batch)")
     local_prefill_max_tokens: int = setting(
         512, "prompts up to this size may prefill on the decode worker when the cost model says it is "
-             "faster (0: always use a prefill worker)")
+             "faster, longer ones only while the prefill workers are backed up (0: always use a prefill "
+             "worker)")
     served_model_name: str | None = setting(None, "the model name clients send (default: the model folder's name)")
     api_key: list[str] = setting(help="an API key clients must send (Authorization: Bearer KEY); repeat for "
                                       "several. A key given here shows in this process's command line, which "

@@ -119,7 +119,12 @@ def plan_prefill(prefills: Sequence[PrefillLoad], keys: Sequence[int], prompt_to
 
     scored = [(cost(p), p) for p in prefills]
     (remote, cached), best = min(scored, key=lambda s: (s[0][0], s[1].key))
-    if prompt_tokens <= local_max_tokens:
+    # A longer prompt is still a candidate while the prefill pool is backed up (its least
+    # queue holds more work than this prompt), as Dynamo's conditional disaggregation
+    # prefills locally once the prefill queue is full: then the decode worker's spare
+    # time, in chunks between its steps, is the sooner place.
+    backed_up = local_max_tokens > 0 and best.queued_tokens > prompt_tokens
+    if prompt_tokens <= local_max_tokens or backed_up:
         local = model.local_ttft(prompt_tokens, local_queued_tokens)
         stall = decode_running * model.local_ttft(prompt_tokens)
         if local + stall < remote:
