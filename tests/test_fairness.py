@@ -2,13 +2,16 @@
 start-time fair queuing puts a light tenant's request ahead of a heavy tenant's backlog,
 weights set the shares, a lone tenant is first come first served, per-key caps and token
 rates refuse with a retry time, and a full queue still admits a tenant below its share.
-Also the key file's options (services/common/security.py)."""
+The tokenizer's turns go round the tenants (admission.FairGate). Also the key file's
+options (services/common/security.py)."""
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
 from services.common.security import ApiKey, KeyCheck, read_api_keys
-from services.router.admission import tenant_policies
+from services.router.admission import FairGate, tenant_policies
 from services.router.fairness import FairQueue, Refused, TenantPolicy
 
 
@@ -201,3 +204,30 @@ def test_two_floods_both_stay_out_of_the_headroom():
     assert q.running_slots == 8
     third = q.admit("c", 1)
     assert q.dispatch(limit=12, headroom=4) == [third]
+
+
+def test_tokenizer_turns_go_round_the_tenants():
+    """Two slots; a flood queues 50 jobs, then another tenant one: it runs in one of the
+    next two turns (round robin from the flood), not after the flood. A waiter cancelled while it waits, or just as
+    it is handed a turn, loses no slot."""
+    async def run() -> list[str]:
+        gate, order, release = FairGate(2), [], asyncio.Event()
+
+        async def job(tenant: str, i: int) -> None:
+            async with gate.turn(tenant):
+                order.append(f"{tenant}{i}")
+                await release.wait()
+
+        flood = [asyncio.create_task(job("a", i)) for i in range(50)]
+        await asyncio.sleep(0)
+        light = asyncio.create_task(job("b", 0))
+        gone = asyncio.create_task(job("c", 0))
+        await asyncio.sleep(0)
+        gone.cancel()
+        release.set()
+        await asyncio.gather(*flood, light, return_exceptions=True)
+        assert gate.free == 2 and not gate._waiting
+        return order
+    order = asyncio.run(run())
+    assert order[:2] == ["a0", "a1"] and order.index("b0") in (2, 3) and "c0" not in order
+    assert len(order) == 51

@@ -6,9 +6,12 @@ beyond them wait here, in fair order, rather than in the workers' first-come que
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextvars
 import math
 import time
-from typing import Callable
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Callable
 
 from services.common.metrics import RouterMetrics
 from services.common.security import ApiKey
@@ -16,6 +19,9 @@ from services.router.fairness import FairQueue, Refused, TenantPolicy, Ticket
 from services.router.protocol import APIError
 
 ANONYMOUS = "anonymous"                 # the tenant of every request where no API key is required
+# The tenant of the request being handled, set where its API key is checked (HTTP's
+# middleware, gRPC's handler): what the work before admission (tokenizing) is shared by.
+TENANT: contextvars.ContextVar[str] = contextvars.ContextVar("tenant", default="")
 
 
 def tenant_policies(keys: list[ApiKey]) -> dict[str, TenantPolicy]:
@@ -94,3 +100,43 @@ class Admission:
     def _gauges(self) -> None:
         self.metrics.pending.set(self.queue.pending)
         self.metrics.running.set(self.queue.running_slots)
+
+
+class FairGate:
+    """At most `slots` jobs at once (the tokenizer threads), the waiting ones let in
+    round robin by tenant: a tenant with five hundred prompts to tokenize delays another's
+    next by about one prompt, not five hundred."""
+
+    def __init__(self, slots: int) -> None:
+        self.free = slots
+        self._waiting: collections.OrderedDict[str, collections.deque[asyncio.Future]] = collections.OrderedDict()
+
+    @asynccontextmanager
+    async def turn(self, tenant: str) -> AsyncIterator[None]:
+        if self.free and not self._waiting:
+            self.free -= 1
+        else:
+            future = asyncio.get_running_loop().create_future()
+            self._waiting.setdefault(tenant, collections.deque()).append(future)
+            try:
+                await future
+            except asyncio.CancelledError:
+                if future.done() and not future.cancelled():
+                    self._next()                # handed a turn just as its caller left: pass it on
+                raise
+        try:
+            yield
+        finally:
+            self._next()
+
+    def _next(self) -> None:
+        """A turn ends: the next tenant's oldest waiter takes it, or it is free."""
+        while self._waiting:
+            tenant, waiters = self._waiting.popitem(last=False)
+            future = waiters.popleft()
+            if waiters:
+                self._waiting[tenant] = waiters     # to the back of the round
+            if not future.done():
+                future.set_result(None)
+                return
+        self.free += 1

@@ -16,13 +16,13 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, TypeVar
 
 from services.engine.core.sampling import MAX_BAD_WORDS, SamplingParams, TokenLogprob
 from services.engine.text import json_schema
 from services.engine.text.tokenizer import encode_chat, encode_prompt
 from services.router.access import attach
-from services.router.admission import Admission
+from services.router.admission import TENANT, Admission, FairGate
 from services.router.cluster import Cluster
 from services.router.fairness import Ticket
 from services.router.generation import Delta, Generation
@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 MAX_CHARS_PER_TOKEN = 64
 # Deltas a response may hold unread before the generation waits for its client.
 STREAM_BUFFER = 256
+# Threads that tokenize (and compile schemas) for the front ends, off the event loop.
+TOKENIZER_THREADS = 2
+T = TypeVar("T")
 
 
 @dataclass
@@ -50,11 +53,17 @@ class FrontEnd:
     max_body_bytes: int
     request_timeout: float = 600.0
     # Tokenizing runs here, off the event loop: a long prompt must not stall every other
-    # request (and /ready) while it is cut into tokens.
+    # request (and /ready) while it is cut into tokens. Its turns go round the tenants.
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
-        max_workers=2, thread_name_prefix="tokenize"))
+        max_workers=TOKENIZER_THREADS, thread_name_prefix="tokenize"))
+    gate: FairGate = field(default_factory=lambda: FairGate(TOKENIZER_THREADS))
     sse_keepalive: float = 15.0
     _token_text: dict[int, str] = field(init=False, default_factory=dict)
+
+    async def _off_loop(self, fn: Callable[..., T], *args) -> T:
+        """`fn(*args)` on a tokenizer thread, in the turn of the request's tenant."""
+        async with self.gate.turn(TENANT.get()):
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     @property
     def vocab_size(self) -> int:
@@ -77,7 +86,7 @@ class FrontEnd:
         """`schema` if it is one some value can meet; else a 400 naming `param`. Compiling
         it is the workers' (xgrammar loads torch, which the router does not)."""
         try:
-            await asyncio.get_running_loop().run_in_executor(self.executor, json_schema.parse, schema)
+            await self._off_loop(json_schema.parse, schema)
         except ValueError as exc:
             raise bad_request(str(exc), param=param, code="invalid_json_schema") from None
         return schema
@@ -125,7 +134,7 @@ class FrontEnd:
         encode = functools.partial(encode_chat, self.tokenizer, messages, tools, add_generation_prompt,
                                    add_special_tokens, continue_final_message, kwargs)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, encode)
+            return await self._off_loop(encode)
         except Exception as exc:                  # a template that rejects the conversation
             raise bad_request(f"cannot apply the chat template: {type(exc).__name__}", param="messages") from None
 
@@ -143,8 +152,7 @@ class FrontEnd:
             self._check_ids(prompt, param)
             return list(prompt)
         self._check_text([prompt], param)
-        return await asyncio.get_running_loop().run_in_executor(self.executor, encode_prompt, self.tokenizer,
-                                                                prompt, add_special_tokens)
+        return await self._off_loop(encode_prompt, self.tokenizer, prompt, add_special_tokens)
 
     async def tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
         """vLLM's bad_words as token sequences: each word as it would begin the output and,
@@ -162,11 +170,11 @@ class FrontEnd:
                 if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
                     out.append(spaced)
             return out
-        return await asyncio.get_running_loop().run_in_executor(self.executor, encode)
+        return await self._off_loop(encode)
 
     async def detokenize(self, ids: list[int]) -> str:
         self._check_ids(ids, "tokens")
-        return await asyncio.get_running_loop().run_in_executor(self.executor, self.tokenizer.decode, ids)
+        return await self._off_loop(self.tokenizer.decode, ids)
 
     def start(self, gens: list[Generation], deadline: float | None = None, tenant: str = "",
               text: TextOptions = TextOptions()) -> "RunningRequest":

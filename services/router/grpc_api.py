@@ -5,6 +5,7 @@ import grpc
 
 from services.common.security import KeyCheck
 from services.router.access import AccessLog
+from services.router.admission import TENANT
 from services.router.frontend import FrontEnd, choices
 from services.router.generation import Generation, new_request_id
 from services.router.protocol import MAX_CHOICES, APIError, bad_request
@@ -73,9 +74,11 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
         given = next((v for k, v in context.invocation_metadata() or () if k == "x-request-id"), None)
         with self.access.grpc_call(GENERATE, context) as call:
             call.request_id = given or request.request_id
+            tenant = self._tenant(context)
+            TENANT.set(tenant)                  # the tokenizer's turns
             try:
                 gens = await self._generations(request)
-                running = self.fe.start(gens, context.time_remaining(), self._tenant(context))
+                running = self.fe.start(gens, context.time_remaining(), tenant)
             except APIError as exc:
                 await context.abort(getattr(grpc.StatusCode, exc.grpc_code), exc.message)
             gen = gens[0]

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from services.common.security import KeyCheck
+from services.router.admission import TENANT
 from services.router.protocol import APIError, bad_request, unsupported
 
 
@@ -47,6 +48,7 @@ class RequireAPIKey:
         tenant = self.keys.tenant_of_header(authorization)
         if tenant:
             scope.setdefault("state", {})["tenant"] = tenant        # request.state.tenant: the router's queue
+            TENANT.set(tenant)                                       # and the tokenizer's turns
             return await self.app(scope, receive, send)
         await error_response(unauthorized(authorization))(scope, receive, send)
 
