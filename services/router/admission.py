@@ -43,7 +43,9 @@ class Admission:
                  limit: Callable[[], tuple[int, int, int]], metrics: RouterMetrics) -> None:
         self.queue = FairQueue(max_pending, lambda tenant: policies.get(tenant, TenantPolicy()))
         self.limit = limit
-        # Slots are kept free of a flood only where another tenant can come: two keys or more.
+        # Where another tenant can come (two keys or more), prompts at the workers are kept
+        # few and slots free of a flood; a lone tenant's are bounded by the batches alone,
+        # so that the prefill workers always have their next step's prompts queued.
         self.shared = len(policies) > 1
         self.metrics = metrics
         self._waiting: dict[Ticket, asyncio.Future] = {}
@@ -89,7 +91,8 @@ class Admission:
     def _pump(self) -> None:
         limit, prefill_limit, headroom = self.limit()
         self.metrics.dispatch_limit.set(limit)
-        for ticket in self.queue.dispatch(limit, prefill_limit, headroom if self.shared else 0):
+        shared = self.shared
+        for ticket in self.queue.dispatch(limit, prefill_limit if shared else None, headroom if shared else 0):
             self.metrics.tenant_queued.labels(ticket.tenant).dec()
             self.metrics.tenant_running.labels(ticket.tenant).inc()
             future = self._waiting.get(ticket)
