@@ -231,3 +231,30 @@ def test_tokenizer_turns_go_round_the_tenants():
     order = asyncio.run(run())
     assert order[:2] == ["a0", "a1"] and order.index("b0") in (2, 3) and "c0" not in order
     assert len(order) == 51
+
+
+def test_a_turn_handed_to_a_caller_that_just_left_passes_on():
+    """One slot: the holder ends its turn, which hands it to the next waiter, and that
+    waiter is cancelled before it runs; the turn goes to the waiter after it, and the
+    gate ends free."""
+    async def run() -> list[str]:
+        gate, order, tasks = FairGate(1), [], {}
+        hold = asyncio.Event()
+
+        async def job(tenant: str) -> None:
+            async with gate.turn(tenant):
+                order.append(tenant)
+                if tenant == "a":
+                    await hold.wait()
+            if tenant == "a":
+                tasks["b"].cancel()         # b was handed the turn just now, and has not run
+
+        tasks["a"] = asyncio.create_task(job("a"))
+        await asyncio.sleep(0)
+        tasks["b"], tasks["c"] = asyncio.create_task(job("b")), asyncio.create_task(job("c"))
+        await asyncio.sleep(0)
+        hold.set()
+        await asyncio.wait_for(asyncio.gather(*tasks.values(), return_exceptions=True), 10)   # c gets a turn
+        assert gate.free == 1 and not gate._waiting
+        return order
+    assert asyncio.run(run()) == ["a", "c"]
