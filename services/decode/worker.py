@@ -213,8 +213,7 @@ class DecodeWorker(EngineWorker):
         check_request_id(request.request_id)
         vocab, context = self.runner.vocab_size, self.runner.max_model_len
         prompt = check_tokens(request.prompt_token_ids, vocab)
-        if not request.local_prefill or request.first_token_given:
-            check_tokens([request.first_token_id], vocab, "first")
+        check_tokens(taken_tokens(request), vocab, "first", allow_empty=True)
         if request.first_token_given and (request.n or 1) > 1:
             raise ValueError("a given first token is for one choice (n = 1)")
         params = sampling_from_proto(request.sampling)
@@ -268,6 +267,12 @@ class DecodeWorker(EngineWorker):
         sch = self.engine.scheduler
         info.running, info.waiting, info.max_batch = len(sch.running), sch.num_waiting, sch.config.max_num_seqs
         return info
+
+
+def taken_tokens(request: worker_pb2.DecodeRequest) -> list[int]:
+    """What follows the prompt before this worker samples: the first token, where it was
+    sampled elsewhere (a handoff, or an earlier try that sent it)."""
+    return [request.first_token_id] if not request.local_prefill or request.first_token_given else []
 
 
 class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
@@ -325,7 +330,7 @@ class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
             prompt, params = e.check(request)
             if n > MAX_CHOICES:
                 raise ValueError(f"n must be between 1 and {MAX_CHOICES}, not {n}")
-            taken = [request.first_token_id] if not request.local_prefill or request.first_token_given else []
+            taken = taken_tokens(request)
             constraint = await asyncio.to_thread(prepare, params, e.runner.vocab_size, e.grammars, taken)
             forks = []
             for i in range(1, n):           # each its own seed, and its own place in the grammar

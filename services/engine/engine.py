@@ -169,23 +169,22 @@ class LLMEngine:
 
     # ---- any thread ----
     def add(self, seq: Sequence) -> None:
-        """A sequence whose prompt is computed here: with a first token given (sampled on
-        an earlier try), the prompt and that token, which may already end it."""
-        def admit() -> list[EngineOutput]:
-            reason = seq.check_finished()
-            if reason:
-                return [EngineOutput(seq.request_id, [], reason)]
-            self.scheduler.add(seq)
-            return []
-        self._inbox.put((seq.request_id, admit))
+        """A sequence whose prompt is computed here (with a first token given: the prompt
+        and that token)."""
+        self._admit(seq, self.scheduler.add)
 
     def add_prefilled(self, seq: Sequence) -> None:
         """A sequence whose prompt KV is already in `seq.block_ids` and whose first token
         (last in `seq.token_ids`) was sampled elsewhere."""
-        def admit() -> list[EngineOutput]:
-            reason = self.scheduler.add_prefilled(seq)
+        self._admit(seq, self.scheduler.add_prefilled)
+
+    def _admit(self, seq: Sequence, admit: Callable[[Sequence], str | None]) -> None:
+        """`admit(seq)` at the next step; a first token that already ends `seq` is its
+        only output."""
+        def run() -> list[EngineOutput]:
+            reason = admit(seq)
             return [EngineOutput(seq.request_id, [], reason)] if reason else []
-        self._inbox.put((seq.request_id, admit))
+        self._inbox.put((seq.request_id, run))
 
     def abort(self, request_id: str) -> None:
         def end() -> list[EngineOutput]:

@@ -108,23 +108,22 @@ class Handoff:
             first = first_logprob = None
             if prefill is not None:
                 first, first_logprob = await self._prefill_remotely(prefill, decode, keys)
+            ahead = first                             # the token to send ahead of the decode stream
             if first is None:
                 self._handle = None                   # released by _await_prefill, or never taken
                 gen.decision = "local_fallback" if prefill is not None else "local"
                 req = self._decode_request(first_token=self._sent_first or 0, local=True, epoch="")
             else:
                 gen.decision = "remote"
-                if self._sent_first is not None:      # an earlier attempt sent the first token
-                    first, first_logprob = self._sent_first, None
-                elif self.n == 1:
+                if self._sent_first is None and self.n == 1:
                     # Sent now, not when the decode batch takes the sequence: that can be
                     # a whole decode step away, and the token is already final.
                     self._sent_first = first
                     yield 0, [first], "", [first_logprob] if first_logprob else None
+                if self._sent_first is not None:      # sent, now or by an earlier attempt:
+                    first, ahead = self._sent_first, None   # the decode stream follows it
                 req = self._decode_request(first_token=first, local=False, epoch=self._handle.epoch)
-                if self._sent_first is not None:
-                    first = None                      # sent: the decode stream follows it
-            async with aclosing(self._decode(decode, req, keys, first, first_logprob)) as tokens:
+            async with aclosing(self._decode(decode, req, keys, ahead, first_logprob)) as tokens:
                 async for item in tokens:
                     yield item
         finally:

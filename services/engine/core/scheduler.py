@@ -139,11 +139,17 @@ class Scheduler:
         """A launched step has not landed yet."""
         return self.launches > self.landed_upto
 
-    def add(self, seq: Sequence) -> None:
-        """Admit a sequence whose prompt is computed here."""
+    def add(self, seq: Sequence) -> str | None:
+        """Admit a sequence whose prompt is computed here. With a first token given
+        (sampled on an earlier try) that token may already end it: then its finish
+        reason, and it is not admitted."""
+        reason = seq.check_finished()
+        if reason:
+            return reason
         self._register(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
+        return None
 
     def reserve(self, request_id: str, num_tokens: int, expires: float) -> Reservation:
         """Blocks for `num_tokens` of prompt KV that another worker computes and writes,
