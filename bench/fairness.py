@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import re
 import statistics
 import subprocess
@@ -68,9 +69,10 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-async def _run(base: str, a: argparse.Namespace) -> dict:
-    limits = httpx.Limits(max_connections=a.flood + 16, max_keepalive_connections=a.flood + 16)
-    async with httpx.AsyncClient(base_url=base, timeout=1800, limits=limits) as client:
+async def _trickle(base: str, a: argparse.Namespace, stop) -> dict:
+    """Key B, a client of its own: warm-up, --alone requests one after another, then one
+    request a second from when the flood starts until it ends (`stop` set)."""
+    async with httpx.AsyncClient(base_url=base, timeout=1800) as client:
         for _ in range(2):                              # warm-up
             await _stream(client, KEYS["B"], TRICKLE_PROMPT, a.trickle_tokens, False)
         alone = []
@@ -78,33 +80,70 @@ async def _run(base: str, a: argparse.Namespace) -> dict:
             ttft, _, ok = await _stream(client, KEYS["B"], TRICKLE_PROMPT, a.trickle_tokens, False)
             assert ok and ttft is not None, "a request alone failed"
             alone.append(ttft)
+        stop["alone_done"].set()
+        stop["flood_started"].wait()
+        t0 = time.monotonic()
+        trickle: list[tuple[float, asyncio.Task]] = []
+        while not stop["flood_done"].is_set():
+            trickle.append((time.monotonic() - t0, asyncio.create_task(
+                _stream(client, KEYS["B"], TRICKLE_PROMPT, a.trickle_tokens, False))))
+            await asyncio.sleep(1.0)
+        results = [(at, *(await task)) for at, task in trickle]
+    return {"alone": alone, "under": results}
+
+
+def _trickle_process(base: str, a: argparse.Namespace, events: dict, out) -> None:
+    out.send(asyncio.run(_trickle(base, a, events)))
+
+
+async def _flood(base: str, a: argparse.Namespace, events: dict) -> dict:
+    """Key A, a client of its own: --flood streamed requests at once."""
+    limits = httpx.Limits(max_connections=a.flood + 16, max_keepalive_connections=a.flood + 16)
+    async with httpx.AsyncClient(base_url=base, timeout=1800, limits=limits) as client:
+        await asyncio.to_thread(events["alone_done"].wait)
         before = await _decisions(client)
         t0 = time.monotonic()
-        flood = [asyncio.create_task(_stream(client, KEYS["A"], FLOOD_PROMPT, a.flood_tokens, True))
-                 for _ in range(a.flood)]
-        trickle: list[asyncio.Task] = []
-        while not all(f.done() for f in flood):
-            trickle.append(asyncio.create_task(_stream(client, KEYS["B"], TRICKLE_PROMPT, a.trickle_tokens, False)))
-            await asyncio.sleep(1.0)
+        events["flood_started"].set()
+        flood = await asyncio.gather(*(_stream(client, KEYS["A"], FLOOD_PROMPT, a.flood_tokens, True)
+                                       for _ in range(a.flood)))
         flood_done = time.monotonic() - t0
-        flood_results = [f.result() for f in flood]
-        trickle_results = await asyncio.gather(*trickle)
+        events["flood_done"].set()
         after = await _decisions(client)
-    under = [t for t, _, ok in trickle_results if ok and t is not None]
-    a_tokens = sum(n for _, n, _ in flood_results)
-    b_tokens = sum(n for _, n, _ in trickle_results)
+    return {"results": flood, "seconds": flood_done,
+            "decisions": {k: after[k] - before.get(k, 0) for k in after if after[k] > before.get(k, 0)}}
+
+
+def _run(base: str, a: argparse.Namespace) -> dict:
+    """B and A run as separate client processes, as two tenants would: neither client's
+    event loop delays the other's timings."""
+    ctx = multiprocessing.get_context("spawn")
+    events = {name: ctx.Event() for name in ("alone_done", "flood_started", "flood_done")}
+    receive, send = ctx.Pipe(duplex=False)
+    b = ctx.Process(target=_trickle_process, args=(base, a, events, send), daemon=True)
+    b.start()
+    try:
+        flood = asyncio.run(_flood(base, a, events))
+        trickle = receive.recv()
+    finally:
+        events["flood_done"].set()
+        b.join(timeout=60)
+    alone = trickle["alone"]
+    under = [t for _, t, _, ok in trickle["under"] if ok and t is not None]
+    a_tokens = sum(n for _, n, _ in flood["results"])
+    b_tokens = sum(n for _, _, n, _ in trickle["under"])
     return {
-        "flood": a.flood, "flood_tokens": a.flood_tokens, "flood_seconds": round(flood_done, 1),
-        "flood_failed": sum(not ok for _, _, ok in flood_results),
-        "trickle_sent": len(trickle_results), "trickle_failed": sum(not ok for _, _, ok in trickle_results),
+        "flood": a.flood, "flood_tokens": a.flood_tokens, "flood_seconds": round(flood["seconds"], 1),
+        "flood_failed": sum(not ok for _, _, ok in flood["results"]),
+        "trickle_sent": len(trickle["under"]), "trickle_failed": sum(not ok for _, _, _, ok in trickle["under"]),
         "b_ttft_alone_p50": statistics.median(alone), "b_ttft_alone_p99": _pct(alone, 0.99),
         "b_ttft_flood_p50": statistics.median(under), "b_ttft_flood_p99": _pct(under, 0.99),
         "b_ttft_flood_max": max(under),
+        "b_samples": [[round(at, 2), None if t is None else round(t, 4)] for at, t, _, _ in trickle["under"]],
         "p99_ratio": _pct(under, 0.99) / _pct(alone, 0.99),
         "a_output_tokens": a_tokens, "b_output_tokens": b_tokens,
         "a_share": a_tokens / max(1, a_tokens + b_tokens),
-        "cluster_output_tok_s": (a_tokens + b_tokens) / flood_done,
-        "prefill_decisions": {k: after[k] - before.get(k, 0) for k in after if after[k] > before.get(k, 0)},
+        "cluster_output_tok_s": (a_tokens + b_tokens) / flood["seconds"],
+        "prefill_decisions": flood["decisions"],
     }
 
 
@@ -133,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.2)
         base = json.loads(announce.read_text())["http"]
         from services.engine.model.hardware import cpu_kind
-        result = {"cpu": cpu_kind(), "date": time.strftime("%Y-%m-%d"), **asyncio.run(_run(base, a))}
+        result = {"cpu": cpu_kind(), "date": time.strftime("%Y-%m-%d"), **_run(base, a)}
     finally:
         up.terminate()
         up.wait(timeout=60)
