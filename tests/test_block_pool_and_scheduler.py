@@ -17,9 +17,10 @@ def update(s: Scheduler, plan, sampled: list[int]):
     s.launched(plan, rows)
     return s.resolve(rows, [[t] for t in sampled])
 
-def seq(rid, prompt_len=5, max_tokens=10, first=None, **kw):
+def seq(rid, prompt_len=5, max_tokens=10, first=None, priority=0, **kw):
     tokens = list(range(10, 10 + prompt_len)) + ([first] if first is not None else [])
-    return Sequence(rid, tokens, prompt_len, SamplingParams(max_tokens=max_tokens, temperature=0, **kw), EOS)
+    return Sequence(rid, tokens, prompt_len, SamplingParams(max_tokens=max_tokens, temperature=0, **kw), EOS,
+                    priority=priority)
 
 
 def scheduler(blocks=8, block_size=4, **config) -> Scheduler:
@@ -115,6 +116,25 @@ def test_long_prompts_are_chunked_fifo_and_never_starved():
     # the long prompt holds the budget's remainder each step; the short one starts only
     # once the long one has its last chunk in (a one-token chunk runs as a decode row)
     assert chunks == [("long", 7), ("long", 7), ("short", 1), ("long", 6)]
+
+
+def test_a_more_urgent_prompt_goes_first_and_alone_among_new_prompts():
+    """Priority (lower first, arrival order within one): a prompt of priority 0 passes
+    the priority-1 prompts queued before it, and its step takes no new prompt of another
+    priority beside it; the running sequences still decode in it."""
+    s = scheduler(blocks=32, max_num_batched_tokens=32)
+    running = prefilled(s, seq("r", prompt_len=4, first=5))
+    flood = [seq(f"f{i}", prompt_len=4, priority=1) for i in range(3)]
+    for q in flood:
+        s.add(q)
+    urgent = seq("u", prompt_len=4)
+    s.add(urgent)
+    plan = s.schedule()
+    assert [c.seq for c in plan.prefill] == [urgent]
+    assert [c.seq for c in plan.decode] == [running]
+    update(s, plan, [7, 8])
+    plan = s.schedule()
+    assert [c.seq for c in plan.prefill] == flood             # then the others, in arrival order
 
 
 def test_prefill_chunk_caps_one_prompt_per_step():

@@ -192,6 +192,26 @@ def test_a_flood_leaves_the_headroom_free_for_another_tenant():
     assert q.dispatch(limit=20, prefill_limit=4, headroom=4) == [flood[16]]
 
 
+def test_where_tenants_share_a_flood_gets_the_later_priority_at_the_workers():
+    """With `prioritize`, a ticket of a tenant running beyond the share it would have
+    beside one more tenant gets priority 1 (its prompt waits at the workers behind
+    others'), a newcomer's 0; without it (a lone tenant's cluster) every ticket has 0."""
+    q = FairQueue(1000)
+    flood = [q.admit("flood", 1) for _ in range(40)]
+    got = q.dispatch(limit=20, prioritize=True)
+    assert [t.priority for t in got] == [0] * 10 + [1] * 10     # beyond 20 / 2
+    light = q.admit("light", 1)
+    q.done(flood[0])
+    assert q.dispatch(limit=20, prioritize=True) == [light] and light.priority == 0
+    q.done(flood[1])
+    (next_flood,) = q.dispatch(limit=20, prioritize=True)
+    assert next_flood.tenant == "flood" and next_flood.priority == 1
+    q2 = FairQueue(1000)
+    for _ in range(40):
+        q2.admit("flood", 1)
+    assert {t.priority for t in q2.dispatch(limit=20)} == {0}
+
+
 def test_two_floods_both_stay_out_of_the_headroom():
     """Each of two flooding tenants runs past the share it would have beside a third:
     neither takes the headroom, which stays for whoever comes next."""

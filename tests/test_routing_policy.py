@@ -105,11 +105,15 @@ def test_cached_prefix_on_a_prefill_worker_beats_local_prefill():
 def test_cost_model_recalibrates_from_reports():
     m = CostModel(prefill_s_per_token=0.010, remote_overhead_s=0.5)
     for _ in range(30):                                       # the workers are much faster than guessed
-        m.observe(computed_tokens=1000, prefill_seconds=1.05, transfer_seconds=0.05, ttft_seconds=1.08,
+        m.observe(computed_tokens=1000, prefill_seconds=1.05, transfer_seconds=0.05, overhead_seconds=0.03,
                   prompt_tokens=1000)
     assert abs(m.prefill_s_per_token - 0.001) < 1e-4
     assert abs(m.remote_overhead_s - 0.03) < 5e-3
     assert abs(m.transfer_tail_s_per_token - 0.00005) < 1e-5
     before = m.prefill_s_per_token
-    m.observe(computed_tokens=3, prefill_seconds=5.0, transfer_seconds=0.0, ttft_seconds=5.0, prompt_tokens=1000)
+    m.observe(computed_tokens=3, prefill_seconds=5.0, transfer_seconds=0.0, overhead_seconds=0.03, prompt_tokens=1000)
     assert m.prefill_s_per_token == before                    # a near-fully cached prompt says nothing
+    for _ in range(30):                                       # unless the worker says its own rate
+        m.observe(computed_tokens=3, prefill_seconds=0.006, transfer_seconds=0.0, overhead_seconds=0.03,
+                  prompt_tokens=40, seconds_per_token=0.002)
+    assert abs(m.prefill_s_per_token - 0.002) < 1e-4

@@ -6,6 +6,7 @@ by key. The issue's full measurement (500 concurrent) is bench/fairness.py."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import httpx
@@ -57,6 +58,11 @@ def test_a_flood_from_one_key_does_not_hold_back_another(tenants):
     assert 'pdserve_tenant_requests_admitted_total{tenant="flood"} 16.0' in metrics
     assert 'pdserve_tenant_requests_admitted_total{tenant="light"} 1.0' in metrics
     assert not any(key in metrics for key in KEYS.values())
+    # The flood waited seconds in the router's queue; the routing cost model's fixed
+    # overhead of a remote prefill counts none of that (it is the calls' own time).
+    overhead = float(re.search(r'^pdserve_prefill_cost_model\{term="remote_overhead_seconds"\} (\S+)$',
+                               metrics, re.M)[1])
+    assert 0 <= overhead < 0.5, overhead
 
 
 def test_a_keys_concurrency_cap_answers_429_with_retry_after(tenants):

@@ -336,11 +336,12 @@ class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
             for i in range(1, n):           # each its own seed, and its own place in the grammar
                 p = params.for_choice(i)
                 forks.append(Sequence(f"{request.request_id}#{i}", [], len(prompt), p, e.eos,
-                                      constraint=await asyncio.to_thread(prepare, p, e.runner.vocab_size, e.grammars)))
+                                      constraint=await asyncio.to_thread(prepare, p, e.runner.vocab_size, e.grammars),
+                                      priority=request.priority))
         except ValueError as exc:
             await refuse(context, exc)
         seq = Sequence(request.request_id, prompt + taken, len(prompt), params, e.eos, constraint=constraint,
-                       forks=forks)
+                       forks=forks, priority=request.priority)
         ids = [request.request_id] + [c.request_id for c in forks]
         try:
             e.admit(seq, None if request.local_prefill else request.epoch, [sink(i) for i in range(n)],

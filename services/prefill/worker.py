@@ -79,6 +79,7 @@ class PrefillWorker(EngineWorker):
         self.seconds_per_token = 0.0
 
     async def prefill(self, req: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
+        arrived = time.perf_counter()
         handle = req.handle
         check_request_id(req.request_id)
         tokens = check_tokens(req.prompt_token_ids, self.runner.vocab_size)
@@ -89,7 +90,7 @@ class PrefillWorker(EngineWorker):
         params = sampling_from_proto(req.sampling)
         constraint = await asyncio.to_thread(prepare, params, self.runner.vocab_size, self.grammars)
         seq = Sequence(f"{req.request_id}#{next(self._ids)}", list(tokens), len(tokens), params, self.eos,
-                       constraint=constraint)
+                       constraint=constraint, priority=req.priority)
         export = await asyncio.to_thread(self.exporter.open, seq.request_id, handle)
         loop = asyncio.get_running_loop()
         ended: asyncio.Future = loop.create_future()
@@ -134,7 +135,8 @@ class PrefillWorker(EngineWorker):
                                           transfer_seconds=done - after_compute, transport=transport.name,
                                           transport_fallback=export.fell_back, cached_tokens=seq.num_cached,
                                           first_logprob=logprob_to_proto(first.logprobs[0]) if first.logprobs else None,
-                                          prompt_logprobs=prompt_logprobs_to_proto(first.prompt_logprobs))
+                                          prompt_logprobs=prompt_logprobs_to_proto(first.prompt_logprobs),
+                                          seconds_per_token=self.seconds_per_token, worker_seconds=done - arrived)
 
     async def _settle(self, request_id: str, export, ended: asyncio.Future, drain: bool, n: int) -> None:
         try:

@@ -92,7 +92,8 @@ class Admission:
         limit, prefill_limit, headroom = self.limit()
         self.metrics.dispatch_limit.set(limit)
         shared = self.shared
-        for ticket in self.queue.dispatch(limit, prefill_limit if shared else None, headroom if shared else 0):
+        for ticket in self.queue.dispatch(limit, prefill_limit if shared else None, headroom if shared else 0,
+                                          prioritize=shared):
             self.metrics.tenant_queued.labels(ticket.tenant).dec()
             self.metrics.tenant_running.labels(ticket.tenant).inc()
             future = self._waiting.get(ticket)

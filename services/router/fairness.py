@@ -17,7 +17,9 @@ from one key cannot take every place from the others.
 Dispatch may keep a headroom of slots (and one prompt's place) free: only a tenant
 running less than the share it would have were one more tenant to arrive takes them. A
 flood then never fills every slot, and another key's request starts at once instead of
-after one of the flood's ends.
+after one of the flood's ends. Where tenants share the cluster, a dispatched ticket of a
+tenant beyond that share also gets a later priority at the workers (1, the others 0), so
+another tenant's prompt is computed before the flood's prompts queued there.
 """
 from __future__ import annotations
 
@@ -63,6 +65,7 @@ class Ticket:
     admitted_at: float = 0.0
     dispatched: bool = False
     prefilling: bool = False            # dispatched, no token yet: its prompt is being computed
+    priority: int = 0                   # its prompt's turn at the workers: lower first
 
 
 @dataclass
@@ -144,14 +147,16 @@ class FairQueue:
         total = sum(self._tenants[name].policy.weight for name in holders)
         return self.max_pending * self._tenants[tenant].policy.weight / total
 
-    def dispatch(self, limit: int, prefill_limit: int | None = None, headroom: int = 0) -> list[Ticket]:
+    def dispatch(self, limit: int, prefill_limit: int | None = None, headroom: int = 0,
+                 prioritize: bool = False) -> list[Ticket]:
         """The tickets to run now, in fair order, while running slots stay within `limit`
         and tickets still waiting for their first token within `prefill_limit` (one ticket
         always runs when nothing does, however many slots it takes). The second bound
         keeps the prompts queued at the workers few: a newcomer's prompt waits behind
         those, whatever its tenant. The last `headroom` slots, and the last prompt's place,
         go only to a tenant under its share (`_under_share`), whose ticket may pass others
-        queued before it."""
+        queued before it. With `prioritize`, a ticket whose tenant is beyond that share
+        gets priority 1, the others 0."""
         out = []
         kept = prefill_limit if prefill_limit is None or not headroom else max(1, prefill_limit - 1)
         while self._heap:
@@ -169,6 +174,8 @@ class FairQueue:
             else:
                 heapq.heappop(self._heap)
             start, _, ticket = entry
+            if prioritize:
+                ticket.priority = 0 if self._under_share(limit, prefilling=True)(ticket) else 1
             self._vtime = max(self._vtime, start)
             ticket.dispatched = ticket.prefilling = True
             self.running_slots += ticket.slots
@@ -184,16 +191,17 @@ class FairQueue:
         return not self.running_slots or (self.running_slots + (ticket.slots if ticket else 1) <= limit
                                           and (prefill_limit is None or self.prefilling < prefill_limit))
 
-    def _under_share(self, limit: int) -> Callable[[Ticket], bool]:
-        """Whether a ticket's tenant has no prompt of its own prefilling and would still
-        run within the share of `limit` it would have were one more tenant (of its weight)
-        to arrive: a flood is never under it, a newcomer beside one is."""
+    def _under_share(self, limit: int, prefilling: bool = False) -> Callable[[Ticket], bool]:
+        """Whether a ticket's tenant would still run within the share of `limit` it would
+        have were one more tenant (of its weight) to arrive, and has no prompt of its own
+        prefilling (unless `prefilling`): a flood is never under it, a newcomer beside
+        one is."""
         total = sum(t.policy.weight for t in self._tenants.values() if t.admitted)
 
         def under(ticket: Ticket) -> bool:
             t = self._tenants[ticket.tenant]
             w = t.policy.weight
-            return not t.prefilling and t.running + ticket.slots <= limit * w / (total + w)
+            return (prefilling or not t.prefilling) and t.running + ticket.slots <= limit * w / (total + w)
         return under
 
     def first_token(self, ticket: Ticket) -> None:

@@ -263,6 +263,7 @@ class RunningRequest:
         ended = None
         try:
             await self.admission.wait(ticket)               # the router's queue, in fair order
+            gen.priority = ticket.priority
             async for delta in cluster.generate(gens):
                 now = time.monotonic()
                 if not last:

@@ -32,6 +32,7 @@ class Generation:
     prompt_ids: list[int]
     params: SamplingParams
     client_id: str = ""                 # the caller's own id, for responses and logs
+    priority: int = 0                   # its prompt's turn at the workers (fairness.Ticket's)
     worker_id: str = ""                 # what the workers call the current attempt (handoff.py)
     decision: str = ""
     decode_worker: str = ""

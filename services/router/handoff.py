@@ -137,13 +137,14 @@ class Handoff:
         its logprob, or None when the decode worker should prefill locally."""
         n = len(self.gen.prompt_ids)
         prefill.prompt_planned(n)
+        started = time.monotonic()
         try:
             self._handle = await self._reserve(decode)
             self._writer = self._start_prefill(prefill)
         except BaseException:
             prefill.prompt_dropped(n)               # planned there, never sent
             raise
-        return await self._await_prefill(prefill, decode, self._writer, keys)
+        return await self._await_prefill(prefill, decode, self._writer, keys, started)
 
     async def _decode(self, decode: Worker, req: worker_pb2.DecodeRequest, keys: list[int],
                       first: int | None, first_logprob: TokenLogprob | None) -> AsyncIterator[Tokens]:
@@ -188,7 +189,7 @@ class Handoff:
             request_id=gen.worker_id, epoch=epoch, prompt_token_ids=gen.prompt_ids, first_token_id=first_token,
             sampling=sampling_to_proto(gen.params), kv_bytes=gen.kv_bytes,
             local_prefill=local, transport=gen.transport, n=self.n,
-            first_token_given=local and self._sent_first is not None)
+            first_token_given=local and self._sent_first is not None, priority=gen.priority)
 
     async def _reserve(self, decode: Worker) -> worker_pb2.KVHandle:
         """Reserve prompt blocks; while the pool is full, wait (this is the queue)."""
@@ -222,13 +223,14 @@ class Handoff:
         prefill.prefill_sent()
         call = asyncio.ensure_future(prefill.stub.Prefill(
             worker_pb2.PrefillRequest(request_id=gen.worker_id, prompt_token_ids=gen.prompt_ids,
-                                      sampling=sampling_to_proto(gen.params), handle=self._handle),
+                                      sampling=sampling_to_proto(gen.params), handle=self._handle,
+                                      priority=gen.priority),
             timeout=self.settings.prefill_timeout + PREFILL_RPC_MARGIN))
         call.add_done_callback(lambda _: prefill.prefill_answered(n))
         return call
 
-    async def _await_prefill(self, prefill: Worker, decode: Worker, call: asyncio.Future,
-                             keys: list[int]) -> tuple[int | None, TokenLogprob | None]:
+    async def _await_prefill(self, prefill: Worker, decode: Worker, call: asyncio.Future, keys: list[int],
+                             started: float) -> tuple[int | None, TokenLogprob | None]:
         """The first token and its logprob (when asked for), or None when the decode worker
         should prefill locally. The call is shielded: a cancelled request lets the prefill
         end before its blocks go."""
@@ -249,8 +251,13 @@ class Handoff:
         gen.transport_fallback = resp.transport_fallback
         gen.cached_tokens = resp.cached_tokens
         n = len(gen.prompt_ids)
+        # The remote path's time beyond the worker's own (the reservation and the calls);
+        # a worker that does not say its time is taken to have spent its prefill_seconds.
+        elapsed = time.monotonic() - started
         self.cost.observe(n - resp.cached_tokens, resp.prefill_seconds, resp.transfer_seconds,
-                          time.monotonic() - gen.started, n)
+                          elapsed - (resp.worker_seconds or resp.prefill_seconds), n, resp.seconds_per_token)
+        for term, value in self.cost.terms().items():
+            self.metrics.cost_model.labels(term).set(value)
         prefill.caches(keys)
         self.metrics.kv_bytes.labels(resp.transport).inc(resp.kv_bytes)
         self.metrics.cached_tokens.inc(resp.cached_tokens)

@@ -77,18 +77,25 @@ class CostModel:
         return new if self.samples == 0 else (1 - self.alpha) * old + self.alpha * new
 
     def observe(self, computed_tokens: int, prefill_seconds: float, transfer_seconds: float,
-                ttft_seconds: float, prompt_tokens: int) -> None:
-        """One remote prefill's report: compute time, transfer tail, and the TTFT the
-        router saw (its excess over the worker's own time is the fixed overhead)."""
-        if computed_tokens >= 16 and prefill_seconds > 0:
+                overhead_seconds: float, prompt_tokens: int, seconds_per_token: float = 0.0) -> None:
+        """One remote prefill's report: compute time, transfer tail, the worker's own cost
+        a prompt token (0: not measured yet; then compute over computed tokens, from
+        prompts long enough for it to mean something), and the time the remote path took
+        beyond the worker's (the fixed overhead: the reservation and the calls)."""
+        if seconds_per_token > 0:
+            self.prefill_s_per_token = self._mix(self.prefill_s_per_token, seconds_per_token)
+        elif computed_tokens >= 16 and prefill_seconds > 0:
             compute = max(prefill_seconds - transfer_seconds, 0.0)
             self.prefill_s_per_token = self._mix(self.prefill_s_per_token, compute / computed_tokens)
         if prompt_tokens > 0:
             self.transfer_tail_s_per_token = self._mix(self.transfer_tail_s_per_token,
                                                        max(transfer_seconds, 0.0) / prompt_tokens)
-        if ttft_seconds > 0:
-            self.remote_overhead_s = self._mix(self.remote_overhead_s, max(ttft_seconds - prefill_seconds, 0.0))
+        self.remote_overhead_s = self._mix(self.remote_overhead_s, max(overhead_seconds, 0.0))
         self.samples += 1
+
+    def terms(self) -> dict[str, float]:
+        return {"prefill_seconds_per_token": self.prefill_s_per_token, "remote_overhead_seconds": self.remote_overhead_s,
+                "transfer_tail_seconds_per_token": self.transfer_tail_s_per_token}
 
     def remote_ttft(self, queued_tokens: int, uncached_tokens: int, prompt_tokens: int) -> float:
         return (self.remote_overhead_s + (queued_tokens + uncached_tokens) * self.prefill_s_per_token

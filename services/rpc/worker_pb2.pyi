@@ -108,19 +108,21 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "handle")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "handle", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generate_pb2.SamplingParams
     handle: KVHandle
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "kv_bytes", "prefill_seconds", "transfer_seconds", "transport", "transport_fallback", "cached_tokens", "first_logprob", "prompt_logprobs")
+    __slots__ = ("first_token_id", "kv_bytes", "prefill_seconds", "transfer_seconds", "transport", "transport_fallback", "cached_tokens", "first_logprob", "prompt_logprobs", "seconds_per_token", "worker_seconds")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +132,8 @@ class PrefillResponse(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    WORKER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     kv_bytes: int
     prefill_seconds: float
@@ -139,10 +143,12 @@ class PrefillResponse(_message.Message):
     cached_tokens: int
     first_logprob: _generate_pb2.TokenLogprob
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
-    def __init__(self, first_token_id: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transport: _Optional[str] = ..., transport_fallback: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., first_logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    seconds_per_token: float
+    worker_seconds: float
+    def __init__(self, first_token_id: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transport: _Optional[str] = ..., transport_fallback: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., first_logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., seconds_per_token: _Optional[float] = ..., worker_seconds: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "epoch", "prompt_token_ids", "first_token_id", "sampling", "kv_bytes", "local_prefill", "transport", "n", "first_token_given")
+    __slots__ = ("request_id", "epoch", "prompt_token_ids", "first_token_id", "sampling", "kv_bytes", "local_prefill", "transport", "n", "first_token_given", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +159,7 @@ class DecodeRequest(_message.Message):
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_GIVEN_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     epoch: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -163,7 +170,8 @@ class DecodeRequest(_message.Message):
     transport: str
     n: int
     first_token_given: bool
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., kv_bytes: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., transport: _Optional[str] = ..., n: _Optional[int] = ..., first_token_given: _Optional[bool] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., kv_bytes: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., transport: _Optional[str] = ..., n: _Optional[int] = ..., first_token_given: _Optional[bool] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "logprobs", "index", "prompt_logprobs", "cached_tokens")

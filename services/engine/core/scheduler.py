@@ -3,10 +3,12 @@ Plain Python: no torch, no I/O.
 
 Each step fills a token budget (`max_num_batched_tokens`) the way vLLM v1 does: first
 every running sequence's next token (decode, or the next chunk of a prompt already
-started), then new prompts from the waiting queue, oldest first. A prompt started in an
-earlier step goes on before a new one starts, so long prompts are never starved, and
-several short prompts share one forward pass with the decode tokens: the whole plan
-runs as one forward over a ragged batch. A step that decodes takes at most
+started), then new prompts from the waiting queue, oldest first within the most urgent
+priority. A prompt started in an earlier step goes on before a new one starts, so long
+prompts are never starved, and several short prompts share one forward pass with the
+decode tokens: the whole plan runs as one forward over a ragged batch. New prompts of
+one step share a priority: a more urgent prompt is not slowed by less urgent ones
+computed beside it (another tenant's, under a flood: the router's fair share). A step that decodes takes at most
 `max_mixed_prefill` prompt tokens, all prompts together (Sarathi-Serve's stall-free
 batching): the running sequences then see their next token a bounded time later while
 prompts are computed beside them, instead of waiting out whole prompts.
@@ -253,12 +255,16 @@ class Scheduler:
                 plan._add(Chunk(seq, seq.num_computed, n, draft))
                 budget -= n
                 prompts -= n if n > 1 and not draft else 0
+        priority = None                                 # of the new prompts this step
         while (not preempted and self.waiting and min(budget, prompts) > 0
                and len(self.running) < self.config.max_num_seqs):
-            seq = self.waiting[0]
+            seq = self._next_waiting()
+            if priority is not None and seq.priority != priority:
+                break
             if not self._admit(seq):
                 break
-            self.waiting.popleft()
+            priority = seq.priority
+            self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             n = self._chunk_len(seq, budget, prompts)
@@ -266,6 +272,14 @@ class Scheduler:
             budget -= n
             prompts -= n if n > 1 else 0
         return plan
+
+    def _next_waiting(self) -> Sequence:
+        """The oldest waiting sequence of the most urgent priority (lowest; 0 is the
+        default and the most urgent the router gives, so the head is usually it)."""
+        head = self.waiting[0]
+        if head.priority <= 0:
+            return head
+        return min(self.waiting, key=lambda s: s.priority)
 
     def _drafts(self, budget: int) -> tuple[dict[Sequence, list[int]], list[int]]:
         """The speculator's drafts for the decoding sequences, each at most the tokens its

@@ -42,6 +42,9 @@ class Sequence:
     # With params.prompt_logprobs: entry p is prompt token p's (None for the first, and
     # until computed); the engine fills it as the prompt's chunks run.
     prompt_logprobs: list | None = None
+    # Its turn among waiting prompts: lower first, arrival order within one (vLLM's
+    # priority). The router sets it from the fair share among tenants.
+    priority: int = 0
 
     @property
     def num_generated(self) -> int:
