@@ -79,7 +79,6 @@ class PrefillWorker(EngineWorker):
         self.seconds_per_token = 0.0
 
     async def prefill(self, req: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
-        arrived = time.perf_counter()
         handle = req.handle
         check_request_id(req.request_id)
         tokens = check_tokens(req.prompt_token_ids, self.runner.vocab_size)
@@ -136,7 +135,7 @@ class PrefillWorker(EngineWorker):
                                           transport_fallback=export.fell_back, cached_tokens=seq.num_cached,
                                           first_logprob=logprob_to_proto(first.logprobs[0]) if first.logprobs else None,
                                           prompt_logprobs=prompt_logprobs_to_proto(first.prompt_logprobs),
-                                          seconds_per_token=self.seconds_per_token, worker_seconds=done - arrived)
+                                          seconds_per_token=self.seconds_per_token)
 
     async def _settle(self, request_id: str, export, ended: asyncio.Future, drain: bool, n: int) -> None:
         try:

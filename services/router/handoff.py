@@ -251,11 +251,9 @@ class Handoff:
         gen.transport_fallback = resp.transport_fallback
         gen.cached_tokens = resp.cached_tokens
         n = len(gen.prompt_ids)
-        # The remote path's time beyond the worker's own (the reservation and the calls);
-        # a worker that does not say its time is taken to have spent its prefill_seconds.
-        elapsed = time.monotonic() - started
+        # From the plan on: a wait in the router's queue came before, whichever way it went.
         self.cost.observe(n - resp.cached_tokens, resp.prefill_seconds, resp.transfer_seconds,
-                          elapsed - (resp.worker_seconds or resp.prefill_seconds), n, resp.seconds_per_token)
+                          time.monotonic() - started - resp.prefill_seconds, n, resp.seconds_per_token)
         for term, value in self.cost.terms().items():
             self.metrics.cost_model.labels(term).set(value)
         prefill.caches(keys)

@@ -81,7 +81,12 @@ class CostModel:
         """One remote prefill's report: compute time, transfer tail, the worker's own cost
         a prompt token (0: not measured yet; then compute over computed tokens, from
         prompts long enough for it to mean something), and the time the remote path took
-        beyond the worker's (the fixed overhead: the reservation and the calls)."""
+        from the plan beyond the prompt's own compute: the overhead, that is the
+        reservation, the calls and the wait in the worker's queue. The queue then counts
+        twice in remote_ttft, as the wait ahead of this prompt (its queued tokens) and as
+        the recent wait (the overhead), which stands for what this prompt adds to the
+        prompts that queue behind it: the counterpart of a local prefill's stall. Never
+        the router's own queue: it comes first, whichever way the prompt goes."""
         if seconds_per_token > 0:
             self.prefill_s_per_token = self._mix(self.prefill_s_per_token, seconds_per_token)
         elif computed_tokens >= 16 and prefill_seconds > 0:

@@ -122,7 +122,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "kv_bytes", "prefill_seconds", "transfer_seconds", "transport", "transport_fallback", "cached_tokens", "first_logprob", "prompt_logprobs", "seconds_per_token", "worker_seconds")
+    __slots__ = ("first_token_id", "kv_bytes", "prefill_seconds", "transfer_seconds", "transport", "transport_fallback", "cached_tokens", "first_logprob", "prompt_logprobs", "seconds_per_token")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -133,7 +133,6 @@ class PrefillResponse(_message.Message):
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    WORKER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     kv_bytes: int
     prefill_seconds: float
@@ -144,8 +143,7 @@ class PrefillResponse(_message.Message):
     first_logprob: _generate_pb2.TokenLogprob
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
     seconds_per_token: float
-    worker_seconds: float
-    def __init__(self, first_token_id: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transport: _Optional[str] = ..., transport_fallback: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., first_logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., seconds_per_token: _Optional[float] = ..., worker_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, first_token_id: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transport: _Optional[str] = ..., transport_fallback: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., first_logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., seconds_per_token: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "epoch", "prompt_token_ids", "first_token_id", "sampling", "kv_bytes", "local_prefill", "transport", "n", "first_token_given", "priority")
