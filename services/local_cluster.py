@@ -359,15 +359,18 @@ class LocalCluster:
         return n
 
     def _worker_settings(self, role: str, redis: str | None, secret: str | None) -> WorkerSettings:
-        """What each worker of `role` is started with. Aggregated on CPU with
-        --mixed-prefill-tokens automatic, a decode worker's step may hold as many prompt
-        tokens as the token budget leaves, as vLLM's chunked prefill does
-        (MIXED_PREFILL_AGGREGATED_CPU says why)."""
-        from services.worker.main import MIXED_PREFILL_AGGREGATED_CPU
+        """What each worker of `role` is started with. Aggregated on CPU, with the settings
+        automatic, a decode worker's step that decodes takes a prompt of up to the token
+        budget whole and a longer one 64 tokens at a time (MIXED_PREFILL_AGGREGATED_CPU
+        says why)."""
+        from services.worker.main import DECODE_TOKEN_BUDGET, MIXED_PREFILL_AGGREGATED_CPU
         s = self.settings
         overrides = {}
-        if role == "decode" and s.mixed_prefill_tokens == -1 and self._aggregated_on_cpu():
-            overrides["mixed_prefill_tokens"] = MIXED_PREFILL_AGGREGATED_CPU
+        if role == "decode" and self._aggregated_on_cpu():
+            if s.mixed_prefill_tokens == -1:
+                overrides["mixed_prefill_tokens"] = MIXED_PREFILL_AGGREGATED_CPU
+            if s.mixed_whole_prompt_tokens == -1:
+                overrides["mixed_whole_prompt_tokens"] = s.max_num_batched_tokens or DECODE_TOKEN_BUDGET
         return s.worker(role, threads=self._threads, redis=redis, cluster_secret_file=secret, **overrides)
 
     def _aggregated_on_cpu(self) -> bool:

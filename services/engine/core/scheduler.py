@@ -80,6 +80,11 @@ class SchedulerConfig:
     # budget). A prompt chunk lengthens the step every running sequence waits on for its
     # next token; this bounds that gap while prompts are computed alongside.
     max_mixed_prefill: int = 0
+    # A new prompt of at most this many tokens (0: none) may still go whole into a step
+    # that decodes when no other prompt tokens are in it: short prompts are not cut into
+    # many steps, each re-reading the weights for the batch, while a long one is still
+    # computed a bounded chunk a step.
+    mixed_whole_prompt: int = 0
     prefill_only: bool = False          # each sequence ends with its first token (prefill worker)
     retain_finished: bool = False       # finished sequences keep their blocks until release()
 
@@ -93,6 +98,8 @@ class SchedulerConfig:
             raise ValueError("max_prefill_chunk must be 0 (the budget) or more")
         if self.max_mixed_prefill < 0:
             raise ValueError("max_mixed_prefill must be 0 (the budget) or more")
+        if self.mixed_whole_prompt < 0:
+            raise ValueError("mixed_whole_prompt must be 0 (none) or more")
 
 
 class Scheduler:
@@ -228,9 +235,9 @@ class Scheduler:
             plan.joined.append(seq)
         preempted = False
         # Prompt tokens this step may take: all the budget leaves, unless it decodes too.
-        prompts = budget
+        prompts, capped = budget, None
         if self.config.max_mixed_prefill and any(s.num_computed == len(s.token_ids) - 1 for s in self.running):
-            prompts = self.config.max_mixed_prefill
+            prompts = capped = self.config.max_mixed_prefill
         drafts, room = self._drafts(budget)
         for seq in list(self.running):
             if budget == 0:
@@ -267,7 +274,9 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            n = self._chunk_len(seq, budget, prompts)
+            # capped, and no prompt tokens in the step yet: a short prompt may go whole
+            whole = prompts == capped and len(seq.token_ids) - seq.num_computed <= self.config.mixed_whole_prompt
+            n = self._chunk_len(seq, budget, budget if whole else prompts)
             plan._add(Chunk(seq, seq.num_computed, n))
             budget -= n
             prompts -= n if n > 1 else 0
