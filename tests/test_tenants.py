@@ -58,8 +58,9 @@ def test_a_flood_from_one_key_does_not_hold_back_another(tenants):
     assert 'pdserve_tenant_requests_admitted_total{tenant="flood"} 16.0' in metrics
     assert 'pdserve_tenant_requests_admitted_total{tenant="light"} 1.0' in metrics
     assert not any(key in metrics for key in KEYS.values())
-    # The flood waited seconds in the router's queue; the routing cost model's fixed
-    # overhead of a remote prefill counts none of that (it is the calls' own time).
+    # The flood waited seconds in the router's queue; the routing cost model's overhead
+    # of a remote prefill counts none of that (only the remote path's own time: the
+    # reservation, the calls, the prefill worker's queue).
     overhead = float(re.search(r'^pdserve_prefill_cost_model\{term="remote_overhead_seconds"\} (\S+)$',
                                metrics, re.M)[1])
     assert 0 <= overhead < 0.5, overhead

@@ -163,8 +163,9 @@ class RouterMetrics:
         self.dispatch_limit = Gauge("pdserve_dispatch_limit", "Sequences the router dispatches to the workers at "
                                     "once (--max-running, or the decode pool's batch capacity)", registry=r)
         self.cost_model = Gauge("pdserve_prefill_cost_model", "The routing cost model's terms (policy.CostModel): "
-                                "prefill seconds a prompt token, the remote path's fixed seconds beyond the "
-                                "worker's own, transfer-tail seconds a prompt token", ["term"], registry=r)
+                                "prefill seconds a prompt token, the remote path's seconds beyond the prompt's "
+                                "own compute (reservation, calls, the prefill worker's queue), transfer-tail "
+                                "seconds a prompt token", ["term"], registry=r)
         self.autoscaler = AutoscalerExport()
         r.register(self.autoscaler)
         # vLLM's names for what its API server counts, one series per served model.

@@ -175,7 +175,7 @@ class FairQueue:
                 heapq.heappop(self._heap)
             start, _, ticket = entry
             if prioritize:
-                ticket.priority = 0 if self._under_share(limit, prefilling=True)(ticket) else 1
+                ticket.priority = 0 if self._under_share(limit, idle_only=False)(ticket) else 1
             self._vtime = max(self._vtime, start)
             ticket.dispatched = ticket.prefilling = True
             self.running_slots += ticket.slots
@@ -191,17 +191,16 @@ class FairQueue:
         return not self.running_slots or (self.running_slots + (ticket.slots if ticket else 1) <= limit
                                           and (prefill_limit is None or self.prefilling < prefill_limit))
 
-    def _under_share(self, limit: int, prefilling: bool = False) -> Callable[[Ticket], bool]:
+    def _under_share(self, limit: int, idle_only: bool = True) -> Callable[[Ticket], bool]:
         """Whether a ticket's tenant would still run within the share of `limit` it would
-        have were one more tenant (of its weight) to arrive, and has no prompt of its own
-        prefilling (unless `prefilling`): a flood is never under it, a newcomer beside
-        one is."""
+        have were one more tenant (of its weight) to arrive and (with `idle_only`) has no
+        prompt of its own prefilling: a flood is never under it, a newcomer beside one is."""
         total = sum(t.policy.weight for t in self._tenants.values() if t.admitted)
 
         def under(ticket: Ticket) -> bool:
             t = self._tenants[ticket.tenant]
             w = t.policy.weight
-            return (prefilling or not t.prefilling) and t.running + ticket.slots <= limit * w / (total + w)
+            return (not idle_only or not t.prefilling) and t.running + ticket.slots <= limit * w / (total + w)
         return under
 
     def first_token(self, ticket: Ticket) -> None:

@@ -99,7 +99,9 @@ class CostModel:
         self.samples += 1
 
     def terms(self) -> dict[str, float]:
-        return {"prefill_seconds_per_token": self.prefill_s_per_token, "remote_overhead_seconds": self.remote_overhead_s,
+        """The model's terms by name, for /metrics."""
+        return {"prefill_seconds_per_token": self.prefill_s_per_token,
+                "remote_overhead_seconds": self.remote_overhead_s,
                 "transfer_tail_seconds_per_token": self.transfer_tail_s_per_token}
 
     def remote_ttft(self, queued_tokens: int, uncached_tokens: int, prompt_tokens: int) -> float:

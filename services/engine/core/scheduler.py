@@ -8,10 +8,13 @@ priority. A prompt started in an earlier step goes on before a new one starts, s
 prompts are never starved, and several short prompts share one forward pass with the
 decode tokens: the whole plan runs as one forward over a ragged batch. New prompts of
 one step share a priority: a more urgent prompt is not slowed by less urgent ones
-computed beside it (another tenant's, under a flood: the router's fair share). A step that decodes takes at most
-`max_mixed_prefill` prompt tokens, all prompts together (Sarathi-Serve's stall-free
-batching): the running sequences then see their next token a bounded time later while
-prompts are computed beside them, instead of waiting out whole prompts.
+computed beside it (another tenant's, under a flood: the router's fair share). A step
+that decodes takes at most `max_mixed_prefill` prompt tokens, all prompts together
+(Sarathi-Serve's stall-free batching): the running sequences then see their next token
+a bounded time later while prompts are computed beside them, instead of waiting out
+whole prompts. A new prompt of at most `mixed_whole_prompt` tokens may still take such
+a step whole, as its only prompt tokens (one step for a chat prompt, chunks for a
+long one).
 
 A sequence's life here:
   add()            -> waiting -> blocks for its prompt (a cached prefix is reused)
