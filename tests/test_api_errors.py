@@ -236,6 +236,7 @@ HOSTILE = {
                               "number"),
     "temperature_numeric_string": ("/v1/chat/completions", {"messages": MSG, "temperature": "0.5"}, "temperature",
                                    "number"),
+    "priority_not_zero": ("/v1/completions", {"prompt": "hi", "priority": -1}, "priority", "not enabled"),
 }
 
 
@@ -247,7 +248,7 @@ def test_hostile_field_gets_400_naming_it_and_server_keeps_serving(cluster, name
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param and fragment in err["message"], err
     ok = _post(cluster, "/v1/chat/completions", json={"messages": MSG, "max_tokens": 2, "stop": ["\U0001F600"],
-                                                       "temperature": 1, "top_k": 2**31 - 1})
+                                                       "temperature": 1, "top_k": 2**31 - 1, "priority": 0})
     assert ok.status_code == 200, ok.text
 
 

@@ -187,6 +187,16 @@ class CommonRequest(BaseModel):
     allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[StrictStr] | None = None
     return_tokens_as_token_ids: StrictBool = False
+    priority: StrictInt = 0
+
+    @field_validator("priority")
+    @classmethod
+    def _priority(cls, v):
+        # vLLM's field; its default (first-come-first-served) scheduling refuses all but 0
+        if v != 0:
+            raise ValueError("priority scheduling is not enabled: only 0 is accepted (the order among API keys "
+                             "is the router's fair share)")
+        return v
 
     @field_validator("logit_bias")
     @classmethod
