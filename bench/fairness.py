@@ -93,14 +93,30 @@ async def _trickle(base: str, a: argparse.Namespace, stop) -> dict:
 
 
 def _trickle_process(base: str, a: argparse.Namespace, events: dict, out) -> None:
-    out.send(asyncio.run(_trickle(base, a, events)))
+    try:
+        out.send(asyncio.run(_trickle(base, a, events)))
+    except BaseException as exc:        # the flood must not wait for a client that is gone
+        events["failed"].set()
+        events["alone_done"].set()
+        out.send(RuntimeError(f"key B's client failed: {exc!r}"))
+        raise
 
 
-async def _flood(base: str, a: argparse.Namespace, events: dict) -> dict:
-    """Key A, a client of its own: --flood streamed requests at once."""
+def _wait_alone(events: dict, trickle) -> bool:
+    """Until key B's requests alone are done: True, or False when its client failed."""
+    while not events["alone_done"].wait(0.5):
+        if not trickle.is_alive():
+            return False
+    return not events["failed"].is_set()
+
+
+async def _flood(base: str, a: argparse.Namespace, events: dict, trickle) -> dict:
+    """Key A, a client of its own: --flood streamed requests at once, once B's `trickle`
+    process has measured B alone."""
     limits = httpx.Limits(max_connections=a.flood + 16, max_keepalive_connections=a.flood + 16)
     async with httpx.AsyncClient(base_url=base, timeout=1800, limits=limits) as client:
-        await asyncio.to_thread(events["alone_done"].wait)
+        if not await asyncio.to_thread(_wait_alone, events, trickle):
+            return {}
         before = await _decisions(client)
         t0 = time.monotonic()
         events["flood_started"].set()
@@ -117,16 +133,19 @@ def _run(base: str, a: argparse.Namespace) -> dict:
     """B and A run as separate client processes, as two tenants would: neither client's
     event loop delays the other's timings."""
     ctx = multiprocessing.get_context("spawn")
-    events = {name: ctx.Event() for name in ("alone_done", "flood_started", "flood_done")}
+    events = {name: ctx.Event() for name in ("alone_done", "flood_started", "flood_done", "failed")}
     receive, send = ctx.Pipe(duplex=False)
     b = ctx.Process(target=_trickle_process, args=(base, a, events, send), daemon=True)
     b.start()
+    send.close()                        # B's end only: a client gone ends recv() with EOFError
     try:
-        flood = asyncio.run(_flood(base, a, events))
+        flood = asyncio.run(_flood(base, a, events, b))
         trickle = receive.recv()
     finally:
         events["flood_done"].set()
         b.join(timeout=60)
+    if isinstance(trickle, Exception):
+        raise trickle
     alone = trickle["alone"]
     under = [t for _, t, _, ok in trickle["under"] if ok and t is not None]
     a_tokens = sum(n for _, n, _ in flood["results"])
