@@ -69,9 +69,10 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-async def _trickle(base: str, a: argparse.Namespace, stop) -> dict:
+async def _trickle(base: str, a: argparse.Namespace, events: dict) -> dict:
     """Key B, a client of its own: warm-up, --alone requests one after another, then one
-    request a second from when the flood starts until it ends (`stop` set)."""
+    request a second from when the flood starts until it ends (`events`, shared with
+    the flood's process)."""
     async with httpx.AsyncClient(base_url=base, timeout=1800) as client:
         for _ in range(2):                              # warm-up
             await _stream(client, KEYS["B"], TRICKLE_PROMPT, a.trickle_tokens, False)
@@ -80,11 +81,11 @@ async def _trickle(base: str, a: argparse.Namespace, stop) -> dict:
             ttft, _, ok = await _stream(client, KEYS["B"], TRICKLE_PROMPT, a.trickle_tokens, False)
             assert ok and ttft is not None, "a request alone failed"
             alone.append(ttft)
-        stop["alone_done"].set()
-        stop["flood_started"].wait()
+        events["alone_done"].set()
+        events["flood_started"].wait()
         t0 = time.monotonic()
         trickle: list[tuple[float, asyncio.Task]] = []
-        while not stop["flood_done"].is_set():
+        while not events["flood_done"].is_set():
             trickle.append((time.monotonic() - t0, asyncio.create_task(
                 _stream(client, KEYS["B"], TRICKLE_PROMPT, a.trickle_tokens, False))))
             await asyncio.sleep(1.0)

@@ -363,14 +363,14 @@ class LocalCluster:
         automatic, a decode worker's step that decodes takes a prompt of up to the token
         budget whole and a longer one 64 tokens at a time (MIXED_PREFILL_AGGREGATED_CPU
         says why)."""
-        from services.worker.main import DECODE_TOKEN_BUDGET, MIXED_PREFILL_AGGREGATED_CPU
+        from services.worker.main import MIXED_PREFILL_AGGREGATED_CPU, token_budget
         s = self.settings
         overrides = {}
         if role == "decode" and self._aggregated_on_cpu():
             if s.mixed_prefill_tokens == -1:
                 overrides["mixed_prefill_tokens"] = MIXED_PREFILL_AGGREGATED_CPU
             if s.mixed_whole_prompt_tokens == -1:
-                overrides["mixed_whole_prompt_tokens"] = s.max_num_batched_tokens or DECODE_TOKEN_BUDGET
+                overrides["mixed_whole_prompt_tokens"] = token_budget(s.max_num_batched_tokens, role)
         return s.worker(role, threads=self._threads, redis=redis, cluster_secret_file=secret, **overrides)
 
     def _aggregated_on_cpu(self) -> bool:

@@ -158,13 +158,18 @@ class FairQueue:
         queued before it. With `prioritize`, a ticket whose tenant is beyond that share
         gets priority 1, the others 0."""
         out = []
+        if not self._heap:
+            return out
         kept = prefill_limit if prefill_limit is None or not headroom else max(1, prefill_limit - 1)
+        # Built once: the tenants' weights do not change here, their running counts do
+        # and the predicates read them as they go.
+        under = self._under_share(limit)
+        within_share = self._under_share(limit, idle_only=False)
         while self._heap:
             entry = self._heap[0]
             if not self._fits(entry[2], limit - headroom, kept):
                 entry = None
                 if headroom and self._fits(None, limit, prefill_limit):
-                    under = self._under_share(limit)
                     entry = min((e for e in self._heap if under(e[2]) and self._fits(e[2], limit, prefill_limit)),
                                 default=None)
                 if entry is None:
@@ -175,7 +180,7 @@ class FairQueue:
                 heapq.heappop(self._heap)
             start, _, ticket = entry
             if prioritize:
-                ticket.priority = 0 if self._under_share(limit, idle_only=False)(ticket) else 1
+                ticket.priority = 0 if within_share(ticket) else 1
             self._vtime = max(self._vtime, start)
             ticket.dispatched = ticket.prefilling = True
             self.running_slots += ticket.slots

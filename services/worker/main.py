@@ -61,18 +61,21 @@ MIXED_PREFILL_GPU = 512
 MIXED_PREFILL_AGGREGATED_CPU = 64
 
 
+def token_budget(max_num_batched_tokens: int, role: str, device: str = "cpu") -> int:
+    """The tokens one forward pass of a `role` worker may hold: as set, or its default."""
+    gpu = device != "cpu"
+    return max_num_batched_tokens or (
+        (PREFILL_TOKEN_BUDGET_GPU if gpu else PREFILL_TOKEN_BUDGET) if role == "prefill"
+        else (DECODE_TOKEN_BUDGET_GPU if gpu else DECODE_TOKEN_BUDGET))
+
+
 def scheduler_config(settings: WorkerSettings, device: str = "cpu") -> SchedulerConfig:
     prefill = settings.role == "prefill"
-    gpu = device != "cpu"
-    budget = settings.max_num_batched_tokens or (
-        (PREFILL_TOKEN_BUDGET_GPU if gpu else PREFILL_TOKEN_BUDGET) if prefill
-        else (DECODE_TOKEN_BUDGET_GPU if gpu else DECODE_TOKEN_BUDGET))
+    budget = token_budget(settings.max_num_batched_tokens, settings.role, device)
     mixed = 0 if prefill else settings.mixed_prefill_tokens
     if mixed < 0:
         mixed = MIXED_PREFILL_CPU if device == "cpu" else MIXED_PREFILL_GPU
-    whole = 0 if prefill else settings.mixed_whole_prompt_tokens
-    if whole < 0:
-        whole = 0
+    whole = 0 if prefill else max(0, settings.mixed_whole_prompt_tokens)     # -1 here: none
     return SchedulerConfig(max_num_seqs=min(settings.max_batch, budget), max_num_batched_tokens=budget,
                            max_prefill_chunk=settings.prefill_chunk_tokens, max_mixed_prefill=mixed,
                            mixed_whole_prompt=whole,
