@@ -298,3 +298,38 @@ def test_a_reservation_is_made_during_the_forward_pass_not_after_it(runner, mode
     engine.scheduler.cancel("handoff")
     memory.close()
     assert blocks.num_available == 64
+
+
+def test_a_small_pass_leaves_out_the_threads_on_lent_cores(runner, model_dir, monkeypatch):
+    """With `own_threads` (a prefill worker that also runs on the decode core, where its
+    thread waits its turn), a forward pass of fewer than SMALL_STEP_TOKENS tokens runs on
+    the worker's own threads alone, a bigger one on all of them; the calling thread's
+    count is as it was after each."""
+    from services.engine.engine import SMALL_STEP_TOKENS
+    blocks = BlockManager(BlockPool(64, BLOCK))
+    memory = KVPoolMemory.allocate(runner.layout(64, BLOCK))
+    engine = LLMEngine(runner, memory, Scheduler(blocks, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512)))
+    engine.own_threads = 1
+    seen = []
+    execute = runner.execute
+
+    def forward(memory, batch, hook=None):
+        seen.append((len(batch.decode_tokens) + len(batch.prefill_tokens), torch.get_num_threads()))
+        return execute(memory, batch, hook)
+
+    monkeypatch.setattr(runner, "execute", forward)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        eos = eos_token_ids(model_dir)
+        for name, n in (("small", 40), ("big", SMALL_STEP_TOKENS + 72)):
+            engine.add(Sequence(name, [(i * 31) % 5000 + 100 for i in range(n)], n,
+                                SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), eos))
+            while engine.has_work():
+                engine.step()
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+        memory.close()
+    assert seen[0] == (40, 1) and (SMALL_STEP_TOKENS + 72, 2) in seen
+    assert all(threads == 1 for tokens, threads in seen if tokens < SMALL_STEP_TOKENS)

@@ -137,7 +137,7 @@ def test_the_prefill_worker_runs_on_the_decode_core_too(cluster):
     """`up` on a host with a core per worker: the decode worker is pinned to its core
     alone; the prefill worker to its own and the decode worker's, with a torch thread
     for each, and at a lower priority, so decode has its core first (read from the live
-    processes)."""
+    processes), which runs its small passes on its own core's thread alone."""
     import os
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one core: the workers are not pinned")
@@ -150,3 +150,5 @@ def test_the_prefill_worker_runs_on_the_decode_core_too(cluster):
     ours = os.getpriority(os.PRIO_PROCESS, 0)
     assert os.getpriority(os.PRIO_PROCESS, decode) == ours
     assert os.getpriority(os.PRIO_PROCESS, prefill) == min(19, ours + LENT_CORE_NICE)
+    argv = open(f"/proc/{prefill}/cmdline").read().split("\0")
+    assert "--own-threads=1" in argv, "its small passes must run on its own core's thread alone"

@@ -60,6 +60,10 @@ class EngineSettings:
     max_model_len: int = setting(0, "longest sequence (prompt and output) served, in tokens (0: the model's own "
                                     "context length)")
     threads: int = setting(0, "torch threads per worker (0: automatic)")
+    own_threads: int = setting(0, "of --threads, those on cores of this worker's own; the others run on cores "
+                                  "lent to it at a lower priority, and a forward pass of fewer than 128 tokens, "
+                                  "too small to gain from them, runs without them (0: all are its own; `up` sets "
+                                  "it for a prefill worker lent the decode cores)")
     attention_kernel: str = setting("auto", "attention: native (C kernels built on first use; CPU), torch "
                                             "(torch's own ops), or auto (native where it is faster on a CPU; "
                                             "Triton paged kernels on a GPU)",
@@ -143,6 +147,8 @@ class EngineSettings:
             raise ValueError("--max-model-len must be 0 (the model's own) or more")
         if self.threads < 0:
             raise ValueError("--threads must be 0 (automatic) or more")
+        if self.own_threads < 0:
+            raise ValueError("--own-threads must be 0 (all) or more")
         if self.tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be at least 1")
         if self.tensor_parallel_size > 1 and self.quantization != "none":

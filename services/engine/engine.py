@@ -44,8 +44,9 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Protocol, TypeVar
+from typing import Callable, Iterator, Protocol, TypeVar
 
 import torch
 
@@ -122,6 +123,29 @@ class StepHooks(Protocol):
     def after_step(self, plan: StepPlan) -> None: ...
 
 
+# A forward pass of fewer tokens than this runs on a worker's own threads alone, when it
+# also has threads on cores lent to it at a lower priority (`LLMEngine.own_threads`): its
+# matmuls are too small to gain from a thread that waits its turn on a busy core, and the
+# whole pass waits for that thread. Under bench.fairness's flood (Zen 4, a prefill worker
+# with a thread on the busy decode core) its 10-token passes took 36 ms p50 against ~14
+# on one idle core; another key's first token came p50 77 -> 57 ms (median of 3 runs each).
+SMALL_STEP_TOKENS = 128
+
+
+@contextmanager
+def threads_at_most(n: int) -> Iterator[None]:
+    """torch's threads on the calling thread cut to `n` for the block (0: as they are)."""
+    before = torch.get_num_threads()
+    if not 0 < n < before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @dataclass(frozen=True)
 class StepStats:
     prefill_tokens: int                 # prompt tokens computed (chunks of more than one token)
@@ -144,6 +168,9 @@ class LLMEngine:
                              "last token on the host")
         self.runner = runner
         self.async_scheduling = async_scheduling
+        # Of torch's threads, those on the worker's own cores (0: all): the others run on
+        # lent cores, and a pass of fewer than SMALL_STEP_TOKENS tokens leaves them out.
+        self.own_threads = 0
         self._flight: Launched | None = None       # the step on the device whose tokens are unread
         self.overlapped_steps = 0                   # steps launched while the one before was in flight
         self._last_end = 0.0                        # when the last step's outputs were made
@@ -359,7 +386,8 @@ class LLMEngine:
             hooks.before_step(plan)
         self.scheduling.release()               # the forward pass: `now` may run meanwhile
         try:
-            logits = self.runner.execute(self.memory, batch, hook)
+            with threads_at_most(self.own_threads if plan.num_tokens < SMALL_STEP_TOKENS else 0):
+                logits = self.runner.execute(self.memory, batch, hook)
         finally:
             self.scheduling.acquire()
             if poster is not None:
