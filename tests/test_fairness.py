@@ -193,19 +193,29 @@ def test_a_flood_leaves_the_headroom_free_for_another_tenant():
 
 
 def test_where_tenants_share_a_flood_gets_the_later_priority_at_the_workers():
-    """With `prioritize`, a ticket of a tenant running beyond the share it would have
-    beside one more tenant gets priority 1 (its prompt waits at the workers behind
-    others'), a newcomer's 0; without it (a lone tenant's cluster) every ticket has 0."""
+    """With `prioritize`, a ticket gets priority 0 only while its tenant is under the
+    share it would have beside one more tenant and has no prompt prefilling; the others
+    1, so their prompts wait at the workers behind a newcomer's. A flood's start is within
+    its share, but its first prompt already prefills: the rest go behind another tenant's
+    first. Without `prioritize` (a lone tenant's cluster) every ticket has 0."""
     q = FairQueue(1000)
     flood = [q.admit("flood", 1) for _ in range(40)]
     got = q.dispatch(limit=20, prioritize=True)
-    assert [t.priority for t in got] == [0] * 10 + [1] * 10     # beyond 20 / 2
+    assert [t.priority for t in got] == [0] + [1] * 19
     light = q.admit("light", 1)
     q.done(flood[0])
     assert q.dispatch(limit=20, prioritize=True) == [light] and light.priority == 0
     q.done(flood[1])
     (next_flood,) = q.dispatch(limit=20, prioritize=True)
     assert next_flood.tenant == "flood" and next_flood.priority == 1
+    # a tenant with nothing prefilling, within its share, is first again
+    q3 = FairQueue(1000)
+    a, b = q3.admit("a", 1), q3.admit("a", 1)
+    assert [t.priority for t in q3.dispatch(limit=20, prioritize=True)] == [0, 1]
+    q3.first_token(a)
+    q3.first_token(b)
+    c = q3.admit("a", 1)
+    assert q3.dispatch(limit=20, prioritize=True) == [c] and c.priority == 0
     q2 = FairQueue(1000)
     for _ in range(40):
         q2.admit("flood", 1)

@@ -155,8 +155,11 @@ class FairQueue:
         keeps the prompts queued at the workers few: a newcomer's prompt waits behind
         those, whatever its tenant. The last `headroom` slots, and the last prompt's place,
         go only to a tenant under its share (`_under_share`), whose ticket may pass others
-        queued before it. With `prioritize`, a ticket whose tenant is beyond that share
-        gets priority 1, the others 0."""
+        queued before it. With `prioritize`, such a ticket (its tenant under the share,
+        none of its prompts prefilling) gets priority 0 at the workers, the others 1: at a
+        flood's start, while the flood still runs within its share, its prompts are
+        already queued at the prefill worker, and another tenant's first one must not
+        wait behind them."""
         out = []
         if not self._heap:
             return out
@@ -164,7 +167,6 @@ class FairQueue:
         # Built once: the tenants' weights do not change here, their running counts do
         # and the predicates read them as they go.
         under = self._under_share(limit)
-        within_share = self._under_share(limit, idle_only=False)
         while self._heap:
             entry = self._heap[0]
             if not self._fits(entry[2], limit - headroom, kept):
@@ -180,7 +182,7 @@ class FairQueue:
                 heapq.heappop(self._heap)
             start, _, ticket = entry
             if prioritize:
-                ticket.priority = 0 if within_share(ticket) else 1
+                ticket.priority = 0 if under(ticket) else 1
             self._vtime = max(self._vtime, start)
             ticket.dispatched = ticket.prefilling = True
             self.running_slots += ticket.slots
@@ -196,16 +198,16 @@ class FairQueue:
         return not self.running_slots or (self.running_slots + (ticket.slots if ticket else 1) <= limit
                                           and (prefill_limit is None or self.prefilling < prefill_limit))
 
-    def _under_share(self, limit: int, idle_only: bool = True) -> Callable[[Ticket], bool]:
+    def _under_share(self, limit: int) -> Callable[[Ticket], bool]:
         """Whether a ticket's tenant would still run within the share of `limit` it would
-        have were one more tenant (of its weight) to arrive and (with `idle_only`) has no
-        prompt of its own prefilling: a flood is never under it, a newcomer beside one is."""
+        have were one more tenant (of its weight) to arrive, and has no prompt of its own
+        prefilling: a flood is never under it, a newcomer beside one is."""
         total = sum(t.policy.weight for t in self._tenants.values() if t.admitted)
 
         def under(ticket: Ticket) -> bool:
             t = self._tenants[ticket.tenant]
             w = t.policy.weight
-            return (not idle_only or not t.prefilling) and t.running + ticket.slots <= limit * w / (total + w)
+            return not t.prefilling and t.running + ticket.slots <= limit * w / (total + w)
         return under
 
     def first_token(self, ticket: Ticket) -> None:
