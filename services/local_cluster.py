@@ -111,9 +111,11 @@ class LocalCluster:
         threads = len(cpus) if cpus else self._threads     # a thread per core it may run on
         lends = role == "prefill" and cpus is not None and len(cpus) > 1    # plan_cpus: on decode cores too
         # a lending prefill worker's own thread is the one on its own core (plan_cpus)
-        child = self._spawn(f"{role}-{next(self._serial[role])}", role,
-                            replace(self._workers[role], threads=threads, own_threads=1 if lends else 0),
-                            threads, cpus, gpus, LENT_CORE_NICE if lends else 0)
+        worker = replace(self._workers[role], threads=threads)
+        if lends:
+            worker = replace(worker, own_threads=1)
+        child = self._spawn(f"{role}-{next(self._serial[role])}", role, worker, threads, cpus, gpus,
+                            LENT_CORE_NICE if lends else 0)
         self.pools[role].append(child)
         return child
 
