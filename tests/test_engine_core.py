@@ -308,8 +308,8 @@ def test_a_small_pass_leaves_out_the_threads_on_lent_cores(runner, model_dir, mo
     from services.engine.engine import SMALL_STEP_TOKENS
     blocks = BlockManager(BlockPool(64, BLOCK))
     memory = KVPoolMemory.allocate(runner.layout(64, BLOCK))
-    engine = LLMEngine(runner, memory, Scheduler(blocks, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512)))
-    engine.own_threads = 1
+    engine = LLMEngine(runner, memory, Scheduler(blocks, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512)),
+                       own_threads=1)
     seen = []
     execute = runner.execute
 

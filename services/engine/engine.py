@@ -135,7 +135,7 @@ SMALL_STEP_TOKENS = 128
 @contextmanager
 def threads_at_most(n: int) -> Iterator[None]:
     """torch's threads on the calling thread cut to `n` for the block (0: as they are)."""
-    before = torch.get_num_threads()
+    before = torch.get_num_threads() if n > 0 else 0
     if not 0 < n < before:
         yield
         return
@@ -159,7 +159,7 @@ class LLMEngine:
     def __init__(self, runner: ModelRunner, memory: KVPoolMemory, scheduler: Scheduler,
                  layer_hook: LayerHook | None = None,
                  on_joined: Callable[[list[str]], None] | None = None, async_scheduling: bool = False,
-                 step_hooks: StepHooks | None = None) -> None:
+                 step_hooks: StepHooks | None = None, own_threads: int = 0) -> None:
         if async_scheduling and (layer_hook is not None or scheduler.config.prefill_only):
             raise ValueError("async scheduling is for engines that decode: a prefill worker's step ends its "
                              "sequences and ships their KV")
@@ -170,7 +170,7 @@ class LLMEngine:
         self.async_scheduling = async_scheduling
         # Of torch's threads, those on the worker's own cores (0: all): the others run on
         # lent cores, and a pass of fewer than SMALL_STEP_TOKENS tokens leaves them out.
-        self.own_threads = 0
+        self.own_threads = own_threads
         self._flight: Launched | None = None       # the step on the device whose tokens are unread
         self.overlapped_steps = 0                   # steps launched while the one before was in flight
         self._last_end = 0.0                        # when the last step's outputs were made
@@ -386,7 +386,8 @@ class LLMEngine:
             hooks.before_step(plan)
         self.scheduling.release()               # the forward pass: `now` may run meanwhile
         try:
-            with threads_at_most(self.own_threads if plan.num_tokens < SMALL_STEP_TOKENS else 0):
+            with threads_at_most(self.own_threads if self.own_threads and plan.num_tokens < SMALL_STEP_TOKENS
+                                 else 0):
                 logits = self.runner.execute(self.memory, batch, hook)
         finally:
             self.scheduling.acquire()

@@ -64,8 +64,7 @@ class EngineWorker:
         n = self.layout.num_blocks
         self.blocks = BlockManager(BlockPool(n, self.layout.block_size), prefix_caching=prefix_caching)
         self.engine = LLMEngine(self.runner, memory, Scheduler(self.blocks, self.config, speculator),
-                                **engine_options)
-        self.engine.own_threads = self.settings.own_threads
+                                own_threads=self.settings.own_threads, **engine_options)
         self.grammars = grammars_for(self.runner, self.eos)
         self.loop = EngineLoop(self.engine, tick=self._tick, on_step=self._on_step, name=f"{self.role}-engine")
         self.metrics.set_blocks(n, n)
