@@ -137,6 +137,27 @@ def test_a_more_urgent_prompt_goes_first_and_alone_among_new_prompts():
     assert [c.seq for c in plan.prefill] == flood             # then the others, in arrival order
 
 
+def test_a_step_ahead_takes_only_prompts_more_urgent_than_the_paused_one():
+    """`schedule_ahead(below)` (planned while a pass is paused between its layers): the
+    waiting prompts of the most urgent priority under `below`, oldest first; the running
+    sequences (the paused pass's) and the other prompts are left as they are, and only
+    free blocks are taken."""
+    s = scheduler(blocks=32, max_num_batched_tokens=32, prefill_only=True)
+    paused = seq("p", prompt_len=8, priority=1)
+    s.add(paused)
+    assert [c.seq for c in s.schedule().prefill] == [paused]      # its pass is running
+    later = [seq("f", prompt_len=4, priority=1), seq("u1", prompt_len=4, priority=0),
+             seq("m", prompt_len=4, priority=2), seq("u2", prompt_len=5, priority=0)]
+    for q in later:
+        s.add(q)
+    free = s.blocks.num_available
+    ahead = s.schedule_ahead(below=1)
+    assert [(c.seq.request_id, c.start, c.num_tokens) for c in ahead.prefill] == [("u1", 0, 4), ("u2", 0, 5)]
+    assert s.running == [paused, later[1], later[3]] and paused.num_computed == 0
+    assert list(s.waiting) == [later[0], later[2]] and s.blocks.num_available == free - 3
+    assert not s.schedule_ahead(below=0) and not s.schedule_ahead(below=1)
+
+
 def test_a_short_prompt_goes_whole_beside_decodes_and_a_long_one_in_capped_chunks():
     """With mixed_whole_prompt, a new prompt up to that size goes whole into a step that
     decodes when no other prompt tokens are in it (then nothing else joins it); a longer

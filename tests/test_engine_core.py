@@ -333,3 +333,92 @@ def test_a_small_pass_leaves_out_the_threads_on_lent_cores(runner, model_dir, mo
         memory.close()
     assert seen[0] == (40, 1) and (SMALL_STEP_TOKENS + 72, 2) in seen
     assert all(threads == 1 for tokens, threads in seen if tokens < SMALL_STEP_TOKENS)
+
+
+def _prefill_engine(runner, num_blocks: int, layer_hook=None, yields=False):
+    blocks = BlockManager(BlockPool(num_blocks, BLOCK))
+    memory = KVPoolMemory.allocate(runner.layout(num_blocks, BLOCK))
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4096, prefill_only=True, retain_finished=True)
+    return LLMEngine(runner, memory, Scheduler(blocks, config), layer_hook=layer_hook, yields=yields), memory
+
+
+def _kv(memory, seq) -> torch.Tensor:
+    return memory.tensor[:, :, seq.block_ids].clone()
+
+
+def test_a_prefill_pass_pauses_between_layers_for_a_more_urgent_prompt(runner, model_dir, expected):
+    """A prefill worker's engine (`yields`): a prompt more urgent than the pass running
+    (a lower priority: another API key's, under a flood), added while that pass runs, is
+    computed whole between two of its layers, and its first token is out before the
+    paused pass ends. Both first tokens are `generate`'s, each prompt's KV is bitwise what
+    it is when computed alone, and every block comes back."""
+    eos = eos_token_ids(model_dir)
+    a, b = expected["long"], expected["short"]
+
+    def seq(name, case, priority):
+        return Sequence(name, list(case.prompt_ids), len(case.prompt_ids),
+                        SamplingParams(max_tokens=1, temperature=0), eos, priority=priority)
+
+    alone = {}
+    for name, case in (("a", a), ("b", b)):
+        engine, memory = _prefill_engine(runner, 256)
+        s = seq(name, case, 0)
+        engine.add(s)
+        while engine.has_work():
+            engine.step()
+        alone[name] = _kv(memory, s)
+        memory.close()
+
+    seen: list[tuple[str, int]] = []
+    urgent = seq("b", b, 0)
+
+    def layer_hook(layer, plan):
+        seen.append((plan.chunks[0].seq.request_id, layer))
+        if seen == [("a", i) for i in range(4)]:
+            engine.add(urgent)          # arrives while layer 3 of a's pass runs
+
+    engine, memory = _prefill_engine(runner, 256, layer_hook, yields=True)
+    early = []
+    engine.interjected = lambda outputs, stats: early.extend((o.request_id, o.token_ids, stats) for o in outputs)
+    paused = seq("a", a, 1)
+    engine.add(paused)
+    late = []
+    while engine.has_work():
+        late += [(o.request_id, o.token_ids) for o in engine.step()]
+    layers = runner.layout(1, BLOCK).num_layers
+    assert seen == ([("a", i) for i in range(4)] + [("b", i) for i in range(layers)]
+                    + [("a", i) for i in range(4, layers)])
+    assert [(r, t) for r, t, _ in early] == [("b", [b.token_ids[0]])] and early[0][2].prefill_tokens == len(b.prompt_ids)
+    assert late == [("a", [a.token_ids[0]])] and engine.interjections == 1
+    assert torch.equal(_kv(memory, paused), alone["a"]) and torch.equal(_kv(memory, urgent), alone["b"])
+    for name in ("a", "b"):
+        engine.release(name)
+    engine.step()
+    memory.close()
+    assert engine.scheduler.blocks.num_available == 256
+
+
+def test_a_pass_does_not_pause_for_a_prompt_as_urgent_as_its_own(runner, model_dir, expected):
+    """Equal priority waits its turn (first come, first served), as does every prompt in
+    an engine that does not yield."""
+    eos = eos_token_ids(model_dir)
+    a, b = expected["long"], expected["short"]
+    for yields, priorities in ((True, (0, 0)), (True, (1, 1)), (False, (1, 0))):
+        order = []
+
+        def layer_hook(layer, plan):
+            order.append(plan.chunks[0].seq.request_id)
+            if order == ["a"]:
+                engine.add(Sequence("b", list(b.prompt_ids), len(b.prompt_ids), SamplingParams(max_tokens=1),
+                                    eos, priority=priorities[1]))
+
+        engine, memory = _prefill_engine(runner, 256, layer_hook, yields=yields)
+        engine.add(Sequence("a", list(a.prompt_ids), len(a.prompt_ids), SamplingParams(max_tokens=1), eos,
+                            priority=priorities[0]))
+        while engine.has_work():
+            engine.step()
+        memory.close()
+        layers = runner.layout(1, BLOCK).num_layers
+        assert order == ["a"] * layers + ["b"] * layers and engine.interjections == 0
+    with pytest.raises(ValueError, match="prefill-only"):
+        LLMEngine(runner, memory, Scheduler(BlockManager(BlockPool(8, BLOCK)), SchedulerConfig()), yields=True)

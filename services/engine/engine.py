@@ -36,6 +36,15 @@ each of its positions, each as a row of its own would be sampled without drafts 
 index in the output, its history with the drafts before it), and the scheduler keeps
 the drafts those samples agree with (core/speculation.py says why that is lossless).
 Drafting needs the last token on the host: an engine with a speculator is not async.
+
+With `yields` (a prefill worker's engine, whose every pass is prompts alone), a forward
+pass pauses between two layers for a prompt more urgent than every one in it (a lower
+priority: under a flood, another API key's, the router's fair share): that prompt's
+step runs whole at the pause, its first token goes out at once, and the paused pass
+goes on. Another key's prompt then waits a layer (~0.5 ms here) instead of the pass it
+found running, which under a flood costs about as much as its own. Nothing the paused
+pass uses changes: the urgent step takes only waiting sequences and free blocks, and
+writes only its own.
 """
 from __future__ import annotations
 
@@ -43,6 +52,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -159,7 +169,10 @@ class LLMEngine:
     def __init__(self, runner: ModelRunner, memory: KVPoolMemory, scheduler: Scheduler,
                  layer_hook: LayerHook | None = None,
                  on_joined: Callable[[list[str]], None] | None = None, async_scheduling: bool = False,
-                 step_hooks: StepHooks | None = None, own_threads: int = 0) -> None:
+                 step_hooks: StepHooks | None = None, own_threads: int = 0, yields: bool = False) -> None:
+        if yields and not scheduler.config.prefill_only:
+            raise ValueError("only a prefill-only engine's passes yield to urgent prompts: a pass that decodes "
+                             "holds every running sequence's next token")
         if async_scheduling and (layer_hook is not None or scheduler.config.prefill_only):
             raise ValueError("async scheduling is for engines that decode: a prefill worker's step ends its "
                              "sequences and ships their KV")
@@ -193,6 +206,14 @@ class LLMEngine:
         self.generated_tokens = 0
         self.busy_seconds = 0.0
         self._masks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        # `yields`: the pass running takes, between two layers, a step of the prompts that
+        # arrived more urgent than all of its own (`_urgent`; `_below` is its priority
+        # while it runs). Their outputs go to `interjected` at once (EngineLoop delivers).
+        self.yields = yields
+        self._below: int | None = None
+        self._urgent: deque[tuple[str, Callable[[], list[EngineOutput]]]] = deque()
+        self.interjected: Callable[[list[EngineOutput], StepStats | None], None] | None = None
+        self.interjections = 0                      # steps run inside another's pass
 
     # ---- any thread ----
     def add(self, seq: Sequence) -> None:
@@ -211,7 +232,11 @@ class LLMEngine:
         def run() -> list[EngineOutput]:
             reason = admit(seq)
             return [EngineOutput(seq.request_id, [], reason)] if reason else []
-        self._inbox.put((seq.request_id, run))
+        below = self._below
+        if below is not None and seq.priority < below and admit == self.scheduler.add:
+            self._urgent.append((seq.request_id, run))      # taken at the running pass's next layer
+        else:
+            self._inbox.put((seq.request_id, run))
 
     def abort(self, request_id: str) -> None:
         def end() -> list[EngineOutput]:
@@ -240,8 +265,8 @@ class LLMEngine:
         return future
 
     def has_work(self) -> bool:
-        return (not self._inbox.empty() or self.scheduler.has_work() or bool(self.scheduler.orphans)
-                or self.in_flight)
+        return (not self._inbox.empty() or bool(self._urgent) or self.scheduler.has_work()
+                or bool(self.scheduler.orphans) or self.in_flight)
 
     @property
     def in_flight(self) -> bool:
@@ -354,21 +379,33 @@ class LLMEngine:
         return [EngineOutput(seq.request_id, [], "abort") for seq in orphans]
 
     def _apply_inbox(self) -> list[EngineOutput]:
-        outputs: list[EngineOutput] = []
+        # Urgent admissions first: whatever the inbox holds for them (an abort) came later.
+        outputs = self._apply_urgent()
         while True:
             try:
                 request_id, action = self._inbox.get_nowait()
             except queue.Empty:
                 return outputs
-            try:
-                outputs.extend(action())
-            except Exception:                       # a bad request fails alone
-                log.exception("request %s could not be applied to the engine", request_id)
-                outputs.append(EngineOutput(request_id, [], "error"))
+            outputs += self._apply(request_id, action)
 
-    def _launch(self, plan: StepPlan, started: float) -> Launched:
+    def _apply_urgent(self) -> list[EngineOutput]:
+        outputs: list[EngineOutput] = []
+        while self._urgent:
+            outputs += self._apply(*self._urgent.popleft())
+        return outputs
+
+    @staticmethod
+    def _apply(request_id: str, action: Callable[[], list[EngineOutput]]) -> list[EngineOutput]:
+        try:
+            return action()
+        except Exception:                           # a bad request fails alone
+            log.exception("request %s could not be applied to the engine", request_id)
+            return [EngineOutput(request_id, [], "error")]
+
+    def _launch(self, plan: StepPlan, started: float, pausable: bool = True) -> Launched:
         """Run `plan`'s forward pass and choose its tokens, leaving them on the device and
-        starting their copy to the host."""
+        starting their copy to the host. With `yields`, a `pausable` pass takes a step
+        of more urgent prompts between two layers (`_interject`)."""
         flight = self._flight
         pending = {c.seq: i for i, c in enumerate(flight.rows)} if flight is not None else {}
         batch, targets = pack(plan, pending)
@@ -379,20 +416,24 @@ class LLMEngine:
         constraints = [(c.seq.constraint, c.draft[:j]) for c, j in each]
         # Structured output's masks are filled while the forward pass runs.
         masks = self._masks.submit(fill_masks, constraints) if any(c for c, _ in constraints) else None
-        poster = self._poster
-        hook = None if poster is None else (lambda layer, fence: poster(layer, plan, fence))
+        pausing = pausable and self.yields
+        hook = self._layer_hook(plan, pausing)
         hooks = self.step_hooks
         if hooks is not None:
             hooks.before_step(plan)
         self.scheduling.release()               # the forward pass: `now` may run meanwhile
         try:
+            if pausing:
+                self._below = min(c.seq.priority for c in plan.chunks)
             with threads_at_most(self.own_threads if self.own_threads and plan.num_tokens < SMALL_STEP_TOKENS
                                  else 0):
                 logits = self.runner.execute(self.memory, batch, hook)
         finally:
+            if pausing:
+                self._below = None
             self.scheduling.acquire()
-            if poster is not None:
-                poster.flush()
+            if self._poster is not None:
+                self._poster.flush()
             if hooks is not None:
                 hooks.after_step(plan)
             mask = masks.result() if masks is not None else None
@@ -406,6 +447,47 @@ class LLMEngine:
         sampled = to_read(logits, params, tokens)
         copy = self.runner.stream.to_host(sampled + prompt)
         return Launched(plan, rows, tokens, copy, len(sampled), targets, started)
+
+    def _layer_hook(self, plan: StepPlan, pausable: bool) -> Callable[[int, object], None] | None:
+        """What the runner calls as each layer's KV write is launched: the KV export's
+        post, and for a pass that yields, a look for urgent prompts."""
+        poster = self._poster
+        if not pausable:
+            return None if poster is None else (lambda layer, fence: poster(layer, plan, fence))
+
+        def hook(layer: int, fence) -> None:
+            if poster is not None:
+                poster(layer, plan, fence)
+            if self._urgent:
+                self._interject()
+        return hook
+
+    def _interject(self) -> None:
+        """Inside a paused pass, between two layers (the engine thread): a step of the
+        prompts that arrived more urgent than the pass, run whole, its outputs handed to
+        `interjected` at once, with the step's stats. Prompts that arrive meanwhile wait
+        for the next layer."""
+        started = time.perf_counter()
+        stats = None
+        with self.scheduling:
+            outputs = self._apply_urgent()
+            plan = self.scheduler.schedule_ahead(self._below)
+            if plan:
+                try:
+                    launched = self._launch(plan, started, pausable=False)
+                    launched.number = self.scheduler.launch()
+                    self.scheduler.launched(plan, launched.rows)
+                    self._flight = launched
+                    outputs += self._land()
+                    stats = self.last_step
+                    self.interjections += 1
+                except Exception:                   # its prompts fail, never the paused pass
+                    log.exception("a step of %d urgent prompts failed inside another's pass", len(plan.chunks))
+                    for c in plan.chunks:
+                        if self.scheduler.abort(c.seq.request_id) is not None:
+                            outputs.append(EngineOutput(c.seq.request_id, [], "error"))
+        if (outputs or stats) and self.interjected is not None:
+            self.interjected(outputs, stats)
 
     def _isolate(self, plan: StepPlan, outputs: list[EngineOutput]) -> tuple[StepPlan, Sampled]:
         """After a failed step: run each of its chunks alone, so a request that breaks the
@@ -426,7 +508,7 @@ class LLMEngine:
             alone = StepPlan()
             alone._add(c)
             try:
-                one = self._launch(alone, 0.0).read()
+                one = self._launch(alone, 0.0, pausable=False).read()
                 tokens.token_ids += one.token_ids
                 tokens.logprobs += one.logprobs
             except Exception:

@@ -42,6 +42,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._threads = torch.get_num_threads()
         engine.on_joined = self._joined
+        engine.interjected = self._interjected
 
     def _joined(self, request_ids: list[str]) -> None:
         """A prefilled sequence starts decoding: its sink hears an empty output now."""
@@ -49,6 +50,13 @@ class EngineLoop:
             sink = self._sinks.get(request_id)
             if sink is not None:
                 sink(EngineOutput(request_id, [], None))
+
+    def _interjected(self, outputs: list[EngineOutput], stats: StepStats | None) -> None:
+        """A step run inside another's paused pass (LLMEngine's `yields`): its outputs
+        go out now, not when the paused pass ends."""
+        if stats is not None and self.on_step is not None:
+            self.on_step(stats)
+        self._deliver(outputs)
 
     def submit(self, seq: Sequence, sink: Sink, prefilled: bool = False,
                fork_sinks: list[Sink] = ()) -> None:

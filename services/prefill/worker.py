@@ -69,8 +69,10 @@ class PrefillWorker(EngineWorker):
         self.exporter = KVExporter(self.transports, self.compat_hash, self.layout,
                                    lambda failed, used: metrics.transport_fallbacks.labels(failed, used).inc(),
                                    heads=heads, group=runner.group)
+        # A pass pauses between layers for another tenant's more urgent prompt (one
+        # process only: the other ranks of several run the plan rank 0 sent them whole).
         self._open(memory, settings.prefix_cache_tokens > 0, layer_hook=self.exporter.push_layer,
-                   step_hooks=self.exporter if runner.leads else None)
+                   step_hooks=self.exporter if runner.leads else None, yields=runner.tp.size == 1)
         self.exporter.loop = self.loop
         self._ids = itertools.count()
         self.queued = 0

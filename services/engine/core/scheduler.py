@@ -285,6 +285,28 @@ class Scheduler:
             prompts -= n if n > 1 else 0
         return plan
 
+    def schedule_ahead(self, below: int) -> StepPlan:
+        """A step of waiting prompts more urgent than `below` alone (the most urgent
+        priority among them, oldest first), planned while another step's forward pass
+        is paused between two layers: the running sequences, that step's among them,
+        are not touched (none is preempted, none joins), and only free blocks are
+        taken."""
+        plan = StepPlan()
+        budget = self.config.max_num_batched_tokens
+        urgent = sorted((s for s in self.waiting if s.priority < below), key=lambda s: s.priority)
+        for seq in urgent:
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs or seq.priority != urgent[0].priority:
+                break
+            if not self._admit(seq):
+                break
+            self.waiting.remove(seq)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            n = self._chunk_len(seq, budget, budget)
+            plan._add(Chunk(seq, seq.num_computed, n))
+            budget -= n
+        return plan
+
     def _next_waiting(self) -> Sequence:
         """The oldest waiting sequence of the most urgent priority (lowest; 0 is the
         default and the most urgent the router gives, so the head is usually it)."""
