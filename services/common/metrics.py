@@ -69,6 +69,9 @@ class WorkerMetrics:
         self.running = Gauge("pdserve_running_sequences", "Sequences in the running batch", registry=r)
         self.waiting = Gauge("pdserve_waiting_sequences", "Sequences waiting to run", registry=r)
         self.preemptions = Counter("pdserve_preemptions", "Sequences preempted for lack of blocks", registry=r)
+        self.paused_passes = Counter("pdserve_prefill_paused_passes",
+                                     "Steps of more urgent prompts run inside a prefill pass paused between layers",
+                                     registry=r)
         self.step_seconds = Histogram("pdserve_engine_step_seconds", "Engine step time", ["kind"],
                                       buckets=STEP_BUCKETS, registry=r)
         self.role = role

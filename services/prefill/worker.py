@@ -79,6 +79,7 @@ class PrefillWorker(EngineWorker):
         self.queued_tokens = 0
         self.kv_bytes_sent = 0
         self.seconds_per_token = 0.0
+        self._pauses_seen = 0
 
     async def prefill(self, req: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
         handle = req.handle
@@ -158,6 +159,8 @@ class PrefillWorker(EngineWorker):
     # ---- engine thread ----
     def _on_step(self, stats: StepStats) -> None:
         self.metrics.step_seconds.labels("prefill").observe(stats.seconds)
+        self.metrics.paused_passes.inc(self.engine.interjections - self._pauses_seen)
+        self._pauses_seen = self.engine.interjections
         self.metrics.prompt_tokens_computed.inc(stats.prefill_tokens + stats.decode_tokens)
         tokens = stats.prefill_tokens + stats.decode_tokens
         if tokens:
