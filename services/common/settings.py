@@ -18,6 +18,7 @@ from services.common.speculative_config import SpeculativeConfig
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 KV_TRANSPORTS = ("auto", "shm", "nixl", "tcp")
 ATTENTION_KERNELS = ("auto", "native", "torch")
+MATMUL_KERNELS = ("auto", "native", "onednn")
 QUANTIZATIONS = ("none", "int8")
 ASYNC_SCHEDULING = ("auto", "on", "off")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -68,6 +69,11 @@ class EngineSettings:
                                             "(torch's own ops), or auto (native where it is faster on a CPU; "
                                             "Triton paged kernels on a GPU)",
                                     choices=ATTENTION_KERNELS)
+    matmul_kernel: str = setting("auto", "bfloat16 matmuls on a CPU with AVX512-BF16: native (pdserve's, and a "
+                                         "decode step's layers in one call), onednn (torch's; AMX tiles where the CPU "
+                                         "has them), or auto (measured at start on the model's own layers, at the "
+                                         "rows of this worker's role; the CPU's rule where only one runs)",
+                                 choices=MATMUL_KERNELS)
     enforce_eager: bool = setting(False, "on a GPU: run decode steps eagerly instead of replaying CUDA graphs "
                                          "captured per batch size (as vLLM's --enforce-eager)",
                                   roles=("decode",))
@@ -122,6 +128,8 @@ class EngineSettings:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}")
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(f"--attention-kernel must be one of {', '.join(ATTENTION_KERNELS)}")
+        if self.matmul_kernel not in MATMUL_KERNELS:
+            raise ValueError(f"--matmul-kernel must be one of {', '.join(MATMUL_KERNELS)}")
         if self.async_scheduling not in ASYNC_SCHEDULING:
             raise ValueError(f"--async-scheduling must be one of {', '.join(ASYNC_SCHEDULING)}")
         if self.speculative_config:

@@ -28,7 +28,7 @@ from services.engine.kernels import gpu_kernels
 from services.engine.kernels.native import (DecoderLayerWeights, NativeAttention, NativeBuildError, NativeDecoder,
                                             NativeLayers, NativeMatmul, load_attention, load_decoder, load_layers,
                                             load_matmul)
-from services.engine.model import fusion, int8
+from services.engine.model import fusion, int8, kernel_choice
 from services.engine.model.attention import (DecodeGroup, GPUDecode, NativeDecode, PagedBatch, Segment, chunk_kv,
                                              decode_attention, length_groups, prefill_attention, write)
 from services.engine.model.cuda_graphs import capture_sizes
@@ -141,6 +141,8 @@ class CpuBackend(TorchBackend):
         # AMX, torch's SDPA is faster)
         self.native_prefill = (attention is not None and attention.prefills and dtype == torch.bfloat16
                                and cpu_kernels(cpu_flags()).bf16_prefill)
+
+    matmul_choice: kernel_choice.MatmulChoice | None = None      # bfloat16 matmuls: whose, and why
 
     @property
     def decode_kernel(self) -> str:
@@ -263,10 +265,13 @@ def _built(load: Callable[[Path], T], kernel_cache: Path, attention: str, otherw
 
 
 def select(attention: str, device: torch.device, dtype: torch.dtype, quantization: str,
-           kernel_cache: Path, dtype_name: str = "") -> TorchBackend:
+           kernel_cache: Path, dtype_name: str = "", matmul_kernel: str = "auto", probe: nn.Module | None = None,
+           role: str = "") -> TorchBackend:
     """The backend for `--attention-kernel attention` ("auto", "native" or "torch") on
     `device` in `dtype`. "native" insists on the native CPU kernels (ValueError or
-    NativeBuildError where they cannot run); "auto" takes them where they apply."""
+    NativeBuildError where they cannot run); "auto" takes them where they apply.
+    bfloat16 matmuls follow `--matmul-kernel matmul_kernel` (kernel_choice.py), measured
+    on `probe` (the model's first decoder layer) at the rows of a worker of `role`."""
     if attention not in ATTENTION_KERNELS:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_KERNELS)}, not {attention!r}")
     if attention == "torch":
@@ -280,12 +285,47 @@ def select(attention: str, device: torch.device, dtype: torch.dtype, quantizatio
         return TorchBackend(device)
     native = _built(load_attention, kernel_cache, attention, "attention stays on torch's own ops")
     layers = _built(load_layers, kernel_cache, attention, "norms and activations stay on torch's own ops")
-    # pdserve's own matmuls where this CPU takes them (hardware.CpuKernels says where)
-    kinds = cpu_kernels(cpu_flags())
+    # pdserve's own matmuls where this CPU takes them (hardware.CpuKernels says where; in
+    # bfloat16 a measurement at start may overrule it)
+    flags = cpu_flags()
+    kinds = cpu_kernels(flags)
     f32 = dtype == torch.float32 and kinds.f32_matmul
-    wanted = (dtype == torch.bfloat16 and kinds.bf16_matmul) or (quantization == "int8" and kinds.int8_matmul) or f32
+    bf16 = dtype == torch.bfloat16 and "avx512_bf16" in flags and matmul_kernel != "onednn"
+    wanted = bf16 or (quantization == "int8" and kinds.int8_matmul) or f32
     matmul = _built(load_matmul, kernel_cache, "auto", "matmuls stay on oneDNN") if wanted else None
+    choice = None
     if matmul is not None:
         matmul.f32 = matmul.f32 and f32      # int8 on AVX-512 in float32: the other layers keep torch's
-    return CpuBackend(device, dtype, native, layers, matmul,
-                      lambda: _built(load_decoder, kernel_cache, "auto", "decode steps call their layers one by one"))
+        matmul.int8 = matmul.int8 and kinds.int8_matmul     # loaded for bf16 on AMX: int8 stays oneDNN's
+        if dtype == torch.bfloat16 and matmul.bf16:
+            weights = None if probe is None else kernel_choice.projections(probe)
+            choice = kernel_choice.choose(matmul_kernel, kinds.bf16_matmul, role,
+                                          _measure(matmul, weights) if fusion.packs_bf16() else None,
+                                          kernel_cache / "matmul-choice",
+                                          tuple(tuple(w.shape) for w in weights or ()))
+            matmul.bf16 = choice.native
+            log.info("bfloat16 matmuls: %s (%s)", "pdserve's" if choice.native else "oneDNN's", choice.reason)
+            if not (matmul.bf16 or matmul.int8 or matmul.f32):
+                matmul = None
+    if choice is None and matmul_kernel == "onednn" and dtype == torch.bfloat16:
+        choice = kernel_choice.MatmulChoice(False, "asked for")
+    if matmul_kernel == "native" and (choice is None or not choice.native):
+        raise ValueError("--matmul-kernel native: pdserve's matmuls run in bfloat16 on a CPU with AVX512-BF16 "
+                         f"(not {dtype_name or dtype} here, or no AVX512-BF16)")
+    backend = CpuBackend(device, dtype, native, layers, matmul,
+                         lambda: _built(load_decoder, kernel_cache, "auto", "decode steps call their layers one by one"))
+    backend.matmul_choice = choice
+    return backend
+
+
+def _measure(matmul: NativeMatmul, weights: list[torch.Tensor] | None) -> kernel_choice.Measure | None:
+    """Seconds of a layer's projections `weights` through our matmuls and oneDNN's, at
+    given rows (kernel_choice.choose's `measure`); None without weights our matmuls take."""
+    if weights is None or not all(fusion.NativeLinear.fits(w) for w in weights):
+        return None
+
+    def measure(rows: tuple[int, ...]) -> tuple[list[float], list[float]]:
+        ours = kernel_choice.time_path(lambda w: fusion.NativeLinear(w, None, matmul), weights, rows)
+        theirs = kernel_choice.time_path(lambda w: fusion.PackedLinear(w, None), weights, rows)
+        return ours, theirs
+    return measure

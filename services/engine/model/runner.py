@@ -95,11 +95,14 @@ class ModelRunner:
     def __init__(self, model_dir: Path, dtype: str = "auto", device: str | None = None,
                  attention: str = "auto", kernel_cache: Path | None = None, max_model_len: int = 0,
                  quantization: str = "none", cuda_graphs: bool = True, max_batch: int = 64,
-                 model: torch.nn.Module | None = None, group: RankGroup | None = None) -> None:
+                 model: torch.nn.Module | None = None, group: RankGroup | None = None, matmul: str = "auto",
+                 role: str = "") -> None:
         """`model`: an already built model (random weights of a real shape, for
         benchmarks) instead of loading `model_dir`'s; `max_batch`: the largest decode
         step captured as a CUDA graph; `group`: this rank's place among a worker's
-        tensor-parallel ranks (parallel.py), its shard of the model kept."""
+        tensor-parallel ranks (parallel.py), its shard of the model kept; `matmul`:
+        --matmul-kernel, measured at the rows a worker of `role` multiplies
+        (kernel_choice.py)."""
         from transformers import AutoConfig, AutoModelForCausalLM
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {quantization!r}")
@@ -154,8 +157,9 @@ class ModelRunner:
         if kernel_cache is None:
             from services.engine.text.model_store import cache_dir
             kernel_cache = cache_dir()
+        layers = getattr(getattr(self.model, "model", None), "layers", None)
         self.backend = backends.select(attention, self.device, self.model.dtype, quantization, kernel_cache,
-                                       self.dtype_name)
+                                       self.dtype_name, matmul, layers[0] if layers else None, role)
         calibration = None
         if quantization != "none":
             from services.engine.text.tokenizer import load_tokenizer
@@ -178,6 +182,9 @@ class ModelRunner:
             decode += ", its layers in one call"
         prefill = self.backend.prefill_kernel
         weights = "" if self.quantization == "none" else f", {self.quantization} weights"
+        choice = getattr(self.backend, "matmul_choice", None)
+        if choice is not None:
+            weights += f", {'pdserve' if choice.native else 'oneDNN'} matmuls ({choice.reason})"
         if self.tp.size > 1:
             heads = self.kv_heads
             weights += f", tensor parallel over {self.tp.size} ranks (KV heads {heads.start}-{heads.stop - 1} here)"
