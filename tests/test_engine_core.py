@@ -353,7 +353,7 @@ def test_a_prefill_pass_pauses_between_layers_for_a_more_urgent_prompt(runner, m
     paused pass ends. Both first tokens are `generate`'s, each prompt's KV is bitwise what
     it is when computed alone, and every block comes back."""
     eos = eos_token_ids(model_dir)
-    a, b = expected["long"], expected["short"]
+    a, b = expected["multi_turn"], expected["short"]
 
     def seq(name, case, priority):
         return Sequence(name, list(case.prompt_ids), len(case.prompt_ids),
@@ -402,7 +402,7 @@ def test_a_pass_does_not_pause_for_a_prompt_as_urgent_as_its_own(runner, model_d
     """Equal priority waits its turn (first come, first served), as does every prompt in
     an engine that does not yield."""
     eos = eos_token_ids(model_dir)
-    a, b = expected["long"], expected["short"]
+    a, b = expected["short"], expected["multi_turn"]
     for yields, priorities in ((True, (0, 0)), (True, (1, 1)), (False, (1, 0))):
         order = []
 
@@ -422,3 +422,41 @@ def test_a_pass_does_not_pause_for_a_prompt_as_urgent_as_its_own(runner, model_d
         assert order == ["a"] * layers + ["b"] * layers and engine.interjections == 0
     with pytest.raises(ValueError, match="prefill-only"):
         LLMEngine(runner, memory, Scheduler(BlockManager(BlockPool(8, BLOCK)), SchedulerConfig()), yields=True)
+
+
+def test_an_urgent_step_that_fails_fails_alone_and_the_paused_pass_goes_on(runner, model_dir, expected,
+                                                                            monkeypatch):
+    """A step run inside a paused pass that raises ends its own prompts ("error"), never
+    the paused pass, whose first token is still `generate`'s; every block comes back."""
+    eos = eos_token_ids(model_dir)
+    a, b = expected["short"], expected["multi_turn"]
+    execute, depth = runner.execute, []
+
+    def forward(*args, **kwargs):
+        if depth:
+            raise RuntimeError("the urgent step breaks")
+        depth.append(1)
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            depth.pop()
+
+    def layer_hook(layer, plan):
+        if layer == 3 and plan.chunks[0].seq.request_id == "a":
+            engine.add(Sequence("b", list(b.prompt_ids), len(b.prompt_ids), SamplingParams(max_tokens=1), eos))
+
+    monkeypatch.setattr(runner, "execute", forward)
+    engine, memory = _prefill_engine(runner, 256, layer_hook, yields=True)
+    early = []
+    engine.interjected = lambda outputs, stats: early.extend((o.request_id, o.finish_reason) for o in outputs)
+    engine.add(Sequence("a", list(a.prompt_ids), len(a.prompt_ids), SamplingParams(max_tokens=1, temperature=0),
+                        eos, priority=1))
+    late = []
+    while engine.has_work():
+        late += [(o.request_id, o.token_ids) for o in engine.step()]
+    assert early == [("b", "error")] and late == [("a", [a.token_ids[0]])] and engine.interjections == 0
+    engine.release("a")
+    engine.release("b")
+    engine.step()
+    memory.close()
+    assert engine.scheduler.blocks.num_available == 256
