@@ -141,9 +141,8 @@ LAYOUT = KVLayout(num_layers=3, num_blocks=12, block_size=4, num_kv_heads=2, hea
 def _pools(split: list[range], shared: bool, seed: int | None) -> list[KVPoolMemory]:
     pools = []
     for heads in split:
-        pool = KVPoolMemory.allocate(KVLayout(**{**LAYOUT.__dict__, "num_kv_heads": len(heads)}), shared=shared)
-        pool.heads = heads
-        pools.append(pool)
+        pools.append(KVPoolMemory.allocate(KVLayout(**{**LAYOUT.__dict__, "num_kv_heads": len(heads)}),
+                                           shared=shared, heads=heads))
     if seed is not None:                       # the model's KV, split as the ranks hold it
         whole = torch.randn(*LAYOUT.shape, generator=torch.Generator().manual_seed(seed)).to(LAYOUT.torch_dtype)
         for pool in pools:

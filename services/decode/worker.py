@@ -72,7 +72,6 @@ class DecodeWorker(EngineWorker):
         self.transports = open_transports(settings.kv_transport, settings.transport_options(),
                                           device=str(runner.device))
         memory = self._allocate_pool(settings, str(runner.device))
-        memory.heads = runner.kv_heads
         self.offers = [worker_pb2.TransportOffer(backend=name, meta=t.register(memory, self.compat_hash))
                        for name, t in self.transports.items()]
         self.offers += self._rank_offers(shared=memory.path is not None)
@@ -105,16 +104,17 @@ class DecodeWorker(EngineWorker):
     def _allocate_pool(self, settings: WorkerSettings, device: str) -> KVPoolMemory:
         """In shared memory when `shm` is offered; if /dev/shm is too small and other
         backends remain (auto), drop `shm` loudly instead of failing to start."""
+        heads = self.runner.kv_heads
         if "shm" not in self.transports:
-            return KVPoolMemory.allocate(self.layout, device=device)
+            return KVPoolMemory.allocate(self.layout, device=device, heads=heads)
         try:
-            return KVPoolMemory.allocate(self.layout, shared=True, device=device)
+            return KVPoolMemory.allocate(self.layout, shared=True, device=device, heads=heads)
         except MemoryError as exc:
             if len(self.transports) == 1:
                 raise ValueError(f"--kv-transport shm: {exc}") from None
             log.warning("not offering shm: %s", exc)
             self.transports.pop("shm").shutdown()
-            return KVPoolMemory.allocate(self.layout, device=device)
+            return KVPoolMemory.allocate(self.layout, device=device, heads=heads)
 
     # ---- called from RPC handlers (any thread) ----
     async def reserve(self, request_id: str, num_tokens: int, lease_seconds: float) -> KVHandoff:

@@ -56,8 +56,7 @@ class PrefillWorker(EngineWorker):
         # blocks still being read by writes) plus the prefix cache.
         working = 2 * -(-max(runner.max_model_len, self.config.max_num_batched_tokens) // bs)
         self._layout(working + settings.prefix_cache_tokens // bs)
-        memory = KVPoolMemory.allocate(self.layout, device=str(runner.device))
-        memory.heads = runner.kv_heads
+        memory = KVPoolMemory.allocate(self.layout, device=str(runner.device), heads=runner.kv_heads)
         self.transports = open_transports(settings.kv_transport, settings.transport_options(),
                                           drop_rate=settings.fault_drop_transfers, device=str(runner.device))
         for t in self.transports.values():

@@ -252,8 +252,8 @@ class Follower:
             shm = self.transports.pop("shm", None)
             if shm is not None:
                 shm.shutdown()
-        self.pool = KVPoolMemory.allocate(layout, shared=bool(shared), device=str(self.runner.device))
-        self.pool.heads = self.runner.kv_heads
+        self.pool = KVPoolMemory.allocate(layout, shared=bool(shared), device=str(self.runner.device),
+                                          heads=self.runner.kv_heads)
         compat = data.decode()
         offers = [(name, t.register(self.pool, compat)) for name, t in self.transports.items()]
         self.writer.transports, self.writer.compat_hash = self.transports, compat

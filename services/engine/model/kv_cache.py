@@ -94,19 +94,21 @@ class KVPoolMemory:
     """The tensor behind a block pool; `path` is set when it is shared memory."""
 
     def __init__(self, layout: KVLayout, tensor: torch.Tensor, path: Path | None = None,
-                 owner: bool = True) -> None:
+                 owner: bool = True, heads: range | None = None) -> None:
         self.layout = layout
         self.tensor = tensor
         self.path = path
         self._owner = owner
         # The model's KV heads this pool holds: all of them, or a tensor-parallel rank's
         # (services/engine/model/parallel.py); writers of another split read it.
-        self.heads = range(layout.num_kv_heads)
+        self.heads = range(layout.num_kv_heads) if heads is None else heads
 
     @classmethod
-    def allocate(cls, layout: KVLayout, shared: bool = False, device: str = "cpu") -> "KVPoolMemory":
+    def allocate(cls, layout: KVLayout, shared: bool = False, device: str = "cpu",
+                 heads: range | None = None) -> "KVPoolMemory":
+        """`heads`: the model's KV heads it holds (a tensor-parallel rank's; None: all)."""
         if not shared:
-            return cls(layout, torch.zeros(layout.shape, dtype=layout.torch_dtype, device=device))
+            return cls(layout, torch.zeros(layout.shape, dtype=layout.torch_dtype, device=device), heads=heads)
         nbytes = layout.numel() * torch.empty((), dtype=layout.torch_dtype).element_size()
         free = shm_free_bytes()
         if free < nbytes:
@@ -125,7 +127,7 @@ class KVPoolMemory:
             path.unlink(missing_ok=True)
             raise MemoryError(f"cannot reserve {nbytes / 2**20:.0f} MiB in {SHM_DIR}: {exc}") from None
         os.close(fd)
-        memory = cls(layout, cls._map(path, layout), path, owner=True)
+        memory = cls(layout, cls._map(path, layout), path, owner=True, heads=heads)
         # tmpfs zeroes a reserved page on its first touch; touch them all now, so no
         # writer (a prefill worker mid-transfer) pays for that.
         memory.tensor.zero_()
