@@ -1,7 +1,8 @@
-"""Which bfloat16 matmuls a CPU worker runs (services/engine/model/kernel_choice.py):
-asked for, the CPU's rule where only one path runs, or measured at start on the
-model's own first layer, the rule kept unless the other path is clearly faster, and
-the first measurement on a machine kept for every later start."""
+"""Which bfloat16 matmuls and prefill attention a CPU worker runs
+(services/engine/model/kernel_choice.py): asked for, the CPU's rule where only one path
+runs, or measured at start on the model's own first layer, the rule kept unless the
+other path is clearly faster, and the first measurement on a machine kept for every
+later start."""
 from __future__ import annotations
 
 import json
@@ -53,6 +54,14 @@ def test_the_first_measurement_on_a_machine_is_kept(tmp_path):
     assert len(calls) == 3
 
 
+def test_prefill_attention_native_is_asked_for_else_measured_at_prompt_lengths():
+    calls = []
+    assert kernel_choice.choose_prefill_attention("native", False, "prefill", _measured(9.0, calls)).native
+    choice = kernel_choice.choose_prefill_attention("auto", False, "prefill", _measured(0.5, calls))
+    assert choice.native and "SDPA" in choice.reason and calls == [kernel_choice.PROMPT_TOKENS["prefill"]]
+    assert kernel_choice.choose_prefill_attention("auto", True, "decode", None).native
+
+
 @pytest.mark.skipif("avx512_bf16" not in cpu_flags(),
                     reason=f"pdserve's bfloat16 matmuls need AVX512-BF16; this CPU is {cpu_kind()}")
 def test_a_worker_measures_its_own_layers_or_takes_the_path_asked_for(model_dir, tmp_path):
@@ -66,6 +75,9 @@ def test_a_worker_measures_its_own_layers_or_takes_the_path_asked_for(model_dir,
     assert native.decoder is not None and "native bf16 matmul" in native.fusions
     auto = ModelRunner(model_dir, "bfloat16", "cpu", kernel_cache=tmp_path, role="prefill")
     assert "measured: ours" in auto.backend.matmul_choice.reason
-    assert len(list((tmp_path / "matmul-choice").iterdir())) == 1
+    assert "measured: ours" in auto.backend.prefill_choice.reason and "prompt tokens" in auto.describe()
+    again = ModelRunner(model_dir, "bfloat16", "cpu", kernel_cache=tmp_path, role="prefill").backend
+    assert "kept from the first start" in again.matmul_choice.reason
+    assert "kept from the first start" in again.prefill_choice.reason
     with pytest.raises(ValueError, match="--matmul-kernel native"):
         ModelRunner(model_dir, "float32", "cpu", kernel_cache=tmp_path, matmul="native")

@@ -66,8 +66,9 @@ class EngineSettings:
                                   "too small to gain from them, runs without them (0: all are its own; `up` sets "
                                   "it for a prefill worker lent the decode cores)")
     attention_kernel: str = setting("auto", "attention: native (C kernels built on first use; CPU), torch "
-                                            "(torch's own ops), or auto (native where it is faster on a CPU; "
-                                            "Triton paged kernels on a GPU)",
+                                            "(torch's own ops), or auto (native where it is faster on a CPU: "
+                                            "bfloat16 prefill measured at start against torch's SDPA; Triton "
+                                            "paged kernels on a GPU)",
                                     choices=ATTENTION_KERNELS)
     matmul_kernel: str = setting("auto", "bfloat16 matmuls on a CPU with AVX512-BF16: native (pdserve's, and a "
                                          "decode step's layers in one call), onednn (torch's; AMX tiles where the CPU "

@@ -131,18 +131,21 @@ class CpuBackend(TorchBackend):
 
     def __init__(self, device: torch.device, dtype: torch.dtype, attention: NativeAttention | None,
                  layers: NativeLayers | None, matmul: NativeMatmul | None,
-                 build_decoder: Callable[[], Path | None] = lambda: None) -> None:
+                 build_decoder: Callable[[], Path | None] = lambda: None,
+                 prefill_choice: kernel_choice.KernelChoice | None = None) -> None:
         super().__init__(device)
         self.attention = attention
         self.layers = layers
         self.matmul = matmul
         self._build_decoder = build_decoder
-        # bfloat16 prefill in the native kernel on CPUs with AVX512-BF16 and no AMX (with
-        # AMX, torch's SDPA is faster)
+        # bfloat16 prefill attention in the native kernel where `prefill_choice` says so
+        # (kernel_choice.py; the rule: CPUs with AVX512-BF16 and no AMX, where torch's
+        # SDPA on AMX tiles is faster)
+        self.prefill_choice = prefill_choice
         self.native_prefill = (attention is not None and attention.prefills and dtype == torch.bfloat16
-                               and cpu_kernels(cpu_flags()).bf16_prefill)
+                               and prefill_choice is not None and prefill_choice.native)
 
-    matmul_choice: kernel_choice.MatmulChoice | None = None      # bfloat16 matmuls: whose, and why
+    matmul_choice: kernel_choice.KernelChoice | None = None      # bfloat16 matmuls: whose, and why
 
     @property
     def decode_kernel(self) -> str:
@@ -150,7 +153,8 @@ class CpuBackend(TorchBackend):
 
     @property
     def prefill_kernel(self) -> str:
-        return "native" if self.native_prefill else "torch SDPA"
+        kernel = "native" if self.native_prefill else "torch SDPA"
+        return kernel if self.prefill_choice is None else f"{kernel} ({self.prefill_choice.reason})"
 
     def _layers(self, model: nn.Module):
         """Norms and activations in the native kernels in bfloat16; float32 keeps torch's
@@ -252,6 +256,10 @@ class CudaBackend(TorchBackend):
         gpu_kernels.paged_decode(q, b.kv[layer], g.block_table, g.context_lens, scale, g.splits, g.scratch, out=out)
 
 
+# Under the kernel cache: the kernels measured at a worker's start, one file each (kernel_choice.py).
+CHOICES = "kernel-choice"
+
+
 def _built(load: Callable[[Path], T], kernel_cache: Path, attention: str, otherwise: str) -> T | None:
     """`load(kernel_cache)`, or None with a warning saying what runs `otherwise`; with
     `--attention-kernel native`, a build failure is the caller's error."""
@@ -301,19 +309,28 @@ def select(attention: str, device: torch.device, dtype: torch.dtype, quantizatio
             weights = None if probe is None else kernel_choice.projections(probe)
             choice = kernel_choice.choose(matmul_kernel, kinds.bf16_matmul, role,
                                           _measure(matmul, weights) if fusion.packs_bf16() else None,
-                                          kernel_cache / "matmul-choice",
-                                          tuple(tuple(w.shape) for w in weights or ()))
+                                          kernel_cache / CHOICES, tuple(tuple(w.shape) for w in weights or ()))
             matmul.bf16 = choice.native
             log.info("bfloat16 matmuls: %s (%s)", "pdserve's" if choice.native else "oneDNN's", choice.reason)
             if not (matmul.bf16 or matmul.int8 or matmul.f32):
                 matmul = None
     if choice is None and matmul_kernel == "onednn" and dtype == torch.bfloat16:
-        choice = kernel_choice.MatmulChoice(False, "asked for")
+        choice = kernel_choice.KernelChoice(False, "asked for")
     if matmul_kernel == "native" and (choice is None or not choice.native):
         raise ValueError("--matmul-kernel native: pdserve's matmuls run in bfloat16 on a CPU with AVX512-BF16 "
                          f"(not {dtype_name or dtype} here, or no AVX512-BF16)")
+    prefill = None
+    if native is not None and native.prefills and dtype == torch.bfloat16:
+        shape = None if probe is None else kernel_choice.attention_shape(probe)
+        prefill = kernel_choice.choose_prefill_attention(
+            attention, kinds.bf16_prefill, role,
+            None if shape is None else (lambda tokens: kernel_choice.time_prefill_attention(native, shape, tokens)),
+            kernel_cache / CHOICES, shape or ())
+        log.info("bfloat16 prefill attention: %s (%s)", "pdserve's" if prefill.native else "torch's SDPA",
+                 prefill.reason)
     backend = CpuBackend(device, dtype, native, layers, matmul,
-                         lambda: _built(load_decoder, kernel_cache, "auto", "decode steps call their layers one by one"))
+                         lambda: _built(load_decoder, kernel_cache, "auto", "decode steps call their layers one by one"),
+                         prefill)
     backend.matmul_choice = choice
     return backend
 

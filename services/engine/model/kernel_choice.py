@@ -1,21 +1,24 @@
-"""Which bfloat16 matmuls a CPU worker runs, measured at start where more than one can.
+"""Which bfloat16 kernels a CPU worker runs, measured at start where more than one can.
 
 On a CPU with AVX512-BF16, pdserve's own matmul kernels (`NativeMatmul`, `vdpbf16ps`;
 with them a decode step's layers run in one native call) and oneDNN's (through torch,
-weights packed once; on AMX tiles where the CPU has them) both run. Which is faster
-depends on the CPU and on the rows a worker multiplies: a decode worker's few rows are
-memory-bound, a prefill worker's hundreds compute-bound. The static rule
-(`hardware.CpuKernels.bf16_matmul`: ours without AMX, oneDNN with it) was measured on
-one CPU of each kind; `--matmul-kernel auto` measures instead, at worker start, the
-model's own first-layer projections (q|k|v, o, gate|up, down: its real weights, up to
-MAX_COLUMNS outputs each) through both, at the rows of the worker's role, on the worker's threads. The
-static rule's choice stands unless the other is at least `MARGIN` faster, and the
-first measurement is kept (`remembered`, in the kernel cache, by CPU model, shapes,
-rows, threads and torch version): every later start on that machine takes the same
-path, with no noise to flip it and no time spent. Delete the file, or pass
-`--matmul-kernel`, to choose again. The time of our path leaves out what the one-call
-decode step saves besides (~180 us of dispatch a layer), so a decode worker leans to
-oneDNN, if anything.
+weights packed once; on AMX tiles where the CPU has them) both run, and so do pdserve's
+bfloat16 prefill attention and torch's SDPA (oneDNN's flash attention). Which is faster
+depends on the CPU and on the sizes a worker computes: a decode worker's few rows are
+memory-bound, a prefill worker's hundreds compute-bound. The static rules
+(`hardware.CpuKernels`: ours without AMX, the library's with it) were measured on one
+CPU of each kind; `auto` measures instead, at worker start, at the sizes of the
+worker's role, on its threads:
+- matmuls (`--matmul-kernel auto`): the model's own first-layer projections (q|k|v, o,
+  gate|up, down: its real weights, up to MAX_COLUMNS outputs each) through both;
+- prefill attention (`--attention-kernel auto`): one layer's causal attention in the
+  model's head shape over prompts of PROMPT_TOKENS, through both.
+The rule's choice stands unless the other is at least `MARGIN` faster, and the first
+measurement is kept (`remembered`, in the kernel cache, by CPU model and flags, torch,
+threads, sizes and shapes): every later start on that machine takes the same path, with
+no noise to flip it and no time spent. Delete the file, or pass the setting, to choose
+again. The time of our matmuls leaves out what the one-call decode step saves besides
+(~180 us of dispatch a layer), so a decode worker leans to oneDNN, if anything.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from services.common.settings import MATMUL_KERNELS
@@ -40,16 +44,19 @@ ROWS = {"decode": (1, 8, 32), "prefill": (256, 512), "": (1, 8, 32, 256, 512)}
 # Output columns measured of each projection at most: a matmul's time grows in
 # proportion past a few hundred, and a large model's layer must not take seconds.
 MAX_COLUMNS = 1024
+# Prompt tokens a worker's prefill attention takes at once: a decode worker's chunks and
+# short prompts, a prefill worker's prompts; aggregated, both.
+PROMPT_TOKENS = {"decode": (64, 256), "prefill": (256, 512), "": (64, 256, 512)}
 # The other path is taken only when its time is under this share of the rule's.
 MARGIN = 0.9
 REPEATS = 5
 
 
 @dataclass(frozen=True)
-class MatmulChoice:
-    native: bool                        # pdserve's matmuls (else oneDNN's)
+class KernelChoice:
+    native: bool                        # pdserve's kernel (else the library's: oneDNN, torch's SDPA)
     reason: str
-    ratio: float | None = None          # ours over oneDNN's time, geometric mean over the rows
+    ratio: float | None = None          # ours over theirs in time, geometric mean over the sizes
 
 
 def projections(layer: nn.Module) -> list[torch.Tensor] | None:
@@ -63,30 +70,63 @@ def projections(layer: nn.Module) -> list[torch.Tensor] | None:
         return None
 
 
+def _seconds(run: Callable[[], object], repeats: int) -> float:
+    """The median time of `repeats` calls of `run`, after a warm-up."""
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
 def time_path(make: Callable[[torch.Tensor], nn.Module], weights: list[torch.Tensor], rows: tuple[int, ...],
               repeats: int = REPEATS) -> list[float]:
     """Seconds one pass over `weights`' linears (each made by `make`) takes at each row
-    count: the median of `repeats` after a warm-up."""
+    count."""
     linears = [make(w.detach()[:MAX_COLUMNS]) for w in weights]
     out = []
     with torch.inference_mode():
         for m in rows:
             xs = [torch.randn(1, m, lin.in_features, dtype=torch.bfloat16) for lin in linears]
-            times = []
-            for _ in range(repeats + 1):
-                t0 = time.perf_counter()
-                for lin, x in zip(linears, xs):
-                    lin(x)
-                times.append(time.perf_counter() - t0)
-            out.append(statistics.median(times[1:]))
+            out.append(_seconds(lambda: [lin(x) for lin, x in zip(linears, xs)], repeats))
     return out
+
+
+def attention_shape(layer: nn.Module) -> tuple[int, int, int, float] | None:
+    """(heads, KV heads, head size, scale) of a Llama-family layer's attention; None for
+    another kind of layer."""
+    attn = getattr(layer, "self_attn", None)
+    try:
+        dim = attn.head_dim
+        return attn.q_proj.out_features // dim, attn.k_proj.out_features // dim, dim, float(attn.scaling)
+    except AttributeError:
+        return None
+
+
+def time_prefill_attention(native, shape: tuple[int, int, int, float], tokens: tuple[int, ...],
+                           repeats: int = REPEATS) -> tuple[list[float], list[float]]:
+    """Seconds of one layer's causal attention over a prompt of each length in `tokens`
+    (no cached prefix), through pdserve's kernel (`NativeAttention.prefill`) and torch's
+    SDPA: (ours, SDPA's)."""
+    heads, kv_heads, dim, scale = shape
+    threads = torch.get_num_threads()
+    ours, sdpa = [], []
+    with torch.inference_mode():
+        for n in tokens:
+            q, k, v = (torch.randn(n, h, dim, dtype=torch.bfloat16) for h in (heads, kv_heads, kv_heads))
+            qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            ours.append(_seconds(lambda: native.prefill(q, k, v, 0, scale, threads), repeats))
+            sdpa.append(_seconds(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
+                                                                         enable_gqa=True), repeats))
+    return ours, sdpa
 
 
 Measure = Callable[[tuple[int, ...]], tuple[list[float], list[float]]]
 
 
 def choose(requested: str, rule: bool, role: str, measure: Measure | None, remembered: Path | None = None,
-           shapes: tuple = ()) -> MatmulChoice:
+           shapes: tuple = ()) -> KernelChoice:
     """`--matmul-kernel requested` for a worker of `role` whose CPU's static rule says
     `rule` (ours, or not); `measure(rows)` gives (ours, oneDNN's) seconds at each row
     count, or is None where only one path runs. A measurement is kept under the folder
@@ -94,23 +134,41 @@ def choose(requested: str, rule: bool, role: str, measure: Measure | None, remem
     if requested not in MATMUL_KERNELS:
         raise ValueError(f"matmul kernel must be one of {', '.join(MATMUL_KERNELS)}, not {requested!r}")
     if requested != "auto":
-        return MatmulChoice(requested == "native", "asked for")
+        return KernelChoice(requested == "native", "asked for")
+    return measured(rule, ROWS.get(role, ROWS[""]), "rows", "oneDNN", measure, remembered, ("matmul", shapes))
+
+
+def choose_prefill_attention(requested: str, rule: bool, role: str, measure: Measure | None,
+                             remembered: Path | None = None, shape: tuple = ()) -> KernelChoice:
+    """bfloat16 prefill attention under `--attention-kernel requested` ("native" insists
+    on ours; "auto" measures where both run), for a worker of `role` whose CPU's rule
+    says `rule`."""
+    if requested == "native":
+        return KernelChoice(True, "asked for")
+    return measured(rule, PROMPT_TOKENS.get(role, PROMPT_TOKENS[""]), "prompt tokens", "torch's SDPA", measure,
+                    remembered, ("prefill attention", shape))
+
+
+def measured(rule: bool, sizes: tuple[int, ...], unit: str, theirs: str, measure: Measure | None,
+             remembered: Path | None, key: tuple) -> KernelChoice:
+    """Ours or `theirs`: the static `rule` unless `measure(sizes)` finds the other path
+    clearly faster (MARGIN); the rule where nothing can be measured. The first
+    measurement is kept under `remembered` by `key` and this machine."""
     if measure is None:
-        return MatmulChoice(rule, "this CPU's rule (one path runs here, or the model's layers are of another kind)")
-    rows = ROWS.get(role, ROWS[""])
-    path = None if remembered is None else remembered / f"{_key(rule, rows, shapes)}.json"
+        return KernelChoice(rule, "this CPU's rule (one path runs here, or the model's layers are of another kind)")
+    path = None if remembered is None else remembered / f"{_key(rule, sizes, key)}.json"
     if path is not None and path.exists():
         try:
-            kept = MatmulChoice(**json.loads(path.read_text()))
-            return MatmulChoice(kept.native, f"{kept.reason}; kept from the first start on this machine", kept.ratio)
+            kept = KernelChoice(**json.loads(path.read_text()))
+            return KernelChoice(kept.native, f"{kept.reason}; kept from the first start on this machine", kept.ratio)
         except (OSError, ValueError, TypeError):
             pass                                # unreadable: measured again
-    ours, theirs = measure(rows)
-    ratio = statistics.geometric_mean([a / b for a, b in zip(ours, theirs)])
+    ours, other = measure(sizes)
+    ratio = statistics.geometric_mean([a / b for a, b in zip(ours, other)])
     native = ratio <= 1 / MARGIN if rule else ratio < MARGIN
-    at = ", ".join(str(m) for m in rows)
-    choice = MatmulChoice(native, f"measured: ours {ratio:.2f}x oneDNN's time at {at} rows "
-                                  f"(this CPU's rule: {'ours' if rule else 'oneDNN'})", round(ratio, 4))
+    at = ", ".join(str(m) for m in sizes)
+    choice = KernelChoice(native, f"measured: ours {ratio:.2f}x {theirs}'s time at {at} {unit} "
+                                  f"(this CPU's rule: {'ours' if rule else theirs})", round(ratio, 4))
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -122,12 +180,12 @@ def choose(requested: str, rule: bool, role: str, measure: Measure | None, remem
     return choice
 
 
-def _key(rule: bool, rows: tuple[int, ...], shapes: tuple) -> str:
-    """This machine (CPU model and flags), torch, threads, rows and shapes, hashed."""
+def _key(rule: bool, sizes: tuple[int, ...], key: tuple) -> str:
+    """This machine (CPU model and flags), torch, threads, the sizes and `key`, hashed."""
     try:
         model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                       if line.startswith("model name")), "")
     except OSError:
         model = ""
-    what = [model, cpu_kind(), sorted(cpu_flags()), torch.__version__, torch.get_num_threads(), rule, rows, shapes]
+    what = [model, cpu_kind(), sorted(cpu_flags()), torch.__version__, torch.get_num_threads(), rule, sizes, key]
     return f"{cpu_kind()}-" + hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:16]
