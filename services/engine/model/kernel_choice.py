@@ -60,12 +60,15 @@ class KernelChoice:
 
 
 def projections(layer: nn.Module) -> list[torch.Tensor] | None:
-    """A Llama-family decoder layer's projection weights as the fused layers hold them:
-    q|k|v, o, gate|up, down. None for another kind of layer."""
+    """A Llama-family decoder layer's projection weights as the fused layers hold them
+    (q|k|v, o, gate|up, down), their first MAX_COLUMNS outputs each. None for another
+    kind of layer."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     try:
-        return [torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), attn.o_proj.weight,
-                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight]
+        parts = [(attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,), (mlp.gate_proj, mlp.up_proj),
+                 (mlp.down_proj,)]
+        # sliced before they are joined: a large model's whole gate|up is hundreds of MB
+        return [torch.cat([m.weight.detach()[:MAX_COLUMNS] for m in linears])[:MAX_COLUMNS] for linears in parts]
     except AttributeError:
         return None
 
@@ -82,9 +85,9 @@ def _seconds(run: Callable[[], object], repeats: int) -> float:
 
 def time_path(make: Callable[[torch.Tensor], nn.Module], weights: list[torch.Tensor], rows: tuple[int, ...],
               repeats: int = REPEATS) -> list[float]:
-    """Seconds one pass over `weights`' linears (each made by `make`) takes at each row
-    count."""
-    linears = [make(w.detach()[:MAX_COLUMNS]) for w in weights]
+    """Seconds one pass over `weights`' linears (each made by `make`; `projections`)
+    takes at each row count."""
+    linears = [make(w) for w in weights]
     out = []
     with torch.inference_mode():
         for m in rows:
