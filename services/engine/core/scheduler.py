@@ -274,13 +274,9 @@ class Scheduler:
             if not self._admit(seq):
                 break
             priority = seq.priority
-            self.waiting.remove(seq)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
             # capped, and no prompt tokens in the step yet: a short prompt may go whole
             whole = prompts == capped and len(seq.token_ids) - seq.num_computed <= self.config.mixed_whole_prompt
-            n = self._chunk_len(seq, budget, budget if whole else prompts)
-            plan._add(Chunk(seq, seq.num_computed, n))
+            n = self._start(seq, plan, budget, budget if whole else prompts)
             budget -= n
             prompts -= n if n > 1 else 0
         return plan
@@ -299,13 +295,18 @@ class Scheduler:
                 break
             if not self._admit(seq):
                 break
-            self.waiting.remove(seq)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            n = self._chunk_len(seq, budget, budget)
-            plan._add(Chunk(seq, seq.num_computed, n))
-            budget -= n
+            budget -= self._start(seq, plan, budget, budget)
         return plan
+
+    def _start(self, seq: Sequence, plan: StepPlan, budget: int, prompts: int) -> int:
+        """An admitted waiting sequence starts running with its first chunk in `plan`
+        (`_chunk_len`'s tokens under `budget` and `prompts`); returns the chunk's tokens."""
+        self.waiting.remove(seq)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        n = self._chunk_len(seq, budget, prompts)
+        plan._add(Chunk(seq, seq.num_computed, n))
+        return n
 
     def _next_waiting(self) -> Sequence:
         """The oldest waiting sequence of the most urgent priority (lowest; 0 is the
