@@ -6,10 +6,12 @@ later start."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
+import torch
 
-from services.engine.model import kernel_choice
+from services.engine.model import backends, kernel_choice
 from services.engine.model.hardware import cpu_flags, cpu_kind
 from services.engine.model.runner import ModelRunner
 
@@ -18,7 +20,7 @@ def _measured(ratio: float, calls: list | None = None):
     def measure(rows):
         if calls is not None:
             calls.append(rows)
-        return [ratio] * len(rows), [1.0] * len(rows)
+        return [ratio] * len(rows)
     return measure
 
 
@@ -52,6 +54,26 @@ def test_the_first_measurement_on_a_machine_is_kept(tmp_path):
     kept.write_text("{not json")
     assert kernel_choice.choose("auto", True, "decode", _measured(0.5, calls), tmp_path, ((64, 32),)).native
     assert len(calls) == 3
+
+
+def test_a_load_that_starts_midway_is_charged_to_neither_path():
+    """Both paths take the same time; from the fifth call on, everything takes three
+    times as long (another worker starting beside this one). Timing one path after the
+    other would call ours 3x theirs; paired rounds see them alike."""
+    calls = [0]
+
+    def path():
+        calls[0] += 1
+        time.sleep(0.004 * (3 if calls[0] > 4 else 1))
+    ratio = kernel_choice.paired_ratio(path, path, repeats=7)
+    assert 0.75 < ratio < 1.33 and calls[0] == 16
+
+
+def test_a_worker_with_lent_cores_measures_on_its_own_threads():
+    before = torch.get_num_threads()
+    seen = backends._on_threads(1, lambda sizes: [float(torch.get_num_threads())] * len(sizes))((1, 8))
+    assert seen == [1.0, 1.0] and torch.get_num_threads() == before
+    assert backends._on_threads(1, None) is None
 
 
 def test_prefill_attention_native_is_asked_for_else_measured_at_prompt_lengths():

@@ -54,13 +54,13 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol, TypeVar
+from typing import Callable, Protocol, TypeVar
 
 import torch
 
 from services.engine.model.device import HostCopy, LayerPoster, to_device
+from services.engine.model.hardware import threads_at_most
 from services.engine.model.kv_cache import KVPoolMemory
 from services.engine.model.runner import ForwardBatch, ModelRunner, PrefillSegment
 from services.engine.model.sampler import Sampled, as_token_logprobs, choose, logprob_tensors, read_sampled, to_read
@@ -140,20 +140,6 @@ class StepHooks(Protocol):
 # with a thread on the busy decode core) its 10-token passes took 36 ms p50 against ~14
 # on one idle core; another key's first token came p50 77 -> 57 ms (median of 3 runs each).
 SMALL_STEP_TOKENS = 128
-
-
-@contextmanager
-def threads_at_most(n: int) -> Iterator[None]:
-    """torch's threads on the calling thread cut to `n` for the block (0: as they are)."""
-    before = torch.get_num_threads() if n > 0 else 0
-    if not 0 < n < before:
-        yield
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @dataclass(frozen=True)

@@ -163,7 +163,7 @@ async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]
     ranks = start_ranks(settings, model_dir) if settings.tensor_parallel_size > 1 else None
     device = str(rank_device(settings.device, 0)) if ranks is not None else settings.device
     runner = ModelRunner(model_dir, settings.dtype, device, attention=settings.attention_kernel,
-                         matmul=settings.matmul_kernel, role=settings.role,
+                         matmul=settings.matmul_kernel, role=settings.role, own_threads=settings.own_threads,
                          max_model_len=settings.max_model_len, quantization=settings.quantization,
                          cuda_graphs=not (settings.enforce_eager or (ranks is not None and ranks.group.shared)),
                          max_batch=settings.max_batch, group=ranks.group if ranks is not None else None)

@@ -33,7 +33,7 @@ from services.engine.model.attention import (DecodeGroup, GPUDecode, NativeDecod
                                              decode_attention, length_groups, prefill_attention, write)
 from services.engine.model.cuda_graphs import capture_sizes
 from services.engine.model.device import to_device
-from services.engine.model.hardware import cpu_flags, cpu_kernels
+from services.engine.model.hardware import cpu_flags, cpu_kernels, threads_at_most
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -274,12 +274,14 @@ def _built(load: Callable[[Path], T], kernel_cache: Path, attention: str, otherw
 
 def select(attention: str, device: torch.device, dtype: torch.dtype, quantization: str,
            kernel_cache: Path, dtype_name: str = "", matmul_kernel: str = "auto", probe: nn.Module | None = None,
-           role: str = "") -> TorchBackend:
+           role: str = "", own_threads: int = 0) -> TorchBackend:
     """The backend for `--attention-kernel attention` ("auto", "native" or "torch") on
     `device` in `dtype`. "native" insists on the native CPU kernels (ValueError or
     NativeBuildError where they cannot run); "auto" takes them where they apply.
     bfloat16 matmuls follow `--matmul-kernel matmul_kernel` (kernel_choice.py), measured
-    on `probe` (the model's first decoder layer) at the rows of a worker of `role`."""
+    on `probe` (the model's first decoder layer) at the rows of a worker of `role`, on
+    `own_threads` of torch's threads (0: all; a worker with threads on cores lent to it
+    measures on those of its own)."""
     if attention not in ATTENTION_KERNELS:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_KERNELS)}, not {attention!r}")
     if attention == "torch":
@@ -308,7 +310,8 @@ def select(attention: str, device: torch.device, dtype: torch.dtype, quantizatio
         if dtype == torch.bfloat16 and matmul.bf16:
             weights = None if probe is None else kernel_choice.projections(probe)
             choice = kernel_choice.choose(matmul_kernel, kinds.bf16_matmul, role,
-                                          _measure(matmul, weights) if fusion.packs_bf16() else None,
+                                          _on_threads(own_threads, _measure(matmul, weights))
+                                          if fusion.packs_bf16() else None,
                                           kernel_cache / CHOICES, tuple(tuple(w.shape) for w in weights or ()))
             matmul.bf16 = choice.native
             log.info("bfloat16 matmuls: %s (%s)", "pdserve's" if choice.native else "oneDNN's", choice.reason)
@@ -324,7 +327,8 @@ def select(attention: str, device: torch.device, dtype: torch.dtype, quantizatio
         shape = None if probe is None else kernel_choice.attention_shape(probe)
         prefill = kernel_choice.choose_prefill_attention(
             attention, kinds.bf16_prefill, role,
-            None if shape is None else (lambda tokens: kernel_choice.time_prefill_attention(native, shape, tokens)),
+            None if shape is None else _on_threads(own_threads, lambda tokens: kernel_choice.compare_prefill_attention(
+                native, shape, tokens)),
             kernel_cache / CHOICES, shape or ())
         log.info("bfloat16 prefill attention: %s (%s)", "pdserve's" if prefill.native else "torch's SDPA",
                  prefill.reason)
@@ -336,13 +340,20 @@ def select(attention: str, device: torch.device, dtype: torch.dtype, quantizatio
 
 
 def _measure(matmul: NativeMatmul, weights: list[torch.Tensor] | None) -> kernel_choice.Measure | None:
-    """Seconds of a layer's projections `weights` through our matmuls and oneDNN's, at
-    given rows (kernel_choice.choose's `measure`); None without weights our matmuls take."""
+    """Our time over oneDNN's for a layer's projections `weights`, at given rows
+    (kernel_choice.choose's `measure`); None without weights our matmuls take."""
     if weights is None or not all(fusion.NativeLinear.fits(w) for w in weights):
         return None
+    return lambda rows: kernel_choice.compare_paths(lambda w: fusion.NativeLinear(w, None, matmul),
+                                                    lambda w: fusion.PackedLinear(w, None), weights, rows)
 
-    def measure(rows: tuple[int, ...]) -> tuple[list[float], list[float]]:
-        ours = kernel_choice.time_path(lambda w: fusion.NativeLinear(w, None, matmul), weights, rows)
-        theirs = kernel_choice.time_path(lambda w: fusion.PackedLinear(w, None), weights, rows)
-        return ours, theirs
-    return measure
+
+def _on_threads(n: int, measure: kernel_choice.Measure | None) -> kernel_choice.Measure | None:
+    """`measure` run on `n` of torch's threads (0: all of them)."""
+    if measure is None:
+        return None
+
+    def on(sizes: tuple[int, ...]) -> list[float]:
+        with threads_at_most(n):
+            return measure(sizes)
+    return on

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import functools
 import platform
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -99,3 +101,17 @@ def pick_dtype(requested: str, device: torch.device, flags: frozenset[str] | Non
         return DtypeChoice("bfloat16", f"auto: this CPU ({kind}) computes bfloat16 natively")
     return DtypeChoice("float32", f"auto: this CPU ({kind}) has no native bfloat16, which torch would emulate "
                                   f"many times slower than float32")
+
+
+@contextmanager
+def threads_at_most(n: int) -> Iterator[None]:
+    """torch's threads on the calling thread cut to `n` for the block (0: as they are)."""
+    before = torch.get_num_threads() if n > 0 else 0
+    if not 0 < n < before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

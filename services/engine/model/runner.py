@@ -96,13 +96,13 @@ class ModelRunner:
                  attention: str = "auto", kernel_cache: Path | None = None, max_model_len: int = 0,
                  quantization: str = "none", cuda_graphs: bool = True, max_batch: int = 64,
                  model: torch.nn.Module | None = None, group: RankGroup | None = None, matmul: str = "auto",
-                 role: str = "") -> None:
+                 role: str = "", own_threads: int = 0) -> None:
         """`model`: an already built model (random weights of a real shape, for
         benchmarks) instead of loading `model_dir`'s; `max_batch`: the largest decode
         step captured as a CUDA graph; `group`: this rank's place among a worker's
         tensor-parallel ranks (parallel.py), its shard of the model kept; `matmul`:
-        --matmul-kernel, measured at the rows a worker of `role` multiplies
-        (kernel_choice.py)."""
+        --matmul-kernel, measured at the rows a worker of `role` multiplies, on
+        `own_threads` of torch's threads (0: all; kernel_choice.py)."""
         from transformers import AutoConfig, AutoModelForCausalLM
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {quantization!r}")
@@ -159,7 +159,7 @@ class ModelRunner:
             kernel_cache = cache_dir()
         layers = getattr(getattr(self.model, "model", None), "layers", None)
         self.backend = backends.select(attention, self.device, self.model.dtype, quantization, kernel_cache,
-                                       self.dtype_name, matmul, layers[0] if layers else None, role)
+                                       self.dtype_name, matmul, layers[0] if layers else None, role, own_threads)
         calibration = None
         if quantization != "none":
             from services.engine.text.tokenizer import load_tokenizer
