@@ -4,8 +4,8 @@ schema describes), and the gRPC Generate API with hypothesis. Every answer must 
 or a clear 4xx (gRPC: a status naming the caller's mistake), never a 5xx, INTERNAL, a
 hang or a dead process; afterwards the cluster still serves and no KV block is held.
 
-`make test` runs PDSERVE_FUZZ_EXAMPLES (default 5) examples per case, the Responses API aside; `make test-slow`
-runs many more. The cluster serves a 48-token context (the chat template alone takes
+`make test` runs PDSERVE_FUZZ_EXAMPLES (default 5) examples per case, the Responses API and
+schemathesis' coverage phase aside; `make test-slow` runs many more, and both. The cluster serves a 48-token context (the chat template alone takes
 ~30), so every valid request is quick.
 """
 from __future__ import annotations
@@ -56,7 +56,13 @@ def fuzz_cluster(model_dir):
 
 @pytest.fixture(scope="module")
 def api_schema(fuzz_cluster):
-    return schemathesis.openapi.from_url(f"{fuzz_cluster.http}/openapi.json")
+    schema = schemathesis.openapi.from_url(f"{fuzz_cluster.http}/openapi.json")
+    if "PDSERVE_FUZZ_EXAMPLES" not in os.environ:
+        # Schemathesis' coverage phase (every field's boundaries, whatever the examples:
+        # ~40 s for the chat API alone) runs under make test-slow; by default, the
+        # schema's examples and PDSERVE_FUZZ_EXAMPLES fuzzed cases.
+        schema.config.phases.update(phases=["examples", "fuzzing"])
+    return schema
 
 
 schema = schemathesis.pytest.from_fixture("api_schema")
