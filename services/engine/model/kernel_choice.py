@@ -17,7 +17,7 @@ timing both paths back to back in each round (`paired_ratio`):
   model's head shape over prompts of PROMPT_TOKENS, through both.
 Timed one path after the other, on two threads, while the decode worker measured on
 the core the second thread shares, a prefill worker once found ours 1.47x oneDNN's
-(0.98-1.00x on an idle machine) and kept oneDNN: another key's 10-token prompt then
+(0.92-1.00x on an idle machine) and kept oneDNN: another key's 10-token prompt then
 took 35 ms on it, 25 through ours.
 The rule's choice stands unless the other is at least `MARGIN` faster, and the first
 measurement is kept (`remembered`, in the kernel cache, by CPU model and flags, torch,
