@@ -398,6 +398,35 @@ def test_a_prefill_pass_pauses_between_layers_for_a_more_urgent_prompt(runner, m
     assert engine.scheduler.blocks.num_available == 256
 
 
+def test_a_pass_that_yields_is_launched_at_most_a_few_layers_ahead_of_the_device(runner):
+    """On a GPU the host launches a pass's layers far ahead of their computing (no double
+    here models that: the doubles compute on the host, a layer at a time). Launched whole,
+    a pass would be queued before an urgent prompt comes, and the prompt's step would
+    wait for all of it. A pass that yields waits, as it launches layer L's KV write, for
+    layer L - PAUSE_AHEAD_LAYERS's to be done: the urgent step goes in behind at most that
+    many of its layers. A pass that does not yield waits for none (with no KV export,
+    it has no hook at all)."""
+    from services.engine import engine as engine_module
+    from services.engine.core.sequence import StepPlan
+    from services.engine.model.device import Fence
+    waited: list[int] = []
+
+    class Written(Fence):
+        def __init__(self, layer: int) -> None:
+            self.layer = layer
+
+        def wait(self) -> None:
+            waited.append(self.layer)
+    engine, memory = _prefill_engine(runner, 16, yields=True)
+    ahead = engine_module.PAUSE_AHEAD_LAYERS
+    assert engine._layer_hook(StepPlan(), False) is None
+    yielding = engine._layer_hook(StepPlan(), True)
+    for layer in range(8):
+        yielding(layer, Written(layer))
+        assert waited == list(range(max(0, layer + 1 - ahead))), layer
+    memory.close()
+
+
 def test_a_pass_does_not_pause_for_a_prompt_as_urgent_as_its_own(runner, model_dir, expected):
     """Equal priority waits its turn (first come, first served), as does every prompt in
     an engine that does not yield."""

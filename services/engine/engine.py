@@ -140,6 +140,11 @@ class StepHooks(Protocol):
 # with a thread on the busy decode core) its 10-token passes took 36 ms p50 against ~14
 # on one idle core; another key's first token came p50 77 -> 57 ms (median of 3 runs each).
 SMALL_STEP_TOKENS = 128
+# Layers a pass that yields (LLMEngine's `yields`) is launched ahead of the device at
+# most. A GPU computes one layer of a long prompt in about the time the host takes to
+# launch dozens; launched whole, the pass would be queued before an urgent prompt comes,
+# and that prompt would wait for all of it. Two keep a layer queued while the host waits.
+PAUSE_AHEAD_LAYERS = 2
 
 
 @dataclass(frozen=True)
@@ -436,14 +441,21 @@ class LLMEngine:
 
     def _layer_hook(self, plan: StepPlan, pausable: bool) -> Callable[[int, object], None] | None:
         """What the runner calls as each layer's KV write is launched: the KV export's
-        post, and for a pass that yields, a look for urgent prompts."""
+        post, and for a pass that yields, a look for urgent prompts. On a device the host
+        launches ahead of the device; a pass that yields runs at most PAUSE_AHEAD_LAYERS
+        layers ahead (waiting on the fence of the layer that many back), so an urgent
+        prompt's step is queued behind a few of its layers, not behind the whole pass."""
         poster = self._poster
         if not pausable:
             return None if poster is None else (lambda layer, fence: poster(layer, plan, fence))
+        ahead: deque = deque()
 
         def hook(layer: int, fence) -> None:
             if poster is not None:
                 poster(layer, plan, fence)
+            ahead.append(fence)
+            if len(ahead) > PAUSE_AHEAD_LAYERS:
+                ahead.popleft().wait()
             if self._urgent:
                 self._interject()
         return hook
