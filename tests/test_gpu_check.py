@@ -2,7 +2,8 @@
 on this machine, so it runs with --device cpu --quick, which takes every step the GPU run
 takes (a random-weight model with its own tokenizer, a real cluster with NIXL, parity
 against `generate`, concurrent long prompts, NIXL bandwidth, host-only transports refused
-for a device pool) on host memory instead of device memory."""
+for a device pool, a prefill pass pausing for an urgent prompt) on host memory instead of
+device memory."""
 import json
 import subprocess
 import sys
@@ -27,6 +28,7 @@ def test_gpu_check_passes_its_checks_on_the_cpu(model_dir, tmp_path):
     assert doc["api"]["choices_identical"] and doc["api"]["logprob_max_error"] < 1e-4 and doc["api"]["ok"]
     assert all(b["bitwise"] for b in doc["bandwidth"].values())
     assert doc["host_only"]["ok"]
+    assert doc["pause"]["first_tokens_identical"] and doc["pause"]["ok"], doc["pause"]
 
 
 def test_gpu_check_without_a_gpu_says_so():
