@@ -25,10 +25,11 @@ Checks, each a row of the table and of the JSON:
              card, its two ranks sharing it, for correctness only), decode TP half that,
              KV resharded through NIXL: the same parity check as `parity`
   pause      a prefill engine that yields (LLMEngine(yields=True)) on the device, a
-             16-layer model, hidden 1,024: a short prompt more urgent than a long one whose pass has
-             reached a quarter of its layers gets its first token in under half the long
-             pass's time alone (launched whole, it would wait for the rest of the pass),
-             and both first tokens are those each prompt gets alone, float32
+             16-layer model, hidden 1,024: a short prompt more urgent than a long one
+             whose pass has reached a quarter of its layers gets its first token in
+             under half the long pass's time alone (launched whole, it would wait for
+             the rest of the pass), and both first tokens are those each prompt gets
+             alone, float32
 """
 from __future__ import annotations
 
