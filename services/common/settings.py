@@ -370,8 +370,11 @@ class ClusterSettings(RoutingSettings, EngineSettings):
     http_port: int = setting(8000, "OpenAI-compatible HTTP port")
     grpc_port: int = setting(50051, "gRPC Generate API port")
     pin_cpus: bool = setting(True, "pin each disaggregated worker to a core of its own when they fit")
-    lend_decode_cores: bool = setting(True, "with --pin-cpus: each prefill worker also runs a thread on the decode "
-                                            "workers' cores, to use the time decode leaves idle there")
+    lend_decode_cores: bool = setting(False, "with --pin-cpus: each prefill worker also runs a thread on the decode "
+                                             "workers' cores, at a lower priority, to use the time decode leaves "
+                                             "idle there. Off by default: on a 2-core Zen 4 it gained nothing on "
+                                             "vLLM's chat and long presets, and a long pass waits at every barrier "
+                                             "for the thread on a busy decode core")
     prefill_tp: int = setting(0, "prefill workers' --tensor-parallel-size (0: --tensor-parallel-size)",
                               flags=("--prefill-tp",), metavar="P")
     decode_tp: int = setting(0, "decode workers' --tensor-parallel-size (0: --tensor-parallel-size); it may differ "
