@@ -132,20 +132,20 @@ class CpuBackend(TorchBackend):
     def __init__(self, device: torch.device, dtype: torch.dtype, attention: NativeAttention | None,
                  layers: NativeLayers | None, matmul: NativeMatmul | None,
                  build_decoder: Callable[[], Path | None] = lambda: None,
-                 prefill_choice: kernel_choice.KernelChoice | None = None) -> None:
+                 prefill_choice: kernel_choice.KernelChoice | None = None,
+                 matmul_choice: kernel_choice.KernelChoice | None = None) -> None:
         super().__init__(device)
         self.attention = attention
         self.layers = layers
         self.matmul = matmul
         self._build_decoder = build_decoder
+        self.matmul_choice = matmul_choice          # bfloat16 matmuls: whose, and why
         # bfloat16 prefill attention in the native kernel where `prefill_choice` says so
         # (kernel_choice.py; the rule: CPUs with AVX512-BF16 and no AMX, where torch's
         # SDPA on AMX tiles is faster)
         self.prefill_choice = prefill_choice
         self.native_prefill = (attention is not None and attention.prefills and dtype == torch.bfloat16
                                and prefill_choice is not None and prefill_choice.native)
-
-    matmul_choice: kernel_choice.KernelChoice | None = None      # bfloat16 matmuls: whose, and why
 
     @property
     def decode_kernel(self) -> str:
@@ -332,11 +332,9 @@ def select(attention: str, device: torch.device, dtype: torch.dtype, quantizatio
             kernel_cache / CHOICES, shape or ())
         log.info("bfloat16 prefill attention: %s (%s)", "pdserve's" if prefill.native else "torch's SDPA",
                  prefill.reason)
-    backend = CpuBackend(device, dtype, native, layers, matmul,
-                         lambda: _built(load_decoder, kernel_cache, "auto", "decode steps call their layers one by one"),
-                         prefill)
-    backend.matmul_choice = choice
-    return backend
+    return CpuBackend(device, dtype, native, layers, matmul,
+                      lambda: _built(load_decoder, kernel_cache, "auto", "decode steps call their layers one by one"),
+                      prefill, choice)
 
 
 def _measure(matmul: NativeMatmul, weights: list[torch.Tensor] | None) -> kernel_choice.Measure | None:
