@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    from services.engine.model.kv_cache import live_segments
+    from services.common.shm import live_segments
     work = Path(tempfile.mkdtemp(prefix="pdserve-chaos-"))
     announce = work / "cluster.json"
     up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--prefill", "1", "--decode", "2",

@@ -36,10 +36,12 @@ from pathlib import Path
 from typing import Sequence
 
 from services.autoscaler.settings import AutoscalerSettings
+from services.common.budgets import MIXED_PREFILL_AGGREGATED_CPU, token_budget
+from services.common.devices import device_type
 from services.common.security import ClusterSecret, new_secret_file, read_api_keys, redact_url
 from services.common.flags import to_argv
 from services.common.settings import ClusterSettings, WorkerSettings
-from services.engine.model.kv_cache import live_segments
+from services.common.shm import live_segments
 from services.local_processes import (LENT_CORE_NICE, Child, assign_gpus, child_setup, plan_cpus, router_url,
                                       start_private_redis, wait_router_sees)
 
@@ -352,8 +354,7 @@ class LocalCluster:
         one set per worker. A device named by index (cuda:1) is the user's placement."""
         if self.settings.device not in ("auto", "cuda"):
             return 0
-        from services.engine.model.runner import pick_device
-        if pick_device(self.settings.device).type != "cuda":
+        if device_type(self.settings.device) != "cuda":
             return 0
         import torch
         n = torch.cuda.device_count()
@@ -366,7 +367,6 @@ class LocalCluster:
         automatic, a decode worker's step that decodes takes a prompt of up to the token
         budget whole and a longer one 64 tokens at a time (MIXED_PREFILL_AGGREGATED_CPU
         says why)."""
-        from services.worker.main import MIXED_PREFILL_AGGREGATED_CPU, token_budget
         s = self.settings
         overrides = {}
         if role == "decode" and self._aggregated_on_cpu():
@@ -377,8 +377,7 @@ class LocalCluster:
         return s.worker(role, threads=self._threads, redis=redis, cluster_secret_file=secret, **overrides)
 
     def _aggregated_on_cpu(self) -> bool:
-        from services.engine.model.runner import pick_device
-        return self.settings.aggregated and pick_device(self.settings.device).type == "cpu"
+        return self.settings.aggregated and device_type(self.settings.device) == "cpu"
 
     def _default_decode_workers(self, cores: int) -> int:
         """One, except aggregated on CPU: a single-threaded worker per core. Each then

@@ -13,7 +13,7 @@ import grpc
 import httpx
 import pytest
 
-from services.engine.model.kv_cache import live_segments
+from services.common.shm import live_segments
 from services.rpc import worker_pb2, worker_pb2_grpc
 from tests.processes import Services, free_port, spawn_service, terminate, wait_ready, worker_stats
 

@@ -12,7 +12,8 @@ import time
 from kv_transfer.backends import create_transport
 from kv_transfer.base import IncompatiblePeer, TransferError, TransferState, block_runs, wait_for
 from kv_transfer.fake import FakeFabric, FakeTransport
-from services.engine.model.kv_cache import KVLayout, KVPoolMemory, compat_hash, live_segments
+from services.common.shm import live_segments
+from services.engine.model.kv_cache import KVLayout, KVPoolMemory, compat_hash
 
 LAYOUT = KVLayout(num_layers=3, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 

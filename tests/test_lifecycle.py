@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from services.engine.model.kv_cache import live_segments
+from services.common.shm import live_segments
 from tests.processes import pid_alive, start_cluster, stop_cluster
 
 STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]

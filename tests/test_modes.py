@@ -114,8 +114,8 @@ def test_aggregated_on_cpu_takes_short_prompts_whole_and_long_ones_in_chunks_unl
     keep the CPU's 64 and nothing whole, and what the user gives is kept as given."""
     from services.common.settings import ClusterSettings
     from services.local_cluster import LocalCluster
-    from services.worker.main import DECODE_TOKEN_BUDGET, MIXED_PREFILL_AGGREGATED_CPU, MIXED_PREFILL_CPU, \
-        scheduler_config
+    from services.common.budgets import DECODE_TOKEN_BUDGET, MIXED_PREFILL_AGGREGATED_CPU, MIXED_PREFILL_CPU
+    from services.worker.main import scheduler_config
 
     def decode_config(**kw):
         settings = LocalCluster(ClusterSettings(device="cpu", **kw))._worker_settings("decode", None, None)

@@ -126,7 +126,8 @@ def test_which_cpu_kernels_each_cpu_kind_takes(flags, bf16, int8, f32):
 
 
 def test_mixed_prefill_cap_defaults_by_role_and_device():
-    from services.worker.main import MIXED_PREFILL_CPU, MIXED_PREFILL_GPU, scheduler_config
+    from services.common.budgets import MIXED_PREFILL_CPU, MIXED_PREFILL_GPU
+    from services.worker.main import scheduler_config
     decode = WorkerSettings(role="decode")
     assert scheduler_config(decode, "cpu").max_mixed_prefill == MIXED_PREFILL_CPU
     assert scheduler_config(decode, "cuda").max_mixed_prefill == MIXED_PREFILL_GPU
@@ -138,12 +139,13 @@ def test_mixed_prefill_cap_defaults_by_role_and_device():
 
 
 def test_token_budget_defaults_by_role_and_device():
+    from services.common import budgets
     from services.worker import main
     budget = {(role, device): main.scheduler_config(WorkerSettings(role=role), device).max_num_batched_tokens
               for role in ("prefill", "decode") for device in ("cpu", "cuda")}
-    assert budget == {("prefill", "cpu"): main.PREFILL_TOKEN_BUDGET, ("decode", "cpu"): main.DECODE_TOKEN_BUDGET,
-                      ("prefill", "cuda"): main.PREFILL_TOKEN_BUDGET_GPU,
-                      ("decode", "cuda"): main.DECODE_TOKEN_BUDGET_GPU}
+    assert budget == {("prefill", "cpu"): budgets.PREFILL_TOKEN_BUDGET, ("decode", "cpu"): budgets.DECODE_TOKEN_BUDGET,
+                      ("prefill", "cuda"): budgets.PREFILL_TOKEN_BUDGET_GPU,
+                      ("decode", "cuda"): budgets.DECODE_TOKEN_BUDGET_GPU}
     assert main.scheduler_config(WorkerSettings(role="decode", max_num_batched_tokens=300),
                                  "cuda").max_num_batched_tokens == 300
 
@@ -157,3 +159,16 @@ def test_the_router_url_reaches_a_wildcard_bind_on_loopback_and_names_https():
     assert router_url(plain, 8000, loopback=False) == "http://0.0.0.0:8000"
     assert router_url(tls, 8443) == "https://[::1]:8443"
     assert router_url(SimpleNamespace(host="10.1.2.3", tls_cert=None), 80) == "http://10.1.2.3:80"
+
+
+def test_the_device_kind_is_known_without_torch_where_no_gpu_driver_is(monkeypatch, tmp_path):
+    """`pdserve up` decides cuda or cpu for --device auto from the driver's device nodes;
+    where one is present, torch decides (as the workers do)."""
+    import torch
+
+    from services.common import devices
+    assert devices.device_type("cuda:1") == "cuda" and devices.device_type("cpu") == "cpu"
+    monkeypatch.setattr(devices, "GPU_DRIVER_NODES", (str(tmp_path / "nvidiactl"),))
+    assert devices.device_type("auto") == devices.device_type() == "cpu"
+    (tmp_path / "nvidiactl").touch()
+    assert devices.device_type("auto") == ("cuda" if torch.cuda.is_available() else "cpu")

@@ -15,7 +15,7 @@ import time
 import grpc
 import httpx
 
-from services.engine.model.kv_cache import live_segments
+from services.common.shm import live_segments
 from services.rpc import generate_pb2, worker_pb2, worker_pb2_grpc
 from tests.processes import pid_alive, start_cluster, stop_cluster
 

@@ -37,7 +37,8 @@ from services.engine.core.sequence import Sequence
 from services.engine.core.speculation import Speculator
 from services.engine.engine import EngineOutput, StepStats
 from services.engine.model.draft import draft_proposer
-from services.engine.model.kv_cache import KVPoolMemory, sweep_stale_segments
+from services.common.shm import sweep_stale_segments
+from services.engine.model.kv_cache import KVPoolMemory
 from services.engine.model.runner import ModelRunner
 from services.rpc import worker_pb2, worker_pb2_grpc
 from services.worker.engine_worker import EngineWorker

@@ -15,13 +15,12 @@ from pathlib import Path
 
 import torch
 
+from services.common.shm import SEGMENT_PREFIX, SHM_DIR, shm_free_bytes
 from services.engine.model.device import to_device
 
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
-SHM_DIR = Path("/dev/shm")
-SEGMENT_PREFIX = "pdserve-kv-"
 
 
 @dataclass(frozen=True)
@@ -156,45 +155,3 @@ class KVPoolMemory:
         if self._owner and self.path is not None:
             self.path.unlink(missing_ok=True)
             self.path = None
-
-
-def shm_free_bytes() -> int:
-    try:
-        st = os.statvfs(SHM_DIR)
-    except OSError:
-        return 0
-    return st.f_bavail * st.f_frsize
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def sweep_stale_segments() -> list[Path]:
-    """Remove shared-memory segments whose owning process is gone."""
-    removed = []
-    if not SHM_DIR.is_dir():
-        return removed
-    for path in SHM_DIR.glob(SEGMENT_PREFIX + "*"):
-        try:
-            pid = int(path.name[len(SEGMENT_PREFIX):].split("-")[0])
-        except ValueError:
-            continue
-        if not _pid_alive(pid):
-            path.unlink(missing_ok=True)
-            removed.append(path)
-    if removed:
-        log.warning("removed %d shared-memory KV segments left by dead processes", len(removed))
-    return removed
-
-
-def live_segments(pid: int | None = None) -> list[Path]:
-    """Segments present now (of one owner pid, if given): for leak checks."""
-    pattern = SEGMENT_PREFIX + (f"{pid}-*" if pid is not None else "*")
-    return sorted(SHM_DIR.glob(pattern)) if SHM_DIR.is_dir() else []

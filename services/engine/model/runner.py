@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from services.common.devices import device_type
 from services.common.settings import QUANTIZATIONS
 from services.engine.model import backends
 from services.engine.model.attention import (PREFIX_SCORES_BYTES, PagedBatch, Segment, Workspace, check_block_ids,
@@ -86,7 +87,7 @@ def _register_attention() -> None:
 def pick_device(requested: str | None = None) -> torch.device:
     if requested and requested != "auto":
         return torch.device(requested)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device_type())
 
 
 class ModelRunner:

@@ -55,7 +55,7 @@ def usable(device: torch.device, size: int) -> bool:
 
 def segment_path() -> Path:
     """A new segment's name: the KV pools' prefix and this pid, so a dead worker's
-    segment is swept like its pools (kv_cache.sweep_stale_segments)."""
+    segment is swept like its pools (shm.sweep_stale_segments)."""
     return Path("/dev/shm") / f"pdserve-kv-{os.getpid()}-tp-{uuid.uuid4().hex[:12]}"
 
 
