@@ -30,9 +30,25 @@ def kernel_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def expected(model_dir):
-    from tests.parity_cases import generate_expected
-    return generate_expected(model_dir)
+def expected(model_dir, tmp_path_factory):
+    """`model.generate`'s output for the parity cases: computed once a run, by the first
+    xdist worker to ask, and read by the others (the run's shared temporary folder; a
+    second computation would cost every worker seconds of CPU at the same moment)."""
+    import dataclasses
+    import fcntl
+    import json
+
+    from tests.parity_cases import Expected, generate_expected
+    if not os.environ.get("PYTEST_XDIST_WORKER"):               # one process: nothing to share
+        return generate_expected(model_dir)
+    shared = tmp_path_factory.getbasetemp().parent / "parity-expected.json"     # this run's
+    with open(shared.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if shared.exists():
+            return {name: Expected(**e) for name, e in json.loads(shared.read_text()).items()}
+        out = generate_expected(model_dir)
+        shared.write_text(json.dumps({name: dataclasses.asdict(e) for name, e in out.items()}))
+        return out
 
 
 @pytest.fixture(scope="session")
