@@ -59,24 +59,23 @@ def _streamed(http: str, **body) -> dict[int, dict]:
 # ---- prompt shapes ----
 
 def test_every_prompt_shape_answers_as_its_prompts_sent_one_at_a_time(cluster):
-    """A string, a list of strings, a list of token ids and a list of token-id lists,
-    streamed and not, n 1 and 2: choice index = prompt x n + choice, usage summed, and
+    """A string, a list of strings (n 1), a list of token ids and a list of token-id
+    lists (n 2), streamed and not: choice index = prompt x n + choice, usage summed, and
     every choice token for token what its prompt alone gives."""
     http = cluster.http
     alone = [_complete(http, prompt=p) for p in PROMPTS]
     ids = [a["choices"][0]["prompt_token_ids"] for a in alone]
     want = [(a["choices"][0]["text"], a["choices"][0]["token_ids"]) for a in alone]
-    for prompt in (PROMPTS, ids):
-        for n in (1, 2):
-            r = _complete(http, prompt=prompt, n=n)
-            assert [c["index"] for c in r["choices"]] == list(range(len(PROMPTS) * n))
-            assert [(c["text"], c["token_ids"]) for c in r["choices"]] == [w for w in want for _ in range(n)]
-            assert [c["prompt_token_ids"] for c in r["choices"]] == [i for i in ids for _ in range(n)]
-            assert r["usage"]["prompt_tokens"] == sum(map(len, ids))
-            assert r["usage"]["completion_tokens"] == n * sum(len(t) for _, t in want)
-            streamed = _streamed(http, prompt=prompt, n=n)
-            assert [(streamed[i]["text"], streamed[i]["token_ids"]) for i in sorted(streamed)] == \
-                [w for w in want for _ in range(n)]
+    for prompt, n in ((PROMPTS, 1), (ids, 2)):      # strings one choice each, ids two
+        r = _complete(http, prompt=prompt, n=n)
+        assert [c["index"] for c in r["choices"]] == list(range(len(PROMPTS) * n))
+        assert [(c["text"], c["token_ids"]) for c in r["choices"]] == [w for w in want for _ in range(n)]
+        assert [c["prompt_token_ids"] for c in r["choices"]] == [i for i in ids for _ in range(n)]
+        assert r["usage"]["prompt_tokens"] == sum(map(len, ids))
+        assert r["usage"]["completion_tokens"] == n * sum(len(t) for _, t in want)
+        streamed = _streamed(http, prompt=prompt, n=n)
+        assert [(streamed[i]["text"], streamed[i]["token_ids"]) for i in sorted(streamed)] == \
+            [w for w in want for _ in range(n)]
     one = _complete(http, prompt=ids[1])                   # a list of ids is one prompt
     assert (one["choices"][0]["text"], one["choices"][0]["token_ids"]) == want[1]
     assert one["prompt_token_ids"] == ids[1]

@@ -211,7 +211,7 @@ def test_sigterm_drains_a_decode_worker_without_failing_its_requests(pools):
         assert time.monotonic() < deadline, "the third decode worker never got traffic"
 
     async def stream(client, i):
-        body = {"prompt": f"List animals, number {i}:", "max_tokens": 80, "ignore_eos": True, "stream": True,
+        body = {"prompt": f"List animals, number {i}:", "max_tokens": 48, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
         async with client.stream("POST", f"{pools.http}/v1/completions", json=body) as resp:
             lines = [line async for line in resp.aiter_lines()]
@@ -236,7 +236,7 @@ def test_sigterm_drains_a_decode_worker_without_failing_its_requests(pools):
     assert proc.wait(timeout=40) == 0
     pools.procs.pop("decode-2")
     for status, tokens, tail in results:
-        assert status == 200 and tokens == 80, (status, tokens, tail)
+        assert status == 200 and tokens == 48, (status, tokens, tail)
     wait_pools_idle(pools, ("decode-0", "decode-1"))
 
 
