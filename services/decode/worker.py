@@ -31,13 +31,13 @@ from kv_transfer.handoff import HandoffError, HandoffState, HandoffTable, KVHand
 from services.common.mailbox import Mailbox
 from services.common.metrics import WorkerMetrics
 from services.common.settings import WorkerSettings
+from services.common.shm import sweep_stale_segments
 from services.engine.core.block_pool import NoFreeBlocks
 from services.engine.core.sampling import MAX_CHOICES, SamplingParams
 from services.engine.core.sequence import Sequence
 from services.engine.core.speculation import Speculator
 from services.engine.engine import EngineOutput, StepStats
 from services.engine.model.draft import draft_proposer
-from services.common.shm import sweep_stale_segments
 from services.engine.model.kv_cache import KVPoolMemory
 from services.engine.model.runner import ModelRunner
 from services.rpc import worker_pb2, worker_pb2_grpc
