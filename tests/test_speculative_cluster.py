@@ -5,10 +5,11 @@ time) come back as `model.generate` makes them, through the `openai` client stre
 and not, one at a time and sixteen in flight, and through gRPC; the decode worker
 counts its drafts under vLLM's metric names and every KV block comes back.
 The ngram proposer, sixteen in flight, by default; one at a time, and the suffix and
-draft-model proposers, under `make test-slow`."""
+draft-model proposers, under `make test-slow`. The prompts' KV crosses through NIXL."""
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -31,7 +32,8 @@ def spec_cluster(request, model_dir):
     config = {"method": request.param, "num_speculative_tokens": 4}
     if request.param == "draft":            # the model drafting for itself: a test of the plumbing, not a speed-up
         config.update(model=str(model_dir), adaptive=False)
-    c = start_cluster("--speculative-config", json.dumps(config))
+    # KV through NIXL: the transport parity test's NIXL cluster runs under make test-slow.
+    c = start_cluster("--speculative-config", json.dumps(config), "--kv-transport", "nixl")
     yield c
     stop_cluster(c)
 
@@ -121,3 +123,6 @@ def test_grpc_and_what_the_decode_worker_counts(spec_cluster, references):
     assert seen.accepted_tokens == values["vllm:spec_decode_num_accepted_tokens_total"]
     assert 0 < seen.rate <= 1 and 1 < seen.mean_length <= 5 and len(seen.per_position) == 4
     assert seen.per_position == sorted(seen.per_position, reverse=True)    # a later draft needs the ones before
+    crossed = dict(re.findall(r'^pdserve_kv_transfer_bytes_total\{backend="(\w+)",direction="received"\} (\S+)$',
+                              metrics, re.M))
+    assert float(crossed["nixl"]) > 0 and float(crossed.get("shm", 0)) == 0, crossed

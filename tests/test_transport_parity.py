@@ -13,11 +13,13 @@ from tests.processes import start_cluster, stop_cluster
 from tests.parity_cases import CASES
 
 
-# shm is what the session cluster uses (auto), where test_parity holds the same bar, and
-# tcp's writes and failures are tested without a cluster (test_kv_transfer.py): their
-# explicit runs here go with the slow tests. NIXL's runs by default.
-@pytest.mark.parametrize("backend", [pytest.param("shm", marks=pytest.mark.slow),
-                                     pytest.param("tcp", marks=pytest.mark.slow), "nixl"])
+# shm is what the session cluster uses (auto), where test_parity holds the same bar; NIXL
+# carries the speculative cluster's KV (test_speculative_cluster.py: two prompts against
+# generate by default), its transfers between processes and their failures are
+# test_kv_transfer_nixl.py's, and tcp's are test_kv_transfer.py's: each backend's run
+# here goes with the slow tests.
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["shm", "tcp", "nixl"])
 def test_parity_through_each_backend(model_dir, expected, backend):
     static = backend == "tcp"
     c = start_cluster("--kv-transport", backend, *(["--no-private-registry"] if static else []))
