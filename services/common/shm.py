@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 SEGMENT_PREFIX = "pdserve-kv-"
+
+
+def new_segment_path(kind: str = "") -> Path:
+    """A new segment's name: the prefix, this process's pid (whose death makes it stale),
+    `kind` (e.g. "tp-") and a random part."""
+    return SHM_DIR / f"{SEGMENT_PREFIX}{os.getpid()}-{kind}{uuid.uuid4().hex[:12]}"
 
 
 def shm_free_bytes() -> int:

@@ -9,13 +9,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from services.common.shm import SEGMENT_PREFIX, SHM_DIR, shm_free_bytes
+from services.common.shm import SHM_DIR, new_segment_path, shm_free_bytes
 from services.engine.model.device import to_device
 
 log = logging.getLogger(__name__)
@@ -115,7 +114,7 @@ class KVPoolMemory:
             # created fine and then kill the process with SIGBUS mid-request.
             raise MemoryError(f"{SHM_DIR} has {free / 2**20:.0f} MiB free, the KV pool needs "
                               f"{nbytes / 2**20:.0f} MiB (in containers, mount a larger /dev/shm)")
-        path = SHM_DIR / f"{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        path = new_segment_path()
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             # Every page taken now, not on first write: a later shortage of /dev/shm then

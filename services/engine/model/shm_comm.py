@@ -27,12 +27,13 @@ import mmap
 import os
 import platform
 import time
-import uuid
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
+
+from services.common.shm import new_segment_path
 
 SLOT_BYTES = 8 << 20              # a partial sum: 8 MiB (e.g. 4,096 tokens x hidden 512 x float32)
 BROADCAST_BYTES = 1 << 20         # one step's plan (a few KB) with room to spare
@@ -56,7 +57,7 @@ def usable(device: torch.device, size: int) -> bool:
 def segment_path() -> Path:
     """A new segment's name: the KV pools' prefix and this pid, so a dead worker's
     segment is swept like its pools (shm.sweep_stale_segments)."""
-    return Path("/dev/shm") / f"pdserve-kv-{os.getpid()}-tp-{uuid.uuid4().hex[:12]}"
+    return new_segment_path("tp-")
 
 
 class SharedMemoryComm:
