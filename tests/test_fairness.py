@@ -236,6 +236,32 @@ def test_two_floods_both_stay_out_of_the_headroom():
     assert q.dispatch(limit=12, headroom=4) == [third]
 
 
+def test_dispatch_never_scans_a_floods_backlog(monkeypatch):
+    """Each call looks at each tenant's first ticket, not at every ticket queued: with a
+    flood's 5,000 waiting past the headroom, a call that dispatches nothing checks a
+    handful of tickets, and another tenant's request still passes the backlog at once.
+    (The router dispatches on every admission, first token and end: a scan of the whole
+    queue made a flood's intake quadratic.)"""
+    q = FairQueue(100_000)
+    for _ in range(5000):
+        q.admit("flood", 1)
+    while got := q.dispatch(limit=64, prefill_limit=4, headroom=4):
+        for t in got:
+            q.first_token(t)
+    checks = []
+    share = FairQueue._under_share
+
+    def counted(self, limit):
+        under = share(self, limit)
+        return lambda *a: checks.append(a) or under(*a)
+    monkeypatch.setattr(FairQueue, "_under_share", counted)
+    assert q.dispatch(limit=64, prefill_limit=4, headroom=4) == [] and len(checks) <= 3
+    light = q.admit("light", 1)
+    checks.clear()
+    assert q.dispatch(limit=64, prefill_limit=4, headroom=4) == [light] and len(checks) <= 6
+    assert q.queued == 5000 - 60
+
+
 def test_tokenizer_turns_go_round_the_tenants():
     """Two slots; a flood queues 50 jobs, then another tenant one: it runs in one of the
     next two turns (round robin from the flood), not after the flood. A waiter cancelled while it waits, or just as

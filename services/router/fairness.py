@@ -23,10 +23,10 @@ another tenant's prompt is computed before the flood's prompts queued there.
 """
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -77,6 +77,9 @@ class _Tenant:
     prefilling: int = 0                 # its dispatched tickets without a first token
     tokens: float = 0.0                 # its token bucket
     refilled: float = 0.0
+    # Its queued tickets by (start tag, arrival): in that order already, as a tenant's
+    # start tags never fall (each is at least the one before's finish).
+    queue: deque[tuple[float, int, Ticket]] = field(default_factory=deque)
 
 
 @dataclass
@@ -88,8 +91,8 @@ class FairQueue:
     clock: Callable[[], float] = time.monotonic
     running_slots: int = 0
     prefilling: int = 0                 # dispatched tickets without a first token
+    queued: int = 0                     # tickets waiting
     _tenants: dict[str, _Tenant] = field(default_factory=dict)
-    _heap: list[tuple[float, int, Ticket]] = field(default_factory=list)
     _seq: itertools.count = field(default_factory=itertools.count)
     _vtime: float = 0.0
 
@@ -97,10 +100,6 @@ class FairQueue:
     def pending(self) -> int:
         """Requests admitted and not done: queued or running."""
         return sum(t.admitted for t in self._tenants.values())
-
-    @property
-    def queued(self) -> int:
-        return len(self._heap)
 
     def admit(self, tenant: str, cost: float, slots: int = 1) -> Ticket:
         """A ticket in the queue, or Refused."""
@@ -115,7 +114,8 @@ class FairQueue:
         if t.policy.tokens_per_minute:
             t.tokens -= cost
         ticket = Ticket(tenant, cost, slots, start, self.clock())
-        heapq.heappush(self._heap, (start, next(self._seq), ticket))
+        t.queue.append((start, next(self._seq), ticket))
+        self.queued += 1
         return ticket
 
     def _check(self, tenant: str, t: _Tenant, cost: float) -> None:
@@ -161,32 +161,28 @@ class FairQueue:
         already queued at the prefill worker, and another tenant's first one must not
         wait behind them."""
         out = []
-        if not self._heap:
+        if not self.queued:
             return out
         kept = prefill_limit if prefill_limit is None or not headroom else max(1, prefill_limit - 1)
         # Built once: the tenants' weights do not change here, their running counts do
         # and the predicates read them as they go.
         under = self._under_share(limit)
-        while self._heap:
-            entry = self._heap[0]
+        while self.queued:
+            t, entry = min(((t, t.queue[0]) for t in self._tenants.values() if t.queue), key=lambda p: p[1][:2])
             if not self._fits(entry[2], limit - headroom, kept):
-                entry = None
-                if headroom and self._fits(None, limit, prefill_limit):
-                    entry = min((e for e in self._heap if under(e[2]) and self._fits(e[2], limit, prefill_limit)),
-                                default=None)
-                if entry is None:
+                passing = self._first_under(under, limit, prefill_limit) \
+                    if headroom and self._fits(None, limit, prefill_limit) else None
+                if passing is None:
                     break
-                self._heap.remove(entry)
-                heapq.heapify(self._heap)
-            else:
-                heapq.heappop(self._heap)
+                t, entry = passing
+            t.queue.remove(entry)
+            self.queued -= 1
             start, _, ticket = entry
             if prioritize:
-                ticket.priority = 0 if under(ticket) else 1
+                ticket.priority = 0 if under(ticket.tenant, ticket.slots) else 1
             self._vtime = max(self._vtime, start)
             ticket.dispatched = ticket.prefilling = True
             self.running_slots += ticket.slots
-            t = self._tenants[ticket.tenant]
             t.running += ticket.slots
             t.prefilling += 1
             self.prefilling += 1
@@ -198,17 +194,32 @@ class FairQueue:
         return not self.running_slots or (self.running_slots + (ticket.slots if ticket else 1) <= limit
                                           and (prefill_limit is None or self.prefilling < prefill_limit))
 
-    def _under_share(self, limit: int) -> Callable[[Ticket], bool]:
-        """Whether a ticket's tenant would still run within the share of `limit` it would
-        have were one more tenant (of its weight) to arrive, and has no prompt of its own
-        prefilling: a flood is never under it, a newcomer beside one is."""
+    def _under_share(self, limit: int) -> Callable[[str, int], bool]:
+        """Whether a tenant would still run within the share of `limit` it would have
+        were one more tenant (of its weight) to arrive, with `slots` more, and has no
+        prompt of its own prefilling: a flood is never under it, a newcomer beside one is."""
         total = sum(t.policy.weight for t in self._tenants.values() if t.admitted)
 
-        def under(ticket: Ticket) -> bool:
-            t = self._tenants[ticket.tenant]
+        def under(tenant: str, slots: int) -> bool:
+            t = self._tenants[tenant]
             w = t.policy.weight
-            return not t.prefilling and t.running + ticket.slots <= limit * w / (total + w)
+            return not t.prefilling and t.running + slots <= limit * w / (total + w)
         return under
+
+    def _first_under(self, under: Callable[[str, int], bool], limit: int, prefill_limit: int | None
+                     ) -> tuple[_Tenant, tuple[float, int, Ticket]] | None:
+        """The first ticket, in fair order, of a tenant `under` its share that fits within
+        the bounds: (its tenant, its queue entry), or None. A tenant past its share is
+        passed over whole, so a flood's backlog is never scanned."""
+        best = None
+        for name, t in self._tenants.items():
+            if not t.queue or not under(name, 1):
+                continue
+            entry = next((e for e in t.queue if under(name, e[2].slots) and self._fits(e[2], limit, prefill_limit)),
+                         None)
+            if entry is not None and (best is None or entry[:2] < best[1][:2]):
+                best = (t, entry)
+        return best
 
     def first_token(self, ticket: Ticket) -> None:
         """A dispatched ticket's first token came: its prompt is done."""
@@ -226,7 +237,10 @@ class FairQueue:
             self.running_slots -= ticket.slots
             t.running -= ticket.slots
         else:
-            self._heap = [e for e in self._heap if e[2] is not ticket]
-            heapq.heapify(self._heap)
+            for entry in t.queue:
+                if entry[2] is ticket:
+                    t.queue.remove(entry)
+                    self.queued -= 1
+                    break
         if not t.admitted and not t.policy.tokens_per_minute and t.finish <= self._vtime:
             del self._tenants[ticket.tenant]    # nothing of it left to remember
