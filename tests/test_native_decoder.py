@@ -1,7 +1,8 @@
 """Decode steps' decoder layers in one native call (services/engine/kernels/native/decoder.c):
 on the real model in bfloat16, a decode step through it gives the same logits and
 writes the same KV bytes, bit for bit, as the layers' own forward calls one by one;
-and it is used only where every layer already runs in the native kernels."""
+small prompt chunks go through it as decode rows; and it is used only where every layer
+already runs in the native kernels."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,8 @@ import torch
 
 from services.engine.model.hardware import cpu_kernels, cpu_kind
 from services.engine.model.kv_cache import KVPoolMemory
-from services.engine.model.runner import ForwardBatch, ModelRunner
+from services.engine.model.runner import (DECODER_PROMPT_TOKENS, ForwardBatch, ModelRunner, PrefillSegment,
+                                          as_decode_rows)
 
 BLOCK = 16
 # The engine's own rule (hardware.CpuKernels), not a copy of it.
@@ -86,6 +88,55 @@ def test_tokens_still_on_the_device_feed_the_one_call_step(runner):
     finally:
         pool.close()
     assert torch.equal(got, want) and torch.equal(got_kv, want_kv)
+
+
+@needs_bf16
+def test_small_prompt_chunks_run_in_the_one_call_as_decode_rows(runner):
+    """A step whose prompt chunks hold at most DECODER_PROMPT_TOKENS tokens runs whole in
+    the one call, each prompt token a decode row at its position over its sequence's
+    blocks: bit for bit the layer-by-layer step of those rows, and within bfloat16's
+    rounding of the prefill kernels' pass, with its greedy tokens. A layer hook (the
+    prefill worker's KV push) hears of every layer, in order, once the call returns. A
+    step of more prompt tokens keeps the prefill kernels, bit for bit."""
+    gen = torch.Generator().manual_seed(7)
+    decode_pos, prefix = [12, 70, 33], 40
+    # blocks: the decode rows' 1, 5 and 3, then a chunk after a computed prefix, then one from 0
+    tables = [[0], [1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16, 17]]
+    prompt_a = torch.randint(100, 10000, (prefix + 10,), generator=gen).tolist()
+    prompt_b = torch.randint(100, 10000, (70,), generator=gen).tolist()
+    decode = dict(decode_tokens=[311, 4242, 77], decode_positions=decode_pos, decode_tables=tables[:3])
+
+    def step(b_tokens: int) -> ForwardBatch:
+        return ForwardBatch(**decode, prefill_tokens=prompt_a[prefix:] + prompt_b[:b_tokens],
+                            segments=[PrefillSegment(prefix, 10, tables[3]), PrefillSegment(0, b_tokens, tables[4])],
+                            sample_rows=[0, 2, 12, 12 + b_tokens], logprob_rows=[5, 14])
+
+    pool = KVPoolMemory.allocate(runner.layout(18, BLOCK))
+    try:
+        pool.tensor.normal_(std=0.5, generator=gen)
+        runner.prefill(pool, prompt_a[:prefix], tables[3])          # the chunk's cached prefix, computed
+        start = pool.tensor.clone()
+        for b_tokens, one_call in ((16, True), (DECODER_PROMPT_TOKENS - 9, False)):
+            batch = step(b_tokens)
+            assert (len(batch.prefill_tokens) <= DECODER_PROMPT_TOKENS) is one_call
+            heard = []
+            pool.tensor.copy_(start)
+            got = runner.execute(pool, batch, lambda layer, fence: heard.append(layer) or fence.wait())
+            got_kv = pool.tensor.clone()
+            pool.tensor.copy_(start)
+            rows, rows_kv = _step(runner, pool, as_decode_rows(batch), one_call=False)
+            pool.tensor.copy_(start)
+            chunks, chunks_kv = _step(runner, pool, batch, one_call=False)
+            assert heard == list(range(runner.num_layers))
+            if one_call:
+                assert torch.equal(got, rows) and torch.equal(got_kv, rows_kv)
+                torch.testing.assert_close(got, chunks, atol=1.0, rtol=0)
+                torch.testing.assert_close(got_kv, chunks_kv, atol=0.25, rtol=0.05)
+                assert torch.equal(got[2:].argmax(-1), chunks[2:].argmax(-1))      # the prompts' rows
+            else:
+                assert torch.equal(got, chunks) and torch.equal(got_kv, chunks_kv)
+    finally:
+        pool.close()
 
 
 @needs_bf16

@@ -145,6 +145,10 @@ SMALL_STEP_TOKENS = 128
 # launch dozens; launched whole, the pass would be queued before an urgent prompt comes,
 # and that prompt would wait for all of it. Two keep a layer queued while the host waits.
 PAUSE_AHEAD_LAYERS = 2
+# Prompt tokens a pass that yields may run in the one-call decoder (runner.py's
+# DECODER_PROMPT_TOKENS): an urgent prompt waits for that call whole, not for a layer,
+# so the pass is kept short (16 tokens: ~23 ms on one Zen 4 core, bfloat16 SmolLM2-135M).
+PAUSABLE_ONE_CALL_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -418,7 +422,8 @@ class LLMEngine:
                 self._below = min(c.seq.priority for c in plan.chunks)
             with threads_at_most(self.own_threads if self.own_threads and plan.num_tokens < SMALL_STEP_TOKENS
                                  else 0):
-                logits = self.runner.execute(self.memory, batch, hook)
+                logits = (self.runner.execute(self.memory, batch, hook, PAUSABLE_ONE_CALL_TOKENS) if pausing
+                          else self.runner.execute(self.memory, batch, hook))
         finally:
             if pausing:
                 self._below = None
