@@ -111,13 +111,15 @@ def test_another_keys_first_token_under_a_flood_of_500(tmp_path, capsys):
     """The issue's measurement as a slow test: bench/fairness.py against its own `pdserve
     up` (key A floods 500 streamed requests, key B sends one a second, ~55 of them).
     Nothing fails, A keeps at least 80 % of the output, B's first token p50 under the
-    flood stays within 1.8x its p50 alone (1.4-1.6x measured; 2.0-2.2x while the prefill
-    worker ran oneDNN's matmuls by a bad start-up measurement), its p90 within 2.5x its
-    p99 alone (1.5-2.1x; 3.5x before a prefill pass paused for another key's prompt), its
-    p99 within 6x. The issue's bar, p99 within 2x, is not asserted: on a 2-core machine
-    whose cores the benchmark's own clients share, B's p99 is the second slowest of ~55,
-    and one or two of those meet the flood's first second or a busy core (72-132 ms
-    against ~30-40 alone; docs/reliability.md). The figures are printed."""
+    flood stays within 2.5x its p50 alone, its p90 within 3.5x its p99 alone, its p99
+    within 6x. Since B's pass runs in the one-call decoder (e211eef), alone takes 22-23 ms
+    (31-32 before) and under the flood p50 44-45 ms (2.0x), p90 68-72 ms (2.6x): the
+    bounds are about the milliseconds they were before (1.8x and 2.5x of the slower
+    baseline), which caught B waiting behind the flood's prompts (p90 3.5x then). The
+    issue's bar, p99 within 2x, is not asserted: on a 2-core machine whose cores the
+    benchmark's own clients share, B's p99 is the second slowest of ~55, and one or two of
+    those meet the flood's first second or a busy core (88-100 ms against 26-28 ms alone;
+    docs/reliability.md). The figures are printed."""
     from bench import fairness
     out = tmp_path / "fairness.json"
     assert fairness.main(["--flood", "500", "--json", str(out)]) == 0
@@ -126,7 +128,7 @@ def test_another_keys_first_token_under_a_flood_of_500(tmp_path, capsys):
     assert r["flood_failed"] == 0 and r["trickle_failed"] == 0
     assert r["a_share"] >= 0.8
     p50, alone = r["b_ttft_flood_p50"], r["b_ttft_alone_p50"]
-    assert p50 <= 1.8 * alone, f"B's p50 {p50:.3f} s against {alone:.3f} s alone"
+    assert p50 <= 2.5 * alone, f"B's p50 {p50:.3f} s against {alone:.3f} s alone"
     p90 = r["b_ttft_flood_p90"]
-    assert p90 <= 2.5 * r["b_ttft_alone_p99"], f"B's p90 {p90:.3f} s against {r['b_ttft_alone_p99']:.3f} s alone"
+    assert p90 <= 3.5 * r["b_ttft_alone_p99"], f"B's p90 {p90:.3f} s against {r['b_ttft_alone_p99']:.3f} s alone"
     assert r["p99_ratio"] <= 6, f"B's p99 {r['b_ttft_flood_p99']:.3f} s is {r['p99_ratio']:.1f}x its p99 alone"
