@@ -17,6 +17,9 @@ DECODE_TOKEN_BUDGET_GPU = 2048
 # Prompt tokens in a decode worker's step that also decodes, when --mixed-prefill-tokens
 # is automatic. On one CPU core 64 tokens add ~85 ms to a step (1.3 ms a token here): the
 # batch keeps a token every ~150 ms at most while a short prompt is computed alongside.
+# Since such steps run in the one-call decoder (runner.py), 24-token chunks give long
+# prompts a flat ITL and more output, but chat prompts a later first token (3.99 s against
+# 3.14 s p50 on vLLM's chat preset): 64 stays (docs/benchmarks.md, "Long, Zen 4").
 # A GPU computes 512 in a few milliseconds.
 MIXED_PREFILL_CPU = 64
 MIXED_PREFILL_GPU = 512
