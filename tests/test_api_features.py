@@ -270,8 +270,10 @@ SCHEMAS = [
         "authors": {"type": "array", "items": {"type": "string", "maxLength": 20}, "minItems": 1, "maxItems": 2},
         "year": {"type": "integer", "minimum": 1400, "maximum": 2030}}, "required": ["title", "authors", "year"]}},
      "required": ["book"]},
-    {"type": "object", "properties": {"point": {"type": "array", "prefixItems": [{"type": "number"},
-                                                                                {"type": "number"}],
+    # Bounded: an unbounded JSON number has no last digit, and sampled at temperature 1 the
+    # model can write digits until max_tokens ("length", honestly reported, but no JSON).
+    {"type": "object", "properties": {"point": {"type": "array", "prefixItems": [
+        {"type": "number", "minimum": -1000, "maximum": 1000}, {"type": "number", "minimum": -1000, "maximum": 1000}],
                                                 "minItems": 2, "maxItems": 2}}, "required": ["point"]},
     {"type": "object", "properties": {"steps": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
         "type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 3},
