@@ -238,8 +238,8 @@ def test_two_floods_both_stay_out_of_the_headroom():
 
 def test_dispatch_never_scans_a_floods_backlog(monkeypatch):
     """Each call looks at each tenant's first ticket, not at every ticket queued: with a
-    flood's 5,000 waiting past the headroom, a call that dispatches nothing checks a
-    handful of tickets, and another tenant's request still passes the backlog at once.
+    flood's 5,000 waiting past the headroom, a call that dispatches nothing checks the
+    share of a handful of tenants, and another tenant's request still passes the backlog at once.
     (The router dispatches on every admission, first token and end: a scan of the whole
     queue made a flood's intake quadratic.)"""
     q = FairQueue(100_000)

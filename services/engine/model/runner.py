@@ -294,8 +294,9 @@ class ModelRunner:
         if self.decoder is not None and batch.decode_tokens and not batch.segments:
             logits = self._native_decode(pool, batch)
             if on_layer is not None:            # every layer's K/V is written once the call returns
+                written = self.stream.record()
                 for layer in range(self.num_layers):
-                    on_layer(layer, self.stream.record())
+                    on_layer(layer, written)
             return logits
         bs = pool.layout.block_size
         paged = PagedBatch(kv=pool.tensor, slots=torch.empty(0, dtype=torch.long), backend=self.backend,
