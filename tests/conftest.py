@@ -22,11 +22,36 @@ def model_dir() -> Path:
     return ensure_default_model()
 
 
+@pytest.fixture(scope="session")
+def built_kernels(tmp_path_factory) -> Path:
+    """One folder of built native kernels for the whole run, every xdist worker's (the
+    run's shared temporary folder). A build is named by its source, compiler and CPU and
+    lands by an atomic rename, so sharing it is safe; building them all takes ~8 s of
+    CPU, which each module paid before."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    (shared / "kernels").mkdir(exist_ok=True)
+    return shared / "kernels"
+
+
+def kernel_cache_in(folder: Path, built: Path) -> Path:
+    """`folder` as a runner's kernel cache: its choices its own, its builds the run's."""
+    (folder / "kernels").symlink_to(built, target_is_directory=True)
+    return folder
+
+
 @pytest.fixture(scope="module")
-def kernel_cache(tmp_path_factory):
-    """Where a module's native kernels are built, once for its runners and kernels (a
-    build takes a few seconds)."""
-    return tmp_path_factory.mktemp("cache")
+def kernel_cache(tmp_path_factory, built_kernels):
+    """A module's kernel cache: the choices it measures (kernel-choice/) are its own,
+    the kernels it loads are built once a run (`built_kernels`)."""
+    return kernel_cache_in(tmp_path_factory.mktemp("cache"), built_kernels)
+
+
+@pytest.fixture
+def fresh_kernel_cache(tmp_path, built_kernels):
+    """A kernel cache with no choices measured yet, for one test."""
+    return kernel_cache_in(tmp_path, built_kernels)
 
 
 @pytest.fixture(scope="session")

@@ -86,20 +86,20 @@ def test_prefill_attention_native_is_asked_for_else_measured_at_prompt_lengths()
 
 @pytest.mark.skipif("avx512_bf16" not in cpu_flags(),
                     reason=f"pdserve's bfloat16 matmuls need AVX512-BF16; this CPU is {cpu_kind()}")
-def test_a_worker_measures_its_own_layers_or_takes_the_path_asked_for(model_dir, tmp_path):
+def test_a_worker_measures_its_own_layers_or_takes_the_path_asked_for(model_dir, fresh_kernel_cache):
     """On the real model in bfloat16: `onednn` leaves pdserve's matmuls and the one-call
     decode step out, `native` takes both, `auto` measures the first layer once (and
     remembers it in the kernel cache)."""
-    onednn = ModelRunner(model_dir, "bfloat16", "cpu", kernel_cache=tmp_path, matmul="onednn")
+    onednn = ModelRunner(model_dir, "bfloat16", "cpu", kernel_cache=fresh_kernel_cache, matmul="onednn")
     assert onednn.decoder is None and "native bf16 matmul" not in onednn.fusions
     assert "oneDNN matmuls (asked for)" in onednn.describe()
-    native = ModelRunner(model_dir, "bfloat16", "cpu", kernel_cache=tmp_path, matmul="native", role="decode")
+    native = ModelRunner(model_dir, "bfloat16", "cpu", kernel_cache=fresh_kernel_cache, matmul="native", role="decode")
     assert native.decoder is not None and "native bf16 matmul" in native.fusions
-    auto = ModelRunner(model_dir, "bfloat16", "cpu", kernel_cache=tmp_path, role="prefill")
+    auto = ModelRunner(model_dir, "bfloat16", "cpu", kernel_cache=fresh_kernel_cache, role="prefill")
     assert "measured: ours" in auto.backend.matmul_choice.reason
     assert "measured: ours" in auto.backend.prefill_choice.reason and "prompt tokens" in auto.describe()
-    again = ModelRunner(model_dir, "bfloat16", "cpu", kernel_cache=tmp_path, role="prefill").backend
+    again = ModelRunner(model_dir, "bfloat16", "cpu", kernel_cache=fresh_kernel_cache, role="prefill").backend
     assert "kept from the first start" in again.matmul_choice.reason
     assert "kept from the first start" in again.prefill_choice.reason
     with pytest.raises(ValueError, match="--matmul-kernel native"):
-        ModelRunner(model_dir, "float32", "cpu", kernel_cache=tmp_path, matmul="native")
+        ModelRunner(model_dir, "float32", "cpu", kernel_cache=fresh_kernel_cache, matmul="native")
