@@ -42,7 +42,7 @@ async def _colliding_grpc_pairs(target: str, pairs, n: int = 1) -> list[tuple[st
         stub = generate_pb2_grpc.GeneratorStub(ch)
 
         async def pair(k: int, first, second):
-            rid = f"dup-{k % 3}"            # ids repeat across pairs too
+            rid = f"dup-{k % 2}"            # ids repeat across pairs too
             a = asyncio.ensure_future(_grpc_generate(stub, first, rid, n))
             await asyncio.sleep(0.2)
             b = await _grpc_generate(stub, second, rid, n)
@@ -59,8 +59,9 @@ def _check(results, expected) -> None:
 
 
 def test_grpc_clients_with_the_same_request_id_each_get_their_own_tokens(cluster, expected):
-    results = asyncio.run(_colliding_grpc_pairs(cluster.grpc, PAIRS))
-    assert len(results) == 2 * len(PAIRS)
+    """Four pairs at once (every case but one; the hundred pairs are the slow test's)."""
+    results = asyncio.run(_colliding_grpc_pairs(cluster.grpc, PAIRS[:4]))
+    assert len(results) == 8
     _check(results, expected)
     results = asyncio.run(_colliding_grpc_pairs(cluster.grpc, PAIRS[:2], n=2))     # forked choices too
     _check(results, expected)

@@ -44,7 +44,8 @@ def decoded_tokens(events: list) -> int:
 
 
 def test_one_dead_decode_worker_fails_only_its_own_streams_and_comes_back(model_dir):
-    c = start_cluster("--prefill", "1", "--decode", "2", "--local-prefill-max-tokens", "0")
+    # Aggregated: no prefill worker to start (test_faults kills one mid-transfer).
+    c = start_cluster("--mode", "aggregated", "--decode", "2")
     try:
         decodes = [w["pid"] for w in c.info["decodes"]]
         victim = decodes[0]

@@ -39,7 +39,7 @@ def _auth(tenant: str) -> dict:
 
 
 def test_a_flood_from_one_key_does_not_hold_back_another(tenants):
-    """16 requests from `flood` at once, 2 dispatched at a time; then one from `light`.
+    """10 requests from `flood` at once, 2 dispatched at a time; then one from `light`.
     First come, first served would finish it after every flood request; it is dispatched
     at the next free slot, so most of the flood finishes after it."""
     async def run():
@@ -48,15 +48,16 @@ def test_a_flood_from_one_key_does_not_hold_back_another(tenants):
                 r = await client.post("/v1/completions", headers=_auth(tenant), json=_body(f"Story {i}:", 12))
                 assert r.status_code == 200, r.text
                 return time.monotonic()
-            flood = [asyncio.create_task(one("flood", i)) for i in range(16)]
-            await asyncio.sleep(1.0)
+            flood = [asyncio.create_task(one("flood", i)) for i in range(10)]
+            while 'admitted_total{tenant="flood"} 10.0' not in (await client.get("/metrics")).text:
+                await asyncio.sleep(0.02)                   # every flood request is queued
             light = await one("light", 99)
             return light, await asyncio.gather(*flood)
     light_done, flood_done = asyncio.run(run())
     after = sum(t > light_done for t in flood_done)
-    assert after >= 8, f"only {after} of 16 flood requests finished after the light one"
+    assert after >= 5, f"only {after} of 10 flood requests finished after the light one"
     metrics = httpx.get(f"{tenants.http}/metrics").text
-    assert 'pdserve_tenant_requests_admitted_total{tenant="flood"} 16.0' in metrics
+    assert 'pdserve_tenant_requests_admitted_total{tenant="flood"} 10.0' in metrics
     assert 'pdserve_tenant_requests_admitted_total{tenant="light"} 1.0' in metrics
     assert not any(key in metrics for key in KEYS.values())
     # The flood waited seconds in the router's queue; the routing cost model's overhead
