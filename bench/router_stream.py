@@ -5,8 +5,10 @@
 On a GPU a decode worker makes thousands of tokens a second, and every one of them
 passes through the router: a gRPC message in, incremental detokenization, an SSE event
 out. Here the model is the default model's tokenizer on a 2-layer Llama of random
-weights (hidden size 64), whose decode worker makes thousands of tokens a second on one
-CPU core, so what runs out first is the router. `pdserve up --mode aggregated --decode
+weights (hidden size 64, the tokenizer's first 8,192 tokens as its vocabulary: a full
+vocabulary's output layer would be most of a step on a CPU, as it is not on a GPU),
+whose decode worker makes thousands of tokens a second on one CPU core, so what runs
+out first is the serving path around the model. Prompts are token ids below 8,192. `pdserve up --mode aggregated --decode
 1`: the router and one decode worker, no prefill worker, no KV transfer.
 
 The clients are one process of raw asyncio HTTP/1.1 connections that count SSE events
@@ -35,12 +37,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 SHAPE = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
-         "num_key_value_heads": 1, "head_dim": 32}
+         "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 8192}
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def build_model(folder: Path, seed: int = 0) -> Path:
-    """The default model's tokenizer and config, shrunk to SHAPE, with random weights."""
+    """The default model's tokenizer and config, shrunk to SHAPE, with random weights
+    (its special tokens, the first ids, are among those kept)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -85,8 +88,8 @@ async def stream(host: str, port: int, body: bytes) -> tuple[int, bool]:
 async def wave(host: str, port: int, concurrency: int, tokens: int, first: int) -> tuple[int, int]:
     """`concurrency` streams at once: (events, streams that ended cleanly)."""
     results = await asyncio.gather(*(stream(host, port, json.dumps({
-        "prompt": f"Stream {first + i}: once upon a time", "max_tokens": tokens, "ignore_eos": True,
-        "temperature": 0, "stream": True}).encode()) for i in range(concurrency)))
+        "prompt": [(first + i) * 7919 % 8000 + 100 + 37 * j for j in range(16)], "max_tokens": tokens,
+        "ignore_eos": True, "temperature": 0, "stream": True}).encode()) for i in range(concurrency)))
     return sum(e for e, _ in results), sum(ok for _, ok in results)
 
 

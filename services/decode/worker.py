@@ -20,6 +20,7 @@ This service adds the handoff table, leases and the token streams.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -350,9 +351,18 @@ class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
         except (HandoffError, ValueError) as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         running = set(range(n))
+        held = None                     # taken from `out` while joining, not sent yet
         try:
             while running:
-                index, o = await out.get()
+                if held is None:
+                    held = await out.get()
+                (index, o), held = held, None
+                while not o.finish_reason and not out.empty():
+                    following = out.get_nowait()
+                    if not _joins(index, o, following):
+                        held = following
+                        break
+                    o = _joined(o, following[1])
                 reason = o.finish_reason or ""
                 if reason == "error":
                     await context.abort(grpc.StatusCode.INTERNAL, "decode step failed")
@@ -365,6 +375,25 @@ class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
         finally:
             for index in running:               # client went away or the RPC was cancelled
                 e.abort(ids[index])
+
+
+def _joins(index: int, output: EngineOutput, following: tuple[int, EngineOutput]) -> bool:
+    """Whether `following`, queued behind `output` (choice `index`'s), can go out in
+    the same message: the same choice, a step's tokens (no prompt's figures), and no
+    failure (the tokens before a failure go out before the error does)."""
+    then_index, then = following
+    return (then_index == index and then.finish_reason != "error" and then.prompt_logprobs is None
+            and not then.cached_tokens and (output.logprobs is None) == (then.logprobs is None))
+
+
+def _joined(output: EngineOutput, then: EngineOutput) -> EngineOutput:
+    """One choice's consecutive outputs as one. They queue up when the event loop falls
+    behind the engine's steps (many streams, a slow reader): one message then carries
+    them all, so the worker, the wire and the router each do less per token exactly
+    when they are behind."""
+    logprobs = None if output.logprobs is None else output.logprobs + then.logprobs
+    return dataclasses.replace(output, token_ids=output.token_ids + then.token_ids,
+                               finish_reason=then.finish_reason, logprobs=logprobs)
 
 
 def build(settings: WorkerSettings, runner: ModelRunner, eos: frozenset[int], metrics: WorkerMetrics, ranks=None):

@@ -228,6 +228,21 @@ def check_unicode(text: str, param: str) -> str:
     return text
 
 
+_NOTHING = object()
+
+
+def _mergeable(first: Delta, then) -> bool:
+    return (isinstance(then, Delta) and then.index == first.index
+            and (first.logprobs is None) == (then.logprobs is None))
+
+
+def _merged(first: Delta, then: Delta) -> Delta:
+    """`first` and `then`, one choice's consecutive deltas, as one."""
+    logprobs = None if first.logprobs is None else first.logprobs + then.logprobs
+    return Delta(first.text + then.text, first.token_ids + then.token_ids, then.finish_reason, logprobs,
+                 first.index)
+
+
 class RunningRequest:
     """A request's generation (all its prompts and choices) running as tasks, one per
     prompt; deltas arrive on one bounded queue, numbered prompt x n + choice, so a client
@@ -297,23 +312,39 @@ class RunningRequest:
 
     async def deltas(self, keepalive: float = 0.0) -> AsyncIterator[Delta | None]:
         """Every choice's deltas; None whenever nothing came for `keepalive` seconds
-        (0: never). Raises the request's APIError if it failed."""
+        (0: never). Raises the request's APIError if it failed. Deltas of a choice that
+        queued up while the caller was busy writing the last one go out as one (as
+        vLLM's output collector merges them): a router that falls behind writes fewer,
+        larger events instead of falling further behind."""
         running = len(self.tasks)
+        held = _NOTHING                 # taken from the queue while merging, not handled yet
         try:
             while running:
-                try:
-                    item = self.queue.get_nowait()
-                except asyncio.QueueEmpty:
+                if held is not _NOTHING:
+                    item, held = held, _NOTHING
+                else:
                     try:
-                        item = await asyncio.wait_for(self.queue.get(), keepalive or None)
-                    except TimeoutError:
-                        yield None
-                        continue
+                        item = self.queue.get_nowait()
+                    except asyncio.QueueEmpty:
+                        if not keepalive:
+                            item = await self.queue.get()
+                        else:
+                            try:
+                                item = await asyncio.wait_for(self.queue.get(), keepalive)
+                            except TimeoutError:
+                                yield None
+                                continue
                 if item is None:
                     running -= 1
                     continue
                 if isinstance(item, APIError):
                     raise item
+                while not item.finish_reason and not self.queue.empty():
+                    following = self.queue.get_nowait()
+                    if not _mergeable(item, following):
+                        held = following
+                        break
+                    item = _merged(item, following)
                 yield item
         finally:
             self.cancel()
