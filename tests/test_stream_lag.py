@@ -2,7 +2,8 @@
 being written go out together, in the decode worker's gRPC stream and in the router's
 SSE stream (as vLLM's output collector merges them), never across choices, never past
 a choice's end or a failure, and with every token, logprob and finish kept. A reader
-that keeps up still gets a message per token."""
+that keeps up still gets a message per token, and a keep-alive only after a quiet
+spell."""
 from __future__ import annotations
 
 import asyncio
@@ -70,6 +71,27 @@ def test_a_reader_that_keeps_up_gets_a_delta_per_token():
         await feeder
         return got
     assert asyncio.run(run()) == [[0], [1], [2], [3], [4]]
+
+
+def test_a_keepalive_comes_after_a_quiet_spell_and_never_between_quick_tokens():
+    async def run():
+        r, got = _bare(), []
+
+        async def feed():
+            for k in range(8):
+                await r.queue.put(Delta(str(k), [k], None, None, 0))
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.25)                   # quiet: keep-alives
+            await r.queue.put(Delta("end", [8], "length", None, 0))
+            await r.queue.put(None)
+        feeder = asyncio.ensure_future(feed())
+        async for d in r.deltas(keepalive=0.08):
+            got.append(None if d is None else d.token_ids)
+        await feeder
+        return got
+    got = asyncio.run(run())
+    assert got[:8] == [[k] for k in range(8)] and got[-1] == [8]
+    assert 1 <= got[8:-1].count(None) == len(got[8:-1]) <= 3, got
 
 
 def test_a_failure_after_queued_deltas_still_raises_after_them():
