@@ -205,7 +205,7 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
         return sse(event)
 
     def content(index: int, d: Delta) -> dict:
-        if tools is None:       # a chunk per token, text or not: clients time tokens by chunks
+        if tools is None:       # a chunk per delta, text or not: clients time tokens by chunks
             return {"content": d.text} if d.text or d.token_ids else {}
         if tools.streams_arguments:
             return {"tool_calls": [{"index": 0, "function": {"arguments": d.text}}]} if d.text else {}
