@@ -7,9 +7,10 @@ passes through the router: a gRPC message in, incremental detokenization, an SSE
 out. Here the model is the default model's tokenizer on a 2-layer Llama of random
 weights (hidden size 64, the tokenizer's first 8,192 tokens as its vocabulary: a full
 vocabulary's output layer would be most of a step on a CPU, as it is not on a GPU),
-whose decode worker makes thousands of tokens a second on one CPU core, so what runs
-out first is the serving path around the model. Prompts are token ids below 8,192. `pdserve up --mode aggregated --decode
-1`: the router and one decode worker, no prefill worker, no KV transfer.
+whose decode worker makes thousands of tokens a second on one CPU core, so what runs out
+first is the serving path around the model. Prompts are token ids below 8,192. `pdserve
+up --mode aggregated --decode 1`: the router and one decode worker, no prefill worker,
+no KV transfer.
 
 The clients are one process of raw asyncio HTTP/1.1 connections that count SSE events
 without parsing them (a full client would cost more CPU than the router and be what is
@@ -78,7 +79,7 @@ async def stream(host: str, port: int, body: bytes) -> tuple[int, bool]:
     while chunk := await reader.read(65536):
         data = tail + chunk
         events += data.count(b'data: {"id"')
-        tail = data[-64:]
+        tail = data[-512:]              # the last event, an error one included
         events -= tail.count(b'data: {"id"')        # counted again with the next chunk
     events += tail.count(b'data: {"id"')
     writer.close()
