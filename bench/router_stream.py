@@ -89,7 +89,7 @@ async def stream(host: str, port: int, body: bytes) -> tuple[int, bool]:
 async def wave(host: str, port: int, concurrency: int, tokens: int, first: int) -> tuple[int, int]:
     """`concurrency` streams at once: (events, streams that ended cleanly)."""
     results = await asyncio.gather(*(stream(host, port, json.dumps({
-        "prompt": [(first + i) * 7919 % 8000 + 100 + 37 * j for j in range(16)], "max_tokens": tokens,
+        "prompt": [(first + i) * 7919 % 7000 + 100 + 37 * j for j in range(16)], "max_tokens": tokens,
         "ignore_eos": True, "temperature": 0, "stream": True}).encode()) for i in range(concurrency)))
     return sum(e for e, _ in results), sum(ok for _, ok in results)
 
@@ -105,6 +105,8 @@ def measure(http: str, pids: dict[str, int], concurrency: int, tokens: int, wave
         events, clean = events + e, clean + ok
     seconds = time.monotonic() - t0
     cpu = {k: cpu_seconds(p) - before[k] for k, p in pids.items()}
+    if clean < waves * concurrency:
+        raise SystemExit(f"{waves * concurrency - clean} of {waves * concurrency} streams did not end cleanly")
     streamed = clean * tokens
     return {"concurrency": concurrency, "seconds": round(seconds, 3), "streams": waves * concurrency,
             "clean_streams": clean, "tokens": streamed, "events": events,
