@@ -49,7 +49,9 @@ def test_a_flood_from_one_key_does_not_hold_back_another(tenants):
                 assert r.status_code == 200, r.text
                 return time.monotonic()
             flood = [asyncio.create_task(one("flood", i)) for i in range(10)]
+            deadline = time.monotonic() + 60
             while 'admitted_total{tenant="flood"} 10.0' not in (await client.get("/metrics")).text:
+                assert time.monotonic() < deadline, "the flood was never all admitted"
                 await asyncio.sleep(0.02)                   # every flood request is queued
             light = await one("light", 99)
             return light, await asyncio.gather(*flood)
