@@ -69,7 +69,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def stream(host: str, port: int, body: bytes) -> tuple[int, bool]:
-    """One streamed completion over its own connection: (SSE events with content seen,
+    """One streamed completion over its own connection: (SSE data events seen,
     ended with [DONE] and no error)."""
     reader, writer = await asyncio.open_connection(host, port)
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
