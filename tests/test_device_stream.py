@@ -245,8 +245,8 @@ def test_async_scheduling_reads_a_steps_tokens_while_the_next_step_computes(runn
         gate, held, launches = threading.Event(), [], []
         execute = runner.execute
 
-        def on_device(pool, batch, on_layer=None):
-            logits = execute(pool, batch, on_layer)
+        def on_device(pool, batch, on_layer=None, *more):
+            logits = execute(pool, batch, on_layer, *more)
             launches.append(batch)
             if len(launches) == 2:                      # the rest of step 2's work waits at the gate
                 stream.launch(lambda: held.append(gate.wait(3)))

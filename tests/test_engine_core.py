@@ -313,9 +313,9 @@ def test_a_small_pass_leaves_out_the_threads_on_lent_cores(runner, model_dir, mo
     seen = []
     execute = runner.execute
 
-    def forward(memory, batch, hook=None):
+    def forward(memory, batch, hook=None, *more):
         seen.append((len(batch.decode_tokens) + len(batch.prefill_tokens), torch.get_num_threads()))
-        return execute(memory, batch, hook)
+        return execute(memory, batch, hook, *more)
 
     monkeypatch.setattr(runner, "execute", forward)
     before = torch.get_num_threads()

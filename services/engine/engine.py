@@ -62,7 +62,7 @@ import torch
 from services.engine.model.device import HostCopy, LayerPoster, to_device
 from services.engine.model.hardware import threads_at_most
 from services.engine.model.kv_cache import KVPoolMemory
-from services.engine.model.runner import ForwardBatch, ModelRunner, PrefillSegment
+from services.engine.model.runner import DECODER_PROMPT_TOKENS, ForwardBatch, ModelRunner, PrefillSegment
 from services.engine.model.sampler import Sampled, as_token_logprobs, choose, logprob_tensors, read_sampled, to_read
 from services.engine.core.sampling import TokenLogprob
 from services.engine.core.scheduler import Scheduler
@@ -422,8 +422,8 @@ class LLMEngine:
                 self._below = min(c.seq.priority for c in plan.chunks)
             with threads_at_most(self.own_threads if self.own_threads and plan.num_tokens < SMALL_STEP_TOKENS
                                  else 0):
-                logits = (self.runner.execute(self.memory, batch, hook, PAUSABLE_ONE_CALL_TOKENS) if pausing
-                          else self.runner.execute(self.memory, batch, hook))
+                logits = self.runner.execute(self.memory, batch, hook,
+                                             PAUSABLE_ONE_CALL_TOKENS if pausing else DECODER_PROMPT_TOKENS)
         finally:
             if pausing:
                 self._below = None

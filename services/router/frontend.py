@@ -327,10 +327,7 @@ class RunningRequest:
                 if held is not _NOTHING:
                     item, held = held, _NOTHING
                 else:
-                    try:
-                        item = self.queue.get_nowait()
-                    except asyncio.QueueEmpty:
-                        item = await self.queue.get()
+                    item = await self.queue.get()
                     self._taken = time.monotonic()
                 if item is _KEEPALIVE:
                     yield None
