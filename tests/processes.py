@@ -139,10 +139,22 @@ def pid_alive(pid: int) -> bool:
 
 
 def free_port() -> int:
+    """A port free now, for a service to be started on (and restarted on) later. It is
+    below the kernel's ephemeral range: a socket bound to port 0 meanwhile (another
+    service's listener, UCX's, a connection's local end) never takes it, as it could
+    take one that binding port 0 here had found."""
+    import random
     import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 10000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def wait_announced(proc: subprocess.Popen, announce: Path, log_path: Path, name: str) -> dict:
