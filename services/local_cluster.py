@@ -42,8 +42,9 @@ from services.common.security import ClusterSecret, new_secret_file, read_api_ke
 from services.common.flags import to_argv
 from services.common.settings import ClusterSettings, WorkerSettings
 from services.common.shm import live_segments
-from services.local_processes import (LENT_CORE_NICE, Child, assign_gpus, child_setup, plan_cpus, router_url,
-                                      start_private_redis, wait_router_sees)
+from services.forkserver import ForkServer, adopted_orphans
+from services.local_processes import (LENT_CORE_NICE, Child, ChildProcess, assign_gpus, child_setup, plan_cpus,
+                                      router_url, start_private_redis, wait_router_sees)
 
 START_TIMEOUT = 600.0
 STOP_TIMEOUT = 45.0                 # workers drain up to --drain-timeout (30 s)
@@ -70,9 +71,11 @@ class LocalCluster:
         self._scaler_stop = threading.Event()
         self._summary: tuple[dict, str | None] | None = None     # the router's ports, the registry
         self._num_gpus = 0                  # GPUs handed out to workers, one set each
+        self._forks: ForkServer | None = None   # services/forkserver.py; None: each starts by exec
 
     def _spawn(self, name: str, command: str, settings, threads: int, cpus: set[int] | None = None,
-               gpus: tuple[int, ...] = (), nice: int = 0) -> Child:
+               gpus: tuple[int, ...] = (), nice: int = 0, forked: bool = False) -> Child:
+        """`forked`: from the fork server, when there is one (workers: the router loads no torch)."""
         announce = self.workdir / f"{name}.json"
         env = dict(os.environ)
         if threads:
@@ -85,13 +88,20 @@ class LocalCluster:
         if getattr(settings, "redis", None):
             env["PDSERVE_REDIS"] = settings.redis
 
-        def popen(settings=settings) -> subprocess.Popen:
-            argv = to_argv(replace(settings, announce_file=str(announce)), skip=("redis",))
-            return subprocess.Popen([sys.executable, "-m", "services.cli", command, *argv], env=env,
+        def popen(settings=settings) -> ChildProcess:
+            argv = [command, *to_argv(replace(settings, announce_file=str(announce)), skip=("redis",))]
+            proc = self._forks.spawn(argv, env, cpus, nice) if forked and self._forks else None
+            if proc is not None:
+                return proc
+            if forked and self._forks is not None:      # it could not: say why once, exec from now on
+                print(f"pdserve: starting each worker as a fresh interpreter (the fork server: "
+                      f"{self._forks.why_not})", flush=True)
+                self._close_fork_server()
+            return subprocess.Popen([sys.executable, "-m", "services.cli", *argv], env=env,
                                     preexec_fn=child_setup(cpus, nice))
         child = Child(name, popen(), announce, gpus=gpus)
 
-        def respawn() -> subprocess.Popen:
+        def respawn() -> ChildProcess:
             # Again on the ports it had, so static addresses (and clients) stay valid.
             bound = child.ports() or {}
             ports = {k: bound[k] for k in ("grpc_port", "http_port", "metrics_port") if k in bound}
@@ -117,7 +127,7 @@ class LocalCluster:
         if lends:
             worker = replace(worker, own_threads=1)
         child = self._spawn(f"{role}-{next(self._serial[role])}", role, worker, threads, cpus, gpus,
-                            LENT_CORE_NICE if lends else 0)
+                            LENT_CORE_NICE if lends else 0, forked=True)
         self.pools[role].append(child)
         return child
 
@@ -265,6 +275,8 @@ class LocalCluster:
             if self.autoscaling and not s.redis and shutil.which("redis-server") is None:
                 raise RuntimeError("--autoscale needs a Redis registry and redis-server is not installed: "
                                    "`make redis` or `apt-get install redis-server` installs it, or pass --redis URL")
+            if s.fork_server:                    # its imports overlap the registry's start
+                self._forks = ForkServer.start(child_setup(None))
             redis = self._registry()
             secret = str(new_secret_file(self.workdir / "cluster-secret"))
             self._workers = {role: self._worker_settings(role, redis, secret) for role in ("decode", "prefill")}
@@ -293,6 +305,7 @@ class LocalCluster:
             while not self._stop:
                 self._reap_drained()
                 self._supervise()
+                adopted_orphans({c.proc.pid for c in self.children} | self._fork_server_pid())
                 time.sleep(0.2)
             return 0
         except KeyboardInterrupt:
@@ -407,10 +420,19 @@ class LocalCluster:
     def _on_signal(self, signum, frame) -> None:
         self._stop = True
 
+    def _fork_server_pid(self) -> set[int]:
+        return {self._forks.proc.pid} if self._forks else set()
+
+    def _close_fork_server(self) -> None:
+        forks, self._forks = self._forks, None
+        if forks is not None:
+            forks.close()
+
     def shutdown(self) -> None:
         if self._scaler is not None:            # no resize while everything stops
             self._scaler_stop.set()
             self._scaler.join(timeout=30)
+        self._close_fork_server()
         for c in reversed(self.children):
             if c.proc.poll() is None:
                 c.proc.send_signal(signal.SIGTERM)

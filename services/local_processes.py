@@ -13,7 +13,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 
 # The niceness of a prefill worker that also runs on the decode workers' cores: when both
@@ -149,12 +149,27 @@ def assign_gpus(in_use: Sequence[tuple[int, ...]], num_gpus: int, per_worker: in
     return tuple(sorted(range(num_gpus), key=lambda g: (load[g], g))[:per_worker])
 
 
+class ChildProcess(Protocol):
+    """What `up` uses of a process it started: a subprocess.Popen, or a worker forked by
+    the fork server (services/forkserver.py: ForkedProcess)."""
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+
 @dataclass
 class Child:
     name: str
-    proc: subprocess.Popen
+    proc: ChildProcess
     announce: Path
-    respawn: Callable[[], subprocess.Popen] | None = None    # None: not restarted when it dies
+    respawn: Callable[[], ChildProcess] | None = None    # None: not restarted when it dies
     started: float = field(default_factory=time.monotonic)
     restarts: int = 0                   # in a row, without a long enough life in between
     restart_at: float | None = None     # when a dead child is started again

@@ -130,6 +130,15 @@ def stop_cluster(c: RunningCluster, sig: int = signal.SIGINT, timeout: float = 3
     return terminate(c.proc, timeout, sig)
 
 
+def command_line(pid: int) -> list[str]:
+    """A live process's command line, whether it was started by exec (its arguments
+    apart) or forked by `up`'s fork server and titled (services/forkserver.py: one
+    string, the same words)."""
+    import shlex
+    args = open(f"/proc/{pid}/cmdline").read().rstrip("\0").split("\0")
+    return shlex.split(args[0]) if len(args) == 1 else args
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -38,7 +38,10 @@ CALLER_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, gr
 
 @pytest.fixture(scope="module")
 def fuzz_cluster(model_dir):
-    c = start_cluster("--max-model-len", "48")
+    # Its services started by exec (--no-fork-server): that path's end-to-end check, the
+    # other clusters' are forked (services/forkserver.py).
+    c = start_cluster("--max-model-len", "48", "--no-fork-server")
+    assert "\0-m\0services.cli\0decode\0" in open(f"/proc/{c.info['decode']['pid']}/cmdline").read()
     yield c
     counts = {f"{kind} {status}": n for (kind, status), n in sorted(TALLY.items())}
     print(f"\nfuzzing: {sum(TALLY.values())} answers at {EXAMPLES} examples per case: {counts}")

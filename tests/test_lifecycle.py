@@ -4,6 +4,7 @@ remotely prefilled request; the local cluster stops cleanly on Ctrl-C."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import re
 import signal
@@ -13,7 +14,7 @@ import httpx
 import pytest
 
 from services.common.shm import live_segments
-from tests.processes import pid_alive, start_cluster, stop_cluster
+from tests.processes import command_line, pid_alive, start_cluster, stop_cluster
 
 STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
 
@@ -120,11 +121,28 @@ def test_same_seed_same_output(cluster):
     assert runs[0]["choices"][0]["token_ids"] != other["choices"][0]["token_ids"]
 
 
-def test_up_stops_every_process_on_ctrl_c_in_the_default_dtype(model_dir):
+def _children(pid: int) -> set[int]:
+    return {int(k) for t in os.listdir(f"/proc/{pid}/task")
+            for k in open(f"/proc/{pid}/task/{t}/children").read().split()}
+
+
+def test_up_forks_its_services_and_stops_every_process_on_ctrl_c_in_the_default_dtype(model_dir):
     """A separate cluster in the default dtype (auto: bfloat16 where the CPU computes it,
-    float32 elsewhere): serve one request, SIGINT, nothing left."""
+    float32 elsewhere). `up` forked each worker from its fork server and started the
+    router (no torch in it) by exec: every one is `up`'s own child, under its own command
+    line in `ps`. It serves one request; after SIGINT nothing is left, the fork server
+    included."""
     c = start_cluster(dtype="auto")
     try:
+        up, services = c.proc.pid, c.pids()[1:]
+        forks = [k for k in _children(up) if command_line(k)[1:3] == ["-m", "services.forkserver"]]
+        assert len(forks) == 1, "one fork server"
+        assert set(services) | set(forks) == _children(up)
+        for role, pid in (("router", c.info["router_pid"]), ("decode", c.info["decode"]["pid"]),
+                          ("prefill", c.info["prefill"]["pid"])):
+            titled = "\0" not in open(f"/proc/{pid}/cmdline").read().rstrip("\0")
+            assert titled == (role != "router"), f"{role}: forked and titled, or the arguments of an exec"
+            assert command_line(pid)[1:4] == ["-m", "services.cli", role]
         r = httpx.post(f"{c.http}/v1/chat/completions", timeout=60, json={"messages": STORY, "max_tokens": 5})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         decode_pid = c.info["decode"]["pid"]
@@ -133,7 +151,7 @@ def test_up_stops_every_process_on_ctrl_c_in_the_default_dtype(model_dir):
         code = stop_cluster(c, signal.SIGINT)
     assert code == 0
     deadline = time.monotonic() + 10
-    while any(pid_alive(p) for p in c.pids()) and time.monotonic() < deadline:
+    while any(pid_alive(p) for p in c.pids() + forks) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(pid_alive(p) for p in c.pids())
+    assert not any(pid_alive(p) for p in c.pids() + forks)
     assert not live_segments(decode_pid)

@@ -390,6 +390,9 @@ class ClusterSettings(RoutingSettings, EngineSettings):
                                            "one is installed (off: the router is given the workers' addresses; "
                                            "not with --autoscale or --ray)")
     announce_file: str | None = setting(None, "write the cluster's addresses here as JSON")
+    fork_server: bool = setting(True, "start each service by forking a process that imported torch, transformers "
+                                      "and pdserve once (Linux), not as a fresh interpreter: ~4 s less CPU a "
+                                      "worker, and a worker that died serves again sooner")
     autoscale: bool = setting(False, "grow and shrink each pool on its own signal within --min/--max-prefill/"
                                      "decode (needs the Redis registry); --prefill/--decode are the starting sizes")
     ray: bool = setting(False, "run the services as Ray actors (see --address)")
