@@ -160,15 +160,16 @@ class ForkServer:
         return self._ready
 
     def spawn(self, argv: list[str], env: dict[str, str], cpus: set[int] | None = None,
-              nice: int = 0) -> ForkedProcess | None:
+              nice: int = 0, output: str | None = None) -> ForkedProcess | None:
         """`python -m services.cli *argv`, forked, or None if the server cannot fork it
-        (`why_not` says why): start it by exec then."""
+        (`why_not` says why): start it by exec then. `output`: a file its stdout and
+        stderr are appended to (default: the server's, which are `up`'s)."""
         with self._lock:
             if not self._wait_ready():
                 return None
             try:
                 _send(self._sock, {"argv": argv, "env": env, "cpus": sorted(cpus) if cpus else None,
-                                   "nice": nice})
+                                   "nice": nice, "output": output})
                 answer = _recv(self._sock)
             except OSError as exc:
                 answer = {"why": str(exc)}
@@ -303,6 +304,11 @@ def run_service(request: dict, parent: int) -> int:
     if os.getppid() != parent:              # `up` died before we could ask to die with it
         return 1
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if request.get("output"):
+        fd = os.open(request["output"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     _title(request["argv"])
     os.environ.clear()
     os.environ.update(request["env"])

@@ -4,12 +4,14 @@ by PID, and talking to workers over gRPC with the cluster's credential."""
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,6 +187,72 @@ def spawn_service(tmp: Path, name: str, role: str, argv: list[str]) -> tuple[sub
     return started
 
 
+class ForkLauncher:
+    """The tests' fork launcher (tests/fork_launcher.py), started once a test process."""
+
+    def __init__(self) -> None:
+        from services.local_processes import child_setup
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.fork_launcher"], cwd=ROOT, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, preexec_fn=child_setup(None))
+        self._lock = threading.Lock()
+
+    def ask(self, **request) -> dict:
+        with self._lock:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            return json.loads(self.proc.stdout.readline())
+
+
+@functools.cache
+def fork_launcher() -> ForkLauncher:
+    return ForkLauncher()
+
+
+class LaunchedWorker:
+    """A worker the fork launcher started: the part of subprocess.Popen the tests use."""
+
+    def __init__(self, launcher: ForkLauncher, pid: int, args: list[str]) -> None:
+        self.launcher, self.pid, self.args = launcher, pid, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.launcher.ask(poll=self.pid)["code"]
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def start_service(role: str, argv: list[str], log_path: Path) -> subprocess.Popen | LaunchedWorker:
+    """`pdserve <role> argv`: a worker forked by the fork launcher, as `up` forks its
+    own; the router (which loads no torch), or a worker the launcher cannot fork, by exec."""
+    if role in ("prefill", "decode"):
+        answer = fork_launcher().ask(spawn=[role, *argv], env=dict(os.environ), output=str(log_path))
+        if "pid" in answer:
+            return LaunchedWorker(fork_launcher(), answer["pid"], [role, *argv])
+    return subprocess.Popen([sys.executable, "-m", "services.cli", role, *argv], cwd=ROOT,
+                            stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
+
+
 def spawn_services(tmp: Path, services: list[tuple[str, str, list[str]]]) -> list[tuple[subprocess.Popen, dict]]:
     """Several `spawn_service`s (name, role, argv) started at once, so their imports and
     model loads overlap; returns once every one has announced its ports."""
@@ -192,8 +260,7 @@ def spawn_services(tmp: Path, services: list[tuple[str, str, list[str]]]) -> lis
     for name, role, argv in services:
         announce, log_path = tmp / f"{name}.json", tmp / f"{name}.log"
         announce.unlink(missing_ok=True)
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", role, *argv, "--announce-file", str(announce)],
-                                cwd=ROOT, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
+        proc = start_service(role, [*argv, "--announce-file", str(announce)], log_path)
         started.append((name, proc, announce, log_path))
     try:
         return [(proc, wait_announced(proc, announce, log_path, name)) for name, proc, announce, log_path in started]
