@@ -18,6 +18,7 @@ from pathlib import Path
 
 import grpc
 
+from services.forkserver import ForkedProcess
 from services.rpc import worker_pb2, worker_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -208,38 +209,18 @@ def fork_launcher() -> ForkLauncher:
     return ForkLauncher()
 
 
-class LaunchedWorker:
-    """A worker the fork launcher started: the part of subprocess.Popen the tests use."""
+class LaunchedWorker(ForkedProcess):
+    """A worker the fork launcher started, handled as `up` handles the workers it forks,
+    but for its exit code: the launcher reaped it, and keeps that."""
 
     def __init__(self, launcher: ForkLauncher, pid: int, args: list[str]) -> None:
-        self.launcher, self.pid, self.args = launcher, pid, args
-        self.returncode: int | None = None
+        super().__init__(pid, args)
+        self.launcher = launcher
 
     def poll(self) -> int | None:
         if self.returncode is None:
             self.returncode = self.launcher.ask(poll=self.pid)["code"]
         return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            time.sleep(0.02)
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 def start_service(role: str, argv: list[str], log_path: Path) -> subprocess.Popen | LaunchedWorker:
