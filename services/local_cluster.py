@@ -305,7 +305,7 @@ class LocalCluster:
             while not self._stop:
                 self._reap_drained()
                 self._supervise()
-                adopted_orphans({c.proc.pid for c in self.children} | self._fork_server_pid())
+                self._reap_orphans()
                 time.sleep(0.2)
             return 0
         except KeyboardInterrupt:
@@ -420,8 +420,12 @@ class LocalCluster:
     def _on_signal(self, signum, frame) -> None:
         self._stop = True
 
-    def _fork_server_pid(self) -> set[int]:
-        return {self._forks.proc.pid} if self._forks else set()
+    def _reap_orphans(self) -> None:
+        """The processes `up` adopted as a subreaper and never started (a dead worker's
+        ranks): reaped as they exit. Under the lock: a worker the autoscaler is forking
+        is `up`'s child before it is in `children`."""
+        with self._lock:
+            adopted_orphans({c.proc.pid for c in self.children} | ({self._forks.proc.pid} if self._forks else set()))
 
     def _close_fork_server(self) -> None:
         forks, self._forks = self._forks, None

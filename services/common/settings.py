@@ -390,9 +390,10 @@ class ClusterSettings(RoutingSettings, EngineSettings):
                                            "one is installed (off: the router is given the workers' addresses; "
                                            "not with --autoscale or --ray)")
     announce_file: str | None = setting(None, "write the cluster's addresses here as JSON")
-    fork_server: bool = setting(True, "start each service by forking a process that imported torch, transformers "
+    fork_server: bool = setting(True, "start each worker by forking a process that imported torch, transformers "
                                       "and pdserve once (Linux), not as a fresh interpreter: ~4 s less CPU a "
-                                      "worker, and a worker that died serves again sooner")
+                                      "worker, and one that died serves again sooner (the router, which loads no "
+                                      "torch, starts as a fresh interpreter either way)")
     autoscale: bool = setting(False, "grow and shrink each pool on its own signal within --min/--max-prefill/"
                                      "decode (needs the Redis registry); --prefill/--decode are the starting sizes")
     ray: bool = setting(False, "run the services as Ray actors (see --address)")
