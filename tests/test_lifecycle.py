@@ -126,7 +126,7 @@ def _children(pid: int) -> set[int]:
             for k in open(f"/proc/{pid}/task/{t}/children").read().split()}
 
 
-def test_up_forks_its_services_and_stops_every_process_on_ctrl_c_in_the_default_dtype(model_dir):
+def test_up_forks_its_workers_and_stops_every_process_on_ctrl_c_in_the_default_dtype(model_dir):
     """A separate cluster in the default dtype (auto: bfloat16 where the CPU computes it,
     float32 elsewhere). `up` forked each worker from its fork server and started the
     router (no torch in it) by exec: every one is `up`'s own child, under its own command
