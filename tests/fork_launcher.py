@@ -38,7 +38,6 @@ def reap(codes: dict[int, int], lock: threading.Lock) -> None:
 
 
 def main() -> None:
-    child_setup(None)()                     # die with the test process
     forks = ForkServer.start(child_setup(None))
     codes: dict[int, int] = {}
     lock = threading.Lock()

@@ -192,9 +192,10 @@ class ForkLauncher:
     """The tests' fork launcher (tests/fork_launcher.py), started once a test process."""
 
     def __init__(self) -> None:
-        from services.local_processes import child_setup
+        # It ends when its stdin closes, at this process's end however it comes (not by
+        # a death signal, which would follow the thread that started it).
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.fork_launcher"], cwd=ROOT, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, preexec_fn=child_setup(None))
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self._lock = threading.Lock()
 
     def ask(self, **request) -> dict:
