@@ -2,6 +2,7 @@
 routers and the autoscaler tell each other there.
 
     <namespace>:worker:<role>:<epoch>   WorkerInfo (protobuf bytes), TTL
+    <namespace>:joins                   a channel: a worker's epoch, when it first announces
     <namespace>:latency:<router id>     LatencyReport: a router's latency per worker, TTL
     <namespace>:autoscaler:status       AutoscalerStatus: the last tick's decisions, TTL
     <namespace>:autoscaler:decisions    hash "<role>:<reason>" -> decisions counted
@@ -12,7 +13,10 @@ A worker writes its record every `ttl / 3` seconds with an expiry of `ttl`, so o
 stops heartbeating (killed, hung, cut off) drops out of every router within the TTL.
 The key carries the epoch, which changes on every start: a restarted worker is a new
 record, never a stale one reused. Graceful shutdown deletes the record first, before
-the worker stops taking requests. Routers read all records each refresh.
+the worker stops taking requests. Routers read all records each refresh, every second,
+and at once when a worker publishes its first announcement on the joins channel: a
+worker that starts or restarts is routed to without waiting for the next refresh. The
+message is only a nudge; what a router routes to is still the signed records it reads.
 
 With a cluster secret (services/common/security.py) every record is signed and a reader
 drops, with a warning, any record that is unsigned or signed with another secret: being
@@ -24,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
+from typing import AsyncIterator, Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -61,8 +65,21 @@ class RedisRegistry:
     def _key(self, role: str, epoch: str) -> str:
         return f"{self.namespace}:worker:{role}:{epoch}"
 
-    async def announce(self, info: worker_pb2.WorkerInfo) -> None:
+    async def announce(self, info: worker_pb2.WorkerInfo, joining: bool = False) -> None:
         await self._redis.set(self._key(info.role, info.epoch), self._seal(info), px=int(self.ttl * 1000))
+        if joining:
+            await self._redis.publish(f"{self.namespace}:joins", info.epoch)
+
+    async def joins(self) -> AsyncIterator[None]:
+        """Once for every worker's first announcement, from the time of the call."""
+        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(f"{self.namespace}:joins")
+            while True:                     # a bounded wait: the connection's socket timeout is short
+                if await pubsub.get_message(timeout=1.0) is not None:
+                    yield
+        finally:
+            await pubsub.aclose()
 
     async def withdraw(self, role: str, epoch: str) -> None:
         await self._redis.delete(self._key(role, epoch))
@@ -149,7 +166,7 @@ class Heartbeat:
         self._failing = False
 
     async def start(self) -> None:
-        await self._beat()                        # registered before start() returns
+        await self._beat(joining=True)            # registered before start() returns, routers nudged
         self._task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
@@ -159,9 +176,9 @@ class Heartbeat:
             await self._beat()
             await asyncio.sleep(max(0.0, period - (time.monotonic() - started)))
 
-    async def _beat(self) -> None:
+    async def _beat(self, joining: bool = False) -> None:
         try:
-            await self.registry.announce(self.info())
+            await self.registry.announce(self.info(), joining)
             if self._failing:
                 log.info("registry %s reachable again", self.registry.where)
             self._failing = False

@@ -206,13 +206,34 @@ class WorkerSet:
         task.add_done_callback(self._cleanups.discard)
 
     async def _refresh_forever(self) -> None:
+        """A refresh every period, and one at once when a worker joins (the registry's
+        nudge: it starts serving without waiting up to a period for us)."""
         period = min(REFRESH_SECONDS, self.settings.registry_ttl / 3) if self.registry else REFRESH_SECONDS
+        joined = asyncio.Event()
+        listener = asyncio.create_task(self._listen_for_joins(joined)) if self.registry else None
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(joined.wait(), period)
+                except asyncio.TimeoutError:
+                    pass
+                joined.clear()
+                try:
+                    await self.refresh()
+                except Exception:
+                    log.exception("worker refresh failed")
+        finally:
+            if listener:
+                listener.cancel()
+
+    async def _listen_for_joins(self, joined: asyncio.Event) -> None:
         while True:
-            await asyncio.sleep(period)
             try:
-                await self.refresh()
-            except Exception:
-                log.exception("worker refresh failed")
+                async for _ in self.registry.joins():
+                    joined.set()
+            except Exception as exc:            # Redis away: the periodic refresh goes on
+                log.debug("joins channel of %s: %s", self.registry.where, exc)
+            await asyncio.sleep(REFRESH_SECONDS)
 
     async def refresh(self) -> None:
         if self.registry is not None:
