@@ -40,6 +40,8 @@ import sys
 import threading
 import time
 
+from services.local_processes import child_pids, child_setup
+
 # What a worker imports before serving: the CLI, both workers, and transformers'
 # modelling (2 s of the 4), with the default model's architecture.
 PRELOAD = ("services.cli", "services.worker.main", "services.decode.worker", "services.prefill.worker",
@@ -68,10 +70,6 @@ def _recv(sock: socket.socket) -> dict | None:
     header = exactly(_HEADER.size)
     body = header and exactly(_HEADER.unpack(header)[0])
     return None if body is None else json.loads(body)
-
-
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
 
 
 class ForkedProcess:
@@ -128,9 +126,10 @@ class ForkServer:
         self.why_not: str | None = None     # why services start by exec instead, once known
 
     @classmethod
-    def start(cls, child_setup) -> "ForkServer | None":
-        """Starts the server (its imports run while `up` does the rest of its start), or
-        None where services cannot be forked: off Linux, or no child subreaper."""
+    def start(cls) -> "ForkServer | None":
+        """Starts the server (its imports run while `up` does the rest of its start; it
+        dies with `up`), or None where services cannot be forked: off Linux, or no child
+        subreaper."""
         if not sys.platform.startswith("linux"):
             return None
         try:
@@ -142,7 +141,7 @@ class ForkServer:
         ours, theirs = socket.socketpair()
         env = {**os.environ, "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS", "1")}
         proc = subprocess.Popen([sys.executable, "-m", "services.forkserver", str(theirs.fileno())],
-                                pass_fds=[theirs.fileno()], env=env, preexec_fn=child_setup)
+                                pass_fds=[theirs.fileno()], env=env, preexec_fn=child_setup(None))
         theirs.close()
         return cls(proc, ours)
 
@@ -193,8 +192,7 @@ def adopted_orphans(known: set[int]) -> list[int]:
     returns their pids. `known`: the pids `up` waits for itself."""
     reaped = []
     try:
-        tasks = os.listdir("/proc/self/task")
-        children = {int(pid) for t in tasks for pid in open(f"/proc/self/task/{t}/children").read().split()}
+        children = child_pids()
     except OSError:
         return reaped
     for pid in children - known:
@@ -209,10 +207,10 @@ def adopted_orphans(known: set[int]) -> list[int]:
 # ---- the server's end ----
 
 def _why_not_safe() -> str | None:
-    threads = _threads()
-    if threads > 1:
-        names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
-        return f"its imports started {threads - 1} thread(s) ({', '.join(names)})"
+    tasks = os.listdir("/proc/self/task")
+    if len(tasks) > 1:
+        names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in tasks)
+        return f"its imports started {len(tasks) - 1} thread(s) ({', '.join(names)})"
     import torch
     # Any CUDA call (torch.cuda.is_available() too) loads the driver, which a fork's
     # child cannot use; torch's own flag covers only its lazy init.
@@ -294,7 +292,6 @@ def _title(argv: list[str]) -> None:
 def run_service(request: dict, parent: int) -> int:
     """In the forked service: wait to be `parent`'s (`up`'s) child, set up as `up`'s
     children are, then run its command line (which exits)."""
-    from services.local_processes import child_setup
     deadline = time.monotonic() + 5.0
     while os.getppid() != parent:
         if time.monotonic() > deadline:

@@ -276,7 +276,7 @@ class LocalCluster:
                 raise RuntimeError("--autoscale needs a Redis registry and redis-server is not installed: "
                                    "`make redis` or `apt-get install redis-server` installs it, or pass --redis URL")
             if s.fork_server:                    # its imports overlap the registry's start
-                self._forks = ForkServer.start(child_setup(None))
+                self._forks = ForkServer.start()
             redis = self._registry()
             secret = str(new_secret_file(self.workdir / "cluster-secret"))
             self._workers = {role: self._worker_settings(role, redis, secret) for role in ("decode", "prefill")}

@@ -149,6 +149,12 @@ def assign_gpus(in_use: Sequence[tuple[int, ...]], num_gpus: int, per_worker: in
     return tuple(sorted(range(num_gpus), key=lambda g: (load[g], g))[:per_worker])
 
 
+def child_pids(pid: int | str = "self") -> set[int]:
+    """The processes whose parent is `pid` (any of its threads), from /proc; OSError if
+    it is gone."""
+    return {int(k) for task in Path(f"/proc/{pid}/task").iterdir() for k in (task / "children").read_text().split()}
+
+
 class ChildProcess(Protocol):
     """What `up` uses of a process it started: a subprocess.Popen, or a worker forked by
     the fork server (services/forkserver.py: ForkedProcess)."""

@@ -22,7 +22,6 @@ import threading
 import time
 
 from services.forkserver import ForkServer
-from services.local_processes import child_setup
 
 
 def reap(codes: dict[int, int], lock: threading.Lock) -> None:
@@ -38,7 +37,7 @@ def reap(codes: dict[int, int], lock: threading.Lock) -> None:
 
 
 def main() -> None:
-    forks = ForkServer.start(child_setup(None))
+    forks = ForkServer.start()
     codes: dict[int, int] = {}
     lock = threading.Lock()
     threading.Thread(target=reap, args=(codes, lock), daemon=True).start()

@@ -16,9 +16,8 @@ from tests.processes import ROOT
 DRIVER = """
 import json, os
 from services.forkserver import ForkServer, adopted_orphans
-from services.local_processes import child_setup
 
-forks = ForkServer.start(child_setup(None))
+forks = ForkServer.start()
 ok = forks.spawn(["--version"], dict(os.environ))
 bad = forks.spawn(["decode", "--no-such-flag"], dict(os.environ))
 parents = [int(open(f"/proc/{p.pid}/stat").read().rsplit(")", 1)[1].split()[1]) for p in (ok, bad)]

@@ -4,7 +4,6 @@ remotely prefilled request; the local cluster stops cleanly on Ctrl-C."""
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import re
 import signal
@@ -14,6 +13,7 @@ import httpx
 import pytest
 
 from services.common.shm import live_segments
+from services.local_processes import child_pids
 from tests.processes import command_line, pid_alive, start_cluster, stop_cluster
 
 STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
@@ -121,11 +121,6 @@ def test_same_seed_same_output(cluster):
     assert runs[0]["choices"][0]["token_ids"] != other["choices"][0]["token_ids"]
 
 
-def _children(pid: int) -> set[int]:
-    return {int(k) for t in os.listdir(f"/proc/{pid}/task")
-            for k in open(f"/proc/{pid}/task/{t}/children").read().split()}
-
-
 def test_up_forks_its_workers_and_stops_every_process_on_ctrl_c_in_the_default_dtype(model_dir):
     """A separate cluster in the default dtype (auto: bfloat16 where the CPU computes it,
     float32 elsewhere). `up` forked each worker from its fork server and started the
@@ -135,9 +130,9 @@ def test_up_forks_its_workers_and_stops_every_process_on_ctrl_c_in_the_default_d
     c = start_cluster(dtype="auto")
     try:
         up, services = c.proc.pid, c.pids()[1:]
-        forks = [k for k in _children(up) if command_line(k)[1:3] == ["-m", "services.forkserver"]]
+        forks = [k for k in child_pids(up) if command_line(k)[1:3] == ["-m", "services.forkserver"]]
         assert len(forks) == 1, "one fork server"
-        assert set(services) | set(forks) == _children(up)
+        assert set(services) | set(forks) == child_pids(up)
         for role, pid in (("router", c.info["router_pid"]), ("decode", c.info["decode"]["pid"]),
                           ("prefill", c.info["prefill"]["pid"])):
             titled = "\0" not in open(f"/proc/{pid}/cmdline").read().rstrip("\0")

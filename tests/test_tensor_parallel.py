@@ -36,6 +36,7 @@ from services.engine.model.kv_cache import KVLayout, KVPoolMemory
 from services.engine.model.parallel import (TensorParallel, check_split, decode_batch, encode_batch,
                                             kv_head_ranges)
 from services.engine.model.runner import ForwardBatch, PrefillSegment
+from services.local_processes import child_pids
 from tests.parity_cases import CASES, chat_body, generate_expected, grpc_generate
 from tests.processes import start_cluster, stop_cluster
 
@@ -355,16 +356,9 @@ def test_the_default_model_at_tp3_matches_generate(model_dir):
     _cluster_matches_generate(model_dir, "--prefill-tp", "1", "--decode-tp", "3")
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        kids += [int(k) for k in (task / "children").read_text().split()]
-    return kids
-
-
 def _ranks_of(pid: int) -> list[int]:
     """A worker's rank processes (not multiprocessing's resource tracker)."""
-    return [k for k in _children(pid) if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+    return [k for k in child_pids(pid) if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
 
 
 @pytest.mark.slow
@@ -382,7 +376,7 @@ def test_a_killed_decode_rank_takes_its_worker_down_cleanly_and_it_comes_back(sh
         victim = c.info["decodes"][0]["pid"]
         rank = _ranks_of(victim)
         assert len(rank) == 1, rank
-        before = set(_children(c.proc.pid))
+        before = child_pids(c.proc.pid)
         results: dict[int, dict] = {}
         stop = threading.Event()
         serial = iter(range(10**6))
@@ -396,10 +390,10 @@ def test_a_killed_decode_rank_takes_its_worker_down_cleanly_and_it_comes_back(sh
         time.sleep(4)
         os.kill(rank[0], signal.SIGKILL)
         deadline = time.monotonic() + 90
-        while not (new := set(_children(c.proc.pid)) - before) or not all(_ranks_of(p) for p in new):
+        while not (new := child_pids(c.proc.pid) - before) or not all(_ranks_of(p) for p in new):
             assert time.monotonic() < deadline, "the decode worker was not started again"
             time.sleep(0.5)
-        assert not os.path.exists(f"/proc/{victim}/cmdline") or victim not in _children(c.proc.pid)
+        assert not os.path.exists(f"/proc/{victim}/cmdline") or victim not in child_pids(c.proc.pid)
         time.sleep(8)                                 # requests reach the new worker too
         stop.set()
         for t in threads:
