@@ -86,6 +86,25 @@ def test_disconnect_during_a_long_prefill_releases_the_reservation(cluster):
     assert stats.info.free_blocks == stats.info.num_blocks and stats.active_handoffs == 0
 
 
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/responses"])
+def test_a_client_that_stops_waiting_for_a_whole_answer_cancels_it(cluster, route):
+    """Not streamed, the client times out (as the `openai` client does, then retries):
+    its request ends on the workers at once, not ~80 s later after 2,000 tokens nobody
+    reads, and the router's running count falls back."""
+    # The Responses API has no ignore_eos: a schema of 500 numbers keeps it going.
+    numbers = {"type": "json_schema", "name": "numbers",
+               "schema": {"type": "array", "items": {"type": "integer"}, "minItems": 500}}
+    body = ({"messages": STORY, "max_tokens": 2000, "ignore_eos": True} if route != "/v1/responses" else
+            {"input": "Count to 500.", "max_output_tokens": 2000, "text": {"format": numbers}})
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{cluster.http}{route}", timeout=2.0, json=body)
+    stats = cluster.wait_idle(timeout=10)
+    assert stats.info.running == 0 and stats.info.free_blocks == stats.info.num_blocks, stats
+    assert _metric(httpx.get(f"{cluster.http}/metrics").text, "pdserve_running_requests") == 0
+    assert httpx.post(f"{cluster.http}/v1/chat/completions", timeout=60,
+                      json={"messages": STORY, "max_tokens": 3}).status_code == 200
+
+
 def test_decode_worker_computes_no_prompt_tokens_and_kv_bytes_cross(cluster):
     """Deltas, not totals: the session cluster has served other tests' requests (n > 1
     choices compute their last prompt token on the decode worker)."""

@@ -3,9 +3,11 @@ as JSON (size, content type, numbers past Python's digit limit, lone surrogates)
 route's model parses them; every refusal an OpenAI error body."""
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import uuid
+from typing import Awaitable, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -18,6 +20,7 @@ from services.router.protocol import APIError, bad_request, unsupported
 
 
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+T = TypeVar("T")
 
 
 def error_response(exc: APIError) -> JSONResponse:
@@ -115,6 +118,31 @@ async def read_json(request: Request, max_bytes: int) -> dict:
     if _SURROGATE_ESCAPE.search(text):
         refuse_lone_surrogates(data)
     return data
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, or APIError 499 once the client closes its connection first; the
+    work is then cancelled, which ends the request on every worker (as vLLM's
+    `with_cancellation`). A streamed answer notices a gone client when a write fails; an
+    answer sent whole would otherwise generate to its end for nobody, and a client's
+    timeout and retries would leave several such generations running. Called once the
+    body is read: what the connection says next can only be that it closed."""
+    task = asyncio.ensure_future(work)
+
+    async def closed() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    listener = asyncio.ensure_future(closed())
+    try:
+        await asyncio.wait((task, listener), return_when=asyncio.FIRST_COMPLETED)
+    finally:                        # this handler cancelled: the work with it
+        listener.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done():             # the client left first: let the work's cleanup run
+        await asyncio.wait((task,))
+        raise APIError(499, "the client closed the connection before the answer", code="client_closed_request")
+    return task.result()
 
 
 class _Digits(str):

@@ -25,7 +25,8 @@ from services.engine.text.json_schema import JSON_OBJECT
 from services.router.access import AccessLogMiddleware
 from services.router.choices import Shape, respond, token_names
 from services.router.frontend import FrontEnd, choices
-from services.router.http_input import HTTP_CODES, error_response, RequireAPIKey, RequestId, read_json, parse
+from services.router.http_input import (HTTP_CODES, error_response, RequireAPIKey, RequestId, read_json, parse,
+                                       unless_disconnected)
 from services.router.generation import Generation, new_request_id
 from services.router.protocol import (APIError, ChatCompletionRequest, CommonRequest, CompletionRequest,
                                       DetokenizeRequest, TokenizeRequest, bad_request, unsupported)
@@ -189,7 +190,7 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
         gens, tools = await chat_generations(fe, req, request_id)
         shape = Shape(chat=True, tools=tools, n=req.choices, prompt_logprobs=req.prompt_logprobs,
                       names=token_names(fe, req.return_tokens_as_token_ids))
-        return await respond(fe, req, request_id, [gens], shape, tenant_of(request))
+        return await unless_disconnected(request, respond(fe, req, request_id, [gens], shape, tenant_of(request)))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -216,7 +217,7 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
                               fe.tokenizer.decode(truncated, skip_special_tokens=False))
         shape = Shape(chat=False, echo=tuple(echoes), echo_only=echo_only, n=req.choices,
                       prompt_logprobs=req.prompt_logprobs, names=token_names(fe, req.return_tokens_as_token_ids))
-        return await respond(fe, req, request_id, prompts, shape, tenant_of(request))
+        return await unless_disconnected(request, respond(fe, req, request_id, prompts, shape, tenant_of(request)))
 
     @app.post("/v1/responses")
     async def responses(request: Request):
@@ -234,7 +235,7 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
             return StreamingResponse(writer.events(running, fe.sse_keepalive), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            (result,) = await running.collect()
+            (result,) = await unless_disconnected(request, running.collect())
         except APIError as exc:
             return error_response(exc)
         return JSONResponse(writer.whole(result), headers={"x-pdserve-route": gen.route()})
