@@ -130,6 +130,29 @@ def _chat(http: str, **body) -> dict:
     return r.json()
 
 
+def test_an_answer_sent_back_as_the_client_dumps_it_and_openais_null_fields(cluster):
+    """`message.model_dump()` of an answer carries OpenAI's fields pdserve does not make
+    (`refusal`, `audio`, `function_call`, `annotations`, null): sent back as history, it
+    reads as the message itself. OpenAI's options that ask nothing of a text model
+    (`store: false`, `modalities: ["text"]`, `metadata`, `service_tier`) and null
+    `suffix` answer as without them."""
+    client = _client(cluster.http)
+    history = [{"role": "user", "content": "Name a colour."}]
+    first = client.chat.completions.create(model=MODEL, messages=history, max_tokens=5, temperature=0)
+    dumped = first.choices[0].message.model_dump()
+    assert {"refusal", "audio", "function_call", "annotations"} <= set(dumped)
+    turn = [*history, dumped, {"role": "user", "content": "Another one."}]
+    plain = [*history, {"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "Another one."}]
+    asked = dict(model=MODEL, max_tokens=5, temperature=0)
+    again = client.chat.completions.create(messages=turn, store=False, modalities=["text"],
+                                           metadata={"team": "a"}, service_tier="auto", **asked)
+    assert again.choices[0].message.content == client.chat.completions.create(messages=plain, **asked) \
+        .choices[0].message.content
+    assert _complete(cluster.http, prompt=PROMPTS[0], suffix=None)["choices"][0]["text"] == \
+        _complete(cluster.http, prompt=PROMPTS[0])["choices"][0]["text"]
+
+
 def test_ignore_eos_and_min_tokens_as_vllm_defines_them(cluster):
     """ignore_eos: EOS is sampled like any token and the output goes on to max_tokens;
     min_tokens: EOS cannot come before that many tokens."""
@@ -428,7 +451,7 @@ def test_responses_json_schema(cluster):
     ({"tools": [{"type": "web_search"}]}, "tools.0"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input.0"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-     "input.0.message.content"),
+     "input.0.content"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"max_output_tokens": 0}, "max_output_tokens"),

@@ -237,6 +237,29 @@ HOSTILE = {
     "temperature_numeric_string": ("/v1/chat/completions", {"messages": MSG, "temperature": "0.5"}, "temperature",
                                    "number"),
     "priority_not_zero": ("/v1/completions", {"prompt": "hi", "priority": -1}, "priority", "not enabled"),
+    # Named as the request spells them, not by pydantic's names for a union's members.
+    "image_part": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+        "messages.0.content", "part 1 is of type 'image_url'"),
+    "tool_choice_allowed_tools": ("/v1/chat/completions", {"messages": MSG, "tool_choice": {
+        "type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}}, "tool_choice.allowed_tools",
+        "Unrecognized"),
+    "stream_options_without_stream": ("/v1/chat/completions", {"messages": MSG, "stream_options": {
+        "include_usage": True}}, "stream_options", "only allowed when stream is true"),
+    "store_true": ("/v1/chat/completions", {"messages": MSG, "store": True}, "store", "keeps no completions"),
+    "audio_output": ("/v1/chat/completions", {"messages": MSG, "audio": {"voice": "alloy", "format": "wav"}},
+                     "audio", "not supported"),
+    "audio_modality": ("/v1/chat/completions", {"messages": MSG, "modalities": ["text", "audio"]},
+                       "modalities.1", "'text'"),
+    "an_earlier_answers_audio": ("/v1/chat/completions", {"messages": [
+        {"role": "assistant", "content": "hi", "audio": {"id": "audio_1"}}, *MSG]}, "messages.0.audio",
+        "not supported"),
+    "suffix": ("/v1/completions", {"prompt": "def f(", "suffix": "return 1"}, "suffix", "not supported"),
+    "completion_past_the_context": ("/v1/completions", {"prompt": LONG}, "prompt", "8192"),
+    "completion_and_max_tokens_past_the_context": ("/v1/completions", {"prompt": "hello " * 4000,
+                                                                       "max_tokens": 5000}, "prompt", "8192"),
+    "second_prompt_past_the_context": ("/v1/completions", {"prompt": ["hi", LONG]}, "prompt.1", "8192"),
 }
 
 

@@ -54,7 +54,8 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
             repetition_penalty=opt("repetition_penalty"), min_p=s.min_p, logit_bias=dict(s.logit_bias),
             stop_token_ids=list(s.stop_token_ids), logprobs=opt("logprobs"), json_schema=schema,
-            allowed_token_ids=list(s.allowed_token_ids) or None, bad_words=[list(w.ids) for w in s.bad_words])
+            allowed_token_ids=list(s.allowed_token_ids) or None, bad_words=[list(w.ids) for w in s.bad_words],
+            prompt_param=request.WhichOneof("input"))
         if not 0 <= request.n <= MAX_CHOICES:
             raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {request.n}", param="n")
         # The router names the request itself: the caller's id is only echoed back.

@@ -4,6 +4,7 @@ route's model parses them; every refusal an OpenAI error body."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import uuid
@@ -209,9 +210,35 @@ def parse(model: type[BaseModel], data: dict):
     except ValidationError as exc:
         errors = exc.errors()
         # An unknown field is named as OpenAI names it, whatever else is wrong.
+        tags = getattr(model, "union_tags", frozenset())
         extra = next((e for e in errors if e["type"] == "extra_forbidden"), None)
         if extra is not None:
-            raise unsupported(".".join(str(p) for p in extra["loc"])) from None
+            raise unsupported(field_path(extra["loc"], tags)) from None
+        known = next((e for e in errors if e["type"] == "not_implemented"), None)
+        if known is not None:           # a field or part OpenAI has and this server does not
+            loc = field_path(known["loc"], tags)
+            raise unsupported(loc, f"{loc}: {known['msg']}") from None
         err = errors[0]
-        loc = ".".join(str(p) for p in err["loc"])
+        loc = field_path(err["loc"], tags)
         raise bad_request(f"{loc}: {err['msg']}" if loc else err["msg"], param=loc or None) from None
+
+
+def field_path(loc: tuple, tags: frozenset[str] = frozenset()) -> str:
+    """A validation error's place as the request spells it ("messages.0.content.0"),
+    without pydantic's names for the member of a union it tried ("list[TextPart]",
+    "NamedToolChoice", or one of a model's `union_tags` after a list index), which are
+    no field of the request."""
+    kept = [p for i, p in enumerate(loc)
+            if not (isinstance(p, str) and (p in _model_names() or "[" in p
+                                            or (p in tags and i > 0 and isinstance(loc[i - 1], int))))]
+    return ".".join(str(p) for p in kept)
+
+
+@functools.cache
+def _model_names() -> frozenset[str]:
+    names, todo = set(), [BaseModel]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            names.add(sub.__name__)
+            todo.append(sub)
+    return frozenset(names)

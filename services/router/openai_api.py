@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 async def generations(fe: FrontEnd, req: CommonRequest, request_id: str, prompt_ids: list[int],
                       max_tokens: int | None, logprobs: int | None, json_schema: str,
-                      prompt_logprobs: int | None = None) -> list[Generation]:
+                      prompt_logprobs: int | None = None, prompt_param: str = "messages") -> list[Generation]:
     """One prompt's generations, one per choice (`n`)."""
     bad_words = await fe.tokenize_bad_words(req.bad_words) if req.bad_words else ()
     params = resolve_sampling(
@@ -48,7 +48,8 @@ async def generations(fe: FrontEnd, req: CommonRequest, request_id: str, prompt_
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, min_p=req.min_p, logit_bias=req.logit_bias,
         stop_token_ids=req.stop_token_ids or (), logprobs=logprobs, json_schema=json_schema,
-        prompt_logprobs=prompt_logprobs, allowed_token_ids=req.allowed_token_ids, bad_words=bad_words)
+        prompt_logprobs=prompt_logprobs, allowed_token_ids=req.allowed_token_ids, bad_words=bad_words,
+        prompt_param=prompt_param)
     return choices(request_id, prompt_ids, params, req.choices)
 
 
@@ -211,7 +212,7 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
             truncated = req.truncate(ids, fe.max_model_len)
             prompts.append(await generations(fe, req, f"{request_id}-{p}" if many else request_id, truncated,
                                              1 if echo_only else req.max_tokens, logprobs, "",
-                                             prompt_logprobs=max(scored, default=None)))
+                                             prompt_logprobs=max(scored, default=None), prompt_param=param))
             if req.echo:
                 echoes.append(prompt if isinstance(prompt, str) and truncated is ids else
                               fe.tokenizer.decode(truncated, skip_special_tokens=False))

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError,
-                      field_validator, model_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
+                      ValidationError, field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from services.engine.core.sampling import MAX_CHOICES, MAX_STOP, MAX_TOP_LOGPROBS
@@ -46,6 +46,18 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 STRICT = ConfigDict(extra="forbid")
+
+
+def _absent(value):
+    if value in (None, [], {}):
+        return None
+    raise PydanticCustomError("not_implemented", "is not supported here: only null (or empty) is accepted")
+
+
+# An OpenAI field this server does not implement: null or empty means what absent does
+# (clients send them so: `message.model_dump()` has `audio: null`), anything else is
+# refused by name (http_input.parse makes it `unsupported_parameter`).
+Unimplemented = Annotated[Any, AfterValidator(_absent)]
 _TOKEN_ID = re.compile(r"-?[0-9]{1,20}")            # negative or past the vocabulary: refused by name later
 # Completions' logprobs: OpenAI allows 5; vLLM (and this) as many as chat's top_logprobs.
 MAX_LOGPROBS = MAX_TOP_LOGPROBS
@@ -77,6 +89,16 @@ class ChatMessage(BaseModel):
     name: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None            # an assistant's earlier calls
     tool_call_id: StrictStr | None = None               # a tool's answer to one
+    refusal: StrictStr | None = None                    # an assistant's earlier refusal: its text
+    # What an assistant message read back from a response carries, null here.
+    audio: Unimplemented = None
+    function_call: Unimplemented = None
+    annotations: Unimplemented = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v):
+        return text_parts_only(v, ("text",))
 
     def for_template(self) -> dict:
         """The message as chat templates read it (tool calls' arguments as objects, as
@@ -93,10 +115,23 @@ class ChatMessage(BaseModel):
 
     def text(self) -> str:
         if self.content is None:
-            return ""
+            return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+
+def text_parts_only(parts, text_types: tuple[str, ...]):
+    """Content parts as they are, unless one is of another kind than text (an image, audio,
+    a file): refused by its place and kind, where pydantic would name a field of the part
+    under each shape the content could take."""
+    if isinstance(parts, list):
+        for i, part in enumerate(parts):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind not in text_types:
+                raise PydanticCustomError("not_implemented", "part {index} is of type '{kind}': this model reads "
+                                          "text parts only", {"index": i, "kind": kind[:40]})
+    return parts
 
 
 def _json_or_text(text: str):
@@ -226,6 +261,8 @@ class CommonRequest(BaseModel):
         """What no field's type says: n and best_of in range, prompt_logprobs not streamed."""
         if not 1 <= self.choices <= MAX_CHOICES:
             raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {self.n}", param="n")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
         if self.best_of not in (None, self.choices):
             raise unsupported("best_of", "best_of other than n is not supported")
         if self.prompt_logprobs is not None:
@@ -266,6 +303,21 @@ class ChatCompletionRequest(CommonRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
+    # OpenAI's options that ask nothing of a text model here: accepted, no effect
+    metadata: dict[StrictStr, StrictStr] | None = None  # tags of a stored completion: none is stored
+    store: StrictBool | None = None                     # true refused in check(): nothing is stored
+    modalities: list[Literal["text"]] | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    prompt_cache_key: StrictStr | None = None           # prefix-aware routing caches without a key
+    safety_identifier: StrictStr | None = None          # a label, as `user`
+    # OpenAI's options this server does not implement: null only
+    audio: Unimplemented = None
+    prediction: Unimplemented = None
+    web_search_options: Unimplemented = None
+    reasoning_effort: Unimplemented = None
+    verbosity: Unimplemented = None
+    functions: Unimplemented = None                     # the deprecated spelling of tools
+    function_call: Unimplemented = None
     # vLLM's chat template options
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
@@ -287,6 +339,12 @@ class ChatCompletionRequest(CommonRequest):
             raise ValueError("messages must not be empty")
         return v
 
+    def check(self) -> None:
+        super().check()
+        if self.store:
+            raise unsupported("store", "store: true is not supported: pdserve keeps no completions (send store: "
+                                       "false, or leave it out)")
+
 
 Prompt = StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
 PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
@@ -297,6 +355,7 @@ class CompletionRequest(CommonRequest):
     prompt: Prompt
     logprobs: StrictInt | None = None
     echo: StrictBool = False
+    suffix: Unimplemented = None
 
     def top_logprobs_count(self) -> int | None:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Annotated, AsyncIterator, Literal, Union
+from typing import Annotated, AsyncIterator, ClassVar, Literal, Union
 
 from pydantic import BaseModel, Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag, field_validator
 from pydantic_core import PydanticCustomError
@@ -23,7 +23,7 @@ from pydantic_core import PydanticCustomError
 from services.router.generation import Generation
 from services.router.frontend import Collected, RunningRequest
 from services.router.protocol import (STRICT, APIError, ChatCompletionRequest, FunctionName, Number,
-                                      bad_request, unsupported)
+                                      bad_request, text_parts_only, unsupported)
 from services.router.tools import CallStream, ToolPlan, new_call, parse_calls
 
 SSE_KEEPALIVE = b": keep-alive\n\n"
@@ -49,7 +49,8 @@ def _text(content: list[ContentText]) -> str:
 def _as_parts(value):
     """A string where a list of text parts may stand, as that list: errors then name the
     part at fault, not each shape the field could take."""
-    return [{"type": "input_text", "text": value}] if isinstance(value, str) else value
+    return [{"type": "input_text", "text": value}] if isinstance(value, str) else \
+        text_parts_only(value, ("input_text", "output_text"))
 
 
 class MessageItem(BaseModel):
@@ -130,6 +131,8 @@ class TextConfig(BaseModel):
 
 class ResponsesRequest(BaseModel):
     model_config = STRICT
+    # The input items' kinds, which pydantic names in an error's place after the item's index.
+    union_tags: ClassVar[frozenset[str]] = frozenset({"message", "function_call", "function_call_output"})
     model: StrictStr | None = None
     input: list[InputItem]                              # a string is one user message
     instructions: StrictStr | None = None

@@ -8,14 +8,17 @@ from services.engine.core.sampling import SEED_MASK, InvalidSampling, SamplingPa
 from services.router.protocol import APIError, bad_request
 
 
-def context_error(prompt_len: int, max_model_len: int, max_tokens: int | None = None) -> APIError:
+def context_error(prompt_len: int, max_model_len: int, max_tokens: int | None = None,
+                  param: str = "messages") -> APIError:
+    """OpenAI's error for a request past the context, naming the prompt's field (chat:
+    `messages`, as OpenAI does; completions: `prompt`, or `prompt.3` in a list)."""
     if max_tokens is None:
         msg = (f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
                f"{prompt_len} tokens, which leaves no room for output.")
     else:
         msg = (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion).")
-    return APIError(400, msg, code="context_length_exceeded", param="messages")
+    return APIError(400, msg, code="context_length_exceeded", param=param)
 
 
 def resolve_sampling(*, prompt_len: int, max_model_len: int, vocab_size: int, max_tokens: int | None = None,
@@ -27,17 +30,18 @@ def resolve_sampling(*, prompt_len: int, max_model_len: int, vocab_size: int, ma
                      stop_token_ids: list[int] | tuple[int, ...] = (), logprobs: int | None = None,
                      json_schema: str = "", prompt_logprobs: int | None = None,
                      allowed_token_ids: list[int] | None = None,
-                     bad_words: list[list[int]] | tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
+                     bad_words: list[list[int]] | tuple[tuple[int, ...], ...] = (),
+                     prompt_param: str = "messages") -> SamplingParams:
     if prompt_len < 1:
         raise bad_request("the prompt is empty", param="prompt")
     if prompt_len >= max_model_len:
-        raise context_error(prompt_len, max_model_len)
+        raise context_error(prompt_len, max_model_len, param=prompt_param)
     if max_tokens is None:
         max_tokens = max_model_len - prompt_len
     elif max_tokens < 1:
         raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
     elif prompt_len + max_tokens > max_model_len:
-        raise context_error(prompt_len, max_model_len, max_tokens)
+        raise context_error(prompt_len, max_model_len, max_tokens, param=prompt_param)
     # Ranges are SamplingParams' to check (the workers check them again); what needs the
     # vocabulary is checked here.
     bias = sorted((logit_bias or {}).items())
