@@ -50,12 +50,27 @@ def test_a_request_id_comes_back_or_one_is_made(cluster):
             metadata=(("x-request-id", "grpc-7"),), timeout=60)
         list(replies)
         assert dict(replies.trailing_metadata())["x-request-id"] == "grpc-7"
+        # The request's own id, in every message and the trailer; without one, the
+        # router's for the request, the same in both, n > 1 too.
+        for req, expected in ((generate_pb2.GenerateRequest(prompt="hi", request_id="mine-1"), "mine-1"),
+                              (generate_pb2.GenerateRequest(prompt="hi", n=2), None)):
+            req.sampling.max_tokens = 2
+            replies = generate_pb2_grpc.GeneratorStub(ch).Generate(req, timeout=60)
+            ids = {m.request_id for m in replies}
+            trailer = dict(replies.trailing_metadata())["x-request-id"]
+            assert ids == {trailer} and trailer == (expected or trailer) and not trailer.endswith("-0"), (ids, trailer)
 
 
 def test_version_and_models(cluster):
     assert httpx.get(f"{cluster.http}/version").json()["version"]
     model = _client(cluster).models.list().data[0]
     assert model.id == MODEL and 0 < model.created <= time.time() and model.owned_by == "pdserve"
+    assert _client(cluster).models.retrieve(MODEL) == model
+    with pytest.raises(openai.NotFoundError):
+        _client(cluster).models.retrieve("gpt-17")
+    # What load balancers and vLLM's users probe: HEAD, and vLLM's /ping.
+    for method, path in (("HEAD", "/health"), ("HEAD", "/v1/models"), ("GET", "/ping"), ("POST", "/ping")):
+        assert httpx.request(method, f"{cluster.http}{path}", timeout=10).status_code == 200, (method, path)
 
 
 def _post(cluster, path: str, body: dict) -> httpx.Response:

@@ -147,7 +147,7 @@ def test_https_api_keys_with_the_official_client(secure):
     r = httpx.get(f"{secure.http}/v1/models", verify=secure.tls_context())         # no key at all
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
     assert "didn't provide an API key" in r.json()["error"]["message"]
-    for open_path in ("/health", "/ready", "/metrics"):                  # probes and scrapes need no key
+    for open_path in ("/health", "/ping", "/ready", "/metrics"):         # probes and scrapes need no key
         assert httpx.get(f"{secure.http}{open_path}", verify=secure.tls_context()).status_code == 200, open_path
     with pytest.raises((httpx.ConnectError, httpx.RemoteProtocolError)):  # no plaintext beside TLS
         httpx.get(secure.http.replace("https", "http") + "/health")

@@ -41,7 +41,7 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
             return await self.fe.tokenize_prompt(list(request.prompt_token_ids.ids))
         raise bad_request("one of prompt, chat or prompt_token_ids is required", param="input")
 
-    async def _generations(self, request: generate_pb2.GenerateRequest) -> list[Generation]:
+    async def _generations(self, request: generate_pb2.GenerateRequest, request_id: str) -> list[Generation]:
         self.fe.check_model(request.model)
         prompt_ids = await self._prompt(request)
         s = request.sampling
@@ -59,7 +59,7 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
         if not 0 <= request.n <= MAX_CHOICES:
             raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {request.n}", param="n")
         # The router names the request itself: the caller's id is only echoed back.
-        gens = choices(new_request_id("gen"), prompt_ids, params, request.n or 1)
+        gens = choices(request_id, prompt_ids, params, request.n or 1)
         for gen in gens:
             gen.client_id = request.request_id
         return gens
@@ -73,12 +73,16 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
 
     async def Generate(self, request, context):
         given = next((v for k, v in context.invocation_metadata() or () if k == "x-request-id"), None)
+        own = new_request_id("gen")
+        # What the caller reads back: its own id, from the request or the metadata, else
+        # the router's for the request (not a choice's: n > 1 names each "<id>-<i>").
+        echoed, trailing = request.request_id or given or own, given or request.request_id or own
         with self.access.grpc_call(GENERATE, context) as call:
-            call.request_id = given or request.request_id
+            call.request_id = trailing
             tenant = self._tenant(context)
             TENANT.set(tenant)                  # the tokenizer's turns
             try:
-                gens = await self._generations(request)
+                gens = await self._generations(request, own)
                 running = self.fe.start(gens, context.time_remaining(), tenant)
             except APIError as exc:
                 await context.abort(getattr(grpc.StatusCode, exc.grpc_code), exc.message)
@@ -86,7 +90,7 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
             try:
                 async for d in running.deltas():
                     yield generate_pb2.GenerateResponse(
-                        request_id=gen.client_id or gen.request_id, text=d.text, token_ids=d.token_ids,
+                        request_id=echoed, text=d.text, token_ids=d.token_ids,
                         finish_reason=d.finish_reason or "", index=d.index,
                         usage=generate_pb2.Usage(prompt_tokens=len(gen.prompt_ids),
                                                  completion_tokens=gens[d.index].completion_tokens),
@@ -94,4 +98,4 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
             except APIError as exc:
                 await context.abort(getattr(grpc.StatusCode, exc.grpc_code), exc.message)
             context.set_trailing_metadata((("x-pdserve-route", gen.route()),
-                                           ("x-request-id", given or gen.request_id)))
+                                           ("x-request-id", trailing)))

@@ -3,7 +3,7 @@
 /metrics. Requests run as `RunningRequest` tasks (frontend.py), so a client that
 disconnects cancels its request on every worker; choices.py writes the completions' answers.
 
-With API keys, every route but /health and /ready (and /metrics, unless protected) needs
+With API keys, every route but /health, /ping and /ready (and /metrics, unless protected) needs
 `Authorization: Bearer <key>`. JSON routes take only `Content-Type: application/json`
 bodies: a web page can post a form or text/plain to a server on its visitor's machine
 without asking, but not JSON. CORS is off unless origins are allowed."""
@@ -130,7 +130,7 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
     started = int(time.time())
     if keys:
-        open_paths = {"/health", "/ready"} | (set() if protect_metrics else {"/metrics"})
+        open_paths = {"/health", "/ping", "/ready"} | (set() if protect_metrics else {"/metrics"})
         app.add_middleware(RequireAPIKey, keys=keys, open_paths=frozenset(open_paths))
     if allowed_origins:                         # outside the key check: preflights carry no key
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
@@ -157,8 +157,12 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
         log.exception("unhandled error on %s", request.url.path)
         return error_response(APIError(500, f"internal error: {type(exc).__name__}", type_="server_error"))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
+        return {"status": "ok"}
+
+    @app.api_route("/ping", methods=["GET", "POST"])       # vLLM's (SageMaker's) liveness route
+    async def ping():
         return {"status": "ok"}
 
     @app.get("/ready")
@@ -178,10 +182,18 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
     async def version():
         return {"version": VERSION}
 
-    @app.get("/v1/models")
+    def model_card() -> dict:
+        return {"id": fe.served_model_name, "object": "model", "created": started, "owned_by": "pdserve",
+                "max_model_len": fe.max_model_len}
+
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
-        return {"object": "list", "data": [{"id": fe.served_model_name, "object": "model", "created": started,
-                                            "owned_by": "pdserve", "max_model_len": fe.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")                    # the openai client's models.retrieve()
+    async def model(model: str):
+        fe.check_model(model)
+        return model_card()
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
