@@ -9,8 +9,9 @@ refuses one xgrammar cannot compile (SchemaError: INVALID_ARGUMENT, with the rou
 error code for it, services/worker/main.py `refuse`), and gives each sequence its own matcher,
 which follows the tokens the sequence takes. The router checks
 what comes out against the schema too (router/schema_guard.py), since xgrammar does not
-enforce every keyword. JSON is generated compact (no free whitespace): a small model
-left free to add whitespace can fill its whole budget with it.
+enforce every keyword. JSON's whitespace is fixed, not free: `", "` and `": "` between
+items, as `json.dumps` writes them, and no other (xgrammar's default separators): a small
+model left free to add whitespace can fill its whole budget with it.
 
 The masks of a step are filled on a thread of their own while the forward pass runs
 (engine.py), so their cost hides behind the step's.
