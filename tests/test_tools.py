@@ -28,6 +28,10 @@ def test_whole_outputs_per_mode():
     required = ToolPlan([], "required", "{}")
     assert _names(parse_calls(required, '[{"name": "g", "arguments": {"x": 2}}]')[1]) == [("g", {"x": 2})]
     assert parse_calls(required, '[{"name": "g", "argu') == ('[{"name": "g", "argu', [])    # cut by max_tokens
+    # cut after whole calls (a model that repeats its call until max_tokens): those are calls
+    cut = '[{"name": "g", "arguments": {"x": 2}}, {"name": "h", "arguments": {}}, {"name": "g", "arguments": {"x'
+    content, calls = parse_calls(required, cut)
+    assert content is None and _names(calls) == [("g", {"x": 2}), ("h", {})]
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 11, 1000])

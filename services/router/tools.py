@@ -75,9 +75,8 @@ def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
     if plan.mode == "named":
         return None, [new_call(plan.name, text)]
     if plan.mode == "required":
-        try:
-            calls = json.loads(text)
-        except json.JSONDecodeError:            # cut short by max_tokens
+        calls = _whole_items(text)
+        if not calls:                           # cut short by max_tokens inside the first call
             return text, []
         return None, [new_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
     calls = []
@@ -92,6 +91,22 @@ def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
     if not calls:
         return text, []
     return content.strip() or None, calls
+
+
+def _whole_items(text: str) -> list:
+    """The items of a JSON array that are whole: all of them, or, when `max_tokens` cut
+    the array short, those before the cut (the calls made before it are calls)."""
+    decoder, items = json.JSONDecoder(), []
+    at = text.find("[") + 1
+    while at > 0:
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:            # the cut item, or the closing bracket
+            break
+        items.append(item)
+    return items
 
 
 def _hermes_call(body: str) -> dict | None:
