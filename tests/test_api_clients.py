@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from services.engine.text.tokenizer import encode_chat
+from services.engine.text.tokenizer import encode_chat, token_bytes
 
 MODEL = "SmolLM2-135M-Instruct"
 EOS = 2                                         # <|im_end|>
@@ -151,6 +151,25 @@ def test_an_answer_sent_back_as_the_client_dumps_it_and_openais_null_fields(clus
         .choices[0].message.content
     assert _complete(cluster.http, prompt=PROMPTS[0], suffix=None)["choices"][0]["text"] == \
         _complete(cluster.http, prompt=PROMPTS[0])["choices"][0]["text"]
+
+
+def test_chat_logprobs_bytes_of_a_split_character_are_its_own(cluster, tokenizer):
+    """日 is three tokens, each a piece of its UTF-8 that shows as U+FFFD alone (as in
+    vLLM); each piece's `bytes` are its own, not U+FFFD's, so a client can join them
+    (what OpenAI's `bytes` are for)."""
+    pieces = tokenizer.encode("日", add_special_tokens=False)
+    assert len(pieces) > 1 and all("\ufffd" in tokenizer.decode([t]) for t in pieces)
+    r = _post(cluster.http, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Write 日."}], "max_tokens": len(pieces), "temperature": 0,
+        "logprobs": True, "top_logprobs": 2, "allowed_token_ids": pieces, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert len(content) == len(choice["token_ids"]) == len(pieces)
+    for entry, token in zip(content, choice["token_ids"]):
+        assert entry["token"] == "\ufffd" and bytes(entry["bytes"]) == token_bytes(tokenizer, token, "\ufffd")
+        for top in entry["top_logprobs"]:
+            assert bytes(top["bytes"]) != "\ufffd".encode(), top
 
 
 def test_ignore_eos_and_min_tokens_as_vllm_defines_them(cluster):

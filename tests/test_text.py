@@ -1,7 +1,7 @@
 """Incremental detokenization, stop strings and sampling-parameter validation."""
 import pytest
 
-from services.engine.text.tokenizer import IncrementalDetokenizer, StopMatcher, load_tokenizer
+from services.engine.text.tokenizer import IncrementalDetokenizer, StopMatcher, load_tokenizer, token_bytes
 from services.router.protocol import APIError
 from services.router.sampling import resolve_sampling
 
@@ -18,6 +18,16 @@ def test_token_by_token_deltas_rebuild_the_text_and_never_split_utf8(tok, text):
     deltas = [d.push([i]) for i in ids] + [d.flush()]
     assert "".join(deltas) == text
     assert all("\ufffd" not in x for x in deltas)
+
+
+@pytest.mark.parametrize("text", ["héllo 海 🙂 wörld", "日本語のテキスト、絵文字👍🏽も。"])
+def test_each_tokens_bytes_join_into_the_text(tok, text):
+    """Logprobs' `bytes`: a token that is a piece of a character decodes alone to U+FFFD,
+    but its bytes are the piece, so the tokens' bytes joined are the text's UTF-8."""
+    ids = tok.encode(text, add_special_tokens=False)
+    alone = [tok.decode([i]) for i in ids]
+    assert any("\ufffd" in t for t in alone)            # the case at hand: split characters
+    assert b"".join(token_bytes(tok, i, t) for i, t in zip(ids, alone)) == text.encode()
 
 
 def test_stop_matcher_cuts_before_the_stop_and_holds_back_partial_matches():

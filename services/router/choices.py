@@ -34,18 +34,29 @@ def usage(gens: list[Generation], n: int = 1) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(max(g.cached_tokens for g in gs) for gs in prompts)}}
 
 
-TokenName = Callable[[int], str]
+
+
+@dataclass(frozen=True)
+class TokenName:
+    """How logprobs name a token: `name(token_id)` its text, `name.bytes(token_id)` the
+    bytes OpenAI's chat logprobs give beside it."""
+    text: Callable[[int], str]
+    bytes: Callable[[int], list[int]]
+
+    def __call__(self, token_id: int) -> str:
+        return self.text(token_id)
 
 
 def token_names(fe: FrontEnd, as_ids: bool) -> TokenName:
     """How logprobs name a token: its text, or vLLM's "token_id:N" (return_tokens_as_token_ids)."""
-    return (lambda t: f"token_id:{t}") if as_ids else fe.token_text
+    if as_ids:
+        return TokenName(lambda t: f"token_id:{t}", lambda t: list(f"token_id:{t}".encode()))
+    return TokenName(fe.token_text, fe.token_bytes)
 
 
 def chat_logprobs(name: TokenName, logprobs: list[TokenLogprob]) -> dict:
     def entry(token_id: int, logprob: float) -> dict:
-        text = name(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": name(token_id), "logprob": logprob, "bytes": name.bytes(token_id)}
     return {"content": [{**entry(lp.token_id, lp.logprob),
                          "top_logprobs": [entry(t, v) for t, v in zip(lp.top_ids, lp.top_logprobs)]}
                         for lp in logprobs]}

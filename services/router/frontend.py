@@ -20,7 +20,7 @@ from typing import AsyncIterator, Callable, TypeVar
 
 from services.engine.core.sampling import MAX_BAD_WORDS, SamplingParams, TokenLogprob
 from services.engine.text import json_schema
-from services.engine.text.tokenizer import encode_chat, encode_prompt
+from services.engine.text.tokenizer import encode_chat, encode_prompt, token_bytes
 from services.router.access import attach
 from services.router.admission import TENANT, Admission, FairGate
 from services.router.cluster import Cluster
@@ -81,6 +81,10 @@ class FrontEnd:
         if text is None:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return text
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """One token's own bytes, for logprobs: a piece of a UTF-8 character as the bytes it is."""
+        return list(token_bytes(self.tokenizer, token_id, self.token_text(token_id)))
 
     async def check_schema(self, schema: str, param: str) -> str:
         """`schema` if it is one some value can meet; else a 400 naming `param`. Compiling

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from pathlib import Path
 
@@ -54,6 +55,36 @@ def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
 
 def encode_prompt(tokenizer, prompt: str, add_special_tokens: bool = True) -> list[int]:
     return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+
+def token_bytes(tokenizer, token_id: int, text: str) -> bytes:
+    """One token's own bytes (`text` its decoding alone). A token that is a piece of a
+    UTF-8 character decodes to U+FFFD; its bytes are then the piece itself, read from the
+    token's vocabulary entry: SentencePiece's byte fallback (`<0xE2>`) or byte-level BPE's
+    one character per byte. What OpenAI's logprobs `bytes` are for: a client joins a
+    character's pieces."""
+    if "\ufffd" not in text:
+        return text.encode("utf-8")
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str):
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        decoder = _byte_level_decoder()
+        if piece and all(c in decoder for c in piece):
+            return bytes(decoder[c] for c in piece)
+    return text.encode("utf-8")
+
+
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+    """Byte-level BPE's character for each byte (GPT-2's bytes_to_unicode), inverted:
+    printable bytes stand for themselves, the rest for the characters from U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
 
 
 def _rust_decode(tokenizer):
