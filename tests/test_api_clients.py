@@ -266,6 +266,18 @@ def test_chat_template_options(cluster, tokenizer):
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
 
 
+def test_a_developer_message_is_a_system_message_to_a_template_without_the_role(cluster, tokenizer):
+    """OpenAI's `developer` role is its `system` role renamed; the default template has
+    no such role (it would write a `developer` turn and add its default system prompt)."""
+    def ids(role: str) -> list[int]:
+        r = _post(cluster.http, "/tokenize", {"messages": [{"role": role, "content": "Answer in French."},
+                                                           {"role": "user", "content": "Hi"}]})
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+    assert "developer" not in tokenizer.chat_template
+    assert ids("developer") == ids("system")
+
+
 def test_a_template_variable_from_chat_template_kwargs(tokenizer):
     import copy
     tok = copy.copy(tokenizer)

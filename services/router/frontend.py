@@ -75,6 +75,11 @@ class FrontEnd:
         template = self.tokenizer.chat_template
         return isinstance(template, str) and "tools" in template
 
+    @property
+    def _template_has_developer(self) -> bool:
+        template = self.tokenizer.chat_template
+        return isinstance(template, str) and "developer" in template
+
     def token_text(self, token_id: int) -> str:
         """One token alone as text, for logprobs (a piece of a UTF-8 character shows as U+FFFD)."""
         text = self._token_text.get(token_id)
@@ -120,6 +125,10 @@ class FrontEnd:
         chat_template_kwargs) are more variables for the template; they may also set
         add_generation_prompt and continue_final_message, as in vLLM."""
         self._check_text([m["content"] for m in messages], "messages")
+        if not self._template_has_developer:
+            # OpenAI's developer messages are its system messages, renamed for its
+            # reasoning models: a template that knows no such role reads them as system.
+            messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         kwargs = dict(template_kwargs or {})
         reserved = sorted(set(kwargs) & self._template_arguments)
         if reserved:
