@@ -457,6 +457,14 @@ def test_responses_function_tools(tools_router):
     assert follow.status in ("completed", "incomplete") and follow.output
 
 
+def test_responses_take_vllms_ignore_eos(cluster):
+    """`vllm bench serve --backend openai-responses` sends ignore_eos with its datasets."""
+    r = _post(cluster.http, "/v1/responses", {"input": "Say hi.", "max_output_tokens": 40, "ignore_eos": True,
+                                              "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["output_tokens"] == 40 and r.json()["status"] == "incomplete"
+
+
 def test_responses_json_schema(cluster):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                                "age": {"type": "integer", "minimum": 0, "maximum": 120}},

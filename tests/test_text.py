@@ -20,6 +20,19 @@ def test_token_by_token_deltas_rebuild_the_text_and_never_split_utf8(tok, text):
     assert all("\ufffd" not in x for x in deltas)
 
 
+def test_an_output_cut_inside_a_character_ends_before_it(tok):
+    """max_tokens can end an output after some of a character's bytes: the text then ends
+    before that character (as vLLM's), not in U+FFFD; a U+FFFD the tokens spell whole stays."""
+    text = "おはよう 日本語 👍🏽"
+    ids = tok.encode(text, add_special_tokens=False)
+    for cut in range(1, len(ids) + 1):
+        d = IncrementalDetokenizer(tok)
+        out = "".join(d.push([i]) for i in ids[:cut]) + d.flush()
+        assert "\ufffd" not in out and text.startswith(out), (cut, out)
+    d = IncrementalDetokenizer(tok)
+    assert "".join(d.push([i]) for i in tok.encode("a\ufffd", add_special_tokens=False)) + d.flush() == "a\ufffd"
+
+
 @pytest.mark.parametrize("text", ["héllo 海 🙂 wörld", "日本語のテキスト、絵文字👍🏽も。"])
 def test_each_tokens_bytes_join_into_the_text(tok, text):
     """Logprobs' `bytes`: a token that is a piece of a character decodes alone to U+FFFD,

@@ -23,7 +23,12 @@ def sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-SSE_KEEPALIVE = b": keep-alive\n\n"
+# What a stream sends while it waits (--sse-keepalive-seconds): a blank line, which ends
+# no event, so every SSE client passes over it. A comment (": keep-alive") is the usual
+# choice, but a client that strips each network read before splitting events on blank
+# lines (vLLM's `bench serve`) glues a comment that arrives alone to the next event and
+# loses the rest of the stream: a first token later than the keep-alive failed there.
+SSE_KEEPALIVE = b"\n"
 
 
 def usage(gens: list[Generation], n: int = 1) -> dict:
@@ -281,15 +286,21 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
                     gens[i].completion_tokens = 0
                     yield chunk(i, finish="length")
                 continue
+            # The last token and the finish reason go out in one chunk, as vLLM sends them
+            # (clients that time tokens by chunks would count a separate finish as a token),
+            # unless the finish brings a delta of its own (tool calls known at the end).
             if chat:
                 delta = content(i, d)
+                last, finish = closing(i, d.finish_reason) if d.finish_reason else ({}, None)
+                if finish and not last:
+                    yield chunk(i, delta, token_ids=ids, logprobs=d.logprobs, finish=finish)
+                    continue
                 if delta or ids or d.logprobs:
                     yield chunk(i, delta, token_ids=ids, logprobs=d.logprobs)
-            elif d.text or d.token_ids or d.logprobs:
-                yield chunk(i, text=d.text, token_ids=ids, logprobs=d.logprobs)
-            if d.finish_reason:
-                delta, finish = closing(i, d.finish_reason)
-                yield chunk(i, delta, finish=finish)
+                if finish:
+                    yield chunk(i, last, finish=finish)
+            elif d.text or d.token_ids or d.logprobs or d.finish_reason:
+                yield chunk(i, text=d.text, token_ids=ids, logprobs=d.logprobs, finish=d.finish_reason)
         if with_usage:
             yield sse({**base, "choices": [], "usage": usage(gens, shape.n)})
     except APIError as exc:

@@ -24,9 +24,9 @@ from services.router.generation import Generation
 from services.router.frontend import Collected, RunningRequest
 from services.router.protocol import (STRICT, APIError, ChatCompletionRequest, FunctionName, Number,
                                       bad_request, text_parts_only, unsupported)
+from services.router.choices import SSE_KEEPALIVE
 from services.router.tools import CallStream, ToolPlan, new_call, parse_calls
 
-SSE_KEEPALIVE = b": keep-alive\n\n"
 # The chat request's fields as this API names them, for errors raised on the chat path.
 _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
            "response_format.json_schema": "text.format", "response_format.json_schema.schema": "text.format.schema"}
@@ -153,6 +153,7 @@ class ResponsesRequest(BaseModel):
     truncation: Literal["auto", "disabled"] | None = None
     reasoning: dict | None = None
     # vLLM's sampling extensions, as on the chat API
+    ignore_eos: StrictBool = False                      # what `vllm bench serve`'s datasets send
     top_k: StrictInt | None = None
     min_p: Number | None = None
     seed: StrictInt | None = None
@@ -192,7 +193,7 @@ class ResponsesRequest(BaseModel):
         chat: dict = {"messages": self._messages(), "max_tokens": self.max_output_tokens,
                       "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
                       "seed": self.seed, "repetition_penalty": self.repetition_penalty, "user": self.user,
-                      "parallel_tool_calls": self.parallel_tool_calls}
+                      "parallel_tool_calls": self.parallel_tool_calls, "ignore_eos": self.ignore_eos}
         if self.tools:
             chat["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                              for t in self.tools]

@@ -1,6 +1,7 @@
 """Text in and out: chat templates, incremental UTF-8-safe detokenization, stop strings."""
 from __future__ import annotations
 
+import codecs
 import copy
 import functools
 import json
@@ -141,11 +142,26 @@ class IncrementalDetokenizer:
         return full[len(prefix):]
 
     def flush(self) -> str:
-        """At the end of a stream: whatever is left, replacement characters included."""
+        """At the end of a stream: whatever is left, but a last character the output
+        stopped inside (max_tokens after two of its three bytes), which is left out, as
+        vLLM leaves it out, rather than written as U+FFFD. A replacement character the
+        tokens spell whole stays."""
         prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
         full = self._decode(self._ids[self._prefix_offset:])
+        held = self._ids[self._read_offset:]
         self._prefix_offset = self._read_offset = len(self._ids)
-        return full[len(prefix):] if len(full) > len(prefix) else ""
+        text = full[len(prefix):] if len(full) > len(prefix) else ""
+        if text.endswith("\ufffd") and _ends_inside_a_character(self._tok, held):
+            text = text[:-1]
+        return text
+
+
+def _ends_inside_a_character(tokenizer, ids: list[int]) -> bool:
+    """Whether the bytes of `ids` (token_bytes) end partway through a UTF-8 character."""
+    tail = b"".join(token_bytes(tokenizer, i, tokenizer.decode([i])) for i in ids[-4:])
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(tail, final=False)
+    return bool(decoder.getstate()[0])
 
 
 class StopMatcher:
