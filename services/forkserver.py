@@ -30,7 +30,6 @@ import gc
 import importlib
 import json
 import os
-import runpy
 import shlex
 import signal
 import socket
@@ -310,8 +309,10 @@ def run_service(request: dict, parent: int) -> int:
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = [sys.argv[0], *request["argv"]]
-    runpy.run_module("services.cli", run_name="__main__", alter_sys=True)      # `python -m services.cli`
-    return 0
+    # `python -m services.cli`, through the module the server preloaded (runpy would run a
+    # second copy of it as __main__, and warn that it was imported already).
+    from services.cli import main
+    return main(request["argv"])
 
 
 if __name__ == "__main__":

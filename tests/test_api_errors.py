@@ -86,6 +86,13 @@ def test_context_overflow_names_the_limit(cluster):
     assert err["code"] == "context_length_exceeded" and "8192" in err["message"]
 
 
+def test_a_compressed_body_is_415_not_bad_utf8(cluster):
+    import gzip
+    r = _post(cluster, "/v1/chat/completions", content=gzip.compress(b'{"messages": [{"role": "user", "content": "hi"}]}'),
+              headers={"content-type": "application/json", "content-encoding": "gzip"})
+    assert r.status_code == 415 and "gzip" in r.json()["error"]["message"], r.text
+
+
 def test_oversized_body_is_refused(cluster):
     r = _post(cluster, "/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "'
               + b"a" * (9 * 1024 * 1024) + b'"}]}')

@@ -90,6 +90,10 @@ def check_json_content_type(request: Request) -> None:
 
 async def read_json(request: Request, max_bytes: int) -> dict:
     check_json_content_type(request)
+    coding = request.headers.get("content-encoding", "identity").strip().lower()
+    if coding not in ("", "identity"):
+        raise APIError(415, f"Content-Encoding {coding[:40]} is not supported: send the body uncompressed",
+                       code="unsupported_media_type")
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > max_bytes:
         raise bad_request(f"request body of {declared} bytes exceeds the limit of {max_bytes}", code="body_too_large")
