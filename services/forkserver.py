@@ -310,9 +310,9 @@ def run_service(request: dict, parent: int) -> int:
     os.environ.update(request["env"])
     sys.argv = [sys.argv[0], *request["argv"]]
     # `python -m services.cli`, through the module the server preloaded (runpy would run a
-    # second copy of it as __main__, and warn that it was imported already).
-    from services.cli import main
-    return main(request["argv"])
+    # second copy of it as __main__, and warn that it was imported already). By name, as
+    # PRELOAD names it: the command line the server runs, not a layer it builds on.
+    return importlib.import_module("services.cli").main(request["argv"])
 
 
 if __name__ == "__main__":
