@@ -328,6 +328,18 @@ def test_prompt_logprobs_as_vllm_returns_them(cluster):
     for body in ({"prompt": "hi", "prompt_logprobs": 1, "stream": True}, {"prompt": "hi", "prompt_logprobs": 21}):
         refused = _post(http, "/v1/completions", body)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+    # gRPC: the same figures in choice 0's first message (and no other), n = 2 too.
+    import grpc
+    from services.rpc import generate_pb2, generate_pb2_grpc
+    with grpc.insecure_channel(cluster.grpc) as ch:
+        replies = list(generate_pb2_grpc.GeneratorStub(ch).Generate(generate_pb2.GenerateRequest(
+            prompt_token_ids=generate_pb2.TokenIds(ids=ids), n=2,
+            sampling=generate_pb2.SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2)), timeout=60))
+    scored = [m for m in replies if m.prompt_logprobs]
+    assert len(scored) == 1 and scored[0].index == 0 and scored[0] is next(m for m in replies if m.index == 0)
+    assert [p.token_id for p in scored[0].prompt_logprobs] == ids[1:]
+    for p, entry in zip(scored[0].prompt_logprobs, got[1:]):
+        assert p.logprob == pytest.approx(entry[str(p.token_id)]["logprob"], abs=1e-4) and len(p.top_ids) == 2
 
 
 def test_allowed_token_ids_and_bad_words(cluster, tokenizer):

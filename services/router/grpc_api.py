@@ -54,6 +54,7 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
             repetition_penalty=opt("repetition_penalty"), min_p=s.min_p, logit_bias=dict(s.logit_bias),
             stop_token_ids=list(s.stop_token_ids), logprobs=opt("logprobs"), json_schema=schema,
+            prompt_logprobs=opt("prompt_logprobs"),
             allowed_token_ids=list(s.allowed_token_ids) or None, bad_words=[list(w.ids) for w in s.bad_words],
             prompt_param=request.WhichOneof("input"))
         if not 0 <= request.n <= MAX_CHOICES:
@@ -87,14 +88,18 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
             except APIError as exc:
                 await context.abort(getattr(grpc.StatusCode, exc.grpc_code), exc.message)
             gen = gens[0]
+            scored = gen.params.prompt_logprobs is not None       # sent with choice 0's first message
             try:
                 async for d in running.deltas():
+                    prompt = None
+                    if scored and d.index == 0:
+                        prompt, scored = [logprob_to_proto(lp) for lp in gen.prompt_logprobs or ()], False
                     yield generate_pb2.GenerateResponse(
                         request_id=echoed, text=d.text, token_ids=d.token_ids,
                         finish_reason=d.finish_reason or "", index=d.index,
                         usage=generate_pb2.Usage(prompt_tokens=len(gen.prompt_ids),
                                                  completion_tokens=gens[d.index].completion_tokens),
-                        logprobs=[logprob_to_proto(lp) for lp in d.logprobs or ()])
+                        logprobs=[logprob_to_proto(lp) for lp in d.logprobs or ()], prompt_logprobs=prompt)
             except APIError as exc:
                 await context.abort(getattr(grpc.StatusCode, exc.grpc_code), exc.message)
             context.set_trailing_metadata((("x-pdserve-route", gen.route()),
