@@ -44,7 +44,7 @@ from services.common.settings import ClusterSettings, WorkerSettings
 from services.common.shm import live_segments
 from services.forkserver import ForkServer, adopted_orphans
 from services.local_processes import (LENT_CORE_NICE, Child, ChildProcess, assign_gpus, child_setup, plan_cpus,
-                                      router_url, start_private_redis, wait_router_sees)
+                                      router_url, start_private_redis, visible_devices, wait_router_sees)
 
 START_TIMEOUT = 600.0
 STOP_TIMEOUT = 45.0                 # workers drain up to --drain-timeout (30 s)
@@ -81,7 +81,7 @@ class LocalCluster:
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
         if gpus:                            # the worker's "cuda" is its own GPU(s)
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+            env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
 
         # The registry URL may carry a password: it travels in the environment, which
         # other users cannot read, not on the command line, which they can.

@@ -149,6 +149,17 @@ def assign_gpus(in_use: Sequence[tuple[int, ...]], num_gpus: int, per_worker: in
     return tuple(sorted(range(num_gpus), key=lambda g: (load[g], g))[:per_worker])
 
 
+def visible_devices(gpus: tuple[int, ...], parent: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for a worker handed GPUs by ordinal, as torch counts them
+    under `up`'s own CUDA_VISIBLE_DEVICES (`parent`): that list's entries (indices or
+    GPU UUIDs), so a worker stays on the GPUs `up` was given (a Slurm job's, a shared
+    host's), not on the machine's first ones."""
+    if parent is None:
+        return ",".join(str(g) for g in gpus)
+    entries = [e.strip() for e in parent.split(",")]
+    return ",".join(entries[g] for g in gpus)
+
+
 def child_pids(pid: int | str = "self") -> set[int]:
     """The processes whose parent is `pid` (any of its threads), from /proc; OSError if
     it is gone."""

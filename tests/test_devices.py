@@ -10,7 +10,7 @@ import torch
 
 from services.engine.model.kv_cache import CPU_KV_TOKENS, tokens_for_memory
 from services.engine.text.model_store import resolve_model
-from services.local_processes import assign_gpus
+from services.local_processes import assign_gpus, visible_devices
 
 GiB = 2**30
 
@@ -27,6 +27,16 @@ def test_each_worker_gets_gpus_of_its_own_and_too_few_is_a_clear_error():
     with pytest.raises(RuntimeError, match="has 1 GPU"):
         assign_gpus([], 1, 2, share=True)
     assert assign_gpus([(1,)], 2, 1, share=False) == (0,)                # a freed GPU is handed out again
+
+
+def test_a_workers_gpus_are_among_those_up_was_given():
+    """`up` counts GPUs as torch does, under its own CUDA_VISIBLE_DEVICES (a Slurm job's
+    4,5,6,7, or UUIDs): a worker handed ordinals 0 and 1 gets that list's first two."""
+    assert visible_devices((0, 1), None) == "0,1"
+    assert visible_devices((0, 1), "4,5,6,7") == "4,5"
+    assert visible_devices((3,), "4, 5,6,7") == "7"
+    uuids = "GPU-5a1c2f3e-0000-0000-0000-000000000001,GPU-5a1c2f3e-0000-0000-0000-000000000002"
+    assert visible_devices((1,), uuids) == "GPU-5a1c2f3e-0000-0000-0000-000000000002"
 
 
 def test_the_kv_pool_is_what_the_memory_share_leaves():
