@@ -21,9 +21,10 @@ Checks, each a row of the table and of the JSON:
              generate's, logprobs equal log_softmax of transformers' logits on the device
              (1e-3), and a JSON schema's masks keep the output to the schema's values
   host-only  a pool on the device offered through shm or tcp: refused at start
-  tp         tensor parallelism through a cluster: prefill TP = the card count (2 on one
-             card, its two ranks sharing it, for correctness only), decode TP half that,
-             KV resharded through NIXL: the same parity check as `parity`
+  tp         tensor parallelism through a cluster: prefill TP 2 into decode TP 1, KV
+             resharded through NIXL, each rank on a GPU of its own from three cards on
+             (on fewer they share, for correctness only): the same parity check as
+             `parity`. A check that raises is reported and the ones after it still run
   pause      a prefill engine that yields (LLMEngine(yields=True)) on the device, a
              16-layer model, hidden 1,024: a short prompt more urgent than a long one
              whose pass has reached a quarter of its layers gets its first token in
@@ -128,14 +129,16 @@ class Cluster:
     PARITY = ("--dtype", "float32", "--prefill", "1", "--decode", "1", "--local-prefill-max-tokens", "0",
               "--kv-cache-tokens", "65536", "--gpu-memory-utilization", "0.4")
 
-    def __init__(self, model_dir: Path, device: str, work: Path, args: tuple[str, ...] = PARITY) -> None:
+    def __init__(self, model_dir: Path, device: str, work: Path, args: tuple[str, ...] = PARITY,
+                 share: bool | None = None) -> None:
+        """`share`: workers may share a GPU (default: when there is only one)."""
         self.announce = work / "cluster.json"
         self.announce.unlink(missing_ok=True)
         self.log = work / "up.log"
         cmd = [sys.executable, "-m", "services.cli", "up", "--model", str(model_dir), "--device", device,
                "--kv-transport", "nixl", *args, "--http-port", "0",
                "--grpc-port", "0", "--announce-file", str(self.announce), "--log-level", "warning"]
-        if device.startswith("cuda") and torch.cuda.device_count() < 2:
+        if device.startswith("cuda") and (torch.cuda.device_count() < 2 if share is None else share):
             cmd += ["--share-gpus"]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 600
@@ -186,18 +189,19 @@ def check_parity(cluster: Cluster, model_dir: Path, device: str, vocab: int, n: 
 
 
 def check_tensor_parallel(model_dir: Path, device: str, work: Path, vocab: int, quick: bool) -> dict:
-    """Prefill TP = the card count (at least 2), decode TP half of it, through NIXL."""
+    """Prefill TP 2 into decode TP 1 (each decode rank takes two prefill ranks' KV heads),
+    through NIXL: on three GPUs or more each rank has its own, on fewer they share."""
     cards = torch.cuda.device_count() if device.startswith("cuda") else 0
-    prefill_tp = max(2, cards)
-    decode_tp = max(1, prefill_tp // 2)
+    prefill_tp, decode_tp = 2, 1
+    shared = 0 < cards < prefill_tp + decode_tp
     cluster = Cluster(model_dir, device, work, Cluster.PARITY + ("--prefill-tp", str(prefill_tp), "--decode-tp",
-                                                                 str(decode_tp)))
+                                                                 str(decode_tp)), share=shared)
     try:
         out = check_parity(cluster, model_dir, device, vocab, n=4, length=64 if quick else 300,
                            max_tokens=8 if quick else 32, seed=3)
     finally:
         cluster.stop()
-    return {**out, "prefill_tp": prefill_tp, "decode_tp": decode_tp, "shared": 0 < cards < prefill_tp}
+    return {**out, "prefill_tp": prefill_tp, "decode_tp": decode_tp, "shared": shared}
 
 
 def check_api(cluster: Cluster, model_dir: Path, device: str, vocab: int) -> dict:
@@ -368,6 +372,11 @@ def describe(device: str) -> str:
     return f"{cpu_kind()} CPU ({platform.machine()}), torch {torch.__version__}"
 
 
+def _failed(result: dict) -> str:
+    """A check's error, for its row, or "" when it ran."""
+    return f"ERROR {result['error']}" if "error" in result else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu (checks the script itself)")
@@ -395,10 +404,13 @@ def main(argv: list[str] | None = None) -> int:
         print("api", json.dumps(results["api"]), flush=True)
     finally:
         cluster.stop()
-    results["tp"] = check_tensor_parallel(model_dir, a.device, work, vocab, a.quick)
-    print("tp", json.dumps(results["tp"]), flush=True)
-    results["pause"] = check_pause(a.device, work, a.quick)
-    print("pause", json.dumps(results["pause"]), flush=True)
+    for name, check in (("tp", lambda: check_tensor_parallel(model_dir, a.device, work, vocab, a.quick)),
+                        ("pause", lambda: check_pause(a.device, work, a.quick))):
+        try:
+            results[name] = check()
+        except Exception as exc:        # reported, and the checks after it still run
+            results[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[-2000:]}
+        print(name, json.dumps(results[name]), flush=True)
     blocks = 8 if a.quick else 256
     results["bandwidth"] = {name: check_bandwidth(a.device, shape, blocks, 2 if a.quick else 5)
                             for name, shape in KV_SHAPES.items()}
@@ -417,11 +429,13 @@ def main(argv: list[str] | None = None) -> int:
                f"device copy ({b['copy_gbps']:.1f} GB/s), bitwise {b['bitwise']}")
               for n, b in results["bandwidth"].items()),
             ("host-only transports for a device pool", "refused" if results["host_only"]["ok"] else "OFFERED"),
-            (f"tensor parallel: prefill TP {results['tp']['prefill_tp']} -> decode TP {results['tp']['decode_tp']}"
-             + (" (ranks sharing a GPU)" if results["tp"]["shared"] else ""),
-             f"{results['tp']['identical']}/{results['tp']['prompts']} identical"),
-            (f"prefill pause: a 32-token prompt inside a {results['pause']['long_tokens']}-token pass",
-             f"first token in {results['pause']['urgent_first_token_seconds'] * 1000:.1f} ms against the pass's "
+            ("tensor parallel", _failed(results["tp"]) or
+             f"prefill TP {results['tp']['prefill_tp']} -> decode TP {results['tp']['decode_tp']}"
+             + (" (ranks sharing a GPU)" if results["tp"]["shared"] else "")
+             + f": {results['tp']['identical']}/{results['tp']['prompts']} identical"),
+            ("prefill pause", _failed(results["pause"]) or
+             f"a 32-token prompt inside a {results['pause']['long_tokens']}-token pass: first token in "
+             f"{results['pause']['urgent_first_token_seconds'] * 1000:.1f} ms against the pass's "
              f"{results['pause']['long_pass_seconds'] * 1000:.1f} ms alone; first tokens identical "
              f"{results['pause']['first_tokens_identical']}")]
     print("\n".join(f"| {k} | {v} |" for k, v in rows))
