@@ -290,3 +290,16 @@ def test_graphs_are_captured_in_inference_mode_and_thread_local(tmp_path, monkey
     graphs.copied = object()                              # as with CUDA: capture for real
     graphs.capture()
     assert seen == [("thread_local", True)] * 2
+
+
+def test_a_model_with_more_query_heads_per_kv_head_than_the_kernel_takes_gets_torchs_attention(tmp_path):
+    """The Triton decode kernel takes up to 16 query heads per KV head: a model with more
+    is given torch's attention at start, not a backend whose first decode step raises.
+    Chosen on the host: no GPU is touched (none is here)."""
+    from services.engine.kernels import gpu_kernels
+    from services.engine.model import backends
+    cuda = torch.device("cuda")
+    assert type(backends.select("auto", cuda, torch.bfloat16, "none", tmp_path, heads_per_kv=4)) \
+        is backends.CudaBackend
+    chosen = backends.select("auto", cuda, torch.bfloat16, "none", tmp_path, heads_per_kv=gpu_kernels.BLOCK_H * 2)
+    assert type(chosen) is backends.TorchBackend

@@ -64,6 +64,11 @@ def available() -> bool:
     return triton is not None
 
 
+def takes_group(query_heads_per_kv_head: int) -> bool:
+    """Whether paged_decode takes a model with this many query heads per KV head."""
+    return 1 <= query_heads_per_kv_head <= BLOCK_H
+
+
 def splits_for(batch: int, kv_heads: int, tiling: DecodeTiling = TILING) -> int:
     """How many parts each sequence's context is split into at this batch size: enough
     programs to keep the device's load units busy, at most MAX_SPLITS."""

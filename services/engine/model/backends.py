@@ -274,14 +274,15 @@ def _built(load: Callable[[Path], T], kernel_cache: Path, attention: str, otherw
 
 def select(attention: str, device: torch.device, dtype: torch.dtype, quantization: str,
            kernel_cache: Path, dtype_name: str = "", matmul_kernel: str = "auto", probe: nn.Module | None = None,
-           role: str = "", own_threads: int = 0) -> TorchBackend:
+           role: str = "", own_threads: int = 0, heads_per_kv: int = 1) -> TorchBackend:
     """The backend for `--attention-kernel attention` ("auto", "native" or "torch") on
     `device` in `dtype`. "native" insists on the native CPU kernels (ValueError or
     NativeBuildError where they cannot run); "auto" takes them where they apply.
     bfloat16 matmuls follow `--matmul-kernel matmul_kernel` (kernel_choice.py), measured
     on `probe` (the model's first decoder layer) at the rows of a worker of `role`, on
     `own_threads` of torch's threads (0: all; a worker with threads on cores lent to it
-    measures on those of its own)."""
+    measures on those of its own). On CUDA, pdserve's Triton decode attention where it
+    takes the model's `heads_per_kv` (query heads per KV head), torch's otherwise."""
     if attention not in ATTENTION_KERNELS:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_KERNELS)}, not {attention!r}")
     if attention == "torch":
@@ -291,7 +292,10 @@ def select(attention: str, device: torch.device, dtype: torch.dtype, quantizatio
             raise ValueError(f"the native attention kernels run on CPU in float32 or bfloat16, "
                              f"not {device} {dtype_name or dtype}")
         if device.type == "cuda" and gpu_kernels.available():
-            return CudaBackend(device, dtype)
+            if gpu_kernels.takes_group(heads_per_kv):
+                return CudaBackend(device, dtype)
+            log.info("decode attention: torch's (pdserve's Triton kernel takes up to %d query heads per KV head, "
+                     "this model has %d)", gpu_kernels.BLOCK_H, heads_per_kv)
         return TorchBackend(device)
     native = _built(load_attention, kernel_cache, attention, "attention stays on torch's own ops")
     layers = _built(load_layers, kernel_cache, attention, "norms and activations stay on torch's own ops")

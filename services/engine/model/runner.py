@@ -181,7 +181,8 @@ class ModelRunner:
             kernel_cache = cache_dir()
         layers = getattr(getattr(self.model, "model", None), "layers", None)
         self.backend = backends.select(attention, self.device, self.model.dtype, quantization, kernel_cache,
-                                       self.dtype_name, matmul, layers[0] if layers else None, role, own_threads)
+                                       self.dtype_name, matmul, layers[0] if layers else None, role, own_threads,
+                                       config.num_attention_heads // self.total_kv_heads)
         calibration = None
         if quantization != "none":
             from services.engine.text.tokenizer import load_tokenizer
