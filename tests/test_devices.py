@@ -132,3 +132,31 @@ def test_the_pool_sizing_counts_the_prefix_scores(model_dir):
     c = runner.config
     per_token = 2 * (4 * c.hidden_size + 3 * c.intermediate_size) * 4
     assert runner.activation_bytes(512, 64) == 512 * per_token + 64 * runner.vocab_size * 8 + PREFIX_SCORES_BYTES
+
+
+def test_a_draft_models_pool_and_activations_come_off_the_targets_budget(monkeypatch):
+    """A draft model keeps a KV pool as long as the target's: on a card, the target's pool
+    is sized with the draft's bytes per token and activations beside its own (the draft's
+    weights, loaded first, are in what the worker holds). The card is a double here:
+    device_memory and memory_reserved."""
+    from services.engine.model import runner as runner_module
+    from services.engine.model.runner import ModelRunner
+    monkeypatch.setattr(runner_module, "device_memory", lambda device: (60 * GiB, 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 20 * GiB)
+
+    class Model:
+        device = torch.device("cuda")
+
+        def __init__(self, per_token: int, activations: int) -> None:
+            self.per_token, self.activations = per_token, activations
+
+        def kv_bytes_per_token(self) -> int:
+            return self.per_token
+
+        def activation_bytes(self, tokens: int, rows: int) -> int:
+            return self.activations
+
+    target, draft = Model(128 * 1024, 2 * GiB), Model(32 * 1024, GiB // 2)
+    share = int(80 * GiB * 0.9) - 20 * GiB
+    assert ModelRunner.kv_tokens(target, 0, 0.9, 2048, 64) == (share - 2 * GiB) // (128 * 1024)
+    assert ModelRunner.kv_tokens(target, 0, 0.9, 2048, 64, draft) == (share - 2 * GiB - GiB // 2) // (160 * 1024)

@@ -38,7 +38,7 @@ from services.engine.core.sampling import MAX_CHOICES, SamplingParams
 from services.engine.core.sequence import Sequence
 from services.engine.core.speculation import Speculator
 from services.engine.engine import EngineOutput, StepStats
-from services.engine.model.draft import draft_proposer
+from services.engine.model.draft import draft_proposer, draft_runner
 from services.engine.model.kv_cache import KVPoolMemory
 from services.engine.model.runner import ModelRunner
 from services.rpc import worker_pb2, worker_pb2_grpc
@@ -62,8 +62,10 @@ class DecodeWorker(EngineWorker):
                  metrics: WorkerMetrics, ranks=None) -> None:
         super().__init__(settings, runner, eos_token_ids, metrics, ranks)
         config = self.config
+        speculation = settings.speculation()
+        draft = draft_runner(speculation, runner)        # a draft model's share comes off the pool's
         tokens = runner.kv_tokens(settings.kv_cache_tokens, settings.gpu_memory_utilization,
-                                  config.max_num_batched_tokens, config.max_num_seqs)
+                                  config.max_num_batched_tokens, config.max_num_seqs, draft)
         num_blocks = tokens // settings.block_size
         if num_blocks * settings.block_size < runner.max_model_len:
             # A sequence that can never fit would wait (or preempt itself) forever.
@@ -78,7 +80,6 @@ class DecodeWorker(EngineWorker):
                        for name, t in self.transports.items()]
         self.offers += self._rank_offers(shared=memory.path is not None)
         log.info("decode worker offers KV transports: %s", ", ".join(self.transports))
-        speculation = settings.speculation()
         overlap = settings.async_scheduling == "on" or (settings.async_scheduling == "auto"
                                                         and runner.device.type == "cuda")
         if speculation is not None and overlap:
@@ -87,7 +88,8 @@ class DecodeWorker(EngineWorker):
             overlap = False
         speculator = None
         if speculation is not None:
-            speculator = Speculator(speculation, draft_proposer(speculation, runner, tokens, settings.block_size))
+            speculator = Speculator(speculation, draft_proposer(speculation, runner, tokens, settings.block_size,
+                                                                draft))
             metrics.export_speculation(lambda: speculator.stats)
         self._open(memory, settings.enable_prefix_caching, speculator, async_scheduling=overlap)
         log.info("async scheduling: %s", "on (each step launched before the last one's tokens are read)"

@@ -47,10 +47,7 @@ class DraftProposer:
                  runner: ModelRunner | None = None) -> None:
         """A draft model (`config.model`, loaded like the target: its device, dtype and
         kernels) with a KV pool of `num_tokens`; `runner`: one already built (tests)."""
-        from services.engine.text.model_store import resolve_model
-        self.runner = runner or ModelRunner(
-            resolve_model(config.model, None), target.dtype_name, str(target.device),
-            quantization=config.quantization, max_model_len=target.max_model_len, cuda_graphs=False)
+        self.runner = runner or draft_runner(config, target)
         # Draft models of a family may pad their vocabulary to another size: a draft past
         # the target's vocabulary ends the draft there.
         self.vocab_size = target.vocab_size
@@ -143,10 +140,22 @@ def _within(draft: list[int], vocab_size: int) -> list[int]:
     return draft
 
 
+def draft_runner(config: SpeculativeConfig | None, target: ModelRunner) -> ModelRunner | None:
+    """The `draft` method's model, loaded like the target (its device, dtype and
+    kernels); None for the other methods. Loaded before the target's KV pool is sized,
+    so that on a GPU its weights and its pool come off the card's budget too."""
+    if config is None or config.method != "draft":
+        return None
+    from services.engine.text.model_store import resolve_model
+    return ModelRunner(resolve_model(config.model, None), target.dtype_name, str(target.device),
+                       quantization=config.quantization, max_model_len=target.max_model_len, cuda_graphs=False)
+
+
 def draft_proposer(config: SpeculativeConfig, target: ModelRunner, num_tokens: int,
-                   block_size: int) -> DraftProposer | None:
-    """The `draft` method's proposer for a decode worker, or None for the others."""
+                   block_size: int, runner: ModelRunner | None = None) -> DraftProposer | None:
+    """The `draft` method's proposer for a decode worker (on `runner`, draft_runner's),
+    or None for the others."""
     if config.method != "draft":
         return None
-    return DraftProposer(config, target, num_tokens, block_size)
+    return DraftProposer(config, target, num_tokens, block_size, runner)
 

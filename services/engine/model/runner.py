@@ -223,17 +223,26 @@ class ModelRunner:
         per_token = 2 * (4 * c.hidden_size + 3 * c.intermediate_size) * self.model.dtype.itemsize
         return tokens * per_token + rows * self.vocab_size * 4 * 2 + PREFIX_SCORES_BYTES
 
-    def kv_tokens(self, requested: int, utilization: float, batched_tokens: int, rows: int) -> int:
+    def kv_bytes_per_token(self) -> int:
+        return self.layout(1, 1).block_bytes_per_layer * self.num_layers          # a block of one token
+
+    def kv_tokens(self, requested: int, utilization: float, batched_tokens: int, rows: int,
+                  draft: "ModelRunner | None" = None) -> int:
         """The KV pool's size in tokens: `requested` if given; on a CPU, CPU_KV_TOKENS;
         on a GPU, what `utilization` of the card leaves after the weights (loaded by
-        now) and a forward pass's activations."""
+        now: a `draft` model's too) and a forward pass's activations. A draft model keeps
+        a pool of as many tokens beside this one, and its own activations."""
         if requested:
             return requested
         if self.device.type != "cuda":
             return CPU_KV_TOKENS
         free, total = device_memory(self.device)
-        per_token = self.layout(1, 1).block_bytes_per_layer * self.num_layers     # a block of one token
-        tokens = tokens_for_memory(free, total, utilization, per_token, self.activation_bytes(batched_tokens, rows),
+        per_token = self.kv_bytes_per_token()
+        reserve = self.activation_bytes(batched_tokens, rows)
+        if draft is not None:
+            per_token += draft.kv_bytes_per_token()
+            reserve += draft.activation_bytes(batched_tokens, rows)
+        tokens = tokens_for_memory(free, total, utilization, per_token, reserve,
                                    own=torch.cuda.memory_reserved(self.device))
         log.info("KV pool: %d tokens (%.1f GiB) from %.0f%% of %s's %.1f GiB", tokens, tokens * per_token / 2**30,
                  utilization * 100, self.device, total / 2**30)
