@@ -160,3 +160,28 @@ def test_a_draft_models_pool_and_activations_come_off_the_targets_budget(monkeyp
     share = int(80 * GiB * 0.9) - 20 * GiB
     assert ModelRunner.kv_tokens(target, 0, 0.9, 2048, 64) == (share - 2 * GiB) // (128 * 1024)
     assert ModelRunner.kv_tokens(target, 0, 0.9, 2048, 64, draft) == (share - 2 * GiB - GiB // 2) // (160 * 1024)
+
+
+def test_a_prefill_workers_prefix_cache_shrinks_to_its_share_of_the_card():
+    """A prefill worker's pool (its working blocks and the prefix cache) comes out of
+    --gpu-memory-utilization's share on a GPU: the cache shrinks to what is left, and no
+    room for the working blocks is an error at start. The card is a double here."""
+    from types import SimpleNamespace
+
+    from services.prefill.worker import pool_blocks_that_fit
+
+    class Runner:
+        def __init__(self, device: str) -> None:
+            self.device = torch.device(device)
+
+        def kv_tokens(self, requested: int, utilization: float, batched_tokens: int, rows: int) -> int:
+            return 1000 * 16                    # what the card's share leaves after weights and activations
+
+    settings = SimpleNamespace(block_size=16, gpu_memory_utilization=0.5)
+    config = SimpleNamespace(max_num_batched_tokens=8192, max_num_seqs=64)
+    gpu = Runner("cuda")
+    assert pool_blocks_that_fit(gpu, settings, config, working=600, cached=300) == 300
+    assert pool_blocks_that_fit(gpu, settings, config, working=600, cached=1024) == 400
+    with pytest.raises(ValueError, match="needs 19200 tokens.*room for 16000"):
+        pool_blocks_that_fit(gpu, settings, config, working=1200, cached=0)
+    assert pool_blocks_that_fit(Runner("cpu"), settings, config, working=1200, cached=1024) == 1024

@@ -31,6 +31,7 @@ from services.engine.core.sequence import Sequence
 from services.engine.engine import EngineOutput, StepStats
 from services.engine.model.kv_cache import KVPoolMemory
 from services.engine.model.parallel import kv_head_ranges
+from services.engine.core.scheduler import SchedulerConfig
 from services.engine.model.runner import ModelRunner
 from services.rpc import worker_pb2, worker_pb2_grpc
 from services.worker.engine_worker import EngineWorker
@@ -45,6 +46,29 @@ log = logging.getLogger(__name__)
 COST_ALPHA = 0.2
 
 
+def pool_blocks_that_fit(runner: ModelRunner, settings: WorkerSettings, config: SchedulerConfig, working: int,
+                         cached: int) -> int:
+    """The prefix cache's blocks beside the `working` ones a prefill worker needs. On a
+    GPU both come out of the share --gpu-memory-utilization gives this worker, after its
+    weights and activations (ModelRunner.kv_tokens): the cache shrinks to what is left,
+    and a card without room for the working blocks is a clear error at start, not an
+    out-of-memory error in the first allocation."""
+    if runner.device.type != "cuda":
+        return cached
+    bs = settings.block_size
+    fits = runner.kv_tokens(0, settings.gpu_memory_utilization, config.max_num_batched_tokens,
+                            config.max_num_seqs) // bs
+    if fits < working:
+        raise ValueError(f"a prefill worker needs {working * bs} tokens of KV (twice a full context or step), "
+                         f"and {settings.gpu_memory_utilization:g} of {runner.device} leaves room for {fits * bs}: "
+                         "raise --gpu-memory-utilization, or lower --max-model-len")
+    if working + cached > fits:
+        log.warning("prefix cache: %d tokens, not %d: what --gpu-memory-utilization %g leaves beside the "
+                    "working blocks", (fits - working) * bs, cached * bs, settings.gpu_memory_utilization)
+        return fits - working
+    return cached
+
+
 class PrefillWorker(EngineWorker):
     role = "prefill"
 
@@ -55,7 +79,8 @@ class PrefillWorker(EngineWorker):
         # Room for a full context and a full step being computed (twice over, for the
         # blocks still being read by writes) plus the prefix cache.
         working = 2 * -(-max(runner.max_model_len, self.config.max_num_batched_tokens) // bs)
-        self._layout(working + settings.prefix_cache_tokens // bs)
+        cached = pool_blocks_that_fit(runner, settings, self.config, working, settings.prefix_cache_tokens // bs)
+        self._layout(working + cached)
         memory = KVPoolMemory.allocate(self.layout, device=str(runner.device), heads=runner.kv_heads)
         self.transports = open_transports(settings.kv_transport, settings.transport_options(),
                                           drop_rate=settings.fault_drop_transfers, device=str(runner.device))
@@ -70,7 +95,7 @@ class PrefillWorker(EngineWorker):
                                    heads=heads, group=runner.group)
         # A pass pauses between layers for another tenant's more urgent prompt (one
         # process only: the other ranks of several run the plan rank 0 sent them whole).
-        self._open(memory, settings.prefix_cache_tokens > 0, layer_hook=self.exporter.push_layer,
+        self._open(memory, cached > 0, layer_hook=self.exporter.push_layer,
                    step_hooks=self.exporter if runner.leads else None, yields=runner.tp.size == 1)
         self.exporter.loop = self.loop
         self._ids = itertools.count()
