@@ -134,11 +134,11 @@ def test_the_pool_sizing_counts_the_prefix_scores(model_dir):
     assert runner.activation_bytes(512, 64) == 512 * per_token + 64 * runner.vocab_size * 8 + PREFIX_SCORES_BYTES
 
 
-def test_a_draft_models_pool_and_activations_come_off_the_targets_budget(monkeypatch):
+def test_a_draft_model_and_the_decode_graphs_come_off_the_kv_budget(monkeypatch):
     """A draft model keeps a KV pool as long as the target's: on a card, the target's pool
     is sized with the draft's bytes per token and activations beside its own (the draft's
-    weights, loaded first, are in what the worker holds). The card is a double here:
-    device_memory and memory_reserved."""
+    weights, loaded first, are in what the worker holds); the captured decode graphs'
+    logits come off it too. The card is a double here: device_memory and memory_reserved."""
     from services.engine.model import runner as runner_module
     from services.engine.model.runner import ModelRunner
     monkeypatch.setattr(runner_module, "device_memory", lambda device: (60 * GiB, 80 * GiB))
@@ -146,6 +146,9 @@ def test_a_draft_models_pool_and_activations_come_off_the_targets_budget(monkeyp
 
     class Model:
         device = torch.device("cuda")
+
+        graph_sizes: list[int] = []
+        vocab_size = 32000
 
         def __init__(self, per_token: int, activations: int) -> None:
             self.per_token, self.activations = per_token, activations
@@ -160,6 +163,9 @@ def test_a_draft_models_pool_and_activations_come_off_the_targets_budget(monkeyp
     share = int(80 * GiB * 0.9) - 20 * GiB
     assert ModelRunner.kv_tokens(target, 0, 0.9, 2048, 64) == (share - 2 * GiB) // (128 * 1024)
     assert ModelRunner.kv_tokens(target, 0, 0.9, 2048, 64, draft) == (share - 2 * GiB - GiB // 2) // (160 * 1024)
+    # Captured decode graphs each keep their logits (float32, rows x vocab) in their pool.
+    target.graph_sizes = [1, 2, 4, 8, 16, 32, 64]
+    assert ModelRunner.kv_tokens(target, 0, 0.9, 2048, 64) == (share - 2 * GiB - 127 * 32000 * 4) // (128 * 1024)
 
 
 def test_a_prefill_workers_prefix_cache_shrinks_to_its_share_of_the_card():

@@ -238,7 +238,9 @@ class ModelRunner:
             return CPU_KV_TOKENS
         free, total = device_memory(self.device)
         per_token = self.kv_bytes_per_token()
-        reserve = self.activation_bytes(batched_tokens, rows)
+        # Each captured decode graph keeps its float32 logits in the graphs' shared pool,
+        # where a later graph cannot reuse them: a bucket of n rows holds n x vocab.
+        reserve = self.activation_bytes(batched_tokens, rows) + sum(self.graph_sizes) * self.vocab_size * 4
         if draft is not None:
             per_token += draft.kv_bytes_per_token()
             reserve += draft.activation_bytes(batched_tokens, rows)
