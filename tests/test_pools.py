@@ -371,3 +371,29 @@ def test_a_rogue_registration_is_never_routed(pools):
     while _pool_size(pools.http, "decode") != 2:
         assert time.monotonic() < deadline + 10 * TTL, "the deleted record never left"
         time.sleep(0.2)
+
+
+def test_requests_waiting_on_a_frozen_decode_worker_go_elsewhere_once_it_leaves(pools):
+    """A decode worker stops (SIGSTOP: a frozen process, a node cut off; its connections
+    stay open, so calls to it wait, unanswered). Once the router finds it gone without an
+    answer (within the registry's TTL), the requests still waiting for its first answer
+    try the other worker: each is served in a few seconds, not when the frozen one wakes."""
+    victim = pools.procs["decode-1"]
+    victim.send_signal(signal.SIGSTOP)
+    try:
+        async def one(client, i):
+            t0 = time.monotonic()
+            r = await client.post(f"{pools.http}/v1/completions", json={"prompt": f"Frozen {i}", "max_tokens": 2})
+            return r.status_code, time.monotonic() - t0, r.text
+
+        async def run():
+            async with httpx.AsyncClient(timeout=60) as client:
+                return await asyncio.gather(*(one(client, i) for i in range(4)))
+        results = asyncio.run(run())
+    finally:
+        victim.send_signal(signal.SIGCONT)
+    for status, seconds, text in results:
+        assert status == 200, text
+        assert seconds < 5 * TTL, results                  # the frozen one woke only after all of them
+    wait_ready(pools.http, {"prefill": 2, "decode": 2})     # it announces itself again once it runs
+    wait_pools_idle(pools, ("decode-0", "decode-1"))

@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from contextlib import aclosing
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, TypeVar
 
 import grpc
 
@@ -36,6 +36,7 @@ from services.rpc import worker_pb2
 from services.worker.wire import ERROR_CODE_KEY, logprob_from_proto, sampling_to_proto
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Tries per request when a worker turns out dead before any token was streamed.
 ATTEMPTS = 3
@@ -201,10 +202,10 @@ class Handoff:
         while True:
             call = asyncio.ensure_future(decode.stub.Reserve(req, timeout=INFO_TIMEOUT * 5))
             try:
-                handle = await asyncio.shield(call)
+                handle = await unless_unreachable(decode, asyncio.shield(call))
                 self.metrics.queue_time.observe(time.monotonic() - t0)
                 return handle
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, APIError):
                 # The worker may have reserved already: release whatever the call returns.
                 self.workers.spawn(self._release_reserved(call, decode))
                 raise
@@ -269,8 +270,12 @@ class Handoff:
         gen = self.gen
         call = decode.stub.Decode(req, timeout=self.settings.request_timeout)
         running = set(range(self.n))
+        messages = call.__aiter__()
         try:
-            async for chunk in call:
+            # Its first answer is waited for only while the worker is reachable; once it
+            # has answered, the stream goes on as it is (what it sent may be out).
+            chunk = await unless_unreachable(decode, anext(messages, None))
+            while chunk is not None:
                 if chunk.prompt_logprobs:               # a prompt computed there
                     gen.prompt_logprobs = [logprob_from_proto(lp) for lp in chunk.prompt_logprobs]
                 if chunk.cached_tokens:
@@ -282,6 +287,7 @@ class Handoff:
                     running.discard(chunk.index)
                     if not running:
                         return
+                chunk = await anext(messages, None)
             raise APIError(502, "decode worker closed the stream early", type_="server_error",
                            grpc_code="UNAVAILABLE")
         except grpc.aio.AioRpcError as exc:
@@ -323,6 +329,29 @@ class Handoff:
         except grpc.aio.AioRpcError as exc:
             # The lease expires the blocks if the worker is alive but unreachable now.
             log.warning("release of %s on %s failed: %s", handle.request_id, decode.address, exc.code().name)
+
+
+async def unless_unreachable(worker: Worker, answer: Awaitable[T]) -> T:
+    """`answer` (a call to `worker`), unless the router finds the worker gone without an
+    answer first (frozen, cut off: its connection stays open, so the call would wait as
+    long as it does). Then UNAVAILABLE: nothing of the attempt has reached the client,
+    so the request tries another worker."""
+    answered = asyncio.ensure_future(answer)
+    gone = asyncio.ensure_future(worker.unreachable.wait())
+    try:
+        await asyncio.wait((answered, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not answered.done():
+            answered.cancel()
+    if answered.cancelled():
+        raise _unreachable(worker)
+    return answered.result()
+
+
+def _unreachable(worker: Worker) -> APIError:
+    log.warning("%s worker %s (%s) stopped answering; trying another", worker.role, worker.address, worker.name)
+    return APIError(503, f"{worker.label} is unavailable", type_="service_unavailable", grpc_code="UNAVAILABLE")
 
 
 def worker_error(worker: Worker, exc: grpc.aio.AioRpcError) -> APIError:

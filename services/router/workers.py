@@ -69,6 +69,9 @@ class Worker:
     recent_keys: dict[int, float] = field(default_factory=dict)   # prefix key -> expiry
     reported_keys: dict[int, None] = field(default_factory=dict)  # its last report's prefix keys, as a set
     answered: list[tuple[float, int]] = field(default_factory=list)  # (unix time, prompt tokens)
+    # Set when it leaves without answering (frozen, cut off): calls waiting for its first
+    # answer give up then (Handoff.unless_unreachable), those already streaming go on.
+    unreachable: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def healthy(self) -> bool:
@@ -286,21 +289,24 @@ class WorkerSet:
                 log.info("%s worker %s joined (epoch %s)", w.role, w.address, info.epoch)
             w.seen(info)
         missing = [w for e, w in self.by_epoch.items() if e not in seen]
-        answers = await asyncio.gather(*(self._still_there(w) for w in missing))
-        for w, there in zip(missing, answers):
-            if not there:
-                self._leave(w, "left")
+        answers = await asyncio.gather(*(self._gone(w) for w in missing))
+        for w, gone in zip(missing, answers):
+            if gone:
+                if gone == "left without answering":
+                    w.unreachable.set()
+                self._leave(w, gone)
 
-    async def _still_there(self, w: Worker) -> bool:
-        """Whether a worker with no record answers Info as the same epoch, not draining."""
+    async def _gone(self, w: Worker) -> str:
+        """How a worker with no record is gone ("": it answers Info as the same epoch,
+        not draining, so it is still here)."""
         try:
             info = await w.stub.Info(worker_pb2.InfoRequest(), timeout=INFO_TIMEOUT / 2)
         except grpc.aio.AioRpcError:
-            return False
+            return "left without answering"
         if info.epoch != w.epoch or info.draining:
-            return False
+            return "left"
         w.seen(info)
-        return True
+        return ""
 
     def _leave(self, w: Worker, why: str) -> None:
         self.by_epoch.pop(w.epoch, None)
