@@ -53,6 +53,8 @@ def _streamed(http: str, **body) -> dict[int, dict]:
                 got["text"] += c["text"]
                 got["token_ids"] += c.get("token_ids") or []
                 got["finish_reason"] = got["finish_reason"] or c["finish_reason"]
+                if c["finish_reason"]:
+                    got["stop_reason"] = c["stop_reason"]
     return out
 
 
@@ -221,13 +223,16 @@ def test_special_tokens_in_the_text_and_the_stop_string_kept(cluster, tokenizer)
     cut = _complete(http, **prompt)["choices"][0]
     with_stop = _complete(http, **prompt, include_stop_str_in_output=True)["choices"][0]
     assert cut["finish_reason"] == with_stop["finish_reason"] == "stop" and "," not in cut["text"]
+    assert cut["stop_reason"] == "," and ended["stop_reason"] is None        # vLLM's: what stopped it; EOS: null
     assert with_stop["text"] == cut["text"] + "," and with_stop["token_ids"] == cut["token_ids"]
-    assert _streamed(http, **prompt, include_stop_str_in_output=True)[0]["text"] == with_stop["text"]
+    streamed = _streamed(http, **prompt, include_stop_str_in_output=True)[0]
+    assert streamed["text"] == with_stop["text"] and streamed["stop_reason"] == ","
     # a stop token that is no special token: in token_ids, its text only with include_stop_str_in_output
     free = _complete(http, prompt=prompt["prompt"], max_tokens=6)["choices"][0]
     comma = free["token_ids"][next(i for i, t in enumerate(free["token_ids"]) if "," in tokenizer.decode([t]))]
     by_token = _complete(http, prompt=prompt["prompt"], max_tokens=6, stop_token_ids=[comma])["choices"][0]
     assert by_token["token_ids"][-1] == comma and by_token["finish_reason"] == "stop"
+    assert by_token["stop_reason"] == comma
     assert by_token["text"] == tokenizer.decode(by_token["token_ids"][:-1])
     kept_token = _complete(http, prompt=prompt["prompt"], max_tokens=6, stop_token_ids=[comma],
                            include_stop_str_in_output=True)["choices"][0]

@@ -150,7 +150,8 @@ async def respond(fe: FrontEnd, req: CommonRequest, request_id: str, prompts: li
 
 def whole_choice(index: int, gens: list[Generation], result: Collected, req: CommonRequest, shape: Shape) -> dict:
     gen, leader = gens[index], shape.leader(gens, index)
-    choice: dict = {"index": index, "logprobs": None, "finish_reason": gen.finish_reason}
+    choice: dict = {"index": index, "logprobs": None, "finish_reason": gen.finish_reason,
+                    "stop_reason": gen.stop_reason}
     if shape.chat:
         message: dict = {"role": "assistant", "content": result.text}
         if shape.tools is not None:
@@ -198,6 +199,8 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
               token_ids: list[int] | None = None, logprobs: list[TokenLogprob] | None = None,
               prompt_ids: list[int] | None = None) -> bytes:
         choice: dict = {"index": index, "logprobs": None, "finish_reason": finish}
+        if finish:
+            choice["stop_reason"] = gens[index].stop_reason
         if chat:
             choice["delta"] = delta or {}
             if logprobs:

@@ -45,6 +45,7 @@ class Generation:
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
+    stop_reason: str | int | None = None    # vLLM's: the stop string or stop token id that ended it
     prompt_logprobs: list[TokenLogprob] | None = None    # prompt tokens 1.., when asked for
     started: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None

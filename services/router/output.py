@@ -47,10 +47,13 @@ class OutputProcessor:
             token_ids, logprobs = token_ids[:used], logprobs[:used] if logprobs else logprobs
         if hit:
             finish = "stop"
+            gen.stop_reason = choice.stops.matched
             if len(self.running) > 1:            # the others go on: end this one on its worker
                 self.end_choice(index)
         elif finish:
             text += choice.stops.feed(choice.detok.flush())[0] + choice.stops.flush()
+            if finish == "stop" and token_ids and token_ids[-1] in gen.params.stop_token_ids:
+                gen.stop_reason = token_ids[-1]
         if choice.guard is not None:
             await choice.guard.feed(text, token_ids, finish, hit)
         if finish:

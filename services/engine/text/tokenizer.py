@@ -172,6 +172,7 @@ class StopMatcher:
         self._stops = tuple(s for s in stops if s)
         self._pending = ""
         self._include = include_in_output       # vLLM's include_stop_str_in_output
+        self.matched: str | None = None         # the stop string that was hit
 
     def _held(self, buf: str) -> int:
         """Length of the longest tail of `buf` that begins some stop string."""
@@ -193,10 +194,10 @@ class StopMatcher:
         if not armed:
             self._pending = ""
             return buf, False
-        hits = [(i, i + len(s)) for i, s in ((buf.find(s), s) for s in self._stops) if i >= 0]
+        hits = [(i, i + len(s), s) for i, s in ((buf.find(s), s) for s in self._stops) if i >= 0]
         if hits:
             self._pending = ""
-            start, end = min(hits)
+            start, end, self.matched = min(hits)
             return buf[:end if self._include else start], True
         cut = len(buf) - self._held(buf)
         self._pending = buf[cut:]
