@@ -437,14 +437,18 @@ class LocalCluster:
             self._scaler_stop.set()
             self._scaler.join(timeout=30)
         self._close_fork_server()
-        for c in reversed(self.children):
-            if c.proc.poll() is None:
-                c.proc.send_signal(signal.SIGTERM)
+        # The services drain together; the registry they read stops once they have.
+        services = [c for c in reversed(self.children) if c.name != "redis"]
+        registry = [c for c in self.children if c.name == "redis"]
         deadline = time.monotonic() + STOP_TIMEOUT
-        for c in reversed(self.children):
-            try:
-                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                c.proc.kill()
-                c.proc.wait()
+        for group in (services, registry):
+            for c in group:
+                if c.proc.poll() is None:
+                    c.proc.send_signal(signal.SIGTERM)
+            for c in group:
+                try:
+                    c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    c.proc.kill()
+                    c.proc.wait()
         shutil.rmtree(self.workdir, ignore_errors=True)

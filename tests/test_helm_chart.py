@@ -1155,3 +1155,15 @@ def test_log_format_reaches_every_service(helm):
     m = render(helm, "--set", "logFormat=json", "--set", "autoscaler.enabled=true")
     for component in (*SERVICES, "autoscaler"):
         assert env_of(m.container(component))["PDSERVE_LOG_FORMAT"]["value"] == "json", component
+
+
+def test_the_routers_drain_fits_its_grace_period(helm):
+    """Rendered, not applied: after preStop the router has the rest of the grace period;
+    its --drain-timeout leaves 6 s of it, for its servers to write the 503s that end what
+    still runs (never a SIGKILL mid-stream)."""
+    m = render(helm)
+    spec = m.pod("router")
+    grace, router = spec["terminationGracePeriodSeconds"], m.container("router")
+    assert float(flags(router)["drain-timeout"]) == grace - 5 - 6          # router.drainSeconds: 5
+    longer = render(helm, "--set", "router.terminationGracePeriodSeconds=120", "--set", "router.drainSeconds=10")
+    assert float(flags(longer.container("router"))["drain-timeout"]) == 104

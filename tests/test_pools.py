@@ -397,3 +397,26 @@ def test_requests_waiting_on_a_frozen_decode_worker_go_elsewhere_once_it_leaves(
         assert seconds < 5 * TTL, results                  # the frozen one woke only after all of them
     wait_ready(pools.http, {"prefill": 2, "decode": 2})     # it announces itself again once it runs
     wait_pools_idle(pools, ("decode-0", "decode-1"))
+
+
+def test_a_stopping_router_ends_its_streams_with_an_error_not_a_cut(pools):
+    """SIGTERM to a router: a stream still running when its --drain-timeout (1 s here)
+    is up ends with an error event and [DONE], never with the connection cut mid-body
+    (uvicorn's own grace used to cancel it after 5 s, unsaid); the router then exits."""
+    name = "router-draining"
+    info = pools.spawn(name, *pools.router_argv("--drain-timeout", "1"))
+    url = f"http://127.0.0.1:{info['http_port']}"
+    wait_ready(url, {"prefill": 2, "decode": 2})
+    body = {"prompt": "Tell me everything.", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: {"))
+        stopped = time.monotonic()
+        pools.procs[name].send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line]
+    took = time.monotonic() - stopped
+    assert '"text"' in first and rest[-1] == "data: [DONE]", rest[-3:]
+    assert "shutting down" in rest[-2] and '"error"' in rest[-2], rest[-2]
+    assert took < 5, took
+    assert pools.procs.pop(name).wait(timeout=30) == 0
+    wait_pools_idle(pools, ("decode-0", "decode-1"))

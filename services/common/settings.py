@@ -322,6 +322,8 @@ class RouterSettings(RoutingSettings):
     redis: str | None = setting(None, "discover workers in this Redis registry instead of --prefill/--decode",
                                 metavar="URL")
     registry_ttl: float = setting(3.0, "seconds a worker stays routable after its last heartbeat")
+    drain_timeout: float = setting(30.0, "on SIGTERM, seconds requests already running may still take; then each "
+                                         "ends with a 503 (a stream: an error event and [DONE])")
     max_model_len: int = setting(0, "longest sequence (prompt and output) admitted, in tokens (0: the model's "
                                     "own context length)")
     aggregated: bool = setting(False, "no prefill pool: decode workers prefill every prompt themselves")

@@ -14,6 +14,7 @@ import inspect
 import itertools
 import logging
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, TypeVar
@@ -59,6 +60,14 @@ class FrontEnd:
     gate: FairGate = field(default_factory=lambda: FairGate(TOKENIZER_THREADS))
     sse_keepalive: float = 15.0
     _token_text: dict[int, str] = field(init=False, default_factory=dict)
+    _running: weakref.WeakSet = field(init=False, default_factory=weakref.WeakSet)
+
+    def drain(self, seconds: float) -> None:
+        """Shutting down: every request running now ends within `seconds`, finished or
+        with a clear 503 (an error event and [DONE] on a stream), never cut off."""
+        when = asyncio.get_running_loop().time() + seconds
+        for running in list(self._running):
+            running.end_by(when)
 
     async def _off_loop(self, fn: Callable[..., T], *args) -> T:
         """`fn(*args)` on a tokenizer thread, in the turn of the request's tenant."""
@@ -219,8 +228,10 @@ class FrontEnd:
         if text.rewrites or prompts[0][0].params.stop_token_ids:
             texts = [[ChoiceText(self.tokenizer, g.prompt_ids, g.params.stop, text, g.params.min_tokens)
                       for g in gens] for gens in prompts]
-        return RunningRequest(self.cluster, self.admission, list(zip(tickets, prompts)),
-                              min(deadline or self.request_timeout, self.request_timeout), texts)
+        running = RunningRequest(self.cluster, self.admission, list(zip(tickets, prompts)),
+                                 min(deadline or self.request_timeout, self.request_timeout), texts)
+        self._running.add(running)
+        return running
 
 
 def choices(request_id: str, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Generation]:
@@ -271,6 +282,8 @@ class RunningRequest:
         self.admission = admission
         self.queue: asyncio.Queue[Delta | APIError | None] = asyncio.Queue(maxsize=STREAM_BUFFER)
         self._taken = time.monotonic()          # when the reader last took something off the queue
+        self._deadlines: list[asyncio.Timeout] = []
+        self._draining: float | None = None     # the loop time it must end by (the router is stopping)
         offsets = itertools.accumulate((len(gens) for _, gens in prompts), initial=0)
         self.tasks = [asyncio.create_task(self._run(cluster, ticket, gens, offset, texts and texts[p]))
                       for p, ((ticket, gens), offset) in enumerate(zip(prompts, offsets))]
@@ -278,12 +291,28 @@ class RunningRequest:
     async def _run(self, cluster: Cluster, ticket: Ticket, gens: list[Generation], offset: int,
                    texts: list[ChoiceText] | None) -> None:
         try:
-            async with asyncio.timeout(self.timeout):
+            async with asyncio.timeout(self.timeout) as deadline:
+                self._deadlines.append(deadline)
+                if self._draining is not None:
+                    deadline.reschedule(min(deadline.when(), self._draining))
                 await self._generate(cluster, ticket, gens, offset, texts)
         except TimeoutError:
+            if self._draining is not None:
+                log.warning("request %s ended: the router is shutting down", gens[0].request_id)
+                await self.queue.put(APIError(503, "the router is shutting down and the request did not finish "
+                                                   "within its --drain-timeout; send it again",
+                                              type_="service_unavailable", grpc_code="UNAVAILABLE"))
+                return
             log.warning("request %s did not finish within %g s", gens[0].request_id, self.timeout)
             await self.queue.put(APIError(504, f"the request did not finish within {self.timeout:g} s",
                                           type_="timeout", code="request_timeout", grpc_code="DEADLINE_EXCEEDED"))
+
+    def end_by(self, when: float) -> None:
+        """End by loop time `when` at the latest (the router is shutting down), with a 503."""
+        self._draining = when
+        for deadline in self._deadlines:
+            if deadline.when() is None or deadline.when() > when:
+                deadline.reschedule(when)
 
     async def _generate(self, cluster: Cluster, ticket: Ticket, gens: list[Generation], offset: int,
                         texts: list[ChoiceText] | None) -> None:

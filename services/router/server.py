@@ -24,6 +24,9 @@ from services.router.openai_api import create_app
 from services.rpc import generate_pb2_grpc
 
 log = logging.getLogger(__name__)
+# Seconds the HTTP and gRPC servers wait past --drain-timeout for the last requests to
+# write their end (FrontEnd.drain has ended them by then).
+STOP_MARGIN = 5.0
 
 
 async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> None:
@@ -60,7 +63,11 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     # not handlers of its own; the access log is pdserve.access (router/access.py).
     # http: h11 with a deadline on request heads and a cap per client address
     # (connections.py); ws="none": no WebSocket routes, so no upgrade either.
-    config = uvicorn.Config(app, log_level=settings.log_level.lower(), timeout_graceful_shutdown=5, access_log=False,
+    # Stopping, running requests get --drain-timeout (FrontEnd.drain ends what is left with
+    # a 503); the servers' own grace comes after that, so nothing is cut off unsaid.
+    grace = settings.drain_timeout + STOP_MARGIN
+    config = uvicorn.Config(app, log_level=settings.log_level.lower(), timeout_graceful_shutdown=grace,
+                            access_log=False,
                             log_config=None, ssl_certfile=settings.tls_cert, ssl_keyfile=settings.tls_key,
                             http=http_protocol(settings.header_timeout, settings.body_timeout,
                                                 settings.max_connections_per_client),
@@ -84,8 +91,9 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         await asyncio.wait([asyncio.create_task(stop.wait()), http_task], return_when=asyncio.FIRST_COMPLETED)
     finally:
         await host.set_status(False)
+        fe.drain(settings.drain_timeout)
         http.should_exit = True
-        await host.server.stop(5)
+        await host.server.stop(grace)
         await http_task
         await cluster.stop()
         log.info("router stopped")
