@@ -114,7 +114,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = _parser().parse_args(argv)
+    try:
+        parser = _parser()              # PDSERVE_* variables become the flags' defaults here
+    except ValueError as exc:
+        print(f"pdserve: {exc}", file=sys.stderr)
+        return 2
+    a = parser.parse_args(argv)
     from services.common.lifecycle import setup_logging
     setup_logging(getattr(a, "log_level", "info"), a.command, getattr(a, "log_format", "text"))
     try:
@@ -127,12 +132,14 @@ def main(argv: list[str] | None = None) -> int:
             return run(a)
         if a.command == "up":
             settings = from_args(ClusterSettings, a)
-            from services.engine.text.model_store import resolve_model
-            resolve_model(settings.model, settings.revision)              # convert once, before the workers race to
+            from services.engine.text.model_store import check_weights, resolve_model
+            check_weights(resolve_model(settings.model, settings.revision))   # converted once, before the workers race
             if settings.ray:
                 from services.ray_cluster import RayCluster
                 return RayCluster(settings).run()
             from services.local_cluster import LocalCluster
+            from services.local_processes import check_ports_free
+            check_ports_free(settings.host, {"--http-port": settings.http_port, "--grpc-port": settings.grpc_port})
             scaling = _autoscaler_settings(a, "local", None) if settings.autoscale else None
             return LocalCluster(settings, scaling).run()
         if a.command == "autoscaler":

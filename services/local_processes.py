@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -158,6 +159,20 @@ def visible_devices(gpus: tuple[int, ...], parent: str | None) -> str:
         return ",".join(str(g) for g in gpus)
     entries = [e.strip() for e in parent.split(",")]
     return ",".join(entries[g] for g in gpus)
+
+
+def check_ports_free(host: str, ports: dict[str, int]) -> None:
+    """ValueError naming the flag whose port another process holds on `host`, before
+    `up` starts anything (the router binds them last, after the workers have loaded)."""
+    for flag, port in ports.items():
+        if port == 0:
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)       # as the router binds it
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                raise ValueError(f"{flag} {port}: cannot listen on {host}:{port} ({exc.strerror})") from None
 
 
 def child_pids(pid: int | str = "self") -> set[int]:

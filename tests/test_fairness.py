@@ -137,10 +137,16 @@ def test_a_request_of_many_choices_takes_that_many_slots_but_never_waits_on_an_i
     assert q.dispatch(limit=4) == [small]
 
 
-def test_the_key_file_carries_each_keys_share(tmp_path):
+def test_the_key_file_carries_each_keys_share(tmp_path, caplog):
     f = tmp_path / "keys"
     f.write_text("# tenants\nsk-gold name=gold weight=3 max_concurrency=8\nsk-free tokens_per_minute=6000\n\n")
+    f.chmod(0o644)
     keys = read_api_keys(["sk-cli"], str(f))
+    assert "readable by every user" in caplog.text          # as the cluster secret's file is warned of
+    caplog.clear()
+    f.chmod(0o600)
+    read_api_keys([], str(f))
+    assert "readable" not in caplog.text
     assert [k.key for k in keys] == ["sk-cli", "sk-gold", "sk-free"]
     policies = tenant_policies(keys)
     assert policies["gold"] == TenantPolicy(weight=3.0, max_concurrency=8)

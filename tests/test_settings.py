@@ -172,3 +172,33 @@ def test_the_device_kind_is_known_without_torch_where_no_gpu_driver_is(monkeypat
     assert devices.device_type("auto") == devices.device_type() == "cpu"
     (tmp_path / "nvidiactl").touch()
     assert devices.device_type("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_what_up_cannot_use_is_one_line_before_anything_starts(tmp_path, capsys, monkeypatch):
+    """Each is said in one line with exit code 2, before a worker loads a model: a port
+    out of range (each role names its own flag), a port another process holds, a model
+    folder without weights, a PDSERVE_ variable that is no value of its flag (even for
+    --help)."""
+    import socket
+
+    from services.cli import main
+    from services.engine.text.model_store import check_weights
+    from services.local_processes import check_ports_free
+    with pytest.raises(ValueError, match="--http-port must be a port number.*not 70000"):
+        RouterSettings(redis="redis://x", http_port=70000)
+    with pytest.raises(ValueError, match="--port must be a port number.*not -1"):
+        WorkerSettings(role="decode", grpc_port=-1)
+    with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(ValueError, match=f"--grpc-port {port}: cannot listen on 127.0.0.1:{port}"):
+            check_ports_free("127.0.0.1", {"--http-port": 0, "--grpc-port": port})
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="no weights there"):
+        check_weights(tmp_path)
+    monkeypatch.setenv("PDSERVE_PIN_CPUS", "maybe")
+    assert main(["--version"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "PDSERVE_PIN_CPUS='maybe'" in err

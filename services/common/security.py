@@ -92,6 +92,8 @@ def read_api_keys(keys: Iterable[str], key_file: str | None) -> list[ApiKey]:
             text = Path(key_file).read_text()
         except OSError as exc:
             raise ValueError(f"cannot read the API key file {key_file}: {exc.strerror}") from None
+        if Path(key_file).stat().st_mode & stat.S_IROTH:       # as the cluster secret's is
+            log.warning("the API key file %s is readable by every user on this host", key_file)
         for number, line in enumerate(text.splitlines(), 1):
             if line.strip() and not line.lstrip().startswith("#"):
                 try:

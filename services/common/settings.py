@@ -30,6 +30,15 @@ CLUSTER_SECRET_HELP = ("the cluster secret (a file): signs registry records, and
                       "can drive it")
 
 
+def check_ports(settings) -> None:
+    """Every *_port setting a port number (0: any free one)."""
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
+        if f.name.endswith("_port") and not 0 <= value <= 65535:
+            flag = (f.metadata.get("flags") or (f"--{f.name.replace('_', '-')}",))[0]
+            raise ValueError(f"{flag} must be a port number, 0-65535 (0: any free one), not {value}")
+
+
 def check_log_format(value: str) -> None:
     """argparse checks choices on the command line only, not a PDSERVE_ variable's value."""
     if value not in LOG_FORMATS:
@@ -205,6 +214,7 @@ class WorkerSettings(EngineSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_ports(self)
         if self.tls_ca and not self.tls_cert:
             raise ValueError("--tls-ca (mutual TLS) needs --tls-cert and --tls-key")
         TLSFiles(self.tls_cert, self.tls_key, self.tls_ca)          # the files exist, in pairs
@@ -287,6 +297,7 @@ class RoutingSettings:
              "cap). Behind a proxy every connection comes from its address: raise it there")
 
     def __post_init__(self) -> None:
+        check_ports(self)
         TLSFiles(self.tls_cert, self.tls_key)                       # the files exist, in pairs
         if self.chat_template and not Path(self.chat_template).is_file():
             raise ValueError(f"--chat-template {self.chat_template}: no such file")

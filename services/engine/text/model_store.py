@@ -117,6 +117,14 @@ def resolve_model(model: str | None, revision: str | None = None, hub_cache: str
     return hub_snapshot(model, revision, hub_cache)
 
 
+def check_weights(model_dir: Path) -> None:
+    """FileNotFoundError unless the folder holds weights transformers loads (safetensors,
+    or a PyTorch .bin): said at once, not as a traceback from every worker after their
+    start (the router needs only the tokenizer, and does not ask)."""
+    if not any(model_dir.glob("*.safetensors")) and not any(model_dir.glob("*.bin")):
+        raise FileNotFoundError(f"--model {model_dir}: no weights there (*.safetensors or a PyTorch *.bin)")
+
+
 # What serving needs of a Hub repository: configs, weights, tokenizer, chat template.
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 
