@@ -113,3 +113,16 @@ def test_a_stop_matcher_not_armed_lets_a_stop_string_pass():
     assert m.feed("one EN", armed=False) == ("one EN", False)
     assert m.feed("D two E", armed=True) == ("D two ", False)         # "E" may begin "END": held
     assert m.feed("ND three", armed=True) == ("", True)
+
+
+def test_an_sse_event_is_one_line_to_clients_that_split_on_unicode_line_breaks():
+    """A token may hold U+2028, U+2029 or U+0085, which JSON leaves raw and which
+    str.splitlines (httpx's iter_lines) takes for line ends: they go escaped, so every
+    data line parses as it is read."""
+    import json
+
+    from services.router.choices import sse
+    text = "a\u2028b\x85c\u2029d 日\n"
+    event = sse({"choices": [{"text": text}]}).decode()
+    (line, blank, *rest) = event.splitlines()
+    assert blank == "" and not rest and json.loads(line.removeprefix("data: "))["choices"][0]["text"] == text

@@ -4,6 +4,7 @@ the answer looks like besides its text (chat or completion, tool calls, echo, `n
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
@@ -20,7 +21,21 @@ from services.router.tools import CallStream, ToolPlan, new_call, parse_calls
 
 
 def sse(obj) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + sse_json(obj).encode() + b"\n\n"
+
+
+# Characters JSON leaves raw but Unicode calls line breaks: a client that splits the
+# stream with str.splitlines (httpx's iter_lines does) would cut an event at them.
+_UNICODE_BREAKS = re.compile("[\x85\u2028\u2029]")
+
+
+def sse_json(obj) -> str:
+    """`obj` as the JSON of one SSE data line: UTF-8 as it is, but for the characters
+    other than CR and LF that some clients take for line ends, which are escaped."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    if not text.isascii() and _UNICODE_BREAKS.search(text):
+        text = _UNICODE_BREAKS.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+    return text
 
 
 # What a stream sends while it waits (--sse-keepalive-seconds): a blank line, which ends

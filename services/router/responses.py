@@ -12,7 +12,6 @@ fields that need server-side state or tools pdserve does not run are refused by 
 """
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Annotated, AsyncIterator, ClassVar, Literal, Union
@@ -24,7 +23,7 @@ from services.router.generation import Generation
 from services.router.frontend import Collected, RunningRequest
 from services.router.protocol import (STRICT, APIError, ChatCompletionRequest, FunctionName, Number,
                                       bad_request, text_parts_only, unsupported)
-from services.router.choices import SSE_KEEPALIVE
+from services.router.choices import SSE_KEEPALIVE, sse_json
 from services.router.tools import CallStream, ToolPlan, new_call, parse_calls
 
 # The chat request's fields as this API names them, for errors raised on the chat path.
@@ -314,7 +313,7 @@ class ResponseWriter:
     def _event(self, type_: str, **fields) -> bytes:
         data = {"type": type_, "sequence_number": self._seq, **fields}
         self._seq += 1
-        return f"event: {type_}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+        return f"event: {type_}\ndata: {sse_json(data)}\n\n".encode()
 
     async def events(self, running: RunningRequest, keepalive: float) -> AsyncIterator[bytes]:
         stream = _EventStream(self)
