@@ -54,8 +54,6 @@ def usage(gens: list[Generation], n: int = 1) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(max(g.cached_tokens for g in gs) for gs in prompts)}}
 
 
-
-
 @dataclass(frozen=True)
 class TokenName:
     """How logprobs name a token: `name(token_id)` its text, `name.bytes(token_id)` the
