@@ -202,3 +202,15 @@ def test_what_up_cannot_use_is_one_line_before_anything_starts(tmp_path, capsys,
     assert main(["--version"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "PDSERVE_PIN_CPUS='maybe'" in err
+
+
+def test_help_shows_each_flags_default_and_what_the_environment_made_it(monkeypatch, capsys):
+    from services.cli import main
+    with pytest.raises(SystemExit):
+        main(["up", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "OpenAI-compatible HTTP port (default: 8000)" in text and "(default: 0.9)" in text
+    monkeypatch.setenv("PDSERVE_MAX_BATCH", "32")
+    with pytest.raises(SystemExit):
+        main(["up", "--help"])
+    assert "running batch (default: 32)" in " ".join(capsys.readouterr().out.split())

@@ -74,6 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls
         md = f.metadata
         kind, is_list = _base_type(hints[f.name])
         kwargs: dict[str, Any] = {"dest": f.name, "help": md["help"] or None, "default": _default(f)}
+        shown = kwargs["help"] and kwargs["help"] is not argparse.SUPPRESS and "default" not in kwargs["help"]
+        if shown and kind is not bool and not is_list and kwargs["default"] is not None:
+            # argparse adds a boolean's default itself; %(default)s: a PDSERVE_ variable's value, where one is set
+            kwargs["help"] += " (default: %(default)s)"
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
