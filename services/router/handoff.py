@@ -25,6 +25,7 @@ from typing import AsyncIterator, Awaitable, TypeVar
 
 import grpc
 
+from services.common.aio import Interrupted, unless
 from services.common.metrics import RouterMetrics
 from services.common.settings import RouterSettings
 from services.engine.core.sampling import TokenLogprob
@@ -336,22 +337,12 @@ async def unless_unreachable(worker: Worker, answer: Awaitable[T]) -> T:
     answer first (frozen, cut off: its connection stays open, so the call would wait as
     long as it does). Then UNAVAILABLE: nothing of the attempt has reached the client,
     so the request tries another worker."""
-    answered = asyncio.ensure_future(answer)
-    gone = asyncio.ensure_future(worker.unreachable.wait())
     try:
-        await asyncio.wait((answered, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not answered.done():
-            answered.cancel()
-    if answered.cancelled():
-        raise _unreachable(worker)
-    return answered.result()
-
-
-def _unreachable(worker: Worker) -> APIError:
-    log.warning("%s worker %s (%s) stopped answering; trying another", worker.role, worker.address, worker.name)
-    return APIError(503, f"{worker.label} is unavailable", type_="service_unavailable", grpc_code="UNAVAILABLE")
+        return await unless(answer, worker.unreachable.wait())
+    except Interrupted:
+        log.warning("%s worker %s (%s) stopped answering; trying another", worker.role, worker.address, worker.name)
+        raise APIError(503, f"{worker.label} is unavailable", type_="service_unavailable",
+                       grpc_code="UNAVAILABLE") from None
 
 
 def worker_error(worker: Worker, exc: grpc.aio.AioRpcError) -> APIError:

@@ -3,7 +3,6 @@ as JSON (size, content type, numbers past Python's digit limit, lone surrogates)
 route's model parses them; every refusal an OpenAI error body."""
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import re
@@ -15,6 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
+from services.common.aio import Interrupted, unless
 from services.common.security import KeyCheck
 from services.router.admission import TENANT
 from services.router.protocol import APIError, bad_request, unsupported
@@ -132,22 +132,14 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     answer sent whole would otherwise generate to its end for nobody, and a client's
     timeout and retries would leave several such generations running. Called once the
     body is read: what the connection says next can only be that it closed."""
-    task = asyncio.ensure_future(work)
-
     async def closed() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
-    listener = asyncio.ensure_future(closed())
     try:
-        await asyncio.wait((task, listener), return_when=asyncio.FIRST_COMPLETED)
-    finally:                        # this handler cancelled: the work with it
-        listener.cancel()
-        if not task.done():
-            task.cancel()
-    if not task.done():             # the client left first: let the work's cleanup run
-        await asyncio.wait((task,))
-        raise APIError(499, "the client closed the connection before the answer", code="client_closed_request")
-    return task.result()
+        return await unless(work, closed())
+    except Interrupted:
+        raise APIError(499, "the client closed the connection before the answer",
+                       code="client_closed_request") from None
 
 
 class _Digits(str):

@@ -292,16 +292,15 @@ class WorkerSet:
         answers = await asyncio.gather(*(self._gone(w) for w in missing))
         for w, gone in zip(missing, answers):
             if gone:
-                if gone == "left without answering":
-                    w.unreachable.set()
                 self._leave(w, gone)
 
     async def _gone(self, w: Worker) -> str:
         """How a worker with no record is gone ("": it answers Info as the same epoch,
-        not draining, so it is still here)."""
+        not draining, so it is still here). One that does not answer is `unreachable`."""
         try:
             info = await w.stub.Info(worker_pb2.InfoRequest(), timeout=INFO_TIMEOUT / 2)
         except grpc.aio.AioRpcError:
+            w.unreachable.set()
             return "left without answering"
         if info.epoch != w.epoch or info.draining:
             return "left"
