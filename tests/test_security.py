@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import ssl
 import subprocess
 import tempfile
@@ -335,3 +336,22 @@ def test_a_registry_behind_a_password(tmp_path):
         asyncio.run(run())
     finally:
         terminate(server)
+
+
+def test_a_tls_router_with_idle_clients_connected_stops_at_once(secure):
+    """Stops `secure`'s router, so it runs after every other test of it. Two clients hold
+    idle TLS connections: the official client's kept-alive one, between two requests, and
+    one that sent nothing. SIGTERM ends the router in a few seconds, not after asyncio's
+    30-s wait for each client's close_notify, which an idle client never sends."""
+    client = secure.openai(KEYS[0])
+    assert _chat(client) in ("stop", "length")
+    port = int(secure.http.rsplit(":", 1)[1])
+    silent = secure.tls_context().wrap_socket(socket.create_connection(("127.0.0.1", port)),
+                                              server_hostname="127.0.0.1")
+    try:
+        started = time.monotonic()
+        code = terminate(secure.procs.pop("router"), timeout=25)
+        took = time.monotonic() - started
+        assert code == 0 and took < 6, f"exit code {code} after {took:.1f} s"
+    finally:
+        silent.close()

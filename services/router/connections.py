@@ -30,6 +30,11 @@ log = logging.getLogger(__name__)
 # How long a refused connection may linger, half-closed, for its request to drain: a
 # close with unread bytes would reset the connection and could lose the 429.
 REFUSED_LINGER_SECONDS = 2.0
+# How long a TLS connection this side closes waits for the client's close_notify before
+# it is dropped. asyncio waits 30 s by default, and a client idle on a kept-alive
+# connection (httpx, the openai client) does not read it until its next request: the
+# router's stop, and the slot of a connection cut at --header-timeout, waited that long.
+TLS_GOODBYE_SECONDS = 1.0
 
 
 def _response(status: str, type_: str, code: str, message: str, extra: str = "") -> bytes:
@@ -77,6 +82,7 @@ class LimitedH11Protocol(H11Protocol):
         self._deadline = None
         self._waiting_for: str | None = None      # "head" or "body": what the deadline runs for
         self._refused = None                       # the linger timer of a refused connection
+        self._goodbye = None                       # the timer that drops a closing TLS connection
 
     def connection_made(self, transport) -> None:
         host = (get_remote_addr(transport) or ("",))[0]
@@ -93,6 +99,8 @@ class LimitedH11Protocol(H11Protocol):
                 self._refused.cancel()
             return
         self._stop_deadline()
+        if self._goodbye is not None:
+            self._goodbye.cancel()
         self.clients.close(self._host)
         super().connection_lost(exc)
 
@@ -105,6 +113,22 @@ class LimitedH11Protocol(H11Protocol):
     def on_response_complete(self) -> None:
         super().on_response_complete()
         self._follow()
+        self._bound_goodbye()
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._bound_goodbye()
+
+    def timeout_keep_alive_handler(self) -> None:
+        super().timeout_keep_alive_handler()
+        self._bound_goodbye()
+
+    def _bound_goodbye(self) -> None:
+        """Once this side has closed a TLS connection, drop it after TLS_GOODBYE_SECONDS
+        if the client has not answered the close by then."""
+        if (self._goodbye is None and self.transport.is_closing()
+                and self.transport.get_extra_info("sslcontext") is not None):
+            self._goodbye = self.loop.call_later(TLS_GOODBYE_SECONDS, self.transport.abort)
 
     def _follow(self) -> None:
         """Run the deadline of what the connection waits for: a request head, or the
@@ -139,6 +163,7 @@ class LimitedH11Protocol(H11Protocol):
             self.transport.write(_response("408 Request Timeout", "invalid_request_error", "request_timeout",
                                            f"the request's {what} did not arrive within {timeout:g} s"))
         self.transport.close()
+        self._bound_goodbye()
 
     def _refuse(self, transport, host: str) -> None:
         log.debug("%s already holds %d connections; refusing another", host, self.clients.held(host))
