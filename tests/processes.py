@@ -116,15 +116,18 @@ class RunningCluster:
                                                                       if self.info["redis_pid"] else [])
 
 
-def start_cluster(*extra: str, dtype: str = "float32") -> RunningCluster:
+def start_cluster(*extra: str, dtype: str = "float32", pinned: bool = False) -> RunningCluster:
     """`pdserve up` with every prompt sent through a prefill worker (no local prefill for
-    short prompts) unless `extra` says otherwise: the tests are about the KV handoff."""
+    short prompts) unless `extra` says otherwise: the tests are about the KV handoff.
+    Its workers are pinned to cores only when `pinned`: under `make test` two test
+    processes run clusters at once, and every one would pin its decode worker, the
+    busiest, to the same first core."""
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-test-"))
     announce = tmp / "cluster.json"
     log_path = tmp / "cluster.log"
     cmd = [sys.executable, "-m", "services.cli", "up", "--http-port", "0", "--grpc-port", "0", "--dtype", dtype,
            "--kv-cache-tokens", "16384", "--announce-file", str(announce), "--log-level", "warning",
-           "--local-prefill-max-tokens", "0", *extra]
+           "--local-prefill-max-tokens", "0", "--pin-cpus" if pinned else "--no-pin-cpus", *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
     return RunningCluster(proc, wait_announced(proc, announce, log_path, "cluster"), log_path)
 

@@ -4,6 +4,7 @@ remotely prefilled request; the local cluster stops cleanly on Ctrl-C."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import re
 import signal
@@ -144,9 +145,11 @@ def test_up_forks_its_workers_and_stops_every_process_on_ctrl_c_in_the_default_d
     """A separate cluster in the default dtype (auto: bfloat16 where the CPU computes it,
     float32 elsewhere). `up` forked each worker from its fork server and started the
     router (no torch in it) by exec: every one is `up`'s own child, under its own command
-    line in `ps`. It serves one request; after SIGINT nothing is left, the fork server
+    line in `ps`. Each worker keeps to a core of its own where they fit (a host of two
+    cores or more), with one torch thread, at `up`'s priority (--lend-decode-cores is
+    test_modes'). It serves one request; after SIGINT nothing is left, the fork server
     included."""
-    c = start_cluster(dtype="auto")
+    c = start_cluster(dtype="auto", pinned=True)
     try:
         up, services = c.proc.pid, c.pids()[1:]
         forks = [k for k in child_pids(up) if command_line(k)[1:3] == ["-m", "services.forkserver"]]
@@ -157,6 +160,13 @@ def test_up_forks_its_workers_and_stops_every_process_on_ctrl_c_in_the_default_d
             titled = "\0" not in open(f"/proc/{pid}/cmdline").read().rstrip("\0")
             assert titled == (role != "router"), f"{role}: forked and titled, or the arguments of an exec"
             assert command_line(pid)[1:4] == ["-m", "services.cli", role]
+        decode, prefill = c.info["decode"]["pid"], c.info["prefill"]["pid"]
+        if len(os.sched_getaffinity(0)) >= 2:
+            decode_cores, prefill_cores = os.sched_getaffinity(decode), os.sched_getaffinity(prefill)
+            assert len(decode_cores) == len(prefill_cores) == 1 and decode_cores != prefill_cores
+        assert "--threads=1" in command_line(prefill)
+        assert os.getpriority(os.PRIO_PROCESS, decode) == os.getpriority(os.PRIO_PROCESS, prefill) == \
+            os.getpriority(os.PRIO_PROCESS, 0)
         r = httpx.post(f"{c.http}/v1/chat/completions", timeout=60, json={"messages": STORY, "max_tokens": 5})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         decode_pid = c.info["decode"]["pid"]

@@ -136,22 +136,6 @@ def test_aggregated_on_cpu_takes_short_prompts_whole_and_long_ones_in_chunks_unl
     assert prefill.mixed_prefill_tokens == -1 and scheduler_config(prefill, "cpu").mixed_whole_prompt == 0
 
 
-def test_each_worker_keeps_to_a_core_of_its_own_by_default(cluster):
-    """`up` on a host with a core per worker: the decode and the prefill worker are each
-    pinned to one core of their own, with one torch thread, at the cluster's priority
-    (read from the live processes). Lending the decode cores is asked for
-    (--lend-decode-cores; test_the_prefill_worker_runs_on_the_decode_core_when_lent)."""
-    import os
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("one core: the workers are not pinned")
-    decode, prefill = cluster.info["decode"]["pid"], cluster.info["prefill"]["pid"]
-    decode_cores, prefill_cores = os.sched_getaffinity(decode), os.sched_getaffinity(prefill)
-    assert len(decode_cores) == len(prefill_cores) == 1 and decode_cores != prefill_cores
-    assert "--threads=1" in command_line(prefill)
-    ours = os.getpriority(os.PRIO_PROCESS, 0)
-    assert os.getpriority(os.PRIO_PROCESS, decode) == os.getpriority(os.PRIO_PROCESS, prefill) == ours
-
-
 @pytest.mark.slow
 def test_the_prefill_worker_runs_on_the_decode_core_when_lent():
     """`up --lend-decode-cores` on a host with a core per worker: the decode worker is
@@ -162,7 +146,7 @@ def test_the_prefill_worker_runs_on_the_decode_core_when_lent():
     import os
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one core: the workers are not pinned")
-    c = start_cluster("--lend-decode-cores")
+    c = start_cluster("--lend-decode-cores", pinned=True)
     try:
         decode, prefill = c.info["decode"]["pid"], c.info["prefill"]["pid"]
         decode_cores, prefill_cores = os.sched_getaffinity(decode), os.sched_getaffinity(prefill)
