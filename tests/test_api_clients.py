@@ -6,6 +6,7 @@ installed)."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
@@ -423,18 +424,29 @@ def test_responses_text_is_the_chat_completions(cluster):
     same conversation (instructions as its system message); cut by max_output_tokens,
     the response is incomplete."""
     client = _client(cluster.http)
-    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)
     kw = dict(model=MODEL, instructions=CHAT[0]["content"], input=CHAT[1]["content"], max_output_tokens=24,
               temperature=0)
-    r = client.responses.create(**kw)
+
+    def streamed(**kw):
+        with client.responses.stream(**kw) as stream:
+            return [e for e in stream], stream.get_final_response()
+
+    def cut_streamed():
+        with client.responses.stream(model=MODEL, input=ASK, max_output_tokens=5, temperature=0) as stream:
+            return [e for e in stream]
+    with ThreadPoolExecutor(6) as pool:             # all at once: each is checked on its own
+        asked = [pool.submit(client.chat.completions.create, model=MODEL, messages=CHAT, max_tokens=24,
+                             temperature=0),
+                 pool.submit(client.responses.create, **kw),
+                 pool.submit(client.responses.create, model=MODEL, max_output_tokens=24, temperature=0,
+                             input=[{"role": m["role"], "content": m["content"]} for m in CHAT]),
+                 pool.submit(streamed, **kw),
+                 pool.submit(client.responses.create, model=MODEL, input=ASK, max_output_tokens=5, temperature=0),
+                 pool.submit(cut_streamed)]
+        chat, r, as_items, (events, final), cut, cut_events = (f.result() for f in asked)
     assert r.status == "completed" and r.output_text == chat.choices[0].message.content
     assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == chat.usage.completion_tokens
-    as_items = client.responses.create(model=MODEL, input=[{"role": m["role"], "content": m["content"]} for m in CHAT],
-                                       max_output_tokens=24, temperature=0)
     assert as_items.output_text == r.output_text
-    with client.responses.stream(**kw) as stream:
-        events = [e for e in stream]
-        final = stream.get_final_response()
     assert [e.type for e in events] == [
         "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
         *["response.output_text.delta"] * (len(events) - 8), "response.output_text.done",
@@ -442,12 +454,9 @@ def test_responses_text_is_the_chat_completions(cluster):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert final.output_text == r.output_text == "".join(e.delta for e in events[4:-4])
     assert final.usage.output_tokens == r.usage.output_tokens and final.id == events[0].response.id
-    cut = client.responses.create(model=MODEL, input=ASK, max_output_tokens=5, temperature=0)
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
-    with client.responses.stream(model=MODEL, input=ASK, max_output_tokens=5, temperature=0) as stream:
-        events = [e for e in stream]
-    assert events[-1].type == "response.incomplete" and events[-1].response.status == "incomplete"
-    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == cut.output_text
+    assert cut_events[-1].type == "response.incomplete" and cut_events[-1].response.status == "incomplete"
+    assert "".join(e.delta for e in cut_events if e.type == "response.output_text.delta") == cut.output_text
 
 
 def test_responses_function_tools(tools_router):
@@ -455,16 +464,25 @@ def test_responses_function_tools(tools_router):
     tool's schema; then the conversation with its output goes on."""
     client = _client(tools_router)
     params = WEATHER["parameters"]
-    for choice in ({"type": "function", "name": "get_weather"}, "required"):
-        r = client.responses.create(model=MODEL, input=ASK, tools=[WEATHER], tool_choice=choice,
-                                    parallel_tool_calls=False, max_output_tokens=60, temperature=0)
+
+    def forced(choice):
+        """Whole and streamed, at once."""
+        kw = dict(model=MODEL, input=ASK, tools=[WEATHER], tool_choice=choice, parallel_tool_calls=False,
+                  max_output_tokens=60, temperature=0)
+
+        def stream():
+            with client.responses.stream(**kw) as events:
+                deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+                return deltas, events.get_final_response()
+        with ThreadPoolExecutor(2) as pool:
+            whole, streamed = pool.submit(client.responses.create, **kw), pool.submit(stream)
+            return whole.result(), *streamed.result()
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(forced, ({"type": "function", "name": "get_weather"}, "required")))
+    for r, deltas, final in answers:
         (call,) = [o for o in r.output if o.type == "function_call"]
         assert call.name == "get_weather" and call.call_id.startswith("call_")
         jsonschema.validate(json.loads(call.arguments), params)
-        with client.responses.stream(model=MODEL, input=ASK, tools=[WEATHER], tool_choice=choice,
-                                     parallel_tool_calls=False, max_output_tokens=60, temperature=0) as stream:
-            deltas = "".join(e.delta for e in stream if e.type == "response.function_call_arguments.delta")
-            final = stream.get_final_response()
         (streamed,) = [o for o in final.output if o.type == "function_call"]
         assert streamed.arguments == deltas == call.arguments
     follow = client.responses.create(model=MODEL, tools=[WEATHER], max_output_tokens=8, temperature=0, input=[

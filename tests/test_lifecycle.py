@@ -132,6 +132,7 @@ def test_decode_worker_computes_no_prompt_tokens_and_kv_bytes_cross(cluster):
     assert "pdserve_time_to_first_token_seconds_bucket" in router_metrics
 
 
+@pytest.mark.slow          # test_api_features' n choices: the same seed again, the same draws
 def test_same_seed_same_output(cluster):
     body = {"messages": STORY, "max_tokens": 24, "temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 7,
             "return_token_ids": True}

@@ -12,15 +12,17 @@ import torch
 
 from tests.parity_cases import CASES, chat_body, grpc_generate
 
-# HTTP takes every case by default; the official client and gRPC three each (a stop
-# string, a long prompt, non-ASCII text among them), every case under `make test-slow`.
+# Raw HTTP, the official client and gRPC take some cases each by default (a stop string,
+# a long prompt, non-ASCII text among them), together every case and all of them with
+# eight in flight; every case each under `make test-slow`.
 SOME = {"long", "non_ascii", "stop_string"}
 
 
 def some_cases(names: set[str]) -> list:
     return [c if c.name in names else pytest.param(c, marks=pytest.mark.slow) for c in CASES]
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+
+@pytest.mark.parametrize("case", some_cases(SOME | {"hits_max_tokens"}), ids=lambda c: c.name)
 def test_http_matches_generate(cluster, expected, case):
     r = httpx.post(f"{cluster.http}/v1/chat/completions", json=chat_body(case), timeout=120)
     assert r.status_code == 200, r.text
