@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.model.sampler import sample
+from services.engine.model.sampler import History, TokenHistory, choose, sample
 from services.engine.core.sampling import SamplingParams
 
 VOCAB = 4096
@@ -70,7 +70,7 @@ def test_penalties_follow_openai_and_transformers_definitions():
     formulas written out by hand."""
     logits = _rows(3, seed=5)
     prompt, output = [7, 8, 8], [8, 9, 9, 9]
-    history = (prompt + output, len(prompt))
+    history = History(prompt + output, len(prompt))
     params = [SamplingParams(max_tokens=8, temperature=0.0, presence_penalty=0.5, frequency_penalty=0.25,
                              logprobs=0),
               SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=1.3, logprobs=0),
@@ -87,6 +87,25 @@ def test_penalties_follow_openai_and_transformers_definitions():
         token = int(want[row].argmax())
         assert got[row].token_id == token
         assert got[row].logprob == pytest.approx(float(want[row, token]), abs=1e-5)
+
+
+def test_a_history_kept_on_the_device_penalizes_as_one_copied_afresh_every_step():
+    """A sequence's tokens kept from step to step (each step copies only the new ones),
+    with a verify step's drafts after them, and started afresh when the tokens given are
+    fewer than before (a fork's own tokens): the processed logits equal those of the
+    whole history copied at each step."""
+    g = torch.Generator().manual_seed(9)
+    params = [SamplingParams(max_tokens=64, temperature=0.0, presence_penalty=0.4, frequency_penalty=0.3,
+                             repetition_penalty=1.2)] * 2
+    ids = torch.randint(0, VOCAB + 50, (40,), generator=g).tolist()     # ids past the vocabulary clamp
+    kept = TokenHistory()
+    for step, (length, draft) in enumerate([(20, ()), (21, ()), (21, (5, 5)), (30, (7,)), (12, ()), (40, ())]):
+        logits = _rows(1, seed=step).repeat(2, 1)
+        both = [History(ids[:length], 8, draft, kept), History(ids[:length], 8, draft)]
+        processed, _ = choose(logits, params, [length - 8] * 2, frozenset(), both)
+        assert torch.equal(processed[0], processed[1]), step
+        assert not torch.equal(processed[0], logits[0]), step
+    assert kept.count == 40
 
 
 def test_logit_bias_min_p_and_stop_token_ids_during_min_tokens():
@@ -145,7 +164,9 @@ def test_allowed_token_ids_and_bad_words_ban_what_vllm_bans():
     assert got[0] == (7 if logits[0, 7] > logits[0, 9] else 9) and got[1] in (7, 9) and got[2] == best[2]
     words = SamplingParams(max_tokens=4, temperature=0.0, bad_words=((best[0],), (11, best[1])))
     prompt = [1, 2, 11]                                  # the prompt ends in 11: no ban from it
-    histories = [(prompt, 3), (prompt + [11], 3)]
+    histories = [History(prompt, 3), History(prompt + [11], 3)]
     got = sample(logits[:2], [words, words], [0, 1], frozenset(), histories).token_ids
     assert got[0] != best[0] and got[1] not in (best[0], best[1])
-    assert sample(logits[1:2], [words], [0], frozenset(), [(prompt, 3)]).token_ids == [best[1]]
+    assert sample(logits[1:2], [words], [0], frozenset(), [History(prompt, 3)]).token_ids == [best[1]]
+    drafted = History(prompt, 3, draft=(11,))            # a verify step's row after a draft of 11
+    assert sample(logits[1:2], [words], [1], frozenset(), [drafted]).token_ids != [best[1]]

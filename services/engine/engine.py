@@ -63,7 +63,8 @@ from services.engine.model.device import HostCopy, LayerPoster, to_device
 from services.engine.model.hardware import threads_at_most
 from services.engine.model.kv_cache import KVPoolMemory
 from services.engine.model.runner import DECODER_PROMPT_TOKENS, ForwardBatch, ModelRunner, PrefillSegment
-from services.engine.model.sampler import Sampled, as_token_logprobs, choose, logprob_tensors, read_sampled, to_read
+from services.engine.model.sampler import (History, Sampled, TokenHistory, as_token_logprobs, choose, logprob_tensors,
+                                           read_sampled, to_read)
 from services.engine.core.sampling import TokenLogprob
 from services.engine.core.scheduler import Scheduler
 from services.engine.core.sequence import PENDING, Chunk, Sequence, StepPlan
@@ -122,6 +123,14 @@ def overlaps(seq: Sequence) -> bool:
     the host needs that token to prepare the step (a grammar to follow, penalties over
     the history, bad words)."""
     return seq.constraint is None and not seq.params.reads_history
+
+
+def _history(seq: Sequence, draft: tuple[int, ...]) -> History:
+    """A sampling row's tokens; a penalized sequence keeps its copy on the device
+    (`seq.kept_tokens`) from step to step."""
+    if seq.params.penalized and seq.kept_tokens is None:
+        seq.kept_tokens = TokenHistory()
+    return History(seq.token_ids, seq.prompt_len, draft, seq.kept_tokens)
 
 
 class StepHooks(Protocol):
@@ -435,7 +444,7 @@ class LLMEngine:
             mask = masks.result() if masks is not None else None
         prompt = prompt_logprob_tensors(logits[len(batch.sample_rows):], targets) if targets else []
         logits = logits[:len(batch.sample_rows)]
-        histories = [(c.seq.token_ids + list(c.draft[:j]), c.seq.prompt_len) for c, j in each] \
+        histories = [_history(c.seq, tuple(c.draft[:j])) for c, j in each] \
             if any(c.seq.params.reads_history for c in rows) else None
         params = [c.seq.params for c, _ in each]
         logits, tokens = choose(logits, params, [c.seq.num_generated + j for c, j in each],

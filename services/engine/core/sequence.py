@@ -36,6 +36,9 @@ class Sequence:
     # Structured output's place in its grammar (structured.Constraint): the engine masks
     # this sequence's logits with it and has it follow every token taken.
     constraint: object | None = None
+    # Its tokens as the penalties keep them on the device (sampler.TokenHistory), brought
+    # up to date each step with the tokens added since the one before.
+    kept_tokens: object | None = None
     # Other choices of the same request (n > 1), waiting for this one's prompt KV: they
     # share its full prompt blocks and recompute only the last prompt token (fork()).
     forks: list["Sequence"] = field(default_factory=list)
