@@ -402,12 +402,17 @@ def test_requests_waiting_on_a_frozen_decode_worker_go_elsewhere_once_it_leaves(
 def test_a_stopping_router_ends_its_streams_with_an_error_not_a_cut(pools):
     """SIGTERM to a router: a stream still running when its --drain-timeout (1 s here)
     is up ends with an error event and [DONE], never with the connection cut mid-body
-    (uvicorn's own grace used to cancel it after 5 s, unsaid); the router then exits."""
+    (uvicorn's own grace used to cancel it after 5 s, unsaid); the router then exits,
+    cleanly though streams that clients left earlier had ended (their deadlines once
+    broke the drain: "Cannot change state of finished Timeout")."""
     name = "router-draining"
     info = pools.spawn(name, *pools.router_argv("--drain-timeout", "1"))
     url = f"http://127.0.0.1:{info['http_port']}"
     wait_ready(url, {"prefill": 2, "decode": 2})
     body = {"prompt": "Tell me everything.", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    for _ in range(4):                                  # streams their clients leave
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            next(line for line in r.iter_lines() if line.startswith("data: {"))
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: {"))
@@ -419,4 +424,5 @@ def test_a_stopping_router_ends_its_streams_with_an_error_not_a_cut(pools):
     assert "shutting down" in rest[-2] and '"error"' in rest[-2], rest[-2]
     assert took < 5, took
     assert pools.procs.pop(name).wait(timeout=30) == 0
+    assert "Traceback" not in (pools.tmp / f"{name}.log").read_text()
     wait_pools_idle(pools, ("decode-0", "decode-1"))

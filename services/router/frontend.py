@@ -293,9 +293,15 @@ class RunningRequest:
         try:
             async with asyncio.timeout(self.timeout) as deadline:
                 self._deadlines.append(deadline)
-                if self._draining is not None:
-                    deadline.reschedule(min(deadline.when(), self._draining))
-                await self._generate(cluster, ticket, gens, offset, texts)
+                try:
+                    if self._draining is not None:
+                        deadline.reschedule(min(deadline.when(), self._draining))
+                    await self._generate(cluster, ticket, gens, offset, texts)
+                finally:
+                    # An ended deadline cannot be rescheduled: a drain must not meet it. The
+                    # request itself may outlive its end (in a reference cycle, until the
+                    # garbage collector runs), in the drain's set of running requests.
+                    self._deadlines.remove(deadline)
         except TimeoutError:
             if self._draining is not None:
                 log.warning("request %s ended: the router is shutting down", gens[0].request_id)
