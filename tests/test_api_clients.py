@@ -133,6 +133,24 @@ def _chat(http: str, **body) -> dict:
     return r.json()
 
 
+def test_continuous_usage_counts_the_tokens_sent_so_far(cluster):
+    """stream_options.continuous_usage_stats (vLLM's): every chunk's usage counts the
+    output tokens sent up to and with it: none on the role chunk before the first token
+    (guidellm sends the option), then one more a token; the last usage is the total."""
+    for path, body in (("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": "Count: 1,"})):
+        body = {**body, "max_tokens": 5, "ignore_eos": True, "temperature": 0, "return_token_ids": True,
+                "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        sent, seen = 0, []
+        with httpx.stream("POST", f"{cluster.http}{path}", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    event = json.loads(line[6:])
+                    sent += sum(len(c.get("token_ids") or []) for c in event["choices"])
+                    seen.append((event["usage"]["completion_tokens"], sent))
+        assert all(counted == sent for counted, sent in seen), (path, seen)
+        assert seen[-1] == (5, 5) and (path != "/v1/chat/completions" or seen[0] == (0, 0)), (path, seen)
+
+
 def test_an_answer_sent_back_as_the_client_dumps_it_and_openais_null_fields(cluster):
     """`message.model_dump()` of an answer carries OpenAI's fields pdserve does not make
     (`refusal`, `audio`, `function_call`, `annotations`, null): sent back as history, it

@@ -46,10 +46,12 @@ def sse_json(obj) -> str:
 SSE_KEEPALIVE = b"\n"
 
 
-def usage(gens: list[Generation], n: int = 1) -> dict:
-    """Summed over the request's prompts (`gens`: n choices per prompt, in order)."""
+def usage(gens: list[Generation], n: int = 1, completion_tokens: int | None = None) -> dict:
+    """Summed over the request's prompts (`gens`: n choices per prompt, in order); with
+    `completion_tokens`, that many output tokens (those sent so far), not all made."""
     prompts = [gens[i:i + n] for i in range(0, len(gens), n)]
-    p, c = sum(len(g[0].prompt_ids) for g in prompts), sum(g.completion_tokens for g in gens)
+    p = sum(len(g[0].prompt_ids) for g in prompts)
+    c = sum(g.completion_tokens for g in gens) if completion_tokens is None else completion_tokens
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
             "prompt_tokens_details": {"cached_tokens": sum(max(g.cached_tokens for g in gs) for gs in prompts)}}
 
@@ -207,6 +209,9 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
     held = {i: [] for i in range(len(gens))}       # "required" tool output: known only at its end
     calls = [CallStream() for _ in gens]           # "auto": content streams, calls go out whole
     offsets = [0] * len(gens)                     # completions: where each choice's text is
+    # Output tokens sent so far, per choice: continuous usage counts these (vLLM's role
+    # chunk, before the first token, counts none), not those made and still queued.
+    sent = [0] * len(gens)
 
     def chunk(index: int, delta: dict | None = None, text: str = "", finish: str | None = None,
               token_ids: list[int] | None = None, logprobs: list[TokenLogprob] | None = None,
@@ -233,7 +238,7 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
             # The route is known only once the choice is done: it rides on its last chunk.
             event["pdserve_route"] = gens[index].route()
         if with_usage:
-            event["usage"] = usage(gens, shape.n) if every_usage else None
+            event["usage"] = usage(gens, shape.n, sum(sent)) if every_usage else None
         return sse(event)
 
     def content(index: int, d: Delta) -> dict:
@@ -284,7 +289,8 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
                 started.add(i)
                 if ids is not None and single and not started - {i}:
                     yield sse({**base, "choices": [], "prompt_token_ids": gens[0].prompt_ids,
-                               **({"usage": None} if with_usage else {})})
+                               **({"usage": usage(gens, shape.n, sum(sent)) if every_usage else None}
+                                  if with_usage else {})})
                 prompt_ids = gens[i].prompt_ids if ids is not None and not single else None
                 if chat:
                     first = {"role": "assistant", "content": ""}
@@ -302,6 +308,7 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
                     gens[i].completion_tokens = 0
                     yield chunk(i, finish="length")
                 continue
+            sent[i] += len(d.token_ids)
             # The last token and the finish reason go out in one chunk, as vLLM sends them
             # (clients that time tokens by chunks would count a separate finish as a token),
             # unless the finish brings a delta of its own (tool calls known at the end).
