@@ -66,23 +66,27 @@ def test_every_prompt_shape_answers_as_its_prompts_sent_one_at_a_time(cluster):
     lists (n 2), streamed and not: choice index = prompt x n + choice, usage summed, and
     every choice token for token what its prompt alone gives."""
     http = cluster.http
-    alone = [_complete(http, prompt=p) for p in PROMPTS]
-    ids = [a["choices"][0]["prompt_token_ids"] for a in alone]
-    want = [(a["choices"][0]["text"], a["choices"][0]["token_ids"]) for a in alone]
-    for prompt, n in ((PROMPTS, 1), (ids, 2)):      # strings one choice each, ids two
-        r = _complete(http, prompt=prompt, n=n)
-        assert [c["index"] for c in r["choices"]] == list(range(len(PROMPTS) * n))
-        assert [(c["text"], c["token_ids"]) for c in r["choices"]] == [w for w in want for _ in range(n)]
-        assert [c["prompt_token_ids"] for c in r["choices"]] == [i for i in ids for _ in range(n)]
-        assert r["usage"]["prompt_tokens"] == sum(map(len, ids))
-        assert r["usage"]["completion_tokens"] == n * sum(len(t) for _, t in want)
-        streamed = _streamed(http, prompt=prompt, n=n)
-        assert [(streamed[i]["text"], streamed[i]["token_ids"]) for i in sorted(streamed)] == \
-            [w for w in want for _ in range(n)]
-    one = _complete(http, prompt=ids[1])                   # a list of ids is one prompt
-    assert (one["choices"][0]["text"], one["choices"][0]["token_ids"]) == want[1]
-    assert one["prompt_token_ids"] == ids[1]
-    assert _complete(http, prompt=[PROMPTS[2]])["choices"][0]["token_ids"] == want[2][1]
+    with ThreadPoolExecutor(6) as pool:             # each batch at once: each answer is checked on its own
+        alone = list(pool.map(lambda p: _complete(http, prompt=p), PROMPTS))
+        ids = [a["choices"][0]["prompt_token_ids"] for a in alone]
+        want = [(a["choices"][0]["text"], a["choices"][0]["token_ids"]) for a in alone]
+        shapes = ((PROMPTS, 1), (ids, 2))                   # strings one choice each, ids two
+        asked = [(n, pool.submit(_complete, http, prompt=prompt, n=n), pool.submit(_streamed, http, prompt=prompt, n=n))
+                 for prompt, n in shapes]
+        one, listed = pool.submit(_complete, http, prompt=ids[1]), pool.submit(_complete, http, prompt=[PROMPTS[2]])
+        for n, whole, streamed in asked:
+            r, streamed = whole.result(), streamed.result()
+            assert [c["index"] for c in r["choices"]] == list(range(len(PROMPTS) * n))
+            assert [(c["text"], c["token_ids"]) for c in r["choices"]] == [w for w in want for _ in range(n)]
+            assert [c["prompt_token_ids"] for c in r["choices"]] == [i for i in ids for _ in range(n)]
+            assert r["usage"]["prompt_tokens"] == sum(map(len, ids))
+            assert r["usage"]["completion_tokens"] == n * sum(len(t) for _, t in want)
+            assert [(streamed[i]["text"], streamed[i]["token_ids"]) for i in sorted(streamed)] == \
+                [w for w in want for _ in range(n)]
+        one = one.result()                                   # a list of ids is one prompt
+        assert (one["choices"][0]["text"], one["choices"][0]["token_ids"]) == want[1]
+        assert one["prompt_token_ids"] == ids[1]
+        assert listed.result()["choices"][0]["token_ids"] == want[2][1]
 
 
 def test_a_batch_scores_prompts_as_evaluation_harnesses_ask(cluster):
@@ -225,29 +229,36 @@ def test_special_tokens_in_the_text_and_the_stop_string_kept(cluster, tokenizer)
     before it unless include_stop_str_in_output (vLLM's detokenizer);
     spaces_between_special_tokens reaches the decode (a fast tokenizer ignores it)."""
     http = cluster.http
-    ids = _chat(http, ignore_eos=True, max_tokens=14)["choices"][0]["token_ids"]
-    for spaces in (True, False):
-        shown = _chat(http, ignore_eos=True, skip_special_tokens=False, max_tokens=14,
-                      spaces_between_special_tokens=spaces)["choices"][0]
-        assert shown["token_ids"] == ids
-        assert shown["message"]["content"] == tokenizer.decode(ids, skip_special_tokens=False,
-                                                               spaces_between_special_tokens=spaces)
-        assert "<|im_end|>" in shown["message"]["content"]
-    ended = _chat(http, skip_special_tokens=False)["choices"][0]
+    prompt = {"prompt": "Count with me: 1, 2, 3,", "max_tokens": 12, "stop": [","]}
+    with ThreadPoolExecutor(9) as pool:             # all at once: each is checked on its own
+        asked = [pool.submit(_chat, http, ignore_eos=True, max_tokens=14),
+                 *(pool.submit(_chat, http, ignore_eos=True, skip_special_tokens=False, max_tokens=14,
+                               spaces_between_special_tokens=spaces) for spaces in (True, False)),
+                 pool.submit(_chat, http, skip_special_tokens=False),
+                 pool.submit(_chat, http, skip_special_tokens=False, include_stop_str_in_output=True),
+                 pool.submit(_complete, http, **prompt),
+                 pool.submit(_complete, http, **prompt, include_stop_str_in_output=True),
+                 pool.submit(_streamed, http, **prompt, include_stop_str_in_output=True),
+                 pool.submit(_complete, http, prompt=prompt["prompt"], max_tokens=6)]
+        plain, *shown, ended, kept, cut, with_stop, streamed, free = (f.result() for f in asked)
+    ids = plain["choices"][0]["token_ids"]
+    for spaces, answer in zip((True, False), shown):
+        choice = answer["choices"][0]
+        assert choice["token_ids"] == ids
+        assert choice["message"]["content"] == tokenizer.decode(ids, skip_special_tokens=False,
+                                                                spaces_between_special_tokens=spaces)
+        assert "<|im_end|>" in choice["message"]["content"]
+    ended, kept = ended["choices"][0], kept["choices"][0]
     assert ended["token_ids"][-1] == EOS and "<|im_end|>" not in ended["message"]["content"]
-    kept = _chat(http, skip_special_tokens=False, include_stop_str_in_output=True)["choices"][0]
     assert kept["message"]["content"] == ended["message"]["content"] + "<|im_end|>"
     # a stop string: left out, or kept with include_stop_str_in_output, streamed or not
-    prompt = {"prompt": "Count with me: 1, 2, 3,", "max_tokens": 12, "stop": [","]}
-    cut = _complete(http, **prompt)["choices"][0]
-    with_stop = _complete(http, **prompt, include_stop_str_in_output=True)["choices"][0]
+    cut, with_stop, streamed = cut["choices"][0], with_stop["choices"][0], streamed[0]
     assert cut["finish_reason"] == with_stop["finish_reason"] == "stop" and "," not in cut["text"]
     assert cut["stop_reason"] == "," and ended["stop_reason"] is None        # vLLM's: what stopped it; EOS: null
     assert with_stop["text"] == cut["text"] + "," and with_stop["token_ids"] == cut["token_ids"]
-    streamed = _streamed(http, **prompt, include_stop_str_in_output=True)[0]
     assert streamed["text"] == with_stop["text"] and streamed["stop_reason"] == ","
     # a stop token that is no special token: in token_ids, its text only with include_stop_str_in_output
-    free = _complete(http, prompt=prompt["prompt"], max_tokens=6)["choices"][0]
+    free = free["choices"][0]
     comma = free["token_ids"][next(i for i, t in enumerate(free["token_ids"]) if "," in tokenizer.decode([t]))]
     by_token = _complete(http, prompt=prompt["prompt"], max_tokens=6, stop_token_ids=[comma])["choices"][0]
     assert by_token["token_ids"][-1] == comma and by_token["finish_reason"] == "stop"

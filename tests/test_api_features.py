@@ -333,20 +333,25 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 def test_a_forced_tool_call_returns_valid_arguments(tools_router):
     client = _client(tools_router)
     params = WEATHER["function"]["parameters"]
-    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=60,
-                                       temperature=0, tool_choice={"type": "function",
-                                                                   "function": {"name": "get_weather"}})
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+
+    def streamed() -> tuple[str, set[str]]:
+        arguments, names = "", set()
+        for chunk in client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=60,
+                                                    temperature=0, stream=True, tool_choice=forced):
+            for c in chunk.choices:
+                for d in c.delta.tool_calls or ():
+                    names.add(d.function.name) if d.function.name else None
+                    arguments += d.function.arguments or ""
+        return arguments, names
+    with ThreadPoolExecutor(2) as pool:             # whole and streamed at once
+        whole = pool.submit(client.chat.completions.create, model=MODEL, messages=ASK, tools=[WEATHER, TIME],
+                            max_tokens=60, temperature=0, tool_choice=forced)
+        arguments, names = pool.submit(streamed).result()
+        r = whole.result()
     call = r.choices[0].message.tool_calls[0]
     assert call.function.name == "get_weather" and call.id.startswith("call_")
     jsonschema.validate(json.loads(call.function.arguments), params)
-    arguments, names = "", set()
-    for chunk in client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=60,
-                                                temperature=0, stream=True, tool_choice={
-                                                    "type": "function", "function": {"name": "get_weather"}}):
-        for c in chunk.choices:
-            for d in c.delta.tool_calls or ():
-                names.add(d.function.name) if d.function.name else None
-                arguments += d.function.arguments or ""
     assert names == {"get_weather"}
     jsonschema.validate(json.loads(arguments), params)
     # A conversation that carries the call and its result renders and answers.

@@ -30,7 +30,10 @@ def test_prefill_workers_may_also_run_on_the_decode_cores():
     assert plan_cpus(["decode", "decode", "prefill"], [0, 1], lend=True) == [None, None, None]
 
 
-def test_aggregated_chunked_prefill_with_async_scheduling_matches_generate(model_dir, expected):
+# Asked again one at a time, from the prefix cache: under make test-slow (prefix hits
+# are test_pools' and test_api_extras' by default).
+@pytest.mark.parametrize("again", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["once", "again"])
+def test_aggregated_chunked_prefill_with_async_scheduling_matches_generate(model_dir, expected, again):
     """One aggregated worker, prompts in 16-token chunks beside the decodes, each step
     launched before the last one's tokens are read (on a CPU only when asked): every
     output is generate's, token for token, and every block comes back. The parity cases
@@ -55,6 +58,8 @@ def test_aggregated_chunked_prefill_with_async_scheduling_matches_generate(model
         s = c.stats("decode")
         assert s.prompt_tokens_computed + hits >= sum(len(expected[case.name].prompt_ids) for case in cases)
         assert c.wait_idle().info.free_blocks == s.info.num_blocks
+        if not again:
+            return
 
         # Again, one at a time (three of them): every full block but the last token's is
         # the prefix cache's now, and the output still matches generate's, token for token.
