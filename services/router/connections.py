@@ -30,11 +30,19 @@ log = logging.getLogger(__name__)
 # How long a refused connection may linger, half-closed, for its request to drain: a
 # close with unread bytes would reset the connection and could lose the 429.
 REFUSED_LINGER_SECONDS = 2.0
-# How long a TLS connection this side closes waits for the client's close_notify before
-# it is dropped. asyncio waits 30 s by default, and a client idle on a kept-alive
-# connection (httpx, the openai client) does not read it until its next request: the
-# router's stop, and the slot of a connection cut at --header-timeout, waited that long.
+# How long a TLS connection this side closes waits for the client's close_notify, once
+# everything it was sent has left the process, before it is dropped. asyncio waits 30 s,
+# and a client idle on a kept-alive connection (httpx, the openai client) does not read
+# it until its next request: the router's stop, and the slot of a connection cut at
+# --header-timeout, waited that long.
 TLS_GOODBYE_SECONDS = 1.0
+
+
+def _unsent(transport) -> int:
+    """Bytes a TLS transport holds that have not gone to the socket yet: its own, and its
+    TCP transport's (asyncio's SSL transport counts only the first)."""
+    inner = getattr(getattr(transport, "_ssl_protocol", None), "_transport", None)
+    return transport.get_write_buffer_size() + (inner.get_write_buffer_size() if inner is not None else 0)
 
 
 def _response(status: str, type_: str, code: str, message: str, extra: str = "") -> bytes:
@@ -124,11 +132,20 @@ class LimitedH11Protocol(H11Protocol):
         self._bound_goodbye()
 
     def _bound_goodbye(self) -> None:
-        """Once this side has closed a TLS connection, drop it after TLS_GOODBYE_SECONDS
-        if the client has not answered the close by then."""
+        """Once this side has closed a TLS connection, drop it TLS_GOODBYE_SECONDS after
+        the last of its response left, if the client has not answered the close by then.
+        A response still going out to a slow reader is not cut (asyncio's own 30 s
+        bound it, as before)."""
         if (self._goodbye is None and self.transport.is_closing()
                 and self.transport.get_extra_info("sslcontext") is not None):
-            self._goodbye = self.loop.call_later(TLS_GOODBYE_SECONDS, self.transport.abort)
+            self._goodbye = self.loop.call_later(TLS_GOODBYE_SECONDS, self._drop_if_sent)
+
+    def _drop_if_sent(self) -> None:
+        if _unsent(self.transport):
+            self._goodbye = self.loop.call_later(TLS_GOODBYE_SECONDS, self._drop_if_sent)
+        else:
+            self._goodbye = None
+            self.transport.abort()
 
     def _follow(self) -> None:
         """Run the deadline of what the connection waits for: a request head, or the

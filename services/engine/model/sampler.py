@@ -90,7 +90,7 @@ class TokenHistory:
     """A sequence's tokens on the device, for the penalties, kept from step to step:
     a step copies over only the tokens added since the one before, not the whole prompt
     and output again, which as Python lists cost every step O(history) of host time
-    per row (~50 ms a step for 32 rows of 2,000 tokens)."""
+    per row (33-49 ms a step for 32 rows of 2,000 tokens: docs/benchmarks.md)."""
 
     def __init__(self) -> None:
         self.tokens: torch.Tensor | None = None     # [capacity] int64, the first `count` valid
