@@ -86,6 +86,17 @@ def test_float32_logprobs_equal_log_softmax_of_transformers_logits(cluster, hf):
         assert lp.text_offset[0] == 0 and "".join(lp.tokens) == r.choices[0].text
 
 
+def test_a_sampled_token_is_among_its_top_logprobs(cluster):
+    """Completions' top_logprobs hold each chosen token, sampled outside the likeliest or
+    not (OpenAI's "up to logprobs + 1 elements", as vLLM returns them)."""
+    r = _client(cluster.http).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=2.0,
+                                                 seed=5, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert all(top[token] == value and len(top) in (1, 2)
+               for top, token, value in zip(lp.top_logprobs, lp.tokens, lp.token_logprobs))
+    assert any(len(top) == 2 for top in lp.top_logprobs), "no token sampled outside the likeliest: another seed"
+
+
 def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(cluster, hf):
     """What evaluation harnesses send to score a text: echo, logprobs and max_tokens 0.
     Each prompt token after the first gets transformers' log probability to 1e-4, the
@@ -101,8 +112,11 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(cluster, hf):
         assert choice.text == text and r.usage.completion_tokens == 0
         lp = choice.logprobs
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and len(lp.tokens) == len(prompt)
-        _check_logprobs(want, prompt[1:], lp.token_logprobs[1:], [sorted(d.values(), reverse=True)
+        _check_logprobs(want, prompt[1:], lp.token_logprobs[1:], [sorted(d.values(), reverse=True)[:2]
                                                                  for d in lp.top_logprobs[1:]])
+        # each position's own token among its top ones, as OpenAI's: 2 or 3 of them
+        assert all(d[t] == v and len(d) in (2, 3)
+                   for d, t, v in zip(lp.top_logprobs[1:], lp.tokens[1:], lp.token_logprobs[1:]))
         assert lp.text_offset[0] == 0 and "".join(lp.tokens) == text
     both = client.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True, logprobs=2, n=2)
     for c in both.choices:                                      # every choice echoes the one prompt's
@@ -359,6 +373,33 @@ def test_a_forced_tool_call_returns_valid_arguments(tools_router):
         *ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
         {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear", "celsius": 21}'}])
     assert follow.choices[0].message.content is not None
+
+
+def test_a_response_format_beside_tools(tools_router):
+    """An agent with tools and a structured final answer sends both (the OpenAI Agents
+    SDK's output_type): a required choice is constrained by its calls, "auto" by the
+    format (vLLM's rule: no call in that turn), over chat and the Responses API."""
+    client = _client(tools_router)
+    answer = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+              "required": ["city"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": answer, "strict": True}}
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=60, temperature=0, response_format=fmt)
+    with ThreadPoolExecutor(3) as pool:
+        required = pool.submit(client.chat.completions.create, **kw, tool_choice="required",
+                               parallel_tool_calls=False)
+        auto = pool.submit(client.chat.completions.create, **kw, tool_choice="auto")
+        responses = pool.submit(client.responses.create, model=MODEL, input=ASK[0]["content"], max_output_tokens=60,
+                                temperature=0, tool_choice="required", parallel_tool_calls=False,
+                                tools=[{"type": "function", **WEATHER["function"]}],
+                                text={"format": {"type": "json_schema", "name": "answer", "schema": answer}})
+        required, auto, responses = required.result(), auto.result(), responses.result()
+    (call,) = required.choices[0].message.tool_calls
+    assert required.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    assert auto.choices[0].finish_reason == "stop" and not auto.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(auto.choices[0].message.content), answer)
+    (called,) = [o for o in responses.output if o.type == "function_call"]
+    jsonschema.validate(json.loads(called.arguments), WEATHER["function"]["parameters"])
 
 
 @pytest.mark.slow          # the forced call above, by default

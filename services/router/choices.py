@@ -86,16 +86,21 @@ def completion_logprobs(name: TokenName, logprobs: list[TokenLogprob | None], of
                         token_ids: list[int] | None = None, top: int | None = None) -> dict:
     """OpenAI's completions logprobs; `token_ids` names the tokens where an entry is None
     (an echoed prompt's first token has no log probability); `top` cuts each entry's
-    likeliest tokens to that many (a prompt's may have been computed for more)."""
+    likeliest tokens to that many (a prompt's may have been computed for more). Each
+    entry's top tokens include the token itself, as OpenAI's and vLLM's do: up to
+    `top` + 1 of them."""
     tokens, offsets = [], []
     for i, lp in enumerate(logprobs):
         tokens.append(name(lp.token_id if lp is not None else token_ids[i]))
         offsets.append(offset)
         offset += len(tokens[-1])
+
+    def likeliest(lp: TokenLogprob) -> dict:
+        entry = {name(t): v for t, v in list(zip(lp.top_ids, lp.top_logprobs))[:top]}
+        entry.setdefault(name(lp.token_id), lp.logprob)
+        return entry
     return {"tokens": tokens, "token_logprobs": [lp and lp.logprob for lp in logprobs],
-            "top_logprobs": [lp and {name(t): v for t, v in list(zip(lp.top_ids, lp.top_logprobs))[:top]}
-                             for lp in logprobs],
-            "text_offset": offsets}
+            "top_logprobs": [lp and likeliest(lp) for lp in logprobs], "text_offset": offsets}
 
 
 def prompt_logprobs(name: TokenName, leader: Generation, top: int) -> list[dict | None]:

@@ -8,6 +8,10 @@ refused instead of answered as if no tools were given. What the model writes bac
   - "required": a JSON array of {"name", "arguments"} calls, constrained likewise;
   - "auto": free text, in which calls are found the way Hermes-style templates ask for
     them: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+With a `response_format` as well (an agent with tools and a structured final answer),
+a named or required choice is constrained by its calls, as above, and the format is
+checked but applies to no text; with "auto" the format constrains the whole output,
+as vLLM has it: no call can be written in that turn.
 """
 from __future__ import annotations
 
@@ -45,8 +49,6 @@ def plan_tools(req: ChatCompletionRequest, template_supports_tools: bool) -> Too
     if not template_supports_tools:
         raise unsupported("tools", "this model's chat template does not support tools; start the router with "
                                    "--chat-template FILE naming a template that renders them")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request("response_format cannot be combined with tools", param="response_format")
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
     functions = {t.function.name: t.function for t in req.tools}
     if isinstance(choice, NamedToolChoice):
