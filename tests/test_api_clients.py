@@ -159,8 +159,9 @@ def test_an_answer_sent_back_as_the_client_dumps_it_and_openais_null_fields(clus
     """`message.model_dump()` of an answer carries OpenAI's fields pdserve does not make
     (`refusal`, `audio`, `function_call`, `annotations`, null): sent back as history, it
     reads as the message itself. OpenAI's options that ask nothing of a text model
-    (`store: false`, `modalities: ["text"]`, `metadata`, `service_tier`) and null
-    `suffix` answer as without them."""
+    (`store: false`, `modalities: ["text"]`, `metadata`, `service_tier`), null
+    `suffix`, and `reasoning_effort` (a variable of the template, as vLLM passes it,
+    which SmolLM2's does not read) answer as without them."""
     client = _client(cluster.http)
     history = [{"role": "user", "content": "Name a colour."}]
     first = client.chat.completions.create(model=MODEL, messages=history, max_tokens=5, temperature=0)
@@ -171,11 +172,17 @@ def test_an_answer_sent_back_as_the_client_dumps_it_and_openais_null_fields(clus
              {"role": "user", "content": "Another one."}]
     asked = dict(model=MODEL, max_tokens=5, temperature=0)
     again = client.chat.completions.create(messages=turn, store=False, modalities=["text"],
-                                           metadata={"team": "a"}, service_tier="auto", **asked)
+                                           metadata={"team": "a"}, service_tier="auto", reasoning_effort="low",
+                                           **asked)
     assert again.choices[0].message.content == client.chat.completions.create(messages=plain, **asked) \
         .choices[0].message.content
     assert _complete(cluster.http, prompt=PROMPTS[0], suffix=None)["choices"][0]["text"] == \
         _complete(cluster.http, prompt=PROMPTS[0])["choices"][0]["text"]
+    from services.router.protocol import ChatCompletionRequest
+    req = ChatCompletionRequest(messages=history, reasoning_effort="high", chat_template_kwargs={"x": 1})
+    assert req.template_kwargs() == {"reasoning_effort": "high", "x": 1}
+    wrong = _post(cluster.http, "/v1/chat/completions", {"messages": history, "reasoning_effort": "extreme"})
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "reasoning_effort", wrong.text
 
 
 def test_chat_logprobs_bytes_of_a_split_character_are_its_own(cluster, tokenizer):

@@ -64,7 +64,7 @@ async def chat_generations(fe: FrontEnd, req: ChatCompletionRequest,
     prompt_ids = await fe.tokenize_chat([m.for_template() for m in req.messages], tools and tools.tools,
                                         add_generation_prompt=req.add_generation_prompt,
                                         continue_final_message=req.continue_final_message,
-                                        template_kwargs=req.chat_template_kwargs)
+                                        template_kwargs=req.template_kwargs())
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     gens = await generations(fe, req, request_id, req.truncate(prompt_ids, fe.max_model_len), max_tokens,
                              req.top_logprobs_count(), schema, req.prompt_logprobs)

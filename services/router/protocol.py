@@ -314,14 +314,22 @@ class ChatCompletionRequest(CommonRequest):
     audio: Unimplemented = None
     prediction: Unimplemented = None
     web_search_options: Unimplemented = None
-    reasoning_effort: Unimplemented = None
     verbosity: Unimplemented = None
     functions: Unimplemented = None                     # the deprecated spelling of tools
     function_call: Unimplemented = None
+    # vLLM's: a variable of the chat template (a reasoning model's reads it; others: no effect)
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     # vLLM's chat template options
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict | None = None
+
+    def template_kwargs(self) -> dict | None:
+        """chat_template_kwargs, with reasoning_effort among them as vLLM passes it (the
+        kwargs' own value first)."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     def top_logprobs_count(self) -> int | None:
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
