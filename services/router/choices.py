@@ -218,6 +218,12 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
     # chunk, before the first token, counts none), not those made and still queued.
     sent = [0] * len(gens)
 
+    def usage_so_far() -> dict:
+        """A chunk's usage field, where the request asked for one."""
+        if not with_usage:
+            return {}
+        return {"usage": usage(gens, shape.n, sum(sent)) if every_usage else None}
+
     def chunk(index: int, delta: dict | None = None, text: str = "", finish: str | None = None,
               token_ids: list[int] | None = None, logprobs: list[TokenLogprob] | None = None,
               prompt_ids: list[int] | None = None) -> bytes:
@@ -242,9 +248,7 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
         if finish:
             # The route is known only once the choice is done: it rides on its last chunk.
             event["pdserve_route"] = gens[index].route()
-        if with_usage:
-            event["usage"] = usage(gens, shape.n, sum(sent)) if every_usage else None
-        return sse(event)
+        return sse({**event, **usage_so_far()})
 
     def content(index: int, d: Delta) -> dict:
         if tools is None:       # a chunk per delta, text or not: clients time tokens by chunks
@@ -293,9 +297,7 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
                 # clients time the first token from the first chunk.
                 started.add(i)
                 if ids is not None and single and not started - {i}:
-                    yield sse({**base, "choices": [], "prompt_token_ids": gens[0].prompt_ids,
-                               **({"usage": usage(gens, shape.n, sum(sent)) if every_usage else None}
-                                  if with_usage else {})})
+                    yield sse({**base, "choices": [], "prompt_token_ids": gens[0].prompt_ids, **usage_so_far()})
                 prompt_ids = gens[i].prompt_ids if ids is not None and not single else None
                 if chat:
                     first = {"role": "assistant", "content": ""}

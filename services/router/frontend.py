@@ -78,16 +78,14 @@ class FrontEnd:
     def vocab_size(self) -> int:
         return len(self.tokenizer)
 
+    def _template_mentions(self, word: str) -> bool:
+        template = self.tokenizer.chat_template
+        return isinstance(template, str) and word in template
+
     @property
     def supports_tools(self) -> bool:
         """Whether the chat template renders a `tools` list (Hugging Face's convention)."""
-        template = self.tokenizer.chat_template
-        return isinstance(template, str) and "tools" in template
-
-    @property
-    def _template_has_developer(self) -> bool:
-        template = self.tokenizer.chat_template
-        return isinstance(template, str) and "developer" in template
+        return self._template_mentions("tools")
 
     def token_text(self, token_id: int) -> str:
         """One token alone as text, for logprobs (a piece of a UTF-8 character shows as U+FFFD)."""
@@ -134,7 +132,7 @@ class FrontEnd:
         chat_template_kwargs) are more variables for the template; they may also set
         add_generation_prompt and continue_final_message, as in vLLM."""
         self._check_text([m["content"] for m in messages], "messages")
-        if not self._template_has_developer:
+        if not self._template_mentions("developer"):
             # OpenAI's developer messages are its system messages, renamed for its
             # reasoning models: a template that knows no such role reads them as system.
             messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]

@@ -497,7 +497,6 @@ class Scheduler:
         last = (parent.prompt_len - 1) // self.blocks.block_size
         for child in forks:
             child.token_ids = list(parent.token_ids[:parent.prompt_len])
-            child.kept_tokens = None                # tokens of its own from here
             self._register(child)
             try:
                 (fresh,) = self.blocks.allocate(1)
