@@ -458,7 +458,8 @@ ASK = "What is the weather like in Paris today?"
 def test_responses_text_is_the_chat_completions(cluster):
     """Text in, text out, whole and streamed: the same tokens as the chat API given the
     same conversation (instructions as its system message); cut by max_output_tokens,
-    the response is incomplete."""
+    the response is incomplete. `reasoning.effort` goes to the chat template as the chat
+    API's reasoning_effort (SmolLM2's reads none), and comes back on the response."""
     client = _client(cluster.http)
     kw = dict(model=MODEL, instructions=CHAT[0]["content"], input=CHAT[1]["content"], max_output_tokens=24,
               temperature=0)
@@ -475,14 +476,19 @@ def test_responses_text_is_the_chat_completions(cluster):
                              temperature=0),
                  pool.submit(client.responses.create, **kw),
                  pool.submit(client.responses.create, model=MODEL, max_output_tokens=24, temperature=0,
-                             input=[{"role": m["role"], "content": m["content"]} for m in CHAT]),
+                             input=[{"role": m["role"], "content": m["content"]} for m in CHAT],
+                             reasoning={"effort": "low", "summary": "auto"}),
                  pool.submit(streamed, **kw),
                  pool.submit(client.responses.create, model=MODEL, input=ASK, max_output_tokens=5, temperature=0),
                  pool.submit(cut_streamed)]
         chat, r, as_items, (events, final), cut, cut_events = (f.result() for f in asked)
     assert r.status == "completed" and r.output_text == chat.choices[0].message.content
     assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == chat.usage.completion_tokens
-    assert as_items.output_text == r.output_text
+    assert as_items.output_text == r.output_text and as_items.reasoning.effort == "low" and r.reasoning is None
+    assert not [item for item in as_items.output if item.type == "reasoning"]
+    from services.router.responses import ResponsesRequest
+    assert ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": "xhigh"}}).to_chat() \
+        .template_kwargs() == {"reasoning_effort": "xhigh"}
     assert [e.type for e in events] == [
         "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
         *["response.output_text.delta"] * (len(events) - 8), "response.output_text.done",
@@ -557,7 +563,8 @@ def test_responses_json_schema(cluster):
     ({"store": True}, "store"),
     ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"truncation": "auto"}, "truncation"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+    ({"reasoning": {"mode": "pro"}}, "reasoning.mode"),
     ({"tools": [{"type": "web_search"}]}, "tools.0"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input.0"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},

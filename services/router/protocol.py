@@ -294,6 +294,11 @@ def unsupported(param: str, message: str | None = None) -> APIError:
                        code="unsupported_parameter")
 
 
+# OpenAI's reasoning effort levels (its SDK's ReasoningEffort); the chat template decides
+# what each means, a model without reasoning ignores it.
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
 class ChatCompletionRequest(CommonRequest):
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = None
@@ -318,7 +323,7 @@ class ChatCompletionRequest(CommonRequest):
     functions: Unimplemented = None                     # the deprecated spelling of tools
     function_call: Unimplemented = None
     # vLLM's: a variable of the chat template (a reasoning model's reads it; others: no effect)
-    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    reasoning_effort: ReasoningEffort | None = None
     # vLLM's chat template options
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False

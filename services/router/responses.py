@@ -21,14 +21,15 @@ from pydantic_core import PydanticCustomError
 
 from services.router.generation import Generation
 from services.router.frontend import Collected, RunningRequest
-from services.router.protocol import (STRICT, APIError, ChatCompletionRequest, FunctionName, Number,
-                                      bad_request, text_parts_only, unsupported)
+from services.router.protocol import (STRICT, APIError, ChatCompletionRequest, FunctionName, Number, ReasoningEffort,
+                                      Unimplemented, bad_request, text_parts_only, unsupported)
 from services.router.choices import SSE_KEEPALIVE, sse_json
 from services.router.tools import CallStream, ToolPlan, new_call, parse_calls
 
 # The chat request's fields as this API names them, for errors raised on the chat path.
 _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
-           "response_format.json_schema": "text.format", "response_format.json_schema.schema": "text.format.schema"}
+           "response_format.json_schema": "text.format", "response_format.json_schema.schema": "text.format.schema",
+           "reasoning_effort": "reasoning.effort"}
 
 
 class ContentText(BaseModel):
@@ -128,6 +129,19 @@ class TextConfig(BaseModel):
     verbosity: StrictStr | None = None
 
 
+class Reasoning(BaseModel):
+    """OpenAI's reasoning options. `effort` reaches the chat template as the chat API's
+    reasoning_effort does (vLLM's rule). This server parses no reasoning out of a model's
+    output, so no reasoning item or summary is returned: `summary` asks for what there
+    is, which is none. `context` and `mode` name OpenAI's own execution modes: null only."""
+    model_config = STRICT
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None     # the deprecated spelling
+    context: Unimplemented = None
+    mode: Unimplemented = None
+
+
 class ResponsesRequest(BaseModel):
     model_config = STRICT
     # The input items' kinds, which pydantic names in an error's place after the item's index.
@@ -150,7 +164,7 @@ class ResponsesRequest(BaseModel):
     previous_response_id: StrictStr | None = None
     include: list[StrictStr] | None = None
     truncation: Literal["auto", "disabled"] | None = None
-    reasoning: dict | None = None
+    reasoning: Reasoning | None = None
     # vLLM's sampling extensions, as on the chat API
     ignore_eos: StrictBool = False                      # what `vllm bench serve`'s datasets send
     top_k: StrictInt | None = None
@@ -180,8 +194,6 @@ class ResponsesRequest(BaseModel):
         if self.truncation == "auto":
             raise unsupported("truncation", "truncation: auto is not supported: a conversation longer than the "
                                             "context is refused")
-        if self.reasoning and any(v is not None for v in self.reasoning.values()):
-            raise unsupported("reasoning", "reasoning options are not supported")
         if self.text is not None and self.text.verbosity is not None:
             raise unsupported("text.verbosity", "text.verbosity is not supported")
         if not self.input:
@@ -192,7 +204,8 @@ class ResponsesRequest(BaseModel):
         chat: dict = {"messages": self._messages(), "max_tokens": self.max_output_tokens,
                       "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
                       "seed": self.seed, "repetition_penalty": self.repetition_penalty, "user": self.user,
-                      "parallel_tool_calls": self.parallel_tool_calls, "ignore_eos": self.ignore_eos}
+                      "parallel_tool_calls": self.parallel_tool_calls, "ignore_eos": self.ignore_eos,
+                      "reasoning_effort": self.reasoning and self.reasoning.effort}
         if self.tools:
             chat["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                              for t in self.tools]
@@ -261,11 +274,13 @@ class ResponseWriter:
         choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedFunction) \
             else req.tool_choice or "auto"
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        reasoning = {"effort": req.reasoning.effort, "summary": req.reasoning.summary} if req.reasoning else None
         out = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                "error": error, "incomplete_details": incomplete, "instructions": req.instructions,
                "max_output_tokens": req.max_output_tokens, "model": self.model, "output": output,
                "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": None,
-               "reasoning": None, "store": False, "temperature": 1.0 if req.temperature is None else req.temperature,
+               "reasoning": reasoning, "store": False,
+               "temperature": 1.0 if req.temperature is None else req.temperature,
                "text": {"format": fmt}, "tool_choice": choice,
                "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
                "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled", "user": req.user,
