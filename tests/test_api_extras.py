@@ -127,6 +127,9 @@ def test_tokenizer_routes_take_only_json_bodies_within_the_limits(cluster):
     huge = _post(cluster, "/tokenize", {"prompt": "x" * (max_model_len * MAX_CHARS_PER_TOKEN + 1)})
     assert huge.status_code == 400 and huge.json()["error"]["code"] == "context_length_exceeded"
     paths = httpx.get(f"{cluster.http}/openapi.json").json()["paths"]
+    ids = [op["operationId"] for item in paths.values() for op in item.values()]
+    assert len(ids) == len(set(ids)), sorted(ids)          # client generators key operations by it
+    assert {"get", "head"} <= set(paths["/health"]) and {"get", "post"} <= set(paths["/ping"])
     for path, model in [("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest")]:
         schema = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert schema == {"$ref": f"#/components/schemas/{model}"}

@@ -157,11 +157,13 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
         log.exception("unhandled error on %s", request.url.path)
         return error_response(APIError(500, f"internal error: {type(exc).__name__}", type_="server_error"))
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.get("/health")
+    @app.head("/health")
     async def health():
         return {"status": "ok"}
 
-    @app.api_route("/ping", methods=["GET", "POST"])       # vLLM's (SageMaker's) liveness route
+    @app.get("/ping")                                      # vLLM's (SageMaker's) liveness route
+    @app.post("/ping")
     async def ping():
         return {"status": "ok"}
 
@@ -174,7 +176,8 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
         return JSONResponse({"status": "not ready", "detail": f"waiting for {fe.cluster.awaited()}",
                              "workers": workers}, status_code=503)
 
-    @app.api_route("/metrics", methods=["GET", "HEAD"])        # load generators probe it with HEAD first
+    @app.get("/metrics")
+    @app.head("/metrics")                                   # load generators probe it with HEAD first
     async def metrics():
         return PlainTextResponse(render_metrics(), media_type="text/plain; version=0.0.4")
 
@@ -186,7 +189,8 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
         return {"id": fe.served_model_name, "object": "model", "created": started, "owned_by": "pdserve",
                 "max_model_len": fe.max_model_len}
 
-    @app.api_route("/v1/models", methods=["GET", "HEAD"])
+    @app.get("/v1/models")
+    @app.head("/v1/models")
     async def models():
         return {"object": "list", "data": [model_card()]}
 
