@@ -378,7 +378,8 @@ def test_a_forced_tool_call_returns_valid_arguments(tools_router):
 def test_a_response_format_beside_tools(tools_router):
     """An agent with tools and a structured final answer sends both (the OpenAI Agents
     SDK's output_type): a required choice is constrained by its calls, "auto" by the
-    format (vLLM's rule: no call in that turn), over chat and the Responses API."""
+    format or the calls, as OpenAI has it (test_structured_output checks that each is
+    allowed), over chat and the Responses API."""
     client = _client(tools_router)
     answer = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
               "required": ["city"], "additionalProperties": False}
@@ -387,7 +388,7 @@ def test_a_response_format_beside_tools(tools_router):
     with ThreadPoolExecutor(3) as pool:
         required = pool.submit(client.chat.completions.create, **kw, tool_choice="required",
                                parallel_tool_calls=False)
-        auto = pool.submit(client.chat.completions.create, **kw, tool_choice="auto")
+        auto = pool.submit(client.chat.completions.create, **kw, tool_choice="auto", parallel_tool_calls=False)
         responses = pool.submit(client.responses.create, model=MODEL, input=ASK[0]["content"], max_output_tokens=60,
                                 temperature=0, tool_choice="required", parallel_tool_calls=False,
                                 tools=[{"type": "function", **WEATHER["function"]}],
@@ -396,8 +397,14 @@ def test_a_response_format_beside_tools(tools_router):
     (call,) = required.choices[0].message.tool_calls
     assert required.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
-    assert auto.choices[0].finish_reason == "stop" and not auto.choices[0].message.tool_calls
-    jsonschema.validate(json.loads(auto.choices[0].message.content), answer)
+    said = auto.choices[0]
+    if said.message.tool_calls:
+        (call,) = said.message.tool_calls
+        assert said.finish_reason == "tool_calls" and call.function.name == "get_weather", said
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    else:
+        assert said.finish_reason == "stop", said
+        jsonschema.validate(json.loads(said.message.content), answer)
     (called,) = [o for o in responses.output if o.type == "function_call"]
     jsonschema.validate(json.loads(called.arguments), WEATHER["function"]["parameters"])
 

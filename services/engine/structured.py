@@ -1,6 +1,8 @@
-"""Structured output: a JSON schema compiled by xgrammar (the grammar engine vLLM and
-SGLang use) into a matcher per sequence, which masks every token that cannot continue
-valid output before the sampler chooses.
+"""Structured output: a JSON schema, regular expression, EBNF grammar or structural tag
+compiled by xgrammar (the grammar engine vLLM and SGLang use) into a matcher per
+sequence, which masks every token that cannot continue valid output before the sampler
+chooses. What follows says "schema"; the other kinds go the same way, checked by the
+worker's compile alone.
 
 The router reads each schema first and refuses a bad one with a 400 (no schema, or one
 no value can meet: text/json_schema.py `parse`); xgrammar imports torch, which the router
@@ -36,19 +38,29 @@ CACHE_SIZE = 256
 _LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
 class SchemaError(ValueError):
-    """A JSON schema that cannot be used."""
+    """A constraint (a JSON schema, regex, grammar or structural tag) that cannot be used;
+    `code` is the API's error code for it."""
+
+    def __init__(self, message: str, code: str = "invalid_json_schema") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# What each kind is called in errors, and the API's error code when it cannot be used.
+_KINDS = {"json_schema": ("JSON schema", "invalid_json_schema"), "regex": ("regex", "invalid_regex"),
+          "grammar": ("grammar", "invalid_grammar"), "structural_tag": ("structural tag", "invalid_structural_tag")}
 
 
 class Grammars:
-    """Compiles schemas for one tokenizer; thread-safe. The tokenizer is loaded on first
-    use (`load_tokenizer`), so a worker that never sees a schema never pays for it."""
+    """Compiles constraints for one tokenizer; thread-safe. The tokenizer is loaded on
+    first use (`load_tokenizer`), so a worker that never sees one never pays for it."""
 
     def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int, stop_token_ids: frozenset[int]) -> None:
         self._load = load_tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self._compiler = None
-        self._cache: OrderedDict[str, object] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._lock = threading.Lock()
 
     def _compiler_for(self):
@@ -59,30 +71,38 @@ class Grammars:
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         return self._compiler
 
-    def compile(self, schema: str):
-        """The compiled grammar of `schema` (JSON text); SchemaError if it is not one."""
+    def compile(self, text: str, kind: str = "json_schema"):
+        """The compiled grammar of `text`, a constraint of `kind` (sampling.STRUCTURE_KINDS);
+        SchemaError if it is not one."""
+        name, code = _KINDS[kind]
+        key = (kind, text)
         with self._lock:
-            hit = self._cache.get(schema)
+            hit = self._cache.get(key)
             if hit is not None:
-                self._cache.move_to_end(schema)
+                self._cache.move_to_end(key)
                 return hit
+            if kind == "json_schema":
+                try:
+                    json_schema.parse(text)
+                except ValueError as exc:
+                    raise SchemaError(str(exc)) from None
+            compiler = self._compiler_for()
             try:
-                json_schema.parse(schema)
-            except ValueError as exc:
-                raise SchemaError(str(exc)) from None
-            try:
-                grammar = self._compiler_for().compile_json_schema(schema, any_whitespace=False)
+                grammar = compiler.compile_json_schema(text, any_whitespace=False) if kind == "json_schema" \
+                    else compiler.compile_regex(text) if kind == "regex" \
+                    else compiler.compile_grammar(text) if kind == "grammar" \
+                    else compiler.compile_structural_tag(text)
             except Exception as exc:             # xgrammar raises RuntimeError and its own kinds
                 reason = _LOCATION.sub("", (str(exc).splitlines() or [type(exc).__name__])[0])
-                raise SchemaError(f"the JSON schema cannot be compiled: {reason[:300]}") from None
-            self._cache[schema] = grammar
+                raise SchemaError(f"the {name} cannot be compiled: {reason[:300]}", code) from None
+            self._cache[key] = grammar
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
             return grammar
 
-    def constraint(self, schema: str) -> "Constraint":
+    def constraint(self, text: str, kind: str = "json_schema") -> "Constraint":
         import xgrammar as xgr
-        return Constraint(xgr.GrammarMatcher(self.compile(schema)), self.vocab_size)   # it can roll back any number
+        return Constraint(xgr.GrammarMatcher(self.compile(text, kind)), self.vocab_size)   # it can roll back any number
 
 
 class Constraint:
@@ -97,7 +117,7 @@ class Constraint:
     def accept(self, token_id: int) -> bool:
         ok = self._matcher.accept_token(token_id)
         if not ok and not self._stuck:
-            log.warning("no token fits the JSON schema here (token %d came); the output ends", token_id)
+            log.warning("no token fits the output's grammar here (token %d came); the output ends", token_id)
         self._stuck = self._stuck or not ok
         return ok
 

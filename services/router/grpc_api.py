@@ -9,7 +9,9 @@ from services.router.admission import TENANT
 from services.router.frontend import FrontEnd, choices
 from services.router.generation import Generation, new_request_id
 from services.router.protocol import MAX_CHOICES, APIError, bad_request
+from services.router import structured
 from services.router.sampling import resolve_sampling
+from services.router.structured import Structure
 from services.rpc import generate_pb2, generate_pb2_grpc
 from services.worker.wire import logprob_to_proto
 
@@ -46,14 +48,14 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
         prompt_ids = await self._prompt(request)
         s = request.sampling
         opt = lambda name: getattr(s, name) if s.HasField(name) else None  # noqa: E731
-        schema = await self.fe.check_schema(s.json_schema, "sampling.json_schema") if s.json_schema else ""
+        structure = await self._structure(s)
         params = resolve_sampling(
             prompt_len=len(prompt_ids), max_model_len=self.fe.max_model_len, vocab_size=self.fe.vocab_size,
             max_tokens=opt("max_tokens"), temperature=opt("temperature"), top_p=opt("top_p"), top_k=opt("top_k"),
             seed=opt("seed"), stop=[x for x in s.stop if x], ignore_eos=s.ignore_eos, min_tokens=s.min_tokens,
             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
             repetition_penalty=opt("repetition_penalty"), min_p=s.min_p, logit_bias=dict(s.logit_bias),
-            stop_token_ids=list(s.stop_token_ids), logprobs=opt("logprobs"), json_schema=schema,
+            stop_token_ids=list(s.stop_token_ids), logprobs=opt("logprobs"), structure=structure,
             prompt_logprobs=opt("prompt_logprobs"),
             allowed_token_ids=list(s.allowed_token_ids) or None, bad_words=[list(w.ids) for w in s.bad_words],
             prompt_param=request.WhichOneof("input"))
@@ -64,6 +66,20 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
         for gen in gens:
             gen.client_id = request.request_id
         return gens
+
+    async def _structure(self, s: generate_pb2.SamplingParams) -> Structure | None:
+        """The one kind of structured output `s` asks for, checked (structured.py)."""
+        wanted = [(kind, value) for kind, value in (("json", s.json_schema), ("regex", s.regex),
+                                                    ("grammar", s.grammar), ("structural_tag", s.structural_tag),
+                                                    ("choice", list(s.choice))) if value]
+        if len(wanted) > 1:
+            raise bad_request("only one kind of structured output may be asked for: json_schema, regex, grammar, "
+                              "structural_tag or choice", param=f"sampling.{wanted[1][0]}")
+        if not wanted:
+            return None
+        kind, value = wanted[0]
+        return await structured.check(self.fe, kind, value, "sampling.json_schema" if kind == "json"
+                                      else f"sampling.{kind}")
 
     def _tenant(self, context) -> str:
         """The caller's API key's tenant (RequireBearer has let only accepted keys in)."""

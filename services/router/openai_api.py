@@ -9,7 +9,6 @@ bodies: a web page can post a form or text/plain to a server on its visitor's ma
 without asking, but not JSON. CORS is off unless origins are allowed."""
 from __future__ import annotations
 
-import json
 import logging
 import time
 
@@ -21,7 +20,6 @@ from pydantic import BaseModel
 
 from services.common.security import KeyCheck
 from services.common.version import VERSION
-from services.engine.text.json_schema import JSON_OBJECT
 from services.router.access import AccessLogMiddleware
 from services.router.choices import Shape, respond, token_names
 from services.router.frontend import FrontEnd, choices
@@ -29,15 +27,17 @@ from services.router.http_input import (HTTP_CODES, error_response, RequireAPIKe
                                        unless_disconnected)
 from services.router.generation import Generation, new_request_id
 from services.router.protocol import (APIError, ChatCompletionRequest, CommonRequest, CompletionRequest,
-                                      DetokenizeRequest, TokenizeRequest, bad_request, unsupported)
+                                      DetokenizeRequest, TokenizeRequest, unsupported)
 from services.router.responses import ResponsesRequest, ResponseWriter, in_responses_terms, new_response_id
+from services.router import structured
 from services.router.sampling import resolve_sampling
+from services.router.structured import Structure
 from services.router.tools import ToolPlan, plan_tools
 
 log = logging.getLogger(__name__)
 
 async def generations(fe: FrontEnd, req: CommonRequest, request_id: str, prompt_ids: list[int],
-                      max_tokens: int | None, logprobs: int | None, json_schema: str,
+                      max_tokens: int | None, logprobs: int | None, structure: Structure | None,
                       prompt_logprobs: int | None = None, prompt_param: str = "messages") -> list[Generation]:
     """One prompt's generations, one per choice (`n`)."""
     bad_words = await fe.tokenize_bad_words(req.bad_words) if req.bad_words else ()
@@ -47,7 +47,7 @@ async def generations(fe: FrontEnd, req: CommonRequest, request_id: str, prompt_
         stop=req.stop or (), ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, min_p=req.min_p, logit_bias=req.logit_bias,
-        stop_token_ids=req.stop_token_ids or (), logprobs=logprobs, json_schema=json_schema,
+        stop_token_ids=req.stop_token_ids or (), logprobs=logprobs, structure=structure,
         prompt_logprobs=prompt_logprobs, allowed_token_ids=req.allowed_token_ids, bad_words=bad_words,
         prompt_param=prompt_param)
     return choices(request_id, prompt_ids, params, req.choices)
@@ -58,28 +58,19 @@ async def chat_generations(fe: FrontEnd, req: ChatCompletionRequest,
     """A chat request's generations and its tool plan (None: no tools)."""
     req.check()
     tools = plan_tools(req, fe.supports_tools)
-    schema = await response_schema(fe, req)
+    structure = await structured.resolve(fe, req)
     if tools is not None and tools.schema:
-        schema = await fe.check_schema(tools.schema, "tools")
+        structure = "json_schema", await fe.check_schema(tools.schema, "tools")
+    elif tools is not None and structure is not None and structure[0] == "json_schema":
+        structure = structured.with_calls(structure, tools.tools, one_call=req.parallel_tool_calls is False)
     prompt_ids = await fe.tokenize_chat([m.for_template() for m in req.messages], tools and tools.tools,
                                         add_generation_prompt=req.add_generation_prompt,
                                         continue_final_message=req.continue_final_message,
                                         template_kwargs=req.template_kwargs())
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     gens = await generations(fe, req, request_id, req.truncate(prompt_ids, fe.max_model_len), max_tokens,
-                             req.top_logprobs_count(), schema, req.prompt_logprobs)
+                             req.top_logprobs_count(), structure, req.prompt_logprobs)
     return gens, tools
-
-
-async def response_schema(fe: FrontEnd, req: ChatCompletionRequest) -> str:
-    fmt = req.response_format
-    if fmt is None or fmt.type == "text":
-        return ""
-    if fmt.type == "json_object":
-        return JSON_OBJECT
-    if fmt.json_schema is None:
-        raise bad_request("response_format json_schema needs its json_schema", param="response_format.json_schema")
-    return await fe.check_schema(json.dumps(fmt.json_schema.schema_), "response_format.json_schema.schema")
 
 
 def tokenizer_info(fe: FrontEnd) -> dict:
@@ -220,6 +211,7 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
         echo_only = req.echo and req.max_tokens == 0
         scored = [k for k in (logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
         request_id = new_request_id("cmpl")
+        structure = await structured.resolve(fe, req)
         many = len(req.prompts) > 1
         prompts, echoes = [], []
         for p, prompt in enumerate(req.prompts):
@@ -227,7 +219,7 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
             ids = await fe.tokenize_prompt(prompt, param=param)
             truncated = req.truncate(ids, fe.max_model_len)
             prompts.append(await generations(fe, req, f"{request_id}-{p}" if many else request_id, truncated,
-                                             1 if echo_only else req.max_tokens, logprobs, "",
+                                             1 if echo_only else req.max_tokens, logprobs, structure,
                                              prompt_logprobs=max(scored, default=None), prompt_param=param))
             if req.echo:
                 echoes.append(prompt if isinstance(prompt, str) and truncated is ids else

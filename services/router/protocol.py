@@ -161,6 +161,25 @@ class ResponseFormat(BaseModel):
     json_schema: JSONSchemaFormat | None = None
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: one kind of constraint on the output (the router's
+    structured.py resolves it). The workers' xgrammar always writes JSON with fixed
+    whitespace and reads a schema's objects as closed, so `disable_any_whitespace` and
+    `disable_additional_properties` ask for what is done anyway, and there is no other
+    backend to fall back from or to disable."""
+    model_config = STRICT
+    json_: dict | StrictStr | None = Field(None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+    structural_tag: StrictStr | None = None
+    disable_fallback: StrictBool = False
+    disable_any_whitespace: StrictBool = False
+    disable_additional_properties: StrictBool = False
+    whitespace_pattern: Unimplemented = None
+
+
 # A function (tool) name, as OpenAI allows it.
 FunctionName = Annotated[str, Field(strict=True, pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
 
@@ -223,6 +242,14 @@ class CommonRequest(BaseModel):
     bad_words: list[StrictStr] | None = None
     return_tokens_as_token_ids: StrictBool = False
     priority: StrictInt = 0
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's earlier spellings of structured_outputs (guided_decoding_backend: the workers'
+    # xgrammar compiles every kind, whichever is named)
+    guided_json: dict | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    guided_decoding_backend: StrictStr | None = None
 
     @field_validator("priority")
     @classmethod

@@ -28,7 +28,7 @@ def resolve_sampling(*, prompt_len: int, max_model_len: int, vocab_size: int, ma
                      frequency_penalty: float | None = None, repetition_penalty: float | None = None,
                      min_p: float | None = None, logit_bias: dict[int, float] | None = None,
                      stop_token_ids: list[int] | tuple[int, ...] = (), logprobs: int | None = None,
-                     json_schema: str = "", prompt_logprobs: int | None = None,
+                     structure: tuple[str, str] | None = None, prompt_logprobs: int | None = None,
                      allowed_token_ids: list[int] | None = None,
                      bad_words: list[list[int]] | tuple[tuple[int, ...], ...] = (),
                      prompt_param: str = "messages") -> SamplingParams:
@@ -67,7 +67,8 @@ def resolve_sampling(*, prompt_len: int, max_model_len: int, vocab_size: int, ma
             frequency_penalty=float(frequency_penalty or 0.0),
             repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
             min_p=0.0 if min_p is None else float(min_p), logit_bias=tuple((t, float(b)) for t, b in bias),
-            stop_token_ids=tuple(stop_token_ids), logprobs=logprobs, json_schema=json_schema,
+            stop_token_ids=tuple(stop_token_ids), logprobs=logprobs,
+            **({structure[0]: structure[1]} if structure else {}),
             prompt_logprobs=prompt_logprobs, allowed_token_ids=tuple(sorted(set(allowed_token_ids or ()))),
             bad_words=tuple(tuple(w) for w in bad_words))
     except InvalidSampling as exc:

@@ -10,8 +10,10 @@ refused instead of answered as if no tools were given. What the model writes bac
     them: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
 With a `response_format` as well (an agent with tools and a structured final answer),
 a named or required choice is constrained by its calls, as above, and the format is
-checked but applies to no text; with "auto" the format constrains the whole output,
-as vLLM has it: no call can be written in that turn.
+checked but applies to no text; with "auto" the output is either the format or calls
+(structured.py `with_calls`), as OpenAI has it, where vLLM lets the format alone
+constrain it: an agent can call its tools and still answer in its format. A regex,
+grammar or choice beside "auto" constrains the whole output: no call can be written.
 """
 from __future__ import annotations
 

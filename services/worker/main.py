@@ -61,12 +61,13 @@ def prepare(params: SamplingParams, vocab_size: int, grammars: Grammars, taken: 
     (a first token sampled by the prefill worker). ValueError for what cannot run.
     Compiling can take a while: call it off the event loop."""
     check_tokens(params.token_ids_named(), vocab_size, "sampling parameters'", allow_empty=True)
-    if not params.json_schema:
+    if params.structure is None:
         return None
-    constraint = grammars.constraint(params.json_schema)
+    kind, text = params.structure
+    constraint = grammars.constraint(text, kind)
     for token in taken:
         if not constraint.accept(token):
-            raise ValueError(f"token {token} does not fit the request's JSON schema")
+            raise ValueError(f"token {token} does not fit the request's {kind}")
     return constraint
 
 
@@ -75,7 +76,7 @@ async def refuse(context, exc: ValueError) -> None:
     says so in the trailing metadata, so the router answers with the code it gives the
     schemas it refuses itself."""
     if isinstance(exc, SchemaError):
-        context.set_trailing_metadata(((ERROR_CODE_KEY, "invalid_json_schema"),))
+        context.set_trailing_metadata(((ERROR_CODE_KEY, exc.code),))
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
 

@@ -11,8 +11,8 @@ def sampling_to_proto(p: SamplingParams) -> generate_pb2.SamplingParams:
         seed=p.seed, stop=list(p.stop), ignore_eos=p.ignore_eos, min_tokens=p.min_tokens,
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty, min_p=p.min_p, logit_bias=dict(p.logit_bias),
-        stop_token_ids=list(p.stop_token_ids), logprobs=p.logprobs, json_schema=p.json_schema,
-        prompt_logprobs=p.prompt_logprobs, allowed_token_ids=list(p.allowed_token_ids),
+        stop_token_ids=list(p.stop_token_ids), logprobs=p.logprobs, json_schema=p.json_schema, regex=p.regex,
+        grammar=p.grammar, structural_tag=p.structural_tag, prompt_logprobs=p.prompt_logprobs, allowed_token_ids=list(p.allowed_token_ids),
         bad_words=[generate_pb2.TokenIds(ids=w) for w in p.bad_words])
 
 
@@ -24,7 +24,8 @@ def sampling_from_proto(m: generate_pb2.SamplingParams) -> SamplingParams:
         presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
         repetition_penalty=m.repetition_penalty if m.HasField("repetition_penalty") else 1.0, min_p=m.min_p,
         logit_bias=tuple(sorted(m.logit_bias.items())), stop_token_ids=tuple(m.stop_token_ids),
-        logprobs=m.logprobs if m.HasField("logprobs") else None, json_schema=m.json_schema,
+        logprobs=m.logprobs if m.HasField("logprobs") else None, json_schema=m.json_schema, regex=m.regex,
+        grammar=m.grammar, structural_tag=m.structural_tag,
         prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
         allowed_token_ids=tuple(m.allowed_token_ids), bad_words=tuple(tuple(w.ids) for w in m.bad_words))
 

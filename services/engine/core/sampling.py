@@ -32,11 +32,24 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()                # end the output like EOS (kept in it)
     logprobs: int | None = None         # None: none; n: the sampled token's and the n likeliest
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
-    json_schema: str = ""               # output constrained to this JSON schema (structured.py)
+    # Structured output (structured.py), one kind at most: the output is constrained to
+    # this JSON schema, regular expression, EBNF grammar or xgrammar structural tag.
+    json_schema: str = ""
+    regex: str = ""
+    grammar: str = ""
+    structural_tag: str = ""
     allowed_token_ids: tuple[int, ...] = ()             # only these may be sampled (empty: any)
     # Token sequences the output may not contain (vLLM's bad_words, tokenized by the
     # router): a sequence's last token is banned wherever the output ends in the rest.
     bad_words: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def structure(self) -> tuple[str, str] | None:
+        """(kind, text) of the output's constraint, or None for free text."""
+        for kind in STRUCTURE_KINDS:
+            if getattr(self, kind):
+                return kind, getattr(self, kind)
+        return None
 
     @property
     def greedy(self) -> bool:
@@ -85,6 +98,9 @@ class SamplingParams:
                                   "token ids >= 0")
         if len(self.bad_words) > MAX_BAD_WORDS or any(not w or any(t < 0 for t in w) for w in self.bad_words):
             raise InvalidSampling("bad_words", f"bad_words takes at most {MAX_BAD_WORDS} non-empty token sequences")
+        if sum(bool(getattr(self, kind)) for kind in STRUCTURE_KINDS) > 1:
+            raise InvalidSampling("structured_outputs", "at most one kind of structured output: "
+                                  + ", ".join(STRUCTURE_KINDS))
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
@@ -111,6 +127,7 @@ class TokenLogprob:
 
 
 MAX_TOP_LOGPROBS = 20                   # OpenAI's limit
+STRUCTURE_KINDS = ("json_schema", "regex", "grammar", "structural_tag")
 MAX_CHOICES = 16                        # n: choices of one request
 SEED_MASK = (1 << 63) - 1
 MAX_LOGIT_BIAS = 1024

@@ -1,0 +1,115 @@
+"""Structured output as the APIs ask for it, resolved to the one constraint the workers
+compile (services/engine/structured.py): a JSON schema, a regular expression, an EBNF
+grammar or an xgrammar structural tag.
+
+The HTTP APIs take OpenAI's `response_format` (JSON only), vLLM's `structured_outputs`
+(`json`, `regex`, `choice`, `grammar`, `json_object`, `structural_tag`) and vLLM's earlier
+`guided_json`, `guided_regex`, `guided_choice` and `guided_grammar`; gRPC takes the same
+kinds as fields of its SamplingParams. A request asks for one kind at most. The router
+checks a JSON schema itself (text/json_schema.py); the other kinds need xgrammar, which
+the router does not load, so a worker refuses one it cannot compile with INVALID_ARGUMENT
+and a code the router answers with (`invalid_regex`, `invalid_grammar`, ...).
+
+A choice becomes a grammar of its strings, as vLLM's xgrammar backend has it. With tools
+called "auto" and a JSON format beside them, the output is a structural tag that allows
+either the format or the calls (`with_calls`): OpenAI's behaviour, which lets an agent
+call tools and still give its final answer in its format.
+"""
+from __future__ import annotations
+
+import json
+
+from services.engine.text.json_schema import JSON_OBJECT
+from services.router.protocol import CommonRequest, bad_request
+
+# A constraint the workers compile: (kind, text), kind one of sampling.STRUCTURE_KINDS.
+Structure = tuple[str, str]
+
+
+def asked(req: CommonRequest) -> list[tuple[str, str, object]]:
+    """Every structured-output request in `req`: (the field that asked, kind, value), where
+    kind is json, json_object, regex, choice, grammar or structural_tag."""
+    out: list[tuple[str, str, object]] = []
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None and fmt.type == "json_object":
+        out.append(("response_format", "json_object", True))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise bad_request("response_format json_schema needs its json_schema",
+                              param="response_format.json_schema")
+        out.append(("response_format.json_schema.schema", "json", fmt.json_schema.schema_))
+    so = req.structured_outputs
+    if so is not None:
+        for kind, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice), ("grammar", so.grammar),
+                            ("json_object", so.json_object or None), ("structural_tag", so.structural_tag)):
+            if value is not None:
+                out.append((f"structured_outputs.{kind}", kind, value))
+    for kind in ("json", "regex", "choice", "grammar"):
+        value = getattr(req, f"guided_{kind}")
+        if value is not None:
+            out.append((f"guided_{kind}", kind, value))
+    return out
+
+
+async def resolve(fe, req: CommonRequest) -> Structure | None:
+    """The constraint `req` asks for, checked as far as the router can; None for free text."""
+    wanted = asked(req)
+    if not wanted:
+        return None
+    if len(wanted) > 1:
+        raise bad_request(f"only one kind of structured output may be asked for; {wanted[0][0]} and "
+                          f"{wanted[1][0]} both were", param=wanted[1][0])
+    param, kind, value = wanted[0]
+    return await check(fe, kind, value, param)
+
+
+async def check(fe, kind: str, value, param: str) -> Structure:
+    if kind == "json_object":
+        return "json_schema", JSON_OBJECT
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise bad_request(f"the JSON schema is not JSON: {exc}", param=param,
+                                  code="invalid_json_schema") from None
+            text = value
+        else:
+            text = json.dumps(value)
+        return "json_schema", await fe.check_schema(text, param)
+    if kind == "choice":
+        return "grammar", choice_grammar(value, param)
+    if not value:
+        raise bad_request(f"{param} must not be empty", param=param)
+    if kind == "structural_tag":
+        try:
+            json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise bad_request(f"the structural tag is not JSON: {exc}", param=param,
+                              code="invalid_structural_tag") from None
+    return kind, value
+
+
+def choice_grammar(choices: list[str], param: str) -> str:
+    """An EBNF grammar whose only sentences are `choices` (xgrammar's string literals take
+    JSON's escapes)."""
+    if not choices or not all(choices):
+        raise bad_request("choice needs one or more non-empty strings", param=param)
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
+
+
+def with_calls(structure: Structure, tools: list[dict], one_call: bool = False) -> Structure:
+    """The JSON `structure` or Hermes-style calls of `tools` (chatml-tools.jinja's
+    `<tool_call>` tags, which tools.py parses), one or more (one with `one_call`), as one
+    structural tag."""
+    kind, schema = structure
+    calls = [{"type": "tag", "begin": "<tool_call>\n", "end": "\n</tool_call>", "content": {
+        "type": "json_schema", "json_schema": {
+            "type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                             "arguments": t["function"].get("parameters") or {"type": "object"}},
+            "required": ["name", "arguments"]}}} for t in tools]
+    either = {"type": "or", "elements": [
+        {"type": "json_schema", "json_schema": json.loads(schema)},
+        {"type": "or", "elements": calls} if one_call else
+        {"type": "tags_with_separator", "tags": calls, "separator": "\n", "at_least_one": True}]}
+    return "structural_tag", json.dumps({"type": "structural_tag", "format": either})

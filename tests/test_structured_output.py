@@ -1,0 +1,144 @@
+"""Structured output beyond JSON schemas: vLLM's `structured_outputs` (regex, choice,
+grammar, json, json_object, structural_tag) and its earlier `guided_*` fields, over the
+chat and completions APIs and gRPC, and tools called "auto" beside a JSON format. The
+constraints alone first (xgrammar with the real tokenizer), then through the real
+cluster."""
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from services.engine.structured import Grammars, SchemaError
+from services.router.structured import choice_grammar, with_calls
+from services.rpc import generate_pb2, generate_pb2_grpc
+
+MODEL = "SmolLM2-135M-Instruct"
+CITIES = ["Paris", "London", "Rome", 'a "quoted" \\ city']
+PHONE = r"[0-9]{3}-[0-9]{4}"
+YES_NO = 'root ::= ("yes" | "no") "."'
+
+
+@pytest.fixture(scope="module")
+def grammars(model_dir):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return tokenizer, Grammars(lambda: tokenizer, len(tokenizer), frozenset({tokenizer.eos_token_id}))
+
+
+def _allows(grammars, text: str, kind: str, sentence: str) -> bool:
+    """Whether `sentence`, whole, is output the constraint allows (and may end there)."""
+    tokenizer, compiled = grammars
+    constraint = compiled.constraint(text, kind)
+    return all(constraint.accept(t) for t in tokenizer.encode(sentence, add_special_tokens=False)) \
+        and constraint.accept(tokenizer.eos_token_id)
+
+
+def test_each_kind_allows_its_sentences_and_no_other(grammars):
+    choice = choice_grammar(CITIES, "choice")
+    assert all(_allows(grammars, choice, "grammar", c) for c in CITIES)
+    assert not _allows(grammars, choice, "grammar", "Berlin") and not _allows(grammars, choice, "grammar", "Pari")
+    assert _allows(grammars, PHONE, "regex", "555-1234") and not _allows(grammars, PHONE, "regex", "5551234")
+    assert _allows(grammars, YES_NO, "grammar", "no.") and not _allows(grammars, YES_NO, "grammar", "maybe.")
+
+
+def test_a_json_format_beside_auto_tools_allows_the_format_or_the_calls(grammars):
+    answer = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    kind, text = with_calls(("json_schema", json.dumps(answer)), tools)
+    assert _allows(grammars, text, kind, '{"city": "Paris"}') and _allows(grammars, text, kind, call)
+    assert _allows(grammars, text, kind, call + "\n" + call)
+    assert not _allows(grammars, text, kind, '{"town": "Paris"}') and not _allows(grammars, text, kind, "Paris")
+    assert not _allows(grammars, text, kind, call.replace("get_weather", "get_time"))
+    kind, one = with_calls(("json_schema", json.dumps(answer)), tools, one_call=True)
+    assert _allows(grammars, one, kind, call) and not _allows(grammars, one, kind, call + "\n" + call)
+
+
+@pytest.mark.parametrize("kind, text, code", [
+    ("regex", "(", "invalid_regex"),
+    ("grammar", 'root ::= "a" |', "invalid_grammar"),
+    ("structural_tag", '{"type": "structural_tag", "format": {"type": "nonesuch"}}', "invalid_structural_tag"),
+])
+def test_a_constraint_that_cannot_compile_is_refused_by_its_code(grammars, kind, text, code):
+    with pytest.raises(SchemaError) as exc:
+        grammars[1].compile(text, kind)
+    assert exc.value.code == code and "cannot be compiled" in str(exc.value)
+
+
+def _client(http: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{http}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_vllms_structured_outputs_over_chat_and_completions(cluster):
+    """Each kind, asked at once through the official client's extra_body, in vLLM's
+    current spelling and its earlier one: every output is what its constraint allows."""
+    client = _client(cluster.http)
+    ask = [{"role": "user", "content": "Which city is the capital of France?"}]
+    chat = lambda body, **kw: client.chat.completions.create(  # noqa: E731
+        model=MODEL, messages=ask, max_tokens=20, temperature=0, extra_body=body, **kw)
+    complete = lambda body: client.completions.create(  # noqa: E731
+        model=MODEL, prompt="My phone number is", max_tokens=20, temperature=0, extra_body=body)
+    with ThreadPoolExecutor(8) as pool:
+        asked = [pool.submit(chat, {"structured_outputs": {"choice": CITIES}}),
+                 pool.submit(chat, {"guided_choice": CITIES}, stream=True),
+                 pool.submit(complete, {"structured_outputs": {"regex": PHONE}}),
+                 pool.submit(complete, {"guided_regex": PHONE, "guided_decoding_backend": "xgrammar"}),
+                 pool.submit(chat, {"structured_outputs": {"grammar": YES_NO}}),
+                 pool.submit(chat, {"guided_json": {"type": "object", "properties": {"city": {"enum": CITIES}},
+                                                    "required": ["city"]}}),
+                 pool.submit(chat, {"structured_outputs": {"json_object": True}}),
+                 pool.submit(complete, {"structured_outputs": {"json": json.dumps({"type": "integer"})}})]
+        choice, streamed, phone, guided_phone, yes_no, city, obj, number = (f.result() for f in asked)
+    assert choice.choices[0].message.content in CITIES and choice.choices[0].finish_reason == "stop"
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) in CITIES
+    for r in (phone, guided_phone):
+        assert re.fullmatch(PHONE, r.choices[0].text) and r.choices[0].finish_reason == "stop", r
+    assert yes_no.choices[0].message.content in ("yes.", "no.")
+    assert json.loads(city.choices[0].message.content)["city"] in CITIES
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    assert isinstance(json.loads(number.choices[0].text), int)
+
+
+@pytest.mark.parametrize("body, param, code", [
+    ({"structured_outputs": {"regex": "("}}, None, "invalid_regex"),
+    ({"guided_grammar": 'root ::= "a" |'}, None, "invalid_grammar"),
+    ({"structured_outputs": {"structural_tag": "{not json"}}, "structured_outputs.structural_tag",
+     "invalid_structural_tag"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", None),
+    ({"guided_choice": ["a", ""]}, "guided_choice", None),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs.choice", None),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", None),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json", "invalid_json_schema"),
+    ({"structured_outputs": {"whitespace_pattern": " *"}}, "structured_outputs.whitespace_pattern", None),
+])
+def test_structured_outputs_that_cannot_be_met_are_400s(cluster, body, param, code):
+    r = httpx.post(f"{cluster.http}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert param is None or err["param"] == param, err
+    assert code is None or err["code"] == code, err
+
+
+def test_grpc_takes_each_kind(cluster):
+    def generate(**sampling) -> list:
+        request = generate_pb2.GenerateRequest(prompt="My phone number is", sampling=generate_pb2.SamplingParams(
+            max_tokens=20, temperature=0, **sampling))
+        with grpc.insecure_channel(cluster.grpc.removeprefix("http://")) as ch:
+            return list(generate_pb2_grpc.GeneratorStub(ch).Generate(request, timeout=120))
+    assert re.fullmatch(PHONE, "".join(m.text for m in generate(regex=PHONE)))
+    assert "".join(m.text for m in generate(choice=CITIES)) in CITIES
+    assert "".join(m.text for m in generate(grammar=YES_NO)) in ("yes.", "no.")
+    for wrong in ({"grammar": 'root ::= "a" |'}, {"regex": "a", "choice": ["a"]}):
+        with pytest.raises(grpc.RpcError) as exc:
+            generate(**wrong)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.value.details()
