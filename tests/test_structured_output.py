@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -15,7 +17,7 @@ import jsonschema
 import openai
 import pytest
 
-from services.engine.structured import Grammars, SchemaError
+from services.engine.structured import MAX_CHARS, Grammars, SchemaError
 from services.router.structured import choice_grammar, with_calls
 from services.rpc import generate_pb2, generate_pb2_grpc
 
@@ -74,6 +76,29 @@ def test_a_constraint_that_cannot_compile_is_refused_by_its_code(grammars, kind,
     assert exc.value.code == code and "cannot be compiled" in str(exc.value)
 
 
+def test_a_long_compile_delays_only_its_own_request(grammars):
+    """xgrammar takes seconds over a long bounded repetition; another constraint compiled
+    meanwhile does not wait for it, and one past the size bound is refused unread."""
+    compiled = grammars[1]
+    slow_done, failed = threading.Event(), []
+
+    def slow():
+        try:
+            compiled.compile(".{0,1500}", "regex")         # ~2 s here
+        except Exception as exc:
+            failed.append(exc)
+        slow_done.set()
+    worker = threading.Thread(target=slow)
+    worker.start()
+    time.sleep(0.2)
+    compiled.compile("[0-9]+", "regex")
+    assert not slow_done.is_set()
+    worker.join()
+    assert not failed, failed
+    with pytest.raises(SchemaError, match="longer than"):
+        compiled.compile("a" * (MAX_CHARS + 1), "regex")
+
+
 def _client(http: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{http}/v1", api_key="unused", max_retries=0, timeout=120)
 
@@ -115,6 +140,7 @@ def test_vllms_structured_outputs_over_chat_and_completions(cluster):
      "invalid_structural_tag"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", None),
     ({"guided_choice": ["a", ""]}, "guided_choice", None),
+    ({"guided_choice": [f"choice {i:05}" for i in range(6000)]}, "guided_choice", None),   # past 64 KiB
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs.choice", None),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", None),
     ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json", "invalid_json_schema"),

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from collections import OrderedDict
 from typing import Callable
 
@@ -34,6 +35,11 @@ log = logging.getLogger(__name__)
 
 # Compiled grammars kept per process (schemas repeat: a client sends the same one).
 CACHE_SIZE = 256
+# The longest constraint of any kind (text/json_schema.py's bound on schemas): its size
+# bounds the time xgrammar takes to compile it, about a second for this many characters
+# of choices.
+MAX_CHARS = json_schema.MAX_SCHEMA_CHARS
+SLOW_COMPILE_SECONDS = 1.0
 # xgrammar's messages start "[12:00:00] /project/cpp/file.cc:123: ": the client needs the rest.
 _LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
@@ -73,32 +79,42 @@ class Grammars:
 
     def compile(self, text: str, kind: str = "json_schema"):
         """The compiled grammar of `text`, a constraint of `kind` (sampling.STRUCTURE_KINDS);
-        SchemaError if it is not one."""
+        SchemaError if it is not one. Compiling is outside the lock (xgrammar lets go of
+        the GIL meanwhile): a constraint that takes long to compile (a long bounded
+        repetition can take seconds) delays its own request, not the others'."""
         name, code = _KINDS[kind]
+        if len(text) > MAX_CHARS:
+            raise SchemaError(f"the {name} is longer than {MAX_CHARS} characters", code)
         key = (kind, text)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-            if kind == "json_schema":
-                try:
-                    json_schema.parse(text)
-                except ValueError as exc:
-                    raise SchemaError(str(exc)) from None
-            compiler = self._compiler_for()
+        if kind == "json_schema":
             try:
-                grammar = compiler.compile_json_schema(text, any_whitespace=False) if kind == "json_schema" \
-                    else compiler.compile_regex(text) if kind == "regex" \
-                    else compiler.compile_grammar(text) if kind == "grammar" \
-                    else compiler.compile_structural_tag(text)
-            except Exception as exc:             # xgrammar raises RuntimeError and its own kinds
-                reason = _LOCATION.sub("", (str(exc).splitlines() or [type(exc).__name__])[0])
-                raise SchemaError(f"the {name} cannot be compiled: {reason[:300]}", code) from None
+                json_schema.parse(text)
+            except ValueError as exc:
+                raise SchemaError(str(exc)) from None
+        with self._lock:
+            compiler = self._compiler_for()
+        started = time.perf_counter()
+        try:
+            grammar = compiler.compile_json_schema(text, any_whitespace=False) if kind == "json_schema" \
+                else compiler.compile_regex(text) if kind == "regex" \
+                else compiler.compile_grammar(text) if kind == "grammar" \
+                else compiler.compile_structural_tag(text)
+        except Exception as exc:             # xgrammar raises RuntimeError and its own kinds
+            reason = _LOCATION.sub("", (str(exc).splitlines() or [type(exc).__name__])[0])
+            raise SchemaError(f"the {name} cannot be compiled: {reason[:300]}", code) from None
+        took = time.perf_counter() - started
+        if took > SLOW_COMPILE_SECONDS:
+            log.warning("compiling a %s of %d characters took %.1f s", name, len(text), took)
+        with self._lock:
             self._cache[key] = grammar
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
-            return grammar
+        return grammar
 
     def constraint(self, text: str, kind: str = "json_schema") -> "Constraint":
         import xgrammar as xgr

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 
-from services.engine.text.json_schema import JSON_OBJECT
+from services.engine.text.json_schema import JSON_OBJECT, MAX_SCHEMA_CHARS
 from services.router.protocol import CommonRequest, bad_request
 
 # A constraint the workers compile: (kind, text), kind one of sampling.STRUCTURE_KINDS.
@@ -77,8 +77,11 @@ async def check(fe, kind: str, value, param: str) -> Structure:
         else:
             text = json.dumps(value)
         return "json_schema", await fe.check_schema(text, param)
+    text = choice_grammar(value, param) if kind == "choice" else value
+    if len(text) > MAX_SCHEMA_CHARS:          # as a schema's: its size bounds its compile time on the workers
+        raise bad_request(f"{param} is longer than {MAX_SCHEMA_CHARS} characters", param=param)
     if kind == "choice":
-        return "grammar", choice_grammar(value, param)
+        return "grammar", text
     if not value:
         raise bad_request(f"{param} must not be empty", param=param)
     if kind == "structural_tag":
