@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
-import jsonschema
 import openai
 import pytest
 
