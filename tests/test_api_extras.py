@@ -33,6 +33,28 @@ def test_usage_names_the_prompt_tokens_served_from_the_prefix_cache(cluster):
     assert last.usage is not None and last.usage.prompt_tokens_details.cached_tokens >= 0
 
 
+def test_only_prompts_of_the_same_cache_salt_share_cached_blocks(cluster):
+    """vLLM's cache_salt: a prompt cached under one salt is found again under it, by the
+    gRPC API too, and not under another salt or none."""
+    client = _client(cluster)
+    prompt = f"A preamble only this test sends, {time.time_ns()}, word for word. " * 8
+
+    def cached(**salt) -> int:
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                      extra_body=salt or None)
+        return r.usage.prompt_tokens_details.cached_tokens
+    assert cached(cache_salt="team-a") == 0
+    assert cached(cache_salt="team-a") > 0
+    assert cached(cache_salt="team-b") == 0 and cached() == 0
+    request = generate_pb2.GenerateRequest(prompt=prompt, sampling=generate_pb2.SamplingParams(
+        max_tokens=1, temperature=0, cache_salt="team-a"))
+    with grpc.insecure_channel(cluster.grpc.removeprefix("http://")) as ch:
+        assert list(generate_pb2_grpc.GeneratorStub(ch).Generate(request, timeout=60))[-1].finish_reason
+    empty = httpx.post(f"{cluster.http}/v1/completions", json={"prompt": "hi", "max_tokens": 1, "cache_salt": ""},
+                       timeout=60)
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "cache_salt", empty.text
+
+
 def test_a_request_id_comes_back_or_one_is_made(cluster):
     client = _client(cluster)
     raw = client.chat.completions.with_raw_response.create(

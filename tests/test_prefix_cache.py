@@ -36,6 +36,35 @@ def test_second_request_reuses_the_prefix_and_computes_the_rest():
     assert cache.hits == 1 and cache.queries == 2
 
 
+def test_a_salt_keeps_its_prompts_blocks_to_itself():
+    """vLLM's cache_salt (the router's per API key): every key of a salted prompt is its
+    salt's own, and a prompt finds only blocks cached under its own salt."""
+    plain, a, b = (block_hashes(list(range(12)), BS, salt) for salt in ("", "tenant-a", "tenant-b"))
+    assert not set(plain) & set(a) and not set(a) & set(b) and a == block_hashes(list(range(12)), BS, "tenant-a")
+    cache = BlockManager(BlockPool(16, BS), prefix_caching=True)
+    done(cache, cache.acquire(list(range(10)), salt="tenant-a"))
+    for salt in ("", "tenant-b"):
+        other = cache.acquire(list(range(10)), salt=salt)
+        assert other.cached_tokens == 0
+        done(cache, other, computed=False)
+    assert cache.acquire(list(range(10)), salt="tenant-a").cached_tokens == 8
+
+
+def test_the_router_salts_each_keys_prompts_unless_the_cache_is_shared():
+    from services.router.admission import TENANT
+    from services.router.frontend import FrontEnd
+    fe = FrontEnd(None, None, None, "m", 100, 100)
+    assert fe.cache_salt(None) == ""                                  # no keys, no salt: one cache
+    token = TENANT.set("team-a")
+    try:
+        own, asked = fe.cache_salt(None), fe.cache_salt("x")
+        assert own and asked and own != asked and fe.cache_salt(None) == own
+        fe.shared_prefix_cache = True
+        assert fe.cache_salt(None) == "" and fe.cache_salt("x") not in ("", asked)
+    finally:
+        TENANT.reset(token)
+
+
 def test_the_last_token_is_always_computed():
     cache = BlockManager(BlockPool(8, BS), prefix_caching=True)
     done(cache, cache.acquire(list(range(8))))

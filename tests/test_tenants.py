@@ -135,3 +135,20 @@ def test_another_keys_first_token_under_a_flood_of_500(tmp_path, capsys):
     p90 = r["b_ttft_flood_p90"]
     assert p90 <= 3.5 * r["b_ttft_alone_p99"], f"B's p90 {p90:.3f} s against {r['b_ttft_alone_p99']:.3f} s alone"
     assert r["p99_ratio"] <= 6, f"B's p99 {r['b_ttft_flood_p99']:.3f} s is {r['p99_ratio']:.1f}x its p99 alone"
+
+
+def test_one_keys_prompts_never_find_another_keys_cached_blocks(tenants):
+    """Each API key's prompts find only its own cached blocks (its own salt: the
+    engine's prefix_cache.py), so `cached_tokens` and the time to a first token tell a key
+    nothing of what another sent; the same key finds its own again. (Last: the tests
+    above count each key's requests.)"""
+    prompt = f"A system prompt that only one team uses, {time.time_ns()}. " * 8
+
+    def cached(tenant: str, **kw) -> int:
+        r = httpx.post(f"{tenants.http}/v1/completions", headers=_auth(tenant), timeout=120,
+                       json=_body(prompt, 1, **kw))
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached("light") == 0 and cached("light") > 0
+    assert cached("flood") == 0                                   # the same words, another key
+    assert cached("flood", cache_salt="x") == 0 and cached("light", cache_salt="x") == 0

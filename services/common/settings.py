@@ -277,6 +277,10 @@ class RoutingSettings:
     api_key_file: str | None = setting(None, "API keys, one per line (with --api-key: both are accepted)",
                                        metavar="FILE")
     protect_metrics: bool = setting(False, "/metrics needs an API key too (/health and /ready stay open)")
+    shared_prefix_cache: bool = setting(False, "prompts of different API keys share the prefix cache. By default "
+                                               "each key's prompts find only its own cached blocks, so no key can "
+                                               "tell from cached_tokens or its time to first token what another "
+                                               "sent")
     allowed_origins: list[str] = setting(help="a web origin allowed to call the API from a browser (CORS); "
                                               "repeat for several, * for any. Default: none", metavar="ORIGIN",
                                          factory=list)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import hashlib
 import inspect
 import itertools
 import logging
@@ -59,6 +60,7 @@ class FrontEnd:
         max_workers=TOKENIZER_THREADS, thread_name_prefix="tokenize"))
     gate: FairGate = field(default_factory=lambda: FairGate(TOKENIZER_THREADS))
     sse_keepalive: float = 15.0
+    shared_prefix_cache: bool = False
     _token_text: dict[int, str] = field(init=False, default_factory=dict)
     _running: weakref.WeakSet = field(init=False, default_factory=weakref.WeakSet)
 
@@ -73,6 +75,15 @@ class FrontEnd:
         """`fn(*args)` on a tokenizer thread, in the turn of the request's tenant."""
         async with self.gate.turn(TENANT.get()):
             return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def cache_salt(self, asked: str | None) -> str:
+        """The prompt's prefix-cache salt (engine/core/prefix_cache.py): its API key's own
+        (the request's tenant) unless --shared-prefix-cache, and the client's cache_salt
+        (vLLM's) beside it; "" where neither applies."""
+        tenant = "" if self.shared_prefix_cache else TENANT.get()
+        if not tenant and not asked:
+            return ""
+        return hashlib.sha256(f"{tenant}\0{asked or ''}".encode()).hexdigest()[:32]
 
     @property
     def vocab_size(self) -> int:

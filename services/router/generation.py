@@ -54,7 +54,7 @@ class Generation:
     def prefix_keys(self, block_size: int) -> list[int]:
         """The prompt's chained block keys (computed once per block size)."""
         if self._keys is None or self._keys[0] != block_size:
-            self._keys = (block_size, block_hashes(self.prompt_ids, block_size))
+            self._keys = (block_size, block_hashes(self.prompt_ids, block_size, self.params.cache_salt))
         return self._keys[1]
 
     @property

@@ -58,7 +58,7 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
             stop_token_ids=list(s.stop_token_ids), logprobs=opt("logprobs"), structure=structure,
             prompt_logprobs=opt("prompt_logprobs"),
             allowed_token_ids=list(s.allowed_token_ids) or None, bad_words=[list(w.ids) for w in s.bad_words],
-            prompt_param=request.WhichOneof("input"))
+            cache_salt=self.fe.cache_salt(s.cache_salt), prompt_param=request.WhichOneof("input"))
         if not 0 <= request.n <= MAX_CHOICES:
             raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {request.n}", param="n")
         # The router names the request itself: the caller's id is only echoed back.

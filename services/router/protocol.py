@@ -243,6 +243,7 @@ class CommonRequest(BaseModel):
     return_tokens_as_token_ids: StrictBool = False
     priority: StrictInt = 0
     structured_outputs: StructuredOutputs | None = None
+    cache_salt: StrictStr | None = None                 # vLLM's: only prompts of the same salt share cached blocks
     # vLLM's earlier spellings of structured_outputs (guided_decoding_backend: the workers'
     # xgrammar compiles every kind, whichever is named)
     guided_json: dict | StrictStr | None = None
@@ -258,6 +259,13 @@ class CommonRequest(BaseModel):
         if v != 0:
             raise ValueError("priority scheduling is not enabled: only 0 is accepted (the order among API keys "
                              "is the router's fair share)")
+        return v
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt(cls, v):
+        if v is not None and not v:
+            raise ValueError("cache_salt must be a non-empty string")
         return v
 
     @field_validator("logit_bias")

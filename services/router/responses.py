@@ -171,6 +171,7 @@ class ResponsesRequest(BaseModel):
     min_p: Number | None = None
     seed: StrictInt | None = None
     repetition_penalty: Number | None = None
+    cache_salt: StrictStr | None = None
 
     @field_validator("input", mode="before")
     @classmethod
@@ -205,7 +206,7 @@ class ResponsesRequest(BaseModel):
                       "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
                       "seed": self.seed, "repetition_penalty": self.repetition_penalty, "user": self.user,
                       "parallel_tool_calls": self.parallel_tool_calls, "ignore_eos": self.ignore_eos,
-                      "reasoning_effort": self.reasoning and self.reasoning.effort}
+                      "reasoning_effort": self.reasoning and self.reasoning.effort, "cache_salt": self.cache_salt}
         if self.tools:
             chat["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                              for t in self.tools]

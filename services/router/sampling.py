@@ -30,7 +30,7 @@ def resolve_sampling(*, prompt_len: int, max_model_len: int, vocab_size: int, ma
                      stop_token_ids: list[int] | tuple[int, ...] = (), logprobs: int | None = None,
                      structure: tuple[str, str] | None = None, prompt_logprobs: int | None = None,
                      allowed_token_ids: list[int] | None = None,
-                     bad_words: list[list[int]] | tuple[tuple[int, ...], ...] = (),
+                     bad_words: list[list[int]] | tuple[tuple[int, ...], ...] = (), cache_salt: str = "",
                      prompt_param: str = "messages") -> SamplingParams:
     if prompt_len < 1:
         raise bad_request("the prompt is empty", param="prompt")
@@ -70,6 +70,6 @@ def resolve_sampling(*, prompt_len: int, max_model_len: int, vocab_size: int, ma
             stop_token_ids=tuple(stop_token_ids), logprobs=logprobs,
             **({structure[0]: structure[1]} if structure else {}),
             prompt_logprobs=prompt_logprobs, allowed_token_ids=tuple(sorted(set(allowed_token_ids or ()))),
-            bad_words=tuple(tuple(w) for w in bad_words))
+            bad_words=tuple(tuple(w) for w in bad_words), cache_salt=cache_salt)
     except InvalidSampling as exc:
         raise bad_request(str(exc), param=exc.param) from None

@@ -13,7 +13,7 @@ def sampling_to_proto(p: SamplingParams) -> generate_pb2.SamplingParams:
         repetition_penalty=p.repetition_penalty, min_p=p.min_p, logit_bias=dict(p.logit_bias),
         stop_token_ids=list(p.stop_token_ids), logprobs=p.logprobs, json_schema=p.json_schema, regex=p.regex,
         grammar=p.grammar, structural_tag=p.structural_tag, prompt_logprobs=p.prompt_logprobs, allowed_token_ids=list(p.allowed_token_ids),
-        bad_words=[generate_pb2.TokenIds(ids=w) for w in p.bad_words])
+        bad_words=[generate_pb2.TokenIds(ids=w) for w in p.bad_words], cache_salt=p.cache_salt)
 
 
 def sampling_from_proto(m: generate_pb2.SamplingParams) -> SamplingParams:
@@ -27,7 +27,8 @@ def sampling_from_proto(m: generate_pb2.SamplingParams) -> SamplingParams:
         logprobs=m.logprobs if m.HasField("logprobs") else None, json_schema=m.json_schema, regex=m.regex,
         grammar=m.grammar, structural_tag=m.structural_tag,
         prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
-        allowed_token_ids=tuple(m.allowed_token_ids), bad_words=tuple(tuple(w.ids) for w in m.bad_words))
+        allowed_token_ids=tuple(m.allowed_token_ids), bad_words=tuple(tuple(w.ids) for w in m.bad_words),
+        cache_salt=m.cache_salt)
 
 
 def logprob_to_proto(lp: TokenLogprob) -> generate_pb2.TokenLogprob:

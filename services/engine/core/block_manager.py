@@ -73,12 +73,13 @@ class BlockManager:
             idle = [self._key_of[b] for b in reversed(self._idle)]
         return (busy + idle)[:limit]
 
-    def acquire(self, token_ids: Sequence[int], reuse: bool = True) -> PrefixHit:
+    def acquire(self, token_ids: Sequence[int], reuse: bool = True, salt: str = "") -> PrefixHit:
         """Blocks for a whole prompt: its cached leading blocks (referenced) plus new
         ones. At least the last token is always left to compute (its logits are needed).
         `reuse=False`: every block new (a prompt whose every position's logits are
-        needed); its blocks are still cached once computed."""
-        keys = block_hashes(token_ids, self.block_size) if self.prefix_caching else []
+        needed); its blocks are still cached once computed. Only blocks cached under the
+        same `salt` are found (prefix_cache.py)."""
+        keys = block_hashes(token_ids, self.block_size, salt) if self.prefix_caching else []
         with self._lock:
             return self._acquire(token_ids, keys, reuse)
 

@@ -5,6 +5,11 @@ so equal keys mean equal whole prefixes, and the key alone says where a prompt's
 cached run ends. The hash is stable across processes: a worker's block manager keeps
 computed blocks under these keys (`block_manager.BlockManager`), and the router
 computes the same keys from a prompt to see which worker already holds its prefix.
+
+A salt (vLLM's `cache_salt`; the router gives each API key its own) starts the chain
+from a key of its own, so prompts of different salts never share a block: a tenant
+cannot learn from `cached_tokens` or from its time to first token whether another sent
+a prompt, and nothing of one tenant's is ever computed from another's KV.
 """
 from __future__ import annotations
 
@@ -15,10 +20,11 @@ from typing import Container, Sequence
 _SEED = 0x5044_5345_5256_4531        # any fixed value: "PDSERVE1"
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained 64-bit keys of the prompt's full blocks, in order."""
+def block_hashes(token_ids: Sequence[int], block_size: int, salt: str = "") -> list[int]:
+    """Chained 64-bit keys of the prompt's full blocks, in order, under `salt`."""
     keys: list[int] = []
-    prev = _SEED
+    prev = _SEED if not salt else int.from_bytes(
+        hashlib.blake2b(salt.encode(), digest_size=8, key=_SEED.to_bytes(8, "little")).digest(), "little")
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         block = token_ids[start:start + block_size]
         digest = hashlib.blake2b(struct.pack(f"<Q{block_size}I", prev, *block), digest_size=8).digest()

@@ -42,6 +42,9 @@ class SamplingParams:
     # Token sequences the output may not contain (vLLM's bad_words, tokenized by the
     # router): a sequence's last token is banned wherever the output ends in the rest.
     bad_words: tuple[tuple[int, ...], ...] = ()
+    # Not sampling, but the request's as these are: its prompt's prefix-cache salt
+    # (prefix_cache.py), the router's for the tenant and the client's cache_salt.
+    cache_salt: str = ""
 
     @property
     def structure(self) -> tuple[str, str] | None:
@@ -98,6 +101,8 @@ class SamplingParams:
                                   "token ids >= 0")
         if len(self.bad_words) > MAX_BAD_WORDS or any(not w or any(t < 0 for t in w) for w in self.bad_words):
             raise InvalidSampling("bad_words", f"bad_words takes at most {MAX_BAD_WORDS} non-empty token sequences")
+        if len(self.cache_salt) > MAX_CACHE_SALT:
+            raise InvalidSampling("cache_salt", f"cache_salt takes at most {MAX_CACHE_SALT} characters")
         if sum(bool(getattr(self, kind)) for kind in STRUCTURE_KINDS) > 1:
             raise InvalidSampling("structured_outputs", "at most one kind of structured output: "
                                   + ", ".join(STRUCTURE_KINDS))
@@ -127,6 +132,7 @@ class TokenLogprob:
 
 
 MAX_TOP_LOGPROBS = 20                   # OpenAI's limit
+MAX_CACHE_SALT = 256
 STRUCTURE_KINDS = ("json_schema", "regex", "grammar", "structural_tag")
 MAX_CHOICES = 16                        # n: choices of one request
 SEED_MASK = (1 << 63) - 1

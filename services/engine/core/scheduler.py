@@ -361,7 +361,8 @@ class Scheduler:
         if self.running and self.blocks.num_available - need < self._watermark:
             return False
         try:
-            hit = self.blocks.acquire(seq.token_ids, reuse=seq.params.prompt_logprobs is None)
+            hit = self.blocks.acquire(seq.token_ids, reuse=seq.params.prompt_logprobs is None,
+                                     salt=seq.params.cache_salt)
         except NoFreeBlocks:
             return False
         seq.block_ids, seq.keys, seq.num_computed = hit.block_ids, hit.keys, hit.cached_tokens
