@@ -111,7 +111,7 @@ def test_vllms_structured_outputs_over_chat_and_completions(cluster):
         model=MODEL, messages=ask, max_tokens=20, temperature=0, extra_body=body, **kw)
     complete = lambda body: client.completions.create(  # noqa: E731
         model=MODEL, prompt="My phone number is", max_tokens=20, temperature=0, extra_body=body)
-    with ThreadPoolExecutor(8) as pool:
+    with ThreadPoolExecutor(9) as pool:
         asked = [pool.submit(chat, {"structured_outputs": {"choice": CITIES}}),
                  pool.submit(chat, {"guided_choice": CITIES}, stream=True),
                  pool.submit(complete, {"structured_outputs": {"regex": PHONE}}),
@@ -120,8 +120,11 @@ def test_vllms_structured_outputs_over_chat_and_completions(cluster):
                  pool.submit(chat, {"guided_json": {"type": "object", "properties": {"city": {"enum": CITIES}},
                                                     "required": ["city"]}}),
                  pool.submit(chat, {"structured_outputs": {"json_object": True}}),
-                 pool.submit(complete, {"structured_outputs": {"json": json.dumps({"type": "integer"})}})]
-        choice, streamed, phone, guided_phone, yes_no, city, obj, number = (f.result() for f in asked)
+                 pool.submit(complete, {"structured_outputs": {"json": json.dumps({"type": "integer"})}}),
+                 pool.submit(complete, {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+                     "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+                     "required": ["a"], "additionalProperties": False}}}})]
+        choice, streamed, phone, guided_phone, yes_no, city, obj, number, completed_obj = (f.result() for f in asked)
     assert choice.choices[0].message.content in CITIES and choice.choices[0].finish_reason == "stop"
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) in CITIES
     for r in (phone, guided_phone):
@@ -130,6 +133,7 @@ def test_vllms_structured_outputs_over_chat_and_completions(cluster):
     assert json.loads(city.choices[0].message.content)["city"] in CITIES
     assert isinstance(json.loads(obj.choices[0].message.content), dict)
     assert isinstance(json.loads(number.choices[0].text), int)
+    assert json.loads(completed_obj.choices[0].text)["a"] in range(10)
 
 
 @pytest.mark.parametrize("body, param, code", [

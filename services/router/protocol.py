@@ -404,6 +404,7 @@ class CompletionRequest(CommonRequest):
     logprobs: StrictInt | None = None
     echo: StrictBool = False
     suffix: Unimplemented = None
+    response_format: ResponseFormat | None = None       # vLLM's, as chat's
 
     def top_logprobs_count(self) -> int | None:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
