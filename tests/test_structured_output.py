@@ -17,13 +17,18 @@ import openai
 import pytest
 
 from services.engine.structured import MAX_CHARS, Grammars, SchemaError
-from services.router.structured import choice_grammar, with_calls
+from services.router.structured import choice_grammar, first_form, with_calls
 from services.rpc import generate_pb2, generate_pb2_grpc
 
 MODEL = "SmolLM2-135M-Instruct"
 CITIES = ["Paris", "London", "Rome", 'a "quoted" \\ city']
 PHONE = r"[0-9]{3}-[0-9]{4}"
 YES_NO = 'root ::= ("yes" | "no") "."'
+ANSWER = {"type": "tag", "begin": "<answer>", "content": {"type": "json_schema", "json_schema": {"enum": ["yes", "no"]}},
+          "end": "</answer>"}
+CALL_F = {"structures": [{"begin": "<function=f>", "schema": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                                               "required": ["a"]}, "end": "</function>"}],
+          "triggers": ["<function="]}
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +52,10 @@ def test_each_kind_allows_its_sentences_and_no_other(grammars):
     assert not _allows(grammars, choice, "grammar", "Berlin") and not _allows(grammars, choice, "grammar", "Pari")
     assert _allows(grammars, PHONE, "regex", "555-1234") and not _allows(grammars, PHONE, "regex", "5551234")
     assert _allows(grammars, YES_NO, "grammar", "no.") and not _allows(grammars, YES_NO, "grammar", "maybe.")
+    legacy = json.dumps(first_form(CALL_F, "structural_tag"))           # vLLM's first form: free text and calls
+    assert _allows(grammars, legacy, "structural_tag", 'so <function=f>{"a": 1}</function> then')
+    assert _allows(grammars, legacy, "structural_tag", "no call at all")
+    assert not _allows(grammars, legacy, "structural_tag", "<function=g>{}")
 
 
 def test_a_json_format_beside_auto_tools_allows_the_format_or_the_calls(grammars):
@@ -111,7 +120,7 @@ def test_vllms_structured_outputs_over_chat_and_completions(cluster):
         model=MODEL, messages=ask, max_tokens=20, temperature=0, extra_body=body, **kw)
     complete = lambda body: client.completions.create(  # noqa: E731
         model=MODEL, prompt="My phone number is", max_tokens=20, temperature=0, extra_body=body)
-    with ThreadPoolExecutor(9) as pool:
+    with ThreadPoolExecutor(12) as pool:
         asked = [pool.submit(chat, {"structured_outputs": {"choice": CITIES}}),
                  pool.submit(chat, {"guided_choice": CITIES}, stream=True),
                  pool.submit(complete, {"structured_outputs": {"regex": PHONE}}),
@@ -123,8 +132,12 @@ def test_vllms_structured_outputs_over_chat_and_completions(cluster):
                  pool.submit(complete, {"structured_outputs": {"json": json.dumps({"type": "integer"})}}),
                  pool.submit(complete, {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
                      "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
-                     "required": ["a"], "additionalProperties": False}}}})]
-        choice, streamed, phone, guided_phone, yes_no, city, obj, number, completed_obj = (f.result() for f in asked)
+                     "required": ["a"], "additionalProperties": False}}}}),
+                 pool.submit(chat, {"response_format": {"type": "structural_tag", "format": ANSWER}}),
+                 pool.submit(chat, {"response_format": {"type": "structural_tag", **CALL_F}}),
+                 pool.submit(chat, {"structured_outputs": {"structural_tag": json.dumps(CALL_F)}})]
+        choice, streamed, phone, guided_phone, yes_no, city, obj, number, completed_obj, answer, *calls = \
+            (f.result() for f in asked)
     assert choice.choices[0].message.content in CITIES and choice.choices[0].finish_reason == "stop"
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) in CITIES
     for r in (phone, guided_phone):
@@ -134,6 +147,10 @@ def test_vllms_structured_outputs_over_chat_and_completions(cluster):
     assert isinstance(json.loads(obj.choices[0].message.content), dict)
     assert isinstance(json.loads(number.choices[0].text), int)
     assert json.loads(completed_obj.choices[0].text)["a"] in range(10)
+    assert answer.choices[0].message.content in ('<answer>"yes"</answer>', '<answer>"no"</answer>')
+    for said in calls:                          # free text, and a call once the trigger comes
+        text = said.choices[0].message.content
+        assert "<function=" not in text or re.search(r'<function=f>\{"a": -?[0-9]+\}</function>', text), text
 
 
 @pytest.mark.parametrize("body, param, code", [
@@ -148,6 +165,10 @@ def test_vllms_structured_outputs_over_chat_and_completions(cluster):
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", None),
     ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json", "invalid_json_schema"),
     ({"structured_outputs": {"whitespace_pattern": " *"}}, "structured_outputs.whitespace_pattern", None),
+    ({"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern", None),
+    ({"response_format": {"type": "structural_tag"}}, "response_format", None),
+    ({"structured_outputs": {"structural_tag": '{"structures": [{"begin": "<"}], "triggers": ["<"]}'}},
+     "structured_outputs.structural_tag", "invalid_structural_tag"),
 ])
 def test_structured_outputs_that_cannot_be_met_are_400s(cluster, body, param, code):
     r = httpx.post(f"{cluster.http}/v1/chat/completions", timeout=60, json={

@@ -155,10 +155,22 @@ class JSONSchemaFormat(BaseModel):
     strict: StrictBool | None = None
 
 
+class StructuralTagItem(BaseModel):
+    """vLLM's first structural tag form: text between `begin` and `end` in `schema`."""
+    model_config = STRICT
+    begin: StrictStr
+    schema_: dict | StrictBool = Field(alias="schema")
+    end: StrictStr
+
+
 class ResponseFormat(BaseModel):
     model_config = STRICT
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JSONSchemaFormat | None = None
+    # vLLM's structural_tag: xgrammar's `format`, or the first form's structures and triggers
+    format: dict | None = None
+    structures: list[StructuralTagItem] | None = None
+    triggers: list[StrictStr] | None = None
 
 
 class StructuredOutputs(BaseModel):
@@ -251,6 +263,7 @@ class CommonRequest(BaseModel):
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
     guided_decoding_backend: StrictStr | None = None
+    guided_whitespace_pattern: Unimplemented = None
 
     @field_validator("priority")
     @classmethod

@@ -5,7 +5,8 @@ grammar or an xgrammar structural tag.
 The HTTP APIs take OpenAI's `response_format` (JSON only), vLLM's `structured_outputs`
 (`json`, `regex`, `choice`, `grammar`, `json_object`, `structural_tag`) and vLLM's earlier
 `guided_json`, `guided_regex`, `guided_choice` and `guided_grammar`; gRPC takes the same
-kinds as fields of its SamplingParams. A request asks for one kind at most. The router
+kinds as fields of its SamplingParams. A request asks for one kind at most. A structural
+tag in vLLM's first form (structures and triggers) is put in xgrammar's `format` terms. The router
 checks a JSON schema itself (text/json_schema.py); the other kinds need xgrammar, which
 the router does not load, so a worker refuses one it cannot compile with INVALID_ARGUMENT
 and a code the router answers with (`invalid_regex`, `invalid_grammar`, ...).
@@ -38,6 +39,15 @@ def asked(req: CommonRequest) -> list[tuple[str, str, object]]:
             raise bad_request("response_format json_schema needs its json_schema",
                               param="response_format.json_schema")
         out.append(("response_format.json_schema.schema", "json", fmt.json_schema.schema_))
+    elif fmt is not None and fmt.type == "structural_tag":
+        if fmt.format is not None:
+            tag = {"type": "structural_tag", "format": fmt.format}
+        elif fmt.structures is not None and fmt.triggers is not None:
+            tag = {"structures": [s.model_dump(by_alias=True) for s in fmt.structures], "triggers": fmt.triggers}
+        else:
+            raise bad_request("response_format structural_tag needs its format, or structures and triggers",
+                              param="response_format")
+        out.append(("response_format", "structural_tag", json.dumps(tag)))
     so = req.structured_outputs
     if so is not None:
         for kind, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice), ("grammar", so.grammar),
@@ -86,11 +96,27 @@ async def check(fe, kind: str, value, param: str) -> Structure:
         raise bad_request(f"{param} must not be empty", param=param)
     if kind == "structural_tag":
         try:
-            json.loads(value)
+            tag = json.loads(value)
         except json.JSONDecodeError as exc:
             raise bad_request(f"the structural tag is not JSON: {exc}", param=param,
                               code="invalid_structural_tag") from None
+        if isinstance(tag, dict) and "structures" in tag and "format" not in tag:
+            return kind, json.dumps(first_form(tag, param))
     return kind, value
+
+
+def first_form(tag: dict, param: str) -> dict:
+    """vLLM's first structural tag form ({"structures": [{"begin", "schema", "end"}],
+    "triggers": [...]}: free text in which a trigger starts one of the structures) in
+    xgrammar's `format` terms, as vLLM's xgrammar backend converts it."""
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(structures, list) or not isinstance(triggers, list) or not all(
+            isinstance(s, dict) and {"begin", "schema", "end"} <= set(s) for s in structures):
+        raise bad_request("a structural tag's structures need begin, schema and end, and its triggers a list",
+                          param=param, code="invalid_structural_tag")
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": triggers, "tags": [
+        {"type": "tag", "begin": s["begin"], "content": {"type": "json_schema", "json_schema": s["schema"]},
+         "end": s["end"]} for s in structures]}}
 
 
 def choice_grammar(choices: list[str], param: str) -> str:
