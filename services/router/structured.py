@@ -2,19 +2,20 @@
 compile (services/engine/structured.py): a JSON schema, a regular expression, an EBNF
 grammar or an xgrammar structural tag.
 
-The HTTP APIs take OpenAI's `response_format` (JSON only), vLLM's `structured_outputs`
-(`json`, `regex`, `choice`, `grammar`, `json_object`, `structural_tag`) and vLLM's earlier
-`guided_json`, `guided_regex`, `guided_choice` and `guided_grammar`; gRPC takes the same
-kinds as fields of its SamplingParams. A request asks for one kind at most. A structural
-tag in vLLM's first form (structures and triggers) is put in xgrammar's `format` terms. The router
-checks a JSON schema itself (text/json_schema.py); the other kinds need xgrammar, which
-the router does not load, so a worker refuses one it cannot compile with INVALID_ARGUMENT
-and a code the router answers with (`invalid_regex`, `invalid_grammar`, ...).
+The HTTP APIs take OpenAI's `response_format` (JSON, or vLLM's structural tag), vLLM's
+`structured_outputs` (`json`, `regex`, `choice`, `grammar`, `json_object`,
+`structural_tag`) and vLLM's earlier `guided_json`, `guided_regex`, `guided_choice` and
+`guided_grammar`; gRPC takes the same kinds as fields of its SamplingParams. A request
+asks for one kind at most. The router checks a JSON schema itself (text/json_schema.py);
+the other kinds need xgrammar, which the router does not load, so a worker refuses one
+it cannot compile with INVALID_ARGUMENT and a code the router answers with
+(`invalid_regex`, `invalid_grammar`, ...).
 
-A choice becomes a grammar of its strings, as vLLM's xgrammar backend has it. With tools
-called "auto" and a JSON format beside them, the output is a structural tag that allows
-either the format or the calls (`with_calls`): OpenAI's behaviour, which lets an agent
-call tools and still give its final answer in its format.
+A choice becomes a grammar of its strings, and a structural tag in vLLM's first form
+(structures and triggers) xgrammar's `format`, as vLLM's xgrammar backend has them. With
+tools called "auto" and a JSON format beside them, the output is a structural tag that
+allows either the format or the calls (`with_calls`): OpenAI's behaviour, which lets an
+agent call tools and still give its final answer in its format.
 """
 from __future__ import annotations
 
