@@ -29,6 +29,7 @@ import ctypes
 import gc
 import importlib
 import json
+import logging
 import os
 import shlex
 import signal
@@ -288,6 +289,28 @@ def _title(argv: list[str]) -> None:
     setproctitle.setthreadtitle(os.path.basename(sys.executable))     # its name in top, as before
 
 
+def exit_code(run, *args) -> int:
+    """`run(*args)`'s exit status, its output flushed, for os._exit: a service has stopped
+    everything it started by then (its workers' finally blocks), and tearing down an
+    interpreter that holds torch and Triton takes it most of a second more (and has
+    Triton's bindings list hundreds of objects they never freed, on every stop)."""
+    try:
+        code = run(*args)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        code = 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    return code if isinstance(code, int) else 0
+
+
 def run_service(request: dict, parent: int) -> int:
     """In the forked service: wait to be `parent`'s (`up`'s) child, set up as `up`'s
     children are, then run its command line (which exits)."""
@@ -320,4 +343,4 @@ if __name__ == "__main__":
     service = serve(int(sys.argv[1]))
     if service is None:
         os._exit(0)                         # nothing to flush, and a whole interpreter to tear down
-    sys.exit(run_service(service, up))
+    os._exit(exit_code(run_service, service, up))
