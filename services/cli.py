@@ -9,6 +9,7 @@ import sys
 from services.bench.command import add_arguments as bench_arguments
 from services.autoscaler.settings import AutoscalerSettings
 from services.common.flags import add_arguments, env_defaults, from_args
+from services.common.lifecycle import exit_now
 from services.common.settings import (LOG_FORMAT_HELP, LOG_FORMATS, LOG_LEVELS, ClusterSettings, RouterSettings,
                                       WorkerSettings)
 from services.common.version import VERSION
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from services.prefill.worker import build
         asyncio.run(run_worker(settings, build))
-        return 0
+        exit_now(0)             # stopped all it started: no interpreter teardown (lifecycle.py)
     except (ValueError, FileNotFoundError) as exc:
         print(f"pdserve {a.command}: {exc}", file=sys.stderr)
         return 2

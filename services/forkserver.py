@@ -29,7 +29,6 @@ import ctypes
 import gc
 import importlib
 import json
-import logging
 import os
 import shlex
 import signal
@@ -40,6 +39,7 @@ import sys
 import threading
 import time
 
+from services.common.lifecycle import exit_now
 from services.local_processes import child_pids, child_setup
 
 # What a worker imports before serving: the CLI, both workers, and transformers'
@@ -290,10 +290,7 @@ def _title(argv: list[str]) -> None:
 
 
 def exit_code(run, *args) -> int:
-    """`run(*args)`'s exit status, its output flushed, for os._exit: a service has stopped
-    everything it started by then (its workers' finally blocks), and tearing down an
-    interpreter that holds torch and Triton takes it most of a second more (and has
-    Triton's bindings list hundreds of objects they never freed, on every stop)."""
+    """`run(*args)`'s exit status, as `sys.exit` would make it of what it returns or raises."""
     try:
         code = run(*args)
     except SystemExit as exc:
@@ -302,12 +299,6 @@ def exit_code(run, *args) -> int:
         import traceback
         traceback.print_exc()
         code = 1
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
     return code if isinstance(code, int) else 0
 
 
@@ -343,4 +334,4 @@ if __name__ == "__main__":
     service = serve(int(sys.argv[1]))
     if service is None:
         os._exit(0)                         # nothing to flush, and a whole interpreter to tear down
-    os._exit(exit_code(run_service, service, up))
+    exit_now(exit_code(run_service, service, up))     # a service has stopped all it started
