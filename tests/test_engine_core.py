@@ -97,6 +97,35 @@ def test_small_chunks_and_preemption_still_match_generate(runner, model_dir, exp
         assert engine.scheduler.num_preemptions > 0
 
 
+def test_a_finished_outputs_blocks_serve_the_next_turns_prompt(runner, model_dir, expected):
+    """A finished sequence's generated tokens' full blocks stay in the prefix cache: a
+    prompt that carries its prompt and its output (a conversation's next turn) finds
+    them all, and its greedy output is what computing them again gives."""
+    eos = eos_token_ids(model_dir)
+    first = max(expected.values(), key=lambda e: len(e.token_ids))
+    turn = first.prompt_ids + first.token_ids + first.prompt_ids[-9:]
+
+    def serve(prefix_caching: bool, prompts: list[tuple[list[int], int]]) -> tuple[list[int], int]:
+        blocks = BlockManager(BlockPool(256, BLOCK), prefix_caching=prefix_caching)
+        memory = KVPoolMemory.allocate(runner.layout(256, BLOCK))
+        engine = LLMEngine(runner, memory, Scheduler(blocks, SchedulerConfig(max_num_seqs=4)))
+        try:
+            for i, (prompt, max_tokens) in enumerate(prompts):     # one after the other, as turns come
+                seq = Sequence(f"turn-{i}", list(prompt), len(prompt),
+                               SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), eos)
+                engine.add(seq)
+                out = []
+                while engine.has_work():
+                    out += [t for o in engine.step() for t in o.token_ids]
+            assert blocks.num_available == 256
+            return out, seq.num_cached
+        finally:
+            memory.close()
+    again, cached = serve(True, [(first.prompt_ids, len(first.token_ids)), (turn, 12)])
+    assert cached == (len(first.prompt_ids) + len(first.token_ids) - 1) // BLOCK * BLOCK
+    assert again == serve(False, [(turn, 12)])[0]
+
+
 def test_a_sequence_that_breaks_the_forward_pass_fails_alone(runner, model_dir, expected):
     """An id past the embedding table (what a caller that skips the worker's checks
     could send) makes the batch's forward pass raise: the engine runs the step again

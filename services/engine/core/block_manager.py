@@ -5,8 +5,9 @@ for prompts and generated tokens, and a decode worker's reservations for handoff
 block is reference counted while in use. With prefix caching on, a full prompt block
 is findable under its chained key (`prefix_cache.block_hashes`) from the step that
 computes it, and kept once nobody uses it, least recently used first out; an allocation
-that finds the pool empty evicts such idle blocks. With it off, a released block is
-simply free again.
+that finds the pool empty evicts such idle blocks. A finished sequence's generated
+tokens' full blocks are kept the same way (`keys_of`): a conversation's next turn
+carries them in its prompt. With it off, a released block is simply free again.
 
 Plain Python on block ids, like BlockPool; the KV bytes live in the worker's pool
 tensor. The scheduler changes it, on the engine thread (a decode worker's reservations
@@ -73,13 +74,17 @@ class BlockManager:
             idle = [self._key_of[b] for b in reversed(self._idle)]
         return (busy + idle)[:limit]
 
+    def keys_of(self, token_ids: Sequence[int], salt: str = "") -> list[int]:
+        """The keys of `token_ids`' full blocks (none with prefix caching off)."""
+        return block_hashes(token_ids, self.block_size, salt) if self.prefix_caching else []
+
     def acquire(self, token_ids: Sequence[int], reuse: bool = True, salt: str = "") -> PrefixHit:
         """Blocks for a whole prompt: its cached leading blocks (referenced) plus new
         ones. At least the last token is always left to compute (its logits are needed).
         `reuse=False`: every block new (a prompt whose every position's logits are
         needed); its blocks are still cached once computed. Only blocks cached under the
         same `salt` are found (prefix_cache.py)."""
-        keys = block_hashes(token_ids, self.block_size, salt) if self.prefix_caching else []
+        keys = self.keys_of(token_ids, salt)
         with self._lock:
             return self._acquire(token_ids, keys, reuse)
 
