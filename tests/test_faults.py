@@ -206,8 +206,12 @@ def test_a_decode_worker_lost_after_the_first_token_went_out_is_continued_from_i
         http = f"http://127.0.0.1:{info['http_port']}"
         wait_ready(http, {"prefill": 1, "decode": 2})
         retries = 0.0
-        for p, ref in zip(prompts, refs):
-            body = {"messages": p, "temperature": 0, "return_token_ids": True, "max_tokens": 8}
+        for i, (p, ref) in enumerate(zip(prompts, refs)):
+            # Each its own salt: the healthy decode worker keeps every finished answer's
+            # blocks (the chat template's among them), and prefix-aware routing would send
+            # each prompt to it, never to the faulty one.
+            body = {"messages": p, "temperature": 0, "return_token_ids": True, "max_tokens": 8,
+                    "cache_salt": f"prompt-{i}"}
             r = httpx.post(f"{http}/v1/chat/completions", json=body, timeout=120)
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["token_ids"] == ref
