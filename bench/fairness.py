@@ -18,7 +18,6 @@ import json
 import multiprocessing
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +25,8 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.up import running_up, write_json
+
 KEYS = {"A": "sk-bench-flood-0123456789abcdef", "B": "sk-bench-trickle-0123456789abcd"}
 FLOOD_PROMPT = "Write a long story about a lighthouse keeper and the ships she guides home at night."
 TRICKLE_PROMPT = "What is the capital of France? Answer in one word."
@@ -177,26 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--up-arg", action="append", default=[], help="passed to pdserve up (repeat)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="pdserve-fairness-"))
-    keys = work / "api-keys"
+    keys = Path(tempfile.mkdtemp(prefix="pdserve-fairness-")) / "api-keys"
     keys.touch(mode=0o600)
     keys.write_text(f"{KEYS['A']}\n{KEYS['B']}\n")           # plain: older versions read it too
-    announce = work / "cluster.json"
-    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--http-port", "0", "--grpc-port", "0",
-                           "--api-key-file", str(keys), "--announce-file", str(announce), "--log-level", "warning",
-                           *a.up_arg], cwd=ROOT, stdout=open(work / "up.log", "wb"), stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 300
-        while not announce.exists():
-            if up.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"pdserve up did not start:\n{(work / 'up.log').read_text()[-3000:]}")
-            time.sleep(0.2)
-        base = json.loads(announce.read_text())["http"]
+    with running_up("--api-key-file", str(keys), *a.up_arg, prefix="pdserve-fairness-") as base:
         from services.engine.model.hardware import cpu_kind
         result = {"cpu": cpu_kind(), "date": time.strftime("%Y-%m-%d"), **_run(base, a)}
-    finally:
-        up.terminate()
-        up.wait(timeout=60)
     print(f"CPU {result['cpu']}; key A: {result['flood']} streamed requests of {result['flood_tokens']} tokens at "
           f"once; key B: 1 request/s")
     print(f"  B's TTFT alone          p50 {result['b_ttft_alone_p50']:.3f} s  p99 {result['b_ttft_alone_p99']:.3f} s")
@@ -207,9 +193,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{result['cluster_output_tok_s']:.1f} tok/s over {result['flood_seconds']} s")
     print(f"  failed: A {result['flood_failed']} / {result['flood']}, B {result['trickle_failed']} / "
           f"{result['trickle_sent']}; prompts computed during the flood: {result['prefill_decisions']}")
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(result, indent=2))
+    write_json(a.json, result)
     return 0
 
 

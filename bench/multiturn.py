@@ -13,15 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.up import running_up, write_json
+
 
 
 def _turn_two(base: str, i: int, answer_tokens: int) -> dict:
@@ -53,22 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--up-arg", action="append", default=[], help="passed to pdserve up (repeat)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="pdserve-multiturn-"))
-    announce = work / "cluster.json"
-    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--http-port", "0", "--grpc-port", "0",
-                           "--announce-file", str(announce), "--log-level", "warning", *a.up_arg],
-                          cwd=ROOT, stdout=open(work / "up.log", "wb"), stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 300
-        while not announce.exists():
-            if up.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"pdserve up did not start:\n{(work / 'up.log').read_text()[-3000:]}")
-            time.sleep(0.2)
-        base = json.loads(announce.read_text())["http"]
+    with running_up(*a.up_arg, prefix="pdserve-multiturn-") as base:
         turns = [_turn_two(base, i, a.answer_tokens) for i in range(a.conversations)]
-    finally:
-        up.terminate()
-        up.wait(timeout=60)
     from services.engine.model.hardware import cpu_kind
     result = {"cpu": cpu_kind(), "date": time.strftime("%Y-%m-%d"), "turns": turns,
               "prompt_tokens_p50": statistics.median(t["prompt_tokens"] for t in turns),
@@ -77,9 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU {result['cpu']}; {a.conversations} conversations, turn 2: {result['cached_tokens_p50']:.0f} of "
           f"{result['prompt_tokens_p50']:.0f} prompt tokens cached (median), TTFT p50 "
           f"{1000 * result['ttft_p50']:.1f} ms")
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(result, indent=2))
+    write_json(a.json, result)
     return 0
 
 
