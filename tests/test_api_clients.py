@@ -565,6 +565,7 @@ def test_responses_json_schema(cluster):
     ({"truncation": "auto"}, "truncation"),
     ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     ({"reasoning": {"mode": "pro"}}, "reasoning.mode"),
+    ({"cache_salt": ""}, "cache_salt"),
     ({"tools": [{"type": "web_search"}]}, "tools.0"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input.0"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},

@@ -58,6 +58,15 @@ def _absent(value):
 # (clients send them so: `message.model_dump()` has `audio: null`), anything else is
 # refused by name (http_input.parse makes it `unsupported_parameter`).
 Unimplemented = Annotated[Any, AfterValidator(_absent)]
+
+
+def _salt(value: str) -> str:
+    if not value:
+        raise ValueError("cache_salt must be a non-empty string")
+    return value
+
+
+CacheSalt = Annotated[StrictStr, AfterValidator(_salt)]     # vLLM's: none, or a non-empty string
 _TOKEN_ID = re.compile(r"-?[0-9]{1,20}")            # negative or past the vocabulary: refused by name later
 # Completions' logprobs: OpenAI allows 5; vLLM (and this) as many as chat's top_logprobs.
 MAX_LOGPROBS = MAX_TOP_LOGPROBS
@@ -255,7 +264,7 @@ class CommonRequest(BaseModel):
     return_tokens_as_token_ids: StrictBool = False
     priority: StrictInt = 0
     structured_outputs: StructuredOutputs | None = None
-    cache_salt: StrictStr | None = None                 # vLLM's: only prompts of the same salt share cached blocks
+    cache_salt: CacheSalt | None = None                 # vLLM's: only prompts of the same salt share cached blocks
     # vLLM's earlier spellings of structured_outputs (guided_decoding_backend: the workers'
     # xgrammar compiles every kind, whichever is named)
     guided_json: dict | StrictStr | None = None
@@ -272,13 +281,6 @@ class CommonRequest(BaseModel):
         if v != 0:
             raise ValueError("priority scheduling is not enabled: only 0 is accepted (the order among API keys "
                              "is the router's fair share)")
-        return v
-
-    @field_validator("cache_salt")
-    @classmethod
-    def _salt(cls, v):
-        if v is not None and not v:
-            raise ValueError("cache_salt must be a non-empty string")
         return v
 
     @field_validator("logit_bias")

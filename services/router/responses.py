@@ -21,8 +21,8 @@ from pydantic_core import PydanticCustomError
 
 from services.router.generation import Generation
 from services.router.frontend import Collected, RunningRequest
-from services.router.protocol import (STRICT, APIError, ChatCompletionRequest, FunctionName, Number, ReasoningEffort,
-                                      Unimplemented, bad_request, text_parts_only, unsupported)
+from services.router.protocol import (STRICT, APIError, CacheSalt, ChatCompletionRequest, FunctionName, Number,
+                                      ReasoningEffort, Unimplemented, bad_request, text_parts_only, unsupported)
 from services.router.choices import SSE_KEEPALIVE, sse_json
 from services.router.tools import CallStream, ToolPlan, new_call, parse_calls
 
@@ -171,7 +171,7 @@ class ResponsesRequest(BaseModel):
     min_p: Number | None = None
     seed: StrictInt | None = None
     repetition_penalty: Number | None = None
-    cache_salt: StrictStr | None = None
+    cache_salt: CacheSalt | None = None
 
     @field_validator("input", mode="before")
     @classmethod
