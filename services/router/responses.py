@@ -21,6 +21,7 @@ from pydantic_core import PydanticCustomError
 
 from services.router.generation import Generation
 from services.router.frontend import Collected, RunningRequest
+from services.router.http_input import parse
 from services.router.protocol import (STRICT, APIError, CacheSalt, ChatCompletionRequest, FunctionName, Number,
                                       ReasoningEffort, Unimplemented, bad_request, text_parts_only, unsupported)
 from services.router.choices import SSE_KEEPALIVE, sse_json
@@ -222,7 +223,8 @@ class ResponsesRequest(BaseModel):
                 chat["response_format"]["json_schema"] = {
                     "name": fmt.name or "response", "schema": fmt.schema_,
                     **{k: v for k, v in (("description", fmt.description), ("strict", fmt.strict)) if v is not None}}
-        return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
+        # A value this request took that the chat request refuses is the caller's 400, named.
+        return parse(ChatCompletionRequest, {k: v for k, v in chat.items() if v is not None})
 
     def _messages(self) -> list[dict]:
         out: list[dict] = [{"role": "system", "content": self.instructions}] if self.instructions else []
