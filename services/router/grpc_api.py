@@ -11,7 +11,6 @@ from services.router.generation import Generation, new_request_id
 from services.router.protocol import MAX_CHOICES, APIError, bad_request
 from services.router import structured
 from services.router.sampling import resolve_sampling
-from services.router.structured import Structure
 from services.rpc import generate_pb2, generate_pb2_grpc
 from services.worker.wire import logprob_to_proto
 
@@ -48,7 +47,11 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
         prompt_ids = await self._prompt(request)
         s = request.sampling
         opt = lambda name: getattr(s, name) if s.HasField(name) else None  # noqa: E731
-        structure = await self._structure(s)
+        structure = await structured.resolve(self.fe, [
+            (f"sampling.{name}", kind, value) for name, kind, value in (
+                ("json_schema", "json", s.json_schema), ("regex", "regex", s.regex), ("grammar", "grammar", s.grammar),
+                ("structural_tag", "structural_tag", s.structural_tag), ("choice", "choice", list(s.choice)))
+            if value])
         params = resolve_sampling(
             prompt_len=len(prompt_ids), max_model_len=self.fe.max_model_len, vocab_size=self.fe.vocab_size,
             max_tokens=opt("max_tokens"), temperature=opt("temperature"), top_p=opt("top_p"), top_k=opt("top_k"),
@@ -66,20 +69,6 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
         for gen in gens:
             gen.client_id = request.request_id
         return gens
-
-    async def _structure(self, s: generate_pb2.SamplingParams) -> Structure | None:
-        """The one kind of structured output `s` asks for, checked (structured.py)."""
-        wanted = [(kind, value) for kind, value in (("json", s.json_schema), ("regex", s.regex),
-                                                    ("grammar", s.grammar), ("structural_tag", s.structural_tag),
-                                                    ("choice", list(s.choice))) if value]
-        if len(wanted) > 1:
-            raise bad_request("only one kind of structured output may be asked for: json_schema, regex, grammar, "
-                              "structural_tag or choice", param=f"sampling.{wanted[1][0]}")
-        if not wanted:
-            return None
-        kind, value = wanted[0]
-        return await structured.check(self.fe, kind, value, "sampling.json_schema" if kind == "json"
-                                      else f"sampling.{kind}")
 
     def _tenant(self, context) -> str:
         """The caller's API key's tenant (RequireBearer has let only accepted keys in)."""

@@ -58,7 +58,7 @@ async def chat_generations(fe: FrontEnd, req: ChatCompletionRequest,
     """A chat request's generations and its tool plan (None: no tools)."""
     req.check()
     tools = plan_tools(req, fe.supports_tools)
-    structure = await structured.resolve(fe, req)
+    structure = await structured.resolve(fe, structured.asked(req))
     if tools is not None and tools.schema:
         structure = "json_schema", await fe.check_schema(tools.schema, "tools")
     elif tools is not None and structure is not None and structure[0] == "json_schema":
@@ -211,7 +211,7 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
         echo_only = req.echo and req.max_tokens == 0
         scored = [k for k in (logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
         request_id = new_request_id("cmpl")
-        structure = await structured.resolve(fe, req)
+        structure = await structured.resolve(fe, structured.asked(req))
         many = len(req.prompts) > 1
         prompts, echoes = [], []
         for p, prompt in enumerate(req.prompts):

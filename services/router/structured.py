@@ -62,9 +62,9 @@ def asked(req: CommonRequest) -> list[tuple[str, str, object]]:
     return out
 
 
-async def resolve(fe, req: CommonRequest) -> Structure | None:
-    """The constraint `req` asks for, checked as far as the router can; None for free text."""
-    wanted = asked(req)
+async def resolve(fe, wanted: list[tuple[str, str, object]]) -> Structure | None:
+    """The one constraint `wanted` (`asked`'s list, or gRPC's fields in its form) asks
+    for, checked as far as the router can; None for free text."""
     if not wanted:
         return None
     if len(wanted) > 1:
