@@ -21,7 +21,6 @@ import httpx
 from bench.up import running_up, write_json
 
 
-
 def _turn_two(base: str, i: int, answer_tokens: int) -> dict:
     msgs = [{"role": "system", "content": f"You are assistant number {i}. Answer in detail."},
             {"role": "user", "content": f"Tell me about the history of city number {i} in Europe."}]

@@ -41,6 +41,8 @@ def test_a_salt_keeps_its_prompts_blocks_to_itself():
     salt's own, and a prompt finds only blocks cached under its own salt."""
     plain, a, b = (block_hashes(list(range(12)), BS, salt) for salt in ("", "tenant-a", "tenant-b"))
     assert not set(plain) & set(a) and not set(a) & set(b) and a == block_hashes(list(range(12)), BS, "tenant-a")
+    assert block_hashes(list(range(12)), BS, "tenant-a", known=a[:2]) == a          # the chain goes on from them
+    assert block_hashes(list(range(6)), BS, "tenant-a", known=a) == a[:1]
     cache = BlockManager(BlockPool(16, BS), prefix_caching=True)
     done(cache, cache.acquire(list(range(10)), salt="tenant-a"))
     for salt in ("", "tenant-b"):

@@ -74,9 +74,10 @@ class BlockManager:
             idle = [self._key_of[b] for b in reversed(self._idle)]
         return (busy + idle)[:limit]
 
-    def keys_of(self, token_ids: Sequence[int], salt: str = "") -> list[int]:
-        """The keys of `token_ids`' full blocks (none with prefix caching off)."""
-        return block_hashes(token_ids, self.block_size, salt) if self.prefix_caching else []
+    def keys_of(self, token_ids: Sequence[int], salt: str = "", known: Sequence[int] = ()) -> list[int]:
+        """The keys of `token_ids`' full blocks (none with prefix caching off), going on
+        from the `known` keys of its leading ones."""
+        return block_hashes(token_ids, self.block_size, salt, known) if self.prefix_caching else []
 
     def acquire(self, token_ids: Sequence[int], reuse: bool = True, salt: str = "") -> PrefixHit:
         """Blocks for a whole prompt: its cached leading blocks (referenced) plus new

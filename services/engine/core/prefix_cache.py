@@ -20,12 +20,14 @@ from typing import Container, Sequence
 _SEED = 0x5044_5345_5256_4531        # any fixed value: "PDSERVE1"
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, salt: str = "") -> list[int]:
-    """Chained 64-bit keys of the prompt's full blocks, in order, under `salt`."""
-    keys: list[int] = []
-    prev = _SEED if not salt else int.from_bytes(
+def block_hashes(token_ids: Sequence[int], block_size: int, salt: str = "", known: Sequence[int] = ()) -> list[int]:
+    """Chained 64-bit keys of the prompt's full blocks, in order, under `salt`. `known`:
+    keys of its leading blocks computed before (under the same salt); the chain goes on
+    from them."""
+    keys = list(known[:len(token_ids) // block_size])
+    prev = keys[-1] if keys else _SEED if not salt else int.from_bytes(
         hashlib.blake2b(salt.encode(), digest_size=8, key=_SEED.to_bytes(8, "little")).digest(), "little")
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
+    for start in range(len(keys) * block_size, len(token_ids) - block_size + 1, block_size):
         block = token_ids[start:start + block_size]
         digest = hashlib.blake2b(struct.pack(f"<Q{block_size}I", prev, *block), digest_size=8).digest()
         prev = int.from_bytes(digest, "little")

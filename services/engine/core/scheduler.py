@@ -545,7 +545,9 @@ class Scheduler:
         else:
             # Its output's full blocks too: the next turn of a conversation begins with
             # this prompt and this output (their KV is in the blocks up to num_computed).
-            seq.keys = self.blocks.keys_of(seq.token_ids[:seq.num_computed], seq.params.cache_salt) or seq.keys
+            # The prompt's keys, from its admission, are not hashed again.
+            seq.keys = self.blocks.keys_of(seq.token_ids[:seq.num_computed], seq.params.cache_salt, seq.keys) \
+                or seq.keys
             self._free_blocks(seq)
 
     def _free_blocks(self, seq: Sequence) -> None:
