@@ -604,3 +604,127 @@ def test_an_agent_runs_a_tool(tools_router):
                          model_settings=agents.ModelSettings(tool_choice="required", max_tokens=60, temperature=0))
     result = agents.Runner.run_sync(agent, ASK)
     assert len(calls) == 1 and result.final_output == f"sunny in {calls[0]}"
+
+
+# ---- Anthropic's Messages API, with its own SDK ----
+
+def _anthropic(http: str):
+    anthropic = pytest.importorskip("anthropic")
+    return anthropic.Anthropic(base_url=http, api_key="unused", max_retries=0, timeout=120)
+
+
+GREEDY = {"temperature": 0}                 # the SDK's newest create() names no sampling fields
+
+
+def test_messages_text_is_the_chat_completions(cluster):
+    """Text in, text out, whole and streamed, with Anthropic's SDK: the same tokens as the
+    chat API given the same conversation (system as its system message), the prompt's
+    cached tokens apart from the rest as Anthropic counts them; cut by max_tokens, or
+    ended by a stop sequence, the stop reason says which; count_tokens counts the prompt."""
+    client, openai_client = _anthropic(cluster.http), _client(cluster.http)
+    kw = dict(model=MODEL, system=CHAT[0]["content"], messages=[CHAT[1]], max_tokens=24, extra_body=GREEDY)
+
+    def streamed():
+        with client.messages.stream(**kw) as stream:
+            return [e for e in stream], stream.get_final_message()
+    with ThreadPoolExecutor(6) as pool:             # all at once: each is checked on its own
+        asked = [pool.submit(openai_client.chat.completions.create, model=MODEL, messages=CHAT, max_tokens=24,
+                             temperature=0),
+                 pool.submit(client.messages.create, **kw),
+                 pool.submit(streamed),
+                 pool.submit(client.messages.create, model=MODEL, messages=[{"role": "user", "content": ASK}],
+                             max_tokens=3, extra_body=GREEDY),
+                 pool.submit(client.messages.create, model=MODEL, messages=[{"role": "user", "content": ASK}],
+                             max_tokens=24, extra_body=GREEDY),
+                 pool.submit(client.messages.count_tokens, model=MODEL, system=CHAT[0]["content"],
+                             messages=[CHAT[1]])]
+        chat, m, (events, final), cut, long, counted = (f.result() for f in asked)
+    text = chat.choices[0].message.content
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == text
+    assert m.id.startswith("msg_") and m.role == "assistant" and m.model == MODEL
+    assert m.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[chat.choices[0].finish_reason]
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == chat.usage.prompt_tokens == counted.input_tokens
+    assert m.usage.output_tokens == chat.usage.completion_tokens
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["message_start", "content_block_start"] and kinds[-3:] == [
+        "content_block_stop", "message_delta", "message_stop"]
+    assert set(kinds[2:-3]) == {"text"} | {"content_block_delta"}     # the helper's text events beside the deltas
+    assert final.content[0].text == text and final.stop_reason == m.stop_reason
+    assert final.usage.output_tokens == m.usage.output_tokens and final.id == events[0].message.id
+    assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 3
+    # A stop sequence from the middle of the answer: the text before it, and which one it was.
+    words = long.content[0].text.split()
+    stop = words[len(words) // 2]
+    ended = client.messages.create(model=MODEL, messages=[{"role": "user", "content": ASK}], max_tokens=24,
+                                   stop_sequences=["\u00a7never", stop], extra_body=GREEDY)
+    assert ended.stop_reason == "stop_sequence" and ended.stop_sequence == stop
+    assert long.content[0].text.startswith(ended.content[0].text) and stop not in ended.content[0].text
+
+
+def test_messages_tool_use(tools_router):
+    """A forced call (one tool, or any), whole and streamed: a tool_use block whose input
+    meets the tool's schema, stop reason tool_use; then the conversation goes on with its
+    tool_result."""
+    client = _anthropic(tools_router)
+    tool = {"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": ASK}], tools=[tool], max_tokens=60,
+              extra_body=GREEDY)
+
+    def forced(choice):
+        def stream():
+            with client.messages.stream(**kw, tool_choice=choice) as events:
+                deltas = "".join(e.delta.partial_json for e in events
+                                 if e.type == "content_block_delta" and e.delta.type == "input_json_delta")
+                return deltas, events.get_final_message()
+        with ThreadPoolExecutor(2) as pool:
+            whole, streamed = pool.submit(client.messages.create, **kw, tool_choice=choice), pool.submit(stream)
+            return whole.result(), *streamed.result()
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(forced, ({"type": "tool", "name": "get_weather"},
+                                         {"type": "any", "disable_parallel_tool_use": True})))
+    for m, deltas, final in answers:
+        (call,) = [b for b in m.content if b.type == "tool_use"]
+        assert call.name == "get_weather" and call.id.startswith("toolu_") and m.stop_reason == "tool_use"
+        jsonschema.validate(call.input, WEATHER["parameters"])
+        (streamed,) = [b for b in final.content if b.type == "tool_use"]
+        assert streamed.input == json.loads(deltas) == call.input and final.stop_reason == "tool_use"
+    follow = client.messages.create(model=MODEL, tools=[tool], max_tokens=8, extra_body=GREEDY, messages=[
+        {"role": "user", "content": ASK},
+        {"role": "assistant", "content": [{"type": "text", "text": "Let me look."},
+                                          {"type": "tool_use", "id": call.id, "name": call.name,
+                                           "input": call.input}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                      "content": [{"type": "text", "text": '{"sky": "clear", "celsius": 21}'}]},
+                                     {"type": "text", "text": "And tomorrow?"}]}])
+    assert follow.stop_reason in ("end_turn", "max_tokens", "tool_use") and follow.content
+
+
+@pytest.mark.parametrize("body, status, kind, words", [
+    ({"max_tokens": None}, 400, "invalid_request_error", "max_tokens"),
+    ({"max_tokens": 0}, 400, "invalid_request_error", "max_tokens"),
+    ({"max_tokens": 10**6}, 400, "invalid_request_error", "context length"),
+    ({"messages": []}, 400, "invalid_request_error", "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
+     "invalid_request_error", "'image'"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "invalid_request_error",
+     "server tool"),
+    ({"tool_choice": {"type": "tool"}}, 400, "invalid_request_error", "tool_choice"),
+    ({"mcp_servers": [{"type": "url", "url": "https://example.com"}]}, 400, "invalid_request_error", "mcp_servers"),
+    ({"stop_sequences": ["x"] * 100}, 400, "invalid_request_error", "stop_sequences"),
+    ({"model": "claude-opus-4"}, 404, "not_found_error", "claude-opus-4"),
+])
+def test_messages_errors_are_anthropics(cluster, body, status, kind, words):
+    """Each refusal is Anthropic's error object, its type by status, naming what is wrong;
+    the SDK raises its own error class for it."""
+    anthropic = pytest.importorskip("anthropic")
+    request = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], **body}
+    request = {k: v for k, v in request.items() if v is not None}
+    r = _post(cluster.http, "/v1/messages", request)
+    assert r.status_code == status, r.text
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == kind and words in r.json()["error"]["message"]
+    if "max_tokens" not in request:                 # the SDK itself requires it
+        return
+    named = {k: request.pop(k) for k in ("model", "max_tokens", "messages")}
+    with pytest.raises(anthropic.APIStatusError) as e:
+        _anthropic(cluster.http).messages.create(**named, extra_body=request)
+    assert e.value.status_code == status and e.value.body["error"]["type"] == kind

@@ -137,14 +137,27 @@ def test_key_check_compares_every_key_and_refuses_what_is_not_one():
 
 
 def test_https_api_keys_with_the_official_client(secure):
-    """HTTPS verified against the test CA: either key is served; a missing or wrong key
-    gets OpenAI's 401 (the client raises AuthenticationError)."""
+    """HTTPS verified against the test CA: either key is served, as OpenAI's clients send
+    it or as Anthropic's; a missing or wrong key gets a 401 (each client raises its
+    AuthenticationError)."""
     assert _chat(secure.openai(KEYS[0])) in ("stop", "length")
     assert _chat(secure.openai(KEYS[1])) in ("stop", "length")            # the one from --api-key-file
     for key in ("sk-wrong", KEYS[0] + "x", KEYS[0][:-1]):
         with pytest.raises(openai.AuthenticationError) as e:
             _chat(secure.openai(key))
         assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    # Anthropic's SDK sends its key as x-api-key, and gets Anthropic's error object.
+    anthropic = pytest.importorskip("anthropic")
+
+    def message(key: str):
+        client = anthropic.Anthropic(base_url=secure.http, api_key=key, max_retries=0,
+                                     http_client=anthropic.DefaultHttpxClient(verify=secure.tls_context(), timeout=120))
+        return client.messages.create(model="SmolLM2-135M-Instruct", max_tokens=2,
+                                      messages=[{"role": "user", "content": "Hi"}])
+    assert message(KEYS[1]).stop_reason in ("end_turn", "max_tokens")
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        message("sk-wrong")
+    assert e.value.body["error"]["type"] == "authentication_error"
     r = httpx.get(f"{secure.http}/v1/models", verify=secure.tls_context())         # no key at all
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
     assert "didn't provide an API key" in r.json()["error"]["message"]

@@ -47,3 +47,27 @@ def test_an_auto_stream_splits_into_the_same_content_and_calls_however_chunked(s
     assert _names(calls) == _names(whole_calls) and stream.calls == 2
     assert "".join(content) == "Checking.  and  <tool_call>{oops}</tool_call> bye <tool_"
     assert "".join(content).strip() == whole_content
+
+
+@pytest.mark.parametrize("one_text", [True, False], ids=["one_text_item", "a_text_item_between_calls"])
+def test_output_items_of_an_auto_stream(one_text):
+    """Items as the Responses API has them (all the text one item, wherever the calls
+    fall) and as Anthropic's content blocks have them (never overlapping: a call ends the
+    text before it, and text after it is a block of its own)."""
+    from services.router.output_items import ItemStream
+    items = ItemStream(ToolPlan([], "auto"), one_text=one_text)
+    steps = [s for i in range(0, len(TEXT), 7) for s in items.feed(TEXT[i:i + 7])] + items.close()
+    opened = [(s.index, s.kind) for s in steps if s.kind.startswith("open")]
+    closed = [(s.index, s.kind) for s in steps if s.kind.startswith("close")]
+    texts = {s.index: s.delta for s in steps if s.kind == "close_text"}
+    calls = [s.call for s in steps if s.kind == "close_call"]
+    assert _names(calls) == [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
+    for index, text in texts.items():                   # each text item's deltas add up to it
+        assert "".join(s.delta for s in steps if s.kind == "text" and s.index == index) == text
+    if one_text:
+        assert opened == [(0, "open_text"), (1, "open_call"), (2, "open_call")]
+        assert texts == {0: "Checking.  and  <tool_call>{oops}</tool_call> bye <tool_"}
+    else:
+        assert opened == [(0, "open_text"), (1, "open_call"), (2, "open_text"), (3, "open_call"), (4, "open_text")]
+        assert [index for index, _ in closed] == [0, 1, 2, 3, 4]        # each ends before the next begins
+        assert texts == {0: "Checking. ", 2: " and ", 4: " <tool_call>{oops}</tool_call> bye <tool_"}

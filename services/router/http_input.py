@@ -24,21 +24,37 @@ HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 T = TypeVar("T")
 
 
-def error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+# Anthropic's error types by HTTP status; others by class (4xx, 5xx).
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error(exc: APIError) -> dict:
+    """The error object of Anthropic's API (its Messages routes)."""
+    kind = _ANTHROPIC_TYPES.get(exc.status, "invalid_request_error" if exc.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": exc.message}}
+
+
+def error_response(exc: APIError, path: str = "") -> JSONResponse:
+    """The error as the API at `path` writes errors: Anthropic's on its Messages routes,
+    OpenAI's elsewhere."""
+    body = anthropic_error(exc) if path.startswith("/v1/messages") else exc.body()
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
 
 def unauthorized(authorization: str | None) -> APIError:
-    message = ("You didn't provide an API key: send it as Authorization: Bearer YOUR_KEY." if not authorization
-               else "Incorrect API key provided.")
+    message = ("You didn't provide an API key: send it as Authorization: Bearer YOUR_KEY (or x-api-key: YOUR_KEY)."
+               if not authorization else "Incorrect API key provided.")
     return APIError(401, message, code="invalid_api_key", grpc_code="UNAUTHENTICATED",
                     headers={"WWW-Authenticate": "Bearer"})
 
 
 class RequireAPIKey:
-    """ASGI middleware: refuses requests without an accepted key, but for open paths.
-    Plain ASGI (not BaseHTTPMiddleware): streamed responses and disconnects pass through
-    untouched."""
+    """ASGI middleware: refuses requests without an accepted key, but for open paths. The
+    key comes as OpenAI's clients send it (`Authorization: Bearer`) or Anthropic's
+    (`x-api-key`). Plain ASGI (not BaseHTTPMiddleware): streamed responses and
+    disconnects pass through untouched."""
 
     def __init__(self, app, keys: KeyCheck, open_paths: frozenset[str]) -> None:
         self.app = app
@@ -49,12 +65,15 @@ class RequireAPIKey:
         if scope["type"] != "http" or scope["path"] in self.open_paths or scope["method"] == "OPTIONS":
             return await self.app(scope, receive, send)
         authorization = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+        if authorization is None:
+            key = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-api-key"), None)
+            authorization = key and f"Bearer {key}"
         tenant = self.keys.tenant_of_header(authorization)
         if tenant:
             scope.setdefault("state", {})["tenant"] = tenant        # request.state.tenant: the router's queue
             TENANT.set(tenant)                                       # and the tokenizer's turns
             return await self.app(scope, receive, send)
-        await error_response(unauthorized(authorization))(scope, receive, send)
+        await error_response(unauthorized(authorization), scope["path"])(scope, receive, send)
 
 
 REQUEST_ID_MAX = 128

@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP front end: /v1/chat/completions, /v1/completions, /v1/responses,
 /v1/models, vLLM's /tokenize, /detokenize and /tokenizer_info, plus /health, /ready and
-/metrics. Requests run as `RunningRequest` tasks (frontend.py), so a client that
+/metrics; and Anthropic's /v1/messages and /v1/messages/count_tokens. Requests run as `RunningRequest` tasks (frontend.py), so a client that
 disconnects cancels its request on every worker; choices.py writes the completions' answers.
 
 With API keys, every route but /health, /ping and /ready (and /metrics, unless protected) needs
@@ -28,6 +28,8 @@ from services.router.http_input import (HTTP_CODES, error_response, RequireAPIKe
 from services.router.generation import Generation, new_request_id
 from services.router.protocol import (APIError, ChatCompletionRequest, CommonRequest, CompletionRequest,
                                       DetokenizeRequest, TokenizeRequest, unsupported)
+from services.router.messages import (CountTokensRequest, MessagesRequest, MessageWriter, in_messages_terms,
+                                      new_message_id)
 from services.router.responses import ResponsesRequest, ResponseWriter, in_responses_terms, new_response_id
 from services.router import structured
 from services.router.sampling import resolve_sampling
@@ -125,28 +127,31 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
         app.add_middleware(RequireAPIKey, keys=keys, open_paths=frozenset(open_paths))
     if allowed_origins:                         # outside the key check: preflights carry no key
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["authorization", "content-type", "x-request-id"],
+                           allow_headers=["authorization", "content-type", "x-request-id", "x-api-key",
+                                          "anthropic-version", "anthropic-beta"],
                            expose_headers=["x-pdserve-route", "x-request-id"], max_age=600)
     app.add_middleware(RequestId)
     app.add_middleware(AccessLogMiddleware, metrics=fe.cluster.metrics)     # outside RequestId: sees its header
     _describe_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-                           "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest,
+                           "/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest,
+                           "/v1/messages/count_tokens": CountTokensRequest, "/tokenize": TokenizeRequest,
                            "/detokenize": DetokenizeRequest})
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         """Unknown paths, wrong methods: the same OpenAI-style error object as the rest."""
         return error_response(APIError(exc.status_code, str(exc.detail), code=HTTP_CODES.get(exc.status_code),
-                                       headers=dict(exc.headers or {})))
+                                       headers=dict(exc.headers or {})), request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         log.exception("unhandled error on %s", request.url.path)
-        return error_response(APIError(500, f"internal error: {type(exc).__name__}", type_="server_error"))
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}", type_="server_error"),
+                              request.url.path)
 
     @app.get("/health")
     @app.head("/health")
@@ -248,6 +253,41 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
         except APIError as exc:
             return error_response(exc)
         return JSONResponse(writer.whole(result), headers={"x-pdserve-route": gen.route()})
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        req = parse(MessagesRequest, await read_json(request, fe.max_body_bytes))
+        fe.check_model(req.model)
+        req.check()
+        message_id = new_message_id()
+        try:
+            (gen,), tools = await chat_generations(fe, req.to_chat(), message_id)
+            running = fe.start([gen], tenant=tenant_of(request))
+        except APIError as exc:
+            raise in_messages_terms(exc) from None
+        writer = MessageWriter(req, message_id, fe.served_model_name, tools, gen)
+        if req.stream:
+            return StreamingResponse(writer.events(running, fe.sse_keepalive), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            (result,) = await unless_disconnected(request, running.collect())
+        except APIError as exc:
+            return error_response(exc, request.url.path)
+        return JSONResponse(writer.whole(result), headers={"x-pdserve-route": gen.route()})
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        """The prompt's tokens as /v1/messages would count them: nothing generated."""
+        req = parse(CountTokensRequest, await read_json(request, fe.max_body_bytes))
+        fe.check_model(req.model)
+        req.check()
+        try:
+            chat = req.to_chat()
+            tools = plan_tools(chat, fe.supports_tools)
+            ids = await fe.tokenize_chat([m.for_template() for m in chat.messages], tools and tools.tools)
+        except APIError as exc:
+            raise in_messages_terms(exc) from None
+        return {"input_tokens": len(ids)}
 
     @app.get("/tokenizer_info")
     async def get_tokenizer_info():

@@ -25,7 +25,8 @@ from services.router.http_input import parse
 from services.router.protocol import (STRICT, APIError, CacheSalt, ChatCompletionRequest, FunctionName, Number,
                                       ReasoningEffort, Unimplemented, bad_request, text_parts_only, unsupported)
 from services.router.choices import SSE_KEEPALIVE, sse_json
-from services.router.tools import CallStream, ToolPlan, new_call, parse_calls
+from services.router.output_items import ItemStream, Step
+from services.router.tools import ToolPlan, parse_calls
 
 # The chat request's fields as this API names them, for errors raised on the chat path.
 _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
@@ -360,112 +361,50 @@ def _output_text(text: str) -> dict:
 
 
 class _EventStream:
-    """The output items of one streamed response, as their events: text goes to one
-    message item, opened when the first text comes; each call is a function_call item
-    (a named call's arguments stream as they come; the others' go whole once known)."""
+    """The output items of one streamed response (output_items.py), as its events."""
 
     def __init__(self, writer: ResponseWriter) -> None:
         self.w = writer
+        self._items = ItemStream(writer.tools, empty_text=True)
         self._done: list[tuple[int, dict]] = []     # (output index, item) of the items done
-        self._indices = 0
-        self._message: int | None = None    # the open message's output index
-        self._text = ""
-        self._held = ""                     # "required" calls: known at the end
-        self._auto = CallStream()
-        self._named: tuple[int, dict] | None = None     # (output index, call) of a named call
-        self._arguments = ""
-
-    def _next_index(self) -> int:
-        self._indices += 1
-        return self._indices - 1
 
     def feed(self, text: str) -> list[bytes]:
-        tools = self.w.tools
-        if tools is None:
-            return self._say(text)
-        if tools.mode == "named":
-            return self._named_arguments(text)
-        if tools.mode == "auto":
-            content, calls = self._auto.feed(text)
-            return self._say(content) + [e for call in calls for e in self._whole_call(call)]
-        self._held += text
-        return []
+        return [e for step in self._items.feed(text) for e in self._events(step)]
 
     def close(self) -> list[bytes]:
-        tools, events = self.w.tools, []
-        if tools is not None and tools.mode == "auto":
-            events += self._say(self._auto.close())
-        elif tools is not None and tools.mode == "required":
-            text, calls = parse_calls(tools, self._held)
-            events += self._say(text or "") + [e for call in calls for e in self._whole_call(call)]
-        elif self._named is not None:
-            events += self._end_named()
-        if self._message is None and not self._done:
-            events += self._open_message()              # no text and no call: an empty message
-        if self._message is not None:
-            events += self._end_message()
-        return events
+        return [e for step in self._items.close() for e in self._events(step)]
 
     @property
     def output(self) -> list[dict]:
         """The items done, in output order."""
         return [item for _, item in sorted(self._done, key=lambda done: done[0])]
 
-    def _open_message(self) -> list[bytes]:
-        w, index = self.w, self._next_index()
-        self._message = index
-        return [w._event("response.output_item.added", output_index=index, item=w.message("", "in_progress")),
-                w._event("response.content_part.added", item_id=w.message_id, output_index=index, content_index=0,
-                         part=_output_text(""))]
-
-    def _say(self, text: str) -> list[bytes]:
-        if not text:
-            return []
-        events = self._open_message() if self._message is None else []
-        self._text += text
-        return events + [self.w._event("response.output_text.delta", item_id=self.w.message_id,
-                                       output_index=self._message, content_index=0, delta=text, logprobs=[])]
-
-    def _end_message(self) -> list[bytes]:
-        w, index, status = self.w, self._message, self.w._status()
-        item = w.message(self._text, status)
-        self._done.append((index, item))
-        return [w._event("response.output_text.done", item_id=w.message_id, output_index=index, content_index=0,
-                         text=self._text, logprobs=[]),
-                w._event("response.content_part.done", item_id=w.message_id, output_index=index, content_index=0,
-                         part=_output_text(self._text)),
-                w._event("response.output_item.done", output_index=index, item=item)]
-
-    def _named_arguments(self, text: str) -> list[bytes]:
-        w, events = self.w, []
-        if self._named is None:
-            self._named = (self._next_index(), new_call(w.tools.name, ""))
-            events.append(w._event("response.output_item.added", output_index=self._named[0],
-                                   item=w.function_call(self._named[1], "in_progress", "")))
-        if text:
-            self._arguments += text
-            item_id = w.function_call(self._named[1], "in_progress")["id"]
-            events.append(w._event("response.function_call_arguments.delta", item_id=item_id,
-                                   output_index=self._named[0], delta=text))
-        return events
-
-    def _end_named(self) -> list[bytes]:
-        index, call = self._named
-        return self._call_done(index, call, self._arguments)
-
-    def _whole_call(self, call: dict) -> list[bytes]:
-        w, index = self.w, self._next_index()
-        arguments = call["function"]["arguments"]
-        item = w.function_call(call, "in_progress", "")
-        return [w._event("response.output_item.added", output_index=index, item=item),
-                w._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                         delta=arguments),
-                *self._call_done(index, call, arguments)]
-
-    def _call_done(self, index: int, call: dict, arguments: str) -> list[bytes]:
-        w = self.w
-        item = w.function_call(call, "completed", arguments)
+    def _events(self, step: Step) -> list[bytes]:
+        w, index = self.w, step.index
+        if step.kind == "open_text":
+            return [w._event("response.output_item.added", output_index=index, item=w.message("", "in_progress")),
+                    w._event("response.content_part.added", item_id=w.message_id, output_index=index,
+                             content_index=0, part=_output_text(""))]
+        if step.kind == "text":
+            return [w._event("response.output_text.delta", item_id=w.message_id, output_index=index,
+                             content_index=0, delta=step.delta, logprobs=[])]
+        if step.kind == "close_text":
+            item = w.message(step.delta, w._status())
+            self._done.append((index, item))
+            return [w._event("response.output_text.done", item_id=w.message_id, output_index=index,
+                             content_index=0, text=step.delta, logprobs=[]),
+                    w._event("response.content_part.done", item_id=w.message_id, output_index=index,
+                             content_index=0, part=_output_text(step.delta)),
+                    w._event("response.output_item.done", output_index=index, item=item)]
+        if step.kind == "open_call":
+            return [w._event("response.output_item.added", output_index=index,
+                             item=w.function_call(step.call, "in_progress", ""))]
+        if step.kind == "arguments":
+            return [w._event("response.function_call_arguments.delta",
+                             item_id=w.function_call(step.call, "in_progress")["id"], output_index=index,
+                             delta=step.delta)]
+        item = w.function_call(step.call, "completed", step.delta)         # close_call
         self._done.append((index, item))
         return [w._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                         name=item["name"], arguments=arguments),
+                         name=item["name"], arguments=step.delta),
                 w._event("response.output_item.done", output_index=index, item=item)]

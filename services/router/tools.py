@@ -141,8 +141,14 @@ class CallStream:
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         """(content to send, calls completed) after `text`."""
+        pieces = self.pieces(text)
+        return "".join(p for p in pieces if isinstance(p, str)), [p for p in pieces if isinstance(p, dict)]
+
+    def pieces(self, text: str) -> list[str | dict]:
+        """What `text` completes, in order: content (str) and calls (dict)."""
         self._held += text
-        content, calls = [], []
+        content: list[str | dict] = []
+        calls = 0
         while True:
             if self._in_call:
                 end = self._held.find(CLOSE)
@@ -150,7 +156,8 @@ class CallStream:
                     break
                 call = _hermes_call(self._held[:end].strip())
                 if call is not None:
-                    calls.append(call)
+                    content.append(call)
+                    calls += 1
                 else:                           # not a call after all: it was text
                     content.append(OPEN + self._held[:end + len(CLOSE)])
                 self._held = self._held[end + len(CLOSE):]
@@ -166,8 +173,8 @@ class CallStream:
             content.append(self._held[:len(self._held) - keep])
             self._held = self._held[len(self._held) - keep:]
             break
-        self.calls += len(calls)
-        return "".join(content), calls
+        self.calls += calls
+        return [p for p in content if p != ""]
 
     def close(self) -> str:
         """What is left at the end: text, or an unclosed call given back as text."""

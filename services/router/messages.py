@@ -1,0 +1,432 @@
+"""Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`), served
+through the chat pipeline, as vLLM and SGLang serve it: the `anthropic` SDK and the
+agents built on it (Claude Code among them) pointed at pdserve.
+
+A request becomes a chat completion request: `system` a system message, the messages
+the conversation (an assistant's tool_use blocks its tool calls, a user's tool_result
+blocks tool messages), custom tools and `tool_choice` the chat's (tools.py). What comes
+back is a Message: a text block and a tool_use block per call, or, streamed, the
+Messages events in the order the SDK's `messages.stream()` folds them. Errors on these
+routes are Anthropic's error objects. Images, documents, server tools and MCP servers
+are refused by name; `thinking` and `cache_control` are taken and change nothing (the
+prefix cache needs no marks, and no reasoning is parsed out of a model's output)."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Annotated, AsyncIterator, ClassVar, Literal, Union
+
+from pydantic import BaseModel, Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag, field_validator
+from pydantic_core import PydanticCustomError
+
+from services.router.choices import sse_json
+from services.router.frontend import Collected, RunningRequest
+from services.router.generation import Generation
+from services.router.http_input import anthropic_error, parse
+from services.router.output_items import ItemStream, Step
+from services.router.protocol import (STRICT, APIError, ChatCompletionRequest, FunctionName, Number, Unimplemented,
+                                      bad_request)
+from services.router.tools import ToolPlan, parse_calls
+
+# The chat request's fields as this API names them, for errors raised on the chat path.
+_PARAMS = {"stop": "stop_sequences", "response_format": "output_config.format",
+           "response_format.json_schema": "output_config.format",
+           "response_format.json_schema.schema": "output_config.format.schema",
+           "reasoning_effort": "output_config.effort"}
+
+_TEXT_KINDS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+
+
+class TextBlock(BaseModel):
+    model_config = STRICT
+    type: Literal["text"]
+    text: StrictStr
+    cache_control: dict | None = None
+    citations: list | None = None
+
+
+class ToolUseBlock(BaseModel):
+    """A call the model made earlier, sent back with the conversation."""
+    model_config = STRICT
+    type: Literal["tool_use"]
+    id: StrictStr
+    name: StrictStr
+    input: dict
+    cache_control: dict | None = None
+    caller: dict | None = None
+    toolset_name: StrictStr | None = None
+
+
+def _text_blocks_only(value):
+    return value if isinstance(value, str) else _only(value, ("text",))
+
+
+class ToolResultBlock(BaseModel):
+    """The caller's result of a call."""
+    model_config = STRICT
+    type: Literal["tool_result"]
+    tool_use_id: StrictStr
+    content: StrictStr | list[TextBlock] | None = None
+    is_error: StrictBool | None = None
+    cache_control: dict | None = None
+    toolset_name: StrictStr | None = None
+
+    _parts = field_validator("content", mode="before")(_text_blocks_only)
+
+    def text(self) -> str:
+        text = _text(self.content)
+        return f"Error: {text}" if self.is_error else text
+
+
+class ThinkingBlock(BaseModel):
+    """An earlier turn's reasoning, sent back: not part of the prompt."""
+    model_config = STRICT
+    type: Literal["thinking"]
+    thinking: StrictStr
+    signature: StrictStr | None = None
+
+
+class RedactedThinkingBlock(BaseModel):
+    model_config = STRICT
+    type: Literal["redacted_thinking"]
+    data: StrictStr
+
+
+def _block_type(block) -> str | None:
+    return block.get("type") if isinstance(block, dict) else getattr(block, "type", None)
+
+
+Block = Annotated[Union[Annotated[TextBlock, Tag("text")], Annotated[ToolUseBlock, Tag("tool_use")],
+                        Annotated[ToolResultBlock, Tag("tool_result")], Annotated[ThinkingBlock, Tag("thinking")],
+                        Annotated[RedactedThinkingBlock, Tag("redacted_thinking")]],
+                  Discriminator(_block_type)]
+
+
+def _only(blocks, kinds: tuple[str, ...]):
+    """Blocks as they are, unless one is of a kind this server cannot read (an image, a
+    document): refused by its place and kind."""
+    if isinstance(blocks, list):
+        for i, block in enumerate(blocks):
+            kind = _block_type(block)
+            if isinstance(kind, str) and kind not in kinds:
+                raise PydanticCustomError("not_implemented", "block {index} is of type '{kind}': this model reads "
+                                          "text blocks only", {"index": i, "kind": kind[:40]})
+    return blocks
+
+
+def _text(content) -> str:
+    if content is None:
+        return ""
+    return content if isinstance(content, str) else "".join(b.text for b in content)
+
+
+class Message(BaseModel):
+    model_config = STRICT
+    role: Literal["user", "assistant"]
+    content: StrictStr | list[Block]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _readable(cls, v):
+        return _only(v, _TEXT_KINDS)
+
+
+class Tool(BaseModel):
+    """A custom tool. Anthropic's server tools (web search, code execution, ...) run on
+    Anthropic's servers: refused by their type. Its options for how Anthropic loads and
+    streams tools change nothing here."""
+    model_config = STRICT
+    type: Literal["custom"] | None = None
+    name: FunctionName
+    description: StrictStr | None = None
+    input_schema: dict
+    cache_control: dict | None = None
+    strict: StrictBool | None = None
+    allowed_callers: list | None = None
+    defer_loading: StrictBool | None = None
+    eager_input_streaming: StrictBool | None = None
+    input_examples: list[dict] | None = None
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _custom(cls, v):
+        if v not in (None, "custom"):
+            raise PydanticCustomError("not_implemented", "tool type '{kind}' is a server tool, which pdserve does "
+                                      "not run: only custom tools", {"kind": str(v)[:40]})
+        return v
+
+
+class ToolChoice(BaseModel):
+    model_config = STRICT
+    type: Literal["auto", "any", "tool", "none"]
+    name: StrictStr | None = None
+    disable_parallel_tool_use: StrictBool | None = None
+
+
+class Thinking(BaseModel):
+    model_config = STRICT
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
+    budget_tokens: StrictInt | None = None
+    display: Literal["summarized", "omitted"] | None = None
+
+
+class OutputFormat(BaseModel):
+    model_config = STRICT
+    type: Literal["json_schema"]
+    schema_: dict = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    """Anthropic's structured output (`format`: the chat's json_schema response_format)
+    and effort (the chat template's reasoning_effort, as vLLM passes it)."""
+    model_config = STRICT
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: OutputFormat | None = None
+
+
+class Metadata(BaseModel):
+    model_config = STRICT
+    user_id: StrictStr | None = None
+
+
+class MessagesRequest(BaseModel):
+    model_config = STRICT
+    union_tags: ClassVar[frozenset[str]] = frozenset(_TEXT_KINDS)
+    model: StrictStr
+    max_tokens: StrictInt
+    messages: list[Message]
+    system: StrictStr | list[TextBlock] | None = None
+    stop_sequences: list[StrictStr] | None = None
+    stream: StrictBool = False
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    metadata: Metadata | None = None
+    output_config: OutputConfig | None = None
+    thinking: Thinking | None = None                    # taken; no reasoning is parsed out
+    # Anthropic's account and routing options: taken, no effect here
+    cache_control: dict | None = None                   # the prefix cache needs no marks
+    diagnostics: dict | None = None
+    inference_geo: StrictStr | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None
+    speed: Literal["standard", "fast"] | None = None
+    user_profile_id: StrictStr | None = None
+    workspace_id: StrictStr | None = None
+    # Anthropic's own server-side features: null only
+    container: Unimplemented = None
+    mcp_servers: Unimplemented = None
+    context_management: Unimplemented = None
+
+    _system = field_validator("system", mode="before")(_text_blocks_only)
+
+    def check(self) -> None:
+        self._check_messages()
+        if self.max_tokens < 1:
+            raise bad_request("max_tokens: must be at least 1", param="max_tokens")
+        choice = self.tool_choice
+        if choice is not None and choice.type == "tool" and not choice.name:
+            raise bad_request("tool_choice: type 'tool' needs the tool's name", param="tool_choice.name")
+
+    def _check_messages(self) -> None:
+        if not self.messages:
+            raise bad_request("messages: at least one message is required", param="messages")
+
+    def to_chat(self) -> ChatCompletionRequest:
+        """The same request as a chat completion."""
+        config = self.output_config
+        chat: dict = {"messages": self.chat_messages(), "max_tokens": self.max_tokens,
+                      "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                      "stop": self.stop_sequences or None, "user": self.metadata and self.metadata.user_id,
+                      "reasoning_effort": config and config.effort}
+        if config is not None and config.format is not None:
+            chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output",
+                                                                              "schema": config.format.schema_}}
+        chat.update(self.chat_tools())
+        return parse(ChatCompletionRequest, {k: v for k, v in chat.items() if v is not None})
+
+    def chat_tools(self) -> dict:
+        """The chat request's tools and tool_choice."""
+        out: dict = {}
+        if self.tools:
+            out["tools"] = [{"type": "function", "function": {
+                "name": t.name, "parameters": t.input_schema,
+                **({"description": t.description} if t.description is not None else {})}} for t in self.tools]
+        choice = self.tool_choice
+        if choice is not None:
+            out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or \
+                {"type": "function", "function": {"name": choice.name}}
+            if choice.disable_parallel_tool_use:
+                out["parallel_tool_calls"] = False
+        return out
+
+    def chat_messages(self) -> list[dict]:
+        out: list[dict] = [{"role": "system", "content": _text(self.system)}] if self.system else []
+        for message in self.messages:
+            if isinstance(message.content, str):
+                out.append({"role": message.role, "content": message.content})
+                continue
+            text, calls = [], []
+            for block in message.content:
+                if isinstance(block, TextBlock):
+                    text.append(block.text)
+                elif isinstance(block, ToolUseBlock):
+                    calls.append({"id": block.id, "type": "function", "function": {
+                        "name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}})
+                elif isinstance(block, ToolResultBlock):     # a tool message each, in order
+                    if text:
+                        out.append({"role": message.role, "content": "".join(text)})
+                        text = []
+                    out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
+            if text or calls or not message.content:
+                m = {"role": message.role, "content": "".join(text) if text or not calls else None}
+                if calls:
+                    m["tool_calls"] = calls
+                out.append(m)
+        return out
+
+
+class CountTokensRequest(MessagesRequest):
+    """What /v1/messages/count_tokens reads: a Messages request, but for what only
+    generating needs."""
+    max_tokens: StrictInt | None = None
+    stream: StrictBool = False
+
+    def check(self) -> None:
+        self._check_messages()
+
+
+def in_messages_terms(exc: APIError) -> APIError:
+    """An error of the chat path, naming this API's fields."""
+    if exc.param in _PARAMS:
+        old, exc.param = exc.param, _PARAMS[exc.param]
+        if exc.message.startswith(f"{old}:"):
+            exc.message = exc.param + exc.message[len(old):]
+    return exc
+
+
+def new_message_id() -> str:
+    return f"msg_{uuid.uuid4().hex}"
+
+
+def _tool_use_id(call: dict) -> str:
+    return f"toolu_{call['id'].removeprefix('call_')}"
+
+
+def _input(arguments: str) -> dict | None:
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+class MessageWriter:
+    """One request's Message: whole, or as the stream of events that builds it."""
+
+    def __init__(self, req: MessagesRequest, message_id: str, model: str, tools: ToolPlan | None,
+                 gen: Generation) -> None:
+        self.req = req
+        self.id = message_id
+        self.model = model
+        self.tools = tools
+        self.gen = gen
+        self.created = int(time.time())
+
+    def message(self, content: list[dict], done: bool) -> dict:
+        stop_reason, stop_sequence = self.stop_reason(content) if done else (None, None)
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+                "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": self.usage()}
+
+    def usage(self) -> dict:
+        """Anthropic counts the prompt's tokens read from its cache apart from the rest."""
+        gen = self.gen
+        return {"input_tokens": len(gen.prompt_ids) - gen.cached_tokens, "output_tokens": gen.completion_tokens,
+                "cache_creation_input_tokens": 0, "cache_read_input_tokens": gen.cached_tokens}
+
+    def stop_reason(self, content: list[dict]) -> tuple[str, str | None]:
+        gen = self.gen
+        if gen.finish_reason == "length":
+            return "max_tokens", None
+        if any(block["type"] == "tool_use" for block in content):
+            return "tool_use", None
+        if isinstance(gen.stop_reason, str):
+            return "stop_sequence", gen.stop_reason
+        return "end_turn", None
+
+    def whole(self, result: Collected) -> dict:
+        text, calls = self._split(result.text)
+        content = [{"type": "text", "text": text}] if text else []
+        for call in calls:
+            arguments = _input(call["function"]["arguments"])
+            if arguments is None:               # cut short by max_tokens: what was written, as text
+                content.append({"type": "text", "text": call["function"]["arguments"]})
+            else:
+                content.append({"type": "tool_use", "id": _tool_use_id(call), "name": call["function"]["name"],
+                                "input": arguments})
+        return self.message(content, done=True)
+
+    def _split(self, text: str) -> tuple[str, list[dict]]:
+        if self.tools is None:
+            return text, []
+        content, calls = parse_calls(self.tools, text)
+        return content or "", calls
+
+    # ---- streamed ----
+    @staticmethod
+    def event(type_: str, **fields) -> bytes:
+        return f"event: {type_}\ndata: {sse_json({'type': type_, **fields})}\n\n".encode()
+
+    async def events(self, running: RunningRequest, keepalive: float) -> AsyncIterator[bytes]:
+        stream = _EventStream(self)
+        yield self.event("message_start", message=self.message([], done=False))
+        try:
+            async for d in running.deltas(keepalive):
+                if d is None:
+                    yield self.event("ping")
+                    continue
+                for event in stream.feed(d.text):
+                    yield event
+                if d.finish_reason:
+                    for event in stream.close():
+                        yield event
+            stop_reason, stop_sequence = self.stop_reason(stream.content)
+            yield self.event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                             usage=self.usage())
+            yield self.event("message_stop")
+        except APIError as exc:
+            yield self.event("error", error=anthropic_error(exc)["error"])
+
+
+class _EventStream:
+    """The content blocks of one streamed message (output_items.py), as its events."""
+
+    def __init__(self, writer: MessageWriter) -> None:
+        self.w = writer
+        self._items = ItemStream(writer.tools, one_text=False)
+        self.content: list[dict] = []       # the blocks begun, in order
+
+    def feed(self, text: str) -> list[bytes]:
+        return [e for step in self._items.feed(text) for e in self._events(step)]
+
+    def close(self) -> list[bytes]:
+        return [e for step in self._items.close() for e in self._events(step)]
+
+    def _events(self, step: Step) -> list[bytes]:
+        event, index = self.w.event, step.index
+        if step.kind == "open_text":
+            self.content.append({"type": "text"})
+            return [event("content_block_start", index=index, content_block={"type": "text", "text": ""})]
+        if step.kind == "text":
+            return [event("content_block_delta", index=index, delta={"type": "text_delta", "text": step.delta})]
+        if step.kind == "open_call":
+            self.content.append({"type": "tool_use"})
+            block = {"type": "tool_use", "id": _tool_use_id(step.call), "name": step.call["function"]["name"],
+                     "input": {}}
+            return [event("content_block_start", index=index, content_block=block)]
+        if step.kind == "arguments":
+            return [event("content_block_delta", index=index,
+                          delta={"type": "input_json_delta", "partial_json": step.delta})]
+        return [event("content_block_stop", index=index)]           # close_text, close_call

@@ -1,0 +1,113 @@
+"""One streamed answer as output items, for the APIs that stream items rather than chat
+deltas (OpenAI's Responses, Anthropic's Messages): text goes to one text item, opened
+when the first text comes; each tool call is an item of its own. A named call's
+arguments stream as they come; "required" calls are known at the end, "auto" ones each
+once its closing tag arrives (tools.py). Each API writes the steps below as its events."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.router.tools import CallStream, ToolPlan, new_call, parse_calls
+
+
+@dataclass(frozen=True)
+class Step:
+    """One thing that happened to the output: `kind` is one of
+      open_text                 the text item `index` begins
+      text      (delta)         more of its text
+      close_text (text)         it ends, with all its text
+      open_call (call)          call item `index` begins; `call` as new_call makes it
+      arguments (delta)         more of its arguments
+      close_call (call, text)   it ends, with all its arguments"""
+    kind: str
+    index: int
+    delta: str = ""
+    call: dict | None = None
+
+
+class ItemStream:
+    """Splits one choice's streamed text into output items. With `empty_text`, an answer
+    with no text and no call still has one (empty) text item, as the Responses API has.
+    With `one_text`, all the text is one item, wherever the calls fall (Responses);
+    without, a call ends the text item open and text after it begins another, so items
+    never overlap (Messages' content blocks)."""
+
+    def __init__(self, tools: ToolPlan | None, empty_text: bool = False, one_text: bool = True) -> None:
+        self.tools = tools
+        self.empty_text = empty_text
+        self.one_text = one_text
+        self._items = 0
+        self._text_index: int | None = None
+        self.text = ""
+        self._held = ""                     # "required" calls: known at the end
+        self._auto = CallStream()
+        self._named: tuple[int, dict] | None = None     # (output index, call) of a named call
+        self._arguments = ""
+
+    def _next_index(self) -> int:
+        self._items += 1
+        return self._items - 1
+
+    def feed(self, text: str) -> list[Step]:
+        tools = self.tools
+        if tools is None:
+            return self._say(text)
+        if tools.mode == "named":
+            return self._named_arguments(text)
+        if tools.mode == "auto":
+            return [s for piece in self._auto.pieces(text)
+                    for s in (self._say(piece) if isinstance(piece, str) else self._whole_call(piece))]
+        self._held += text
+        return []
+
+    def close(self) -> list[Step]:
+        tools, steps = self.tools, []
+        if tools is not None and tools.mode == "auto":
+            steps += self._say(self._auto.close())
+        elif tools is not None and tools.mode == "required":
+            text, calls = parse_calls(tools, self._held)
+            steps += self._say(text or "") + [s for call in calls for s in self._whole_call(call)]
+        elif self._named is not None:
+            index, call = self._named
+            steps.append(Step("close_call", index, self._arguments, call))
+        if self.empty_text and self._items == 0:
+            steps += self._open_text()
+        if self._text_index is not None:
+            steps.append(Step("close_text", self._text_index, self.text))
+        return steps
+
+    def _open_text(self) -> list[Step]:
+        self._text_index = self._next_index()
+        return [Step("open_text", self._text_index)]
+
+    def _open_call(self, call: dict) -> tuple[int, list[Step]]:
+        """(the call's index, the steps that begin it)"""
+        steps = []
+        if not self.one_text and self._text_index is not None:
+            steps.append(Step("close_text", self._text_index, self.text))
+            self._text_index, self.text = None, ""
+        index = self._next_index()
+        return index, steps + [Step("open_call", index, call=call)]
+
+    def _say(self, text: str) -> list[Step]:
+        if not text:
+            return []
+        steps = self._open_text() if self._text_index is None else []
+        self.text += text
+        return steps + [Step("text", self._text_index, text)]
+
+    def _named_arguments(self, text: str) -> list[Step]:
+        steps = []
+        if self._named is None:
+            call = new_call(self.tools.name, "")
+            index, steps = self._open_call(call)
+            self._named = index, call
+        if text:
+            self._arguments += text
+            steps.append(Step("arguments", self._named[0], text, self._named[1]))
+        return steps
+
+    def _whole_call(self, call: dict) -> list[Step]:
+        index, steps = self._open_call(call)
+        arguments = call["function"]["arguments"]
+        return steps + [Step("arguments", index, arguments, call), Step("close_call", index, arguments, call)]
