@@ -117,3 +117,33 @@ def test_cost_model_recalibrates_from_reports():
         m.observe(computed_tokens=3, prefill_seconds=0.006, transfer_seconds=0.0, overhead_seconds=0.03,
                   prompt_tokens=40, seconds_per_token=0.002)
     assert abs(m.prefill_s_per_token - 0.002) < 1e-4
+
+
+def test_a_prompt_prefilled_remotely_goes_to_the_decode_worker_its_load_picks():
+    """A decode worker's prefix cache serves a prompt only when it prefills the prompt
+    itself: prefilled there, the prompt goes to the worker holding its prefix (within the
+    slack); sent to a prefill worker, to the least loaded decode worker instead."""
+    from services.common.metrics import RouterMetrics
+    from services.common.settings import RouterSettings
+    from services.engine.core.sampling import SamplingParams
+    from services.router.generation import Generation
+    from services.router.latency import LatencyLedger
+    from services.router.workers import WorkerSet
+    from services.rpc import worker_pb2
+
+    gen = Generation("r", PROMPT, SamplingParams(max_tokens=4))
+
+    def workers(local_prefill_max_tokens: int) -> WorkerSet:
+        ws = WorkerSet(RouterSettings(decode=["h:1", "l:2"], prefill=["p:3"],
+                                      local_prefill_max_tokens=local_prefill_max_tokens),
+                       RouterMetrics("test_affinity"), LatencyLedger(), model())
+        for w, running, held in ((ws.decode[0], 2, KEYS[:64]), (ws.decode[1], 0, [])):
+            w.seen(worker_pb2.WorkerInfo(role="decode", epoch=w.address, compat_hash="c", block_size=BS,
+                                         num_blocks=1000, free_blocks=1000, running=running, prefix_hashes=held))
+        ws.prefill[0].seen(worker_pb2.WorkerInfo(role="prefill", epoch="p", compat_hash="c", block_size=BS))
+        return ws
+
+    decode, prefill, _ = workers(local_prefill_max_tokens=4096).route(gen)
+    assert prefill is None and decode.address == "h:1"           # computed where its prefix is
+    decode, prefill, _ = workers(local_prefill_max_tokens=0).route(gen)
+    assert prefill.address == "p:3" and decode.address == "l:2"   # computed remotely: by load

@@ -100,13 +100,12 @@ class Handoff:
         gen.worker_id = f"{gen.request_id}.{attempt}"
         gen.prefill_worker, gen.prefill_epoch, gen.transport, gen.transport_fallback = "", "", "", False
         gen.kv_bytes = gen.cached_tokens = 0
-        decode = self.workers.pick_decode(gen)
+        decode, prefill, keys = self.workers.route(gen)
         gen.decode_worker, gen.decode_epoch = decode.name, decode.info.epoch
         self.metrics.routed.labels("decode", decode.address).inc()
         decode.request_routed()
         self._handle, self._writer, self._finished = None, None, False
         try:
-            prefill, _, keys = self.workers.plan(decode, gen)
             first = first_logprob = None
             if prefill is not None:
                 first, first_logprob = await self._prefill_remotely(prefill, decode, keys)

@@ -7,7 +7,8 @@ unit-tested on its own. The order of decisions for one request:
    DECODE_AFFINITY_SLACK sequences of the least loaded, the one holding the longest
    cached prefix of the prompt (it prefills there with --mode aggregated, and short
    prompts otherwise), then the least loaded (sequences running or routed there), then
-   the one picked least recently.
+   the one picked least recently. Where step 2 sends the prompt to a prefill worker,
+   the decode worker's cache serves it nothing: the pick is made again by load alone.
 2. Remote or local prefill, from a cost model of time to first token:
      remote(p) = overhead + (queued tokens at p + prompt tokens p has not cached) x c
                  + transfer tail

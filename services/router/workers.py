@@ -366,21 +366,32 @@ class WorkerSet:
         return running, prefilling, headroom
 
     # ---- selection (the decisions are policy.py's) ----
-    def pick_decode(self, gen: Generation) -> Worker:
-        live = {w.address + w.info.epoch: w for w in self.decode if w.healthy}
+    def route(self, gen: Generation) -> tuple[Worker, Worker | None, list[int]]:
+        """(decode worker, prefill worker or None for a prefill on the decode worker, the
+        prompt's keys). A decode worker's prefix cache serves only a prompt it prefills
+        itself (a reservation for a remote prefill takes every block afresh), so a prompt
+        that goes to a prefill worker goes to the decode worker its load alone picks."""
+        decode = self.pick_decode(gen)
+        prefill, _, keys = self.plan(decode, gen)
+        if prefill is not None:
+            decode = self.pick_decode(gen, by_cache=False, compat_hash=decode.info.compat_hash)
+        decode.last_pick = time.monotonic()
+        return decode, prefill, keys
+
+    def pick_decode(self, gen: Generation, by_cache: bool = True, compat_hash: str | None = None) -> Worker:
+        live = {w.address + w.info.epoch: w for w in self.decode
+                if w.healthy and compat_hash in (None, w.info.compat_hash)}
         if not live:
             raise APIError(503, "no decode worker is available", type_="service_unavailable",
                            grpc_code="UNAVAILABLE")
         bs = next(iter(live.values())).info.block_size or 16
         n = len(gen.prompt_ids)
-        keys = gen.prefix_keys(bs)[:(n - 1) // bs]         # the last token is always computed
+        keys = gen.prefix_keys(bs)[:(n - 1) // bs] if by_cache else []     # the last token is always computed
         now = time.monotonic()
         loads = [DecodeLoad(k, w.info.free_blocks, max(w.info.running + w.info.waiting, w.inflight), w.last_pick,
                             cached_prefix_blocks(keys, w.held_keys(now)) if keys else 0)
                  for k, w in live.items()]
-        chosen = live[pick_decode(loads, -(-(n + 1) // bs)).key]
-        chosen.last_pick = now
-        return chosen
+        return live[pick_decode(loads, -(-(n + 1) // bs)).key]
 
     def plan(self, decode: Worker, gen: Generation) -> tuple[Worker | None, int, list[int]]:
         """(prefill worker or None, cached tokens, prompt keys) for this request."""
