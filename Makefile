@@ -45,6 +45,11 @@ redis:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; } || { \
 	  echo "could not install redis-server: install it with your package manager, as root" >&2; exit 1; }
 
+# Bytecode is written while testing, whatever PYTHONDONTWRITEBYTECODE says: the tests start
+# over a hundred service processes, and without it each compiles the project's sources
+# again (~1 s of CPU each), and each pytest worker rewrites every test module's asserts.
+test test-fast test-slow: export PYTHONDONTWRITEBYTECODE :=
+
 # Two workers, a test file each at a time (the tests' own processes share the cores).
 test: model redis
 	$(BIN)/lint-imports --no-cache

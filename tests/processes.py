@@ -116,6 +116,13 @@ class RunningCluster:
                                                                       if self.info["redis_pid"] else [])
 
 
+# The KV transport test clusters use unless a test names one: shm, the one `auto` picks
+# between the processes of one machine (kv_transfer/backends.py PREFERENCE). `auto` would
+# also start a NIXL agent in every worker (UCX: about a second of CPU each), used by no
+# handoff; the tests about NIXL, and the default configuration's `up`, name theirs.
+TRANSPORT = "shm"
+
+
 def start_cluster(*extra: str, dtype: str = "float32", pinned: bool = False) -> RunningCluster:
     """`pdserve up` with every prompt sent through a prefill worker (no local prefill for
     short prompts) unless `extra` says otherwise: the tests are about the KV handoff.
@@ -125,9 +132,10 @@ def start_cluster(*extra: str, dtype: str = "float32", pinned: bool = False) -> 
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-test-"))
     announce = tmp / "cluster.json"
     log_path = tmp / "cluster.log"
+    transport = [] if "--kv-transport" in extra else ["--kv-transport", TRANSPORT]
     cmd = [sys.executable, "-m", "services.cli", "up", "--http-port", "0", "--grpc-port", "0", "--dtype", dtype,
            "--kv-cache-tokens", "16384", "--announce-file", str(announce), "--log-level", "warning",
-           "--local-prefill-max-tokens", "0", "--pin-cpus" if pinned else "--no-pin-cpus", *extra]
+           "--local-prefill-max-tokens", "0", "--pin-cpus" if pinned else "--no-pin-cpus", *transport, *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
     return RunningCluster(proc, wait_announced(proc, announce, log_path, "cluster"), log_path)
 
@@ -278,7 +286,7 @@ class Services:
     """Router, prefill and decode started one by one, so tests can kill and restart
     any of them (on the same port, as a supervisor would)."""
 
-    def __init__(self, dtype: str = "float32", transport: str = "auto") -> None:
+    def __init__(self, dtype: str = "float32", transport: str = TRANSPORT) -> None:
         from services.common.security import new_secret_file
         self.tmp = Path(tempfile.mkdtemp(prefix="pdserve-svc-"))
         self.secret_file = str(new_secret_file(self.tmp / "cluster-secret"))

@@ -58,10 +58,12 @@ def run_all(runner, model_dir, expected, config: SchedulerConfig, num_blocks: in
     return out, finished, mixed, engine
 
 
-# Synchronous mixed steps are what every cluster test runs (and the preemption test below):
-# their explicit run here goes with the slow tests.
-@pytest.mark.parametrize("async_scheduling", [pytest.param(False, marks=pytest.mark.slow), True],
-                         ids=["sync", "async"])
+# Synchronous mixed steps are what every cluster test runs (and the preemption test below);
+# async ones are test_async_scheduling_gives_what_sync_gives' (every kind of request) and
+# test_modes' aggregated cluster (chunked prompts beside decodes, async): both runs here go
+# with the slow tests.
+@pytest.mark.slow
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_mixed_steps_match_generate(runner, model_dir, expected, async_scheduling):
     out, finished, mixed, engine = run_all(runner, model_dir, expected,
                                            SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256), 512,

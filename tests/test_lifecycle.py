@@ -149,8 +149,8 @@ def test_up_forks_its_workers_and_stops_every_process_on_ctrl_c_in_the_default_d
     line in `ps`. Each worker keeps to a core of its own where they fit (a host of two
     cores or more), with one torch thread, at `up`'s priority (--lend-decode-cores is
     test_modes'). It serves one request; after SIGINT nothing is left, the fork server
-    included."""
-    c = start_cluster(dtype="auto", pinned=True)
+    included. Every KV transport is offered, as by default (auto)."""
+    c = start_cluster("--kv-transport", "auto", dtype="auto", pinned=True)
     try:
         up, services = c.proc.pid, c.pids()[1:]
         forks = [k for k in child_pids(up) if command_line(k)[1:3] == ["-m", "services.forkserver"]]
