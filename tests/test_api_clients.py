@@ -614,13 +614,15 @@ def _anthropic(http: str):
 
 
 GREEDY = {"temperature": 0}                 # the SDK's newest create() names no sampling fields
+PREFILL = {"role": "assistant", "content": "The planet I name is"}
 
 
 def test_messages_text_is_the_chat_completions(cluster):
     """Text in, text out, whole and streamed, with Anthropic's SDK: the same tokens as the
     chat API given the same conversation (system as its system message), the prompt's
     cached tokens apart from the rest as Anthropic counts them; cut by max_tokens, or
-    ended by a stop sequence, the stop reason says which; count_tokens counts the prompt."""
+    ended by a stop sequence, the stop reason says which; count_tokens counts the prompt;
+    a last assistant message is continued, as chat's continue_final_message does."""
     client, openai_client = _anthropic(cluster.http), _client(cluster.http)
     kw = dict(model=MODEL, system=CHAT[0]["content"], messages=[CHAT[1]], max_tokens=24, extra_body=GREEDY)
 
@@ -637,8 +639,14 @@ def test_messages_text_is_the_chat_completions(cluster):
                  pool.submit(client.messages.create, model=MODEL, messages=[{"role": "user", "content": ASK}],
                              max_tokens=24, extra_body=GREEDY),
                  pool.submit(client.messages.count_tokens, model=MODEL, system=CHAT[0]["content"],
-                             messages=[CHAT[1]])]
-        chat, m, (events, final), cut, long, counted = (f.result() for f in asked)
+                             messages=[CHAT[1]]),
+                 # a last assistant message is the answer's start, continued (Anthropic's prefill)
+                 pool.submit(openai_client.chat.completions.create, model=MODEL, max_tokens=8, temperature=0,
+                             messages=[*CHAT, PREFILL], extra_body={"add_generation_prompt": False,
+                                                                     "continue_final_message": True}),
+                 pool.submit(client.messages.create, **{**kw, "max_tokens": 8, "messages": [CHAT[1], PREFILL]})]
+        chat, m, (events, final), cut, long, counted, chat_prefilled, prefilled = (f.result() for f in asked)
+    assert prefilled.content[0].text == chat_prefilled.choices[0].message.content
     text = chat.choices[0].message.content
     assert [b.type for b in m.content] == ["text"] and m.content[0].text == text
     assert m.id.startswith("msg_") and m.role == "assistant" and m.model == MODEL

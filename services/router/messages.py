@@ -245,7 +245,18 @@ class MessagesRequest(BaseModel):
             chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output",
                                                                               "schema": config.format.schema_}}
         chat.update(self.chat_tools())
+        if self._prefilled():                   # the answer goes on from the assistant's text
+            chat.update(add_generation_prompt=False, continue_final_message=True)
         return parse(ChatCompletionRequest, {k: v for k, v in chat.items() if v is not None})
+
+    def _prefilled(self) -> bool:
+        """A last message of the assistant's, text only, is the start of the answer, which
+        the model continues (Anthropic's prefill); the answer holds only what follows."""
+        last = self.messages[-1] if self.messages else None
+        if last is None or last.role != "assistant":
+            return False
+        return isinstance(last.content, str) or all(isinstance(b, (TextBlock, ThinkingBlock, RedactedThinkingBlock))
+                                                    for b in last.content)
 
     def chat_tools(self) -> dict:
         """The chat request's tools and tool_choice."""
