@@ -26,7 +26,7 @@ from services.router.generation import Generation
 from services.router.http_input import anthropic_error, parse
 from services.router.output_items import ItemStream, Step
 from services.router.protocol import (STRICT, APIError, ChatCompletionRequest, FunctionName, Number, Unimplemented,
-                                      bad_request)
+                                      bad_request, text_parts_only)
 from services.router.tools import ToolPlan, parse_calls
 
 # The chat request's fields as this API names them, for errors raised on the chat path.
@@ -59,7 +59,7 @@ class ToolUseBlock(BaseModel):
 
 
 def _text_blocks_only(value):
-    return value if isinstance(value, str) else _only(value, ("text",))
+    return text_parts_only(value, ("text",), noun="block")
 
 
 class ToolResultBlock(BaseModel):
@@ -106,13 +106,7 @@ Block = Annotated[Union[Annotated[TextBlock, Tag("text")], Annotated[ToolUseBloc
 def _only(blocks, kinds: tuple[str, ...]):
     """Blocks as they are, unless one is of a kind this server cannot read (an image, a
     document): refused by its place and kind."""
-    if isinstance(blocks, list):
-        for i, block in enumerate(blocks):
-            kind = _block_type(block)
-            if isinstance(kind, str) and kind not in kinds:
-                raise PydanticCustomError("not_implemented", "block {index} is of type '{kind}': this model reads "
-                                          "text blocks only", {"index": i, "kind": kind[:40]})
-    return blocks
+    return text_parts_only(blocks, kinds, noun="block")
 
 
 def _text(content) -> str:

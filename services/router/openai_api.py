@@ -233,39 +233,17 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
                       prompt_logprobs=req.prompt_logprobs, names=token_names(fe, req.return_tokens_as_token_ids))
         return await unless_disconnected(request, respond(fe, req, request_id, prompts, shape, tenant_of(request)))
 
-    @app.post("/v1/responses")
-    async def responses(request: Request):
-        req = parse(ResponsesRequest, await read_json(request, fe.max_body_bytes))
+    async def through_chat(request: Request, req, answer_id: str, writer_of, in_own_terms):
+        """A request of another API (Responses, Messages) served as one chat choice: its own
+        writer makes the answer, whole or streamed, and errors name its own fields."""
         fe.check_model(req.model)
         req.check()
-        response_id = new_response_id()
         try:
-            (gen,), tools = await chat_generations(fe, req.to_chat(), response_id)
+            (gen,), tools = await chat_generations(fe, req.to_chat(), answer_id)
             running = fe.start([gen], tenant=tenant_of(request))
         except APIError as exc:
-            raise in_responses_terms(exc) from None
-        writer = ResponseWriter(req, response_id, fe.served_model_name, tools, gen)
-        if req.stream:
-            return StreamingResponse(writer.events(running, fe.sse_keepalive), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        try:
-            (result,) = await unless_disconnected(request, running.collect())
-        except APIError as exc:
-            return error_response(exc)
-        return JSONResponse(writer.whole(result), headers={"x-pdserve-route": gen.route()})
-
-    @app.post("/v1/messages")
-    async def messages(request: Request):
-        req = parse(MessagesRequest, await read_json(request, fe.max_body_bytes))
-        fe.check_model(req.model)
-        req.check()
-        message_id = new_message_id()
-        try:
-            (gen,), tools = await chat_generations(fe, req.to_chat(), message_id)
-            running = fe.start([gen], tenant=tenant_of(request))
-        except APIError as exc:
-            raise in_messages_terms(exc) from None
-        writer = MessageWriter(req, message_id, fe.served_model_name, tools, gen)
+            raise in_own_terms(exc) from None
+        writer = writer_of(req, answer_id, fe.served_model_name, tools, gen)
         if req.stream:
             return StreamingResponse(writer.events(running, fe.sse_keepalive), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -274,6 +252,16 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
         except APIError as exc:
             return error_response(exc, request.url.path)
         return JSONResponse(writer.whole(result), headers={"x-pdserve-route": gen.route()})
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        req = parse(ResponsesRequest, await read_json(request, fe.max_body_bytes))
+        return await through_chat(request, req, new_response_id(), ResponseWriter, in_responses_terms)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        req = parse(MessagesRequest, await read_json(request, fe.max_body_bytes))
+        return await through_chat(request, req, new_message_id(), MessageWriter, in_messages_terms)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):

@@ -130,16 +130,16 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
-def text_parts_only(parts, text_types: tuple[str, ...]):
-    """Content parts as they are, unless one is of another kind than text (an image, audio,
-    a file): refused by its place and kind, where pydantic would name a field of the part
-    under each shape the content could take."""
+def text_parts_only(parts, text_types: tuple[str, ...], noun: str = "part"):
+    """Content parts (Anthropic's blocks: `noun`) as they are, unless one is of another kind
+    than text (an image, audio, a file): refused by its place and kind, where pydantic
+    would name a field of the part under each shape the content could take."""
     if isinstance(parts, list):
         for i, part in enumerate(parts):
             kind = part.get("type") if isinstance(part, dict) else None
             if isinstance(kind, str) and kind not in text_types:
-                raise PydanticCustomError("not_implemented", "part {index} is of type '{kind}': this model reads "
-                                          "text parts only", {"index": i, "kind": kind[:40]})
+                raise PydanticCustomError("not_implemented", "{noun} {index} is of type '{kind}': this model reads "
+                                          "text {noun}s only", {"noun": noun, "index": i, "kind": kind[:40]})
     return parts
 
 
