@@ -644,8 +644,13 @@ def test_messages_text_is_the_chat_completions(cluster):
                  pool.submit(openai_client.chat.completions.create, model=MODEL, max_tokens=8, temperature=0,
                              messages=[*CHAT, PREFILL], extra_body={"add_generation_prompt": False,
                                                                      "continue_final_message": True}),
-                 pool.submit(client.messages.create, **{**kw, "max_tokens": 8, "messages": [CHAT[1], PREFILL]})]
-        chat, m, (events, final), cut, long, counted, chat_prefilled, prefilled = (f.result() for f in asked)
+                 pool.submit(client.messages.create, **{**kw, "max_tokens": 8, "messages": [CHAT[1], PREFILL]}),
+                 # what Claude Code sends: a system message among the turns, context editing (beta)
+                 pool.submit(client.messages.create, model=MODEL, max_tokens=2, messages=[
+                     CHAT[1], {"role": "system", "content": "Be brief."}, {"role": "user", "content": ASK}],
+                     extra_body={**GREEDY, "context_management": {"edits": [{"type": "clear_thinking_20251015"}]}})]
+        chat, m, (events, final), cut, long, counted, chat_prefilled, prefilled, beta = (f.result() for f in asked)
+    assert beta.stop_reason == "max_tokens" and m._request_id       # the SDK's request id (request-id)
     assert prefilled.content[0].text == chat_prefilled.choices[0].message.content
     text = chat.choices[0].message.content
     assert [b.type for b in m.content] == ["text"] and m.content[0].text == text
@@ -659,6 +664,8 @@ def test_messages_text_is_the_chat_completions(cluster):
     assert set(kinds[2:-3]) == {"text"} | {"content_block_delta"}     # the helper's text events beside the deltas
     assert final.content[0].text == text and final.stop_reason == m.stop_reason
     assert final.usage.output_tokens == m.usage.output_tokens and final.id == events[0].message.id
+    # message_start comes with the first token, the prompt's cached tokens known by then
+    assert events[0].message.usage.cache_read_input_tokens == final.usage.cache_read_input_tokens
     assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 3
     # A stop sequence from the middle of the answer: the text before it, and which one it was.
     words = long.content[0].text.split()
@@ -671,7 +678,8 @@ def test_messages_text_is_the_chat_completions(cluster):
 
 def test_messages_tool_use(tools_router):
     """A forced call (one tool, or any), whole and streamed: a tool_use block whose input
-    meets the tool's schema, stop reason tool_use; then the conversation goes on with its
+    meets the tool's schema, stop reason tool_use; cut short by max_tokens, no block at all
+    (not the calls' own syntax as text); then the conversation goes on with its
     tool_result."""
     client = _anthropic(tools_router)
     tool = {"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}
@@ -687,9 +695,12 @@ def test_messages_tool_use(tools_router):
         with ThreadPoolExecutor(2) as pool:
             whole, streamed = pool.submit(client.messages.create, **kw, tool_choice=choice), pool.submit(stream)
             return whole.result(), *streamed.result()
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(3) as pool:
+        cut = pool.submit(client.messages.create, **{**kw, "max_tokens": 3}, tool_choice={"type": "any"})
         answers = list(pool.map(forced, ({"type": "tool", "name": "get_weather"},
                                          {"type": "any", "disable_parallel_tool_use": True})))
+        cut = cut.result()
+    assert cut.stop_reason == "max_tokens" and cut.content == []
     for m, deltas, final in answers:
         (call,) = [b for b in m.content if b.type == "tool_use"]
         assert call.name == "get_weather" and call.id.startswith("toolu_") and m.stop_reason == "tool_use"
@@ -710,12 +721,13 @@ def test_messages_tool_use(tools_router):
 @pytest.mark.parametrize("body, status, kind, words", [
     ({"max_tokens": None}, 400, "invalid_request_error", "max_tokens"),
     ({"max_tokens": 0}, 400, "invalid_request_error", "max_tokens"),
-    ({"max_tokens": 10**6}, 400, "invalid_request_error", "context length"),
+    ({"max_tokens": 10**6}, 400, "invalid_request_error", "exceed context limit"),
     ({"messages": []}, 400, "invalid_request_error", "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
      "invalid_request_error", "'image'"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "invalid_request_error",
-     "server tool"),
+     "Anthropic's own tools"),
+    ({"thread": {"type": "create"}}, 400, "invalid_request_error", "whole history"),
     ({"tool_choice": {"type": "tool"}}, 400, "invalid_request_error", "tool_choice"),
     ({"mcp_servers": [{"type": "url", "url": "https://example.com"}]}, 400, "invalid_request_error", "mcp_servers"),
     ({"stop_sequences": ["x"] * 100}, 400, "invalid_request_error", "stop_sequences"),
@@ -730,6 +742,8 @@ def test_messages_errors_are_anthropics(cluster, body, status, kind, words):
     r = _post(cluster.http, "/v1/messages", request)
     assert r.status_code == status, r.text
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == kind and words in r.json()["error"]["message"]
+    if "thread" in body:            # what the SDK's tool runner reads to send the whole history instead
+        assert r.json()["error"]["details"] == {"error_code": "thread_unsupported_request", "unsupported": ["thread"]}
     if "max_tokens" not in request:                 # the SDK itself requires it
         return
     named = {k: request.pop(k) for k in ("model", "max_tokens", "messages")}

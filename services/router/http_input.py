@@ -33,7 +33,10 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
 def anthropic_error(exc: APIError) -> dict:
     """The error object of Anthropic's API (its Messages routes)."""
     kind = _ANTHROPIC_TYPES.get(exc.status, "invalid_request_error" if exc.status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": exc.message}}
+    error = {"type": kind, "message": exc.message}
+    if exc.details:
+        error["details"] = exc.details
+    return {"type": "error", "error": error}
 
 
 def error_response(exc: APIError, path: str = "") -> JSONResponse:
@@ -81,7 +84,8 @@ REQUEST_ID_MAX = 128
 
 class RequestId:
     """ASGI middleware: every response carries `x-request-id`, the caller's own (visible
-    ASCII, at most 128 characters) or a new one, errors and streams included."""
+    ASCII, at most 128 characters) or a new one, errors and streams included; on
+    Anthropic's routes as `request-id` too, where its SDK reads it."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -93,9 +97,11 @@ class RequestId:
         ok = 0 < len(given) <= REQUEST_ID_MAX and all(0x21 <= c <= 0x7E for c in given)
         rid = given if ok else uuid.uuid4().hex.encode()
 
+        names = (b"x-request-id", b"request-id") if scope["path"].startswith("/v1/messages") else (b"x-request-id",)
+
         async def send_with_id(message):
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid)]
+                message["headers"] = [*message.get("headers", []), *((name, rid) for name in names)]
             await send(message)
         await self.app(scope, receive, send_with_id)
 

@@ -25,8 +25,8 @@ from services.router.frontend import Collected, RunningRequest
 from services.router.generation import Generation
 from services.router.http_input import anthropic_error, parse
 from services.router.output_items import ItemStream, Step
-from services.router.protocol import (STRICT, APIError, ChatCompletionRequest, FunctionName, Number, Unimplemented,
-                                      bad_request, text_parts_only)
+from services.router.protocol import (STRICT, APIError, ChatCompletionRequest, ContextLengthError, FunctionName,
+                                      Number, Unimplemented, bad_request, text_parts_only)
 from services.router.tools import ToolPlan, parse_calls
 
 # The chat request's fields as this API names them, for errors raised on the chat path.
@@ -116,8 +116,11 @@ def _text(content) -> str:
 
 
 class Message(BaseModel):
+    """A turn of the conversation; a system message among them (Anthropic's beta
+    mid-conversation system message, which Claude Code sends) is the chat's system message
+    at that place."""
     model_config = STRICT
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: StrictStr | list[Block]
 
     @field_validator("content", mode="before")
@@ -146,8 +149,9 @@ class Tool(BaseModel):
     @classmethod
     def _custom(cls, v):
         if v not in (None, "custom"):
-            raise PydanticCustomError("not_implemented", "tool type '{kind}' is a server tool, which pdserve does "
-                                      "not run: only custom tools", {"kind": str(v)[:40]})
+            raise PydanticCustomError("not_implemented", "tool type '{kind}' is one of Anthropic's own tools (run "
+                                      "by Anthropic's servers, or defined by Anthropic for its clients): pdserve "
+                                      "takes custom tools only", {"kind": str(v)[:40]})
         return v
 
 
@@ -201,6 +205,13 @@ class MessagesRequest(BaseModel):
     metadata: Metadata | None = None
     output_config: OutputConfig | None = None
     thinking: Thinking | None = None                    # taken; no reasoning is parsed out
+    # Anthropic's context editing (beta): clears earlier thinking or tool results from the
+    # context past a threshold; no thinking comes back here, and the conversation is
+    # taken as sent (taken, no effect)
+    context_management: dict | None = None
+    # Anthropic's conversations kept on its servers (beta): refused in check(), in the
+    # form its SDK's tool runner recognises, so that it sends the whole history instead
+    thread: dict | None = None
     # Anthropic's account and routing options: taken, no effect here
     cache_control: dict | None = None                   # the prefix cache needs no marks
     diagnostics: dict | None = None
@@ -212,12 +223,15 @@ class MessagesRequest(BaseModel):
     # Anthropic's own server-side features: null only
     container: Unimplemented = None
     mcp_servers: Unimplemented = None
-    context_management: Unimplemented = None
 
     _system = field_validator("system", mode="before")(_text_blocks_only)
 
     def check(self) -> None:
         self._check_messages()
+        if self.thread is not None:
+            raise APIError(400, "thread: pdserve keeps no conversations: send the whole history", param="thread",
+                           code="unsupported_parameter",
+                           details={"error_code": "thread_unsupported_request", "unsupported": ["thread"]})
         if self.max_tokens < 1:
             raise bad_request("max_tokens: must be at least 1", param="max_tokens")
         choice = self.tool_choice
@@ -304,7 +318,17 @@ class CountTokensRequest(MessagesRequest):
 
 
 def in_messages_terms(exc: APIError) -> APIError:
-    """An error of the chat path, naming this API's fields."""
+    """An error of the chat path, naming this API's fields; one past the context in
+    Anthropic's words (a client that compacts its conversation looks for them)."""
+    if isinstance(exc, ContextLengthError):
+        if exc.max_tokens is None or exc.prompt_tokens >= exc.max_model_len:
+            exc.message = f"prompt is too long: {exc.prompt_tokens} tokens > {exc.max_model_len} maximum"
+        else:
+            exc.message = (f"input length and `max_tokens` exceed context limit: {exc.prompt_tokens} + "
+                           f"{exc.max_tokens} > {exc.max_model_len}, decrease input length or `max_tokens` and "
+                           "try again")
+    elif exc.code == "context_length_exceeded":
+        exc.message = f"prompt is too long: {exc.message}"
     if exc.param in _PARAMS:
         old, exc.param = exc.param, _PARAMS[exc.param]
         if exc.message.startswith(f"{old}:"):
@@ -366,18 +390,18 @@ class MessageWriter:
         content = [{"type": "text", "text": text}] if text else []
         for call in calls:
             arguments = _input(call["function"]["arguments"])
-            if arguments is None:               # cut short by max_tokens: what was written, as text
-                content.append({"type": "text", "text": call["function"]["arguments"]})
-            else:
+            if arguments is not None:           # else cut short by max_tokens: no call was made
                 content.append({"type": "tool_use", "id": _tool_use_id(call), "name": call["function"]["name"],
                                 "input": arguments})
         return self.message(content, done=True)
 
     def _split(self, text: str) -> tuple[str, list[dict]]:
+        """(text, calls); a forced call's output is calls only, and one cut short before its
+        first call was whole is no text either (it is the tools' own syntax)."""
         if self.tools is None:
             return text, []
         content, calls = parse_calls(self.tools, text)
-        return content or "", calls
+        return ("" if self.tools.mode != "auto" else content or ""), calls
 
     # ---- streamed ----
     @staticmethod
@@ -385,10 +409,15 @@ class MessageWriter:
         return f"event: {type_}\ndata: {sse_json({'type': type_, **fields})}\n\n".encode()
 
     async def events(self, running: RunningRequest, keepalive: float) -> AsyncIterator[bytes]:
+        """message_start goes out with the first token (or the first keep-alive before it):
+        then the prompt's cached tokens are known, and its usage is the final one's."""
         stream = _EventStream(self)
-        yield self.event("message_start", message=self.message([], done=False))
+        started = False
         try:
             async for d in running.deltas(keepalive):
+                if not started:
+                    started = True
+                    yield self.event("message_start", message=self.message([], done=False))
                 if d is None:
                     yield self.event("ping")
                     continue
@@ -397,6 +426,8 @@ class MessageWriter:
                 if d.finish_reason:
                     for event in stream.close():
                         yield event
+            if not started:
+                yield self.event("message_start", message=self.message([], done=False))
             stop_reason, stop_sequence = self.stop_reason(stream.content)
             yield self.event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                              usage=self.usage())
@@ -410,7 +441,7 @@ class _EventStream:
 
     def __init__(self, writer: MessageWriter) -> None:
         self.w = writer
-        self._items = ItemStream(writer.tools, one_text=False)
+        self._items = ItemStream(writer.tools, one_text=False, cut_calls_as_text=False)
         self.content: list[dict] = []       # the blocks begun, in order
 
     def feed(self, text: str) -> list[bytes]:

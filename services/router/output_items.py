@@ -30,12 +30,17 @@ class ItemStream:
     with no text and no call still has one (empty) text item, as the Responses API has.
     With `one_text`, all the text is one item, wherever the calls fall (Responses);
     without, a call ends the text item open and text after it begins another, so items
-    never overlap (Messages' content blocks)."""
+    never overlap (Messages' content blocks). Without `cut_calls_as_text`, "required"
+    calls cut short before the first was whole leave no text: what was written is the
+    tools' own syntax, not an answer (Messages); with it, that text is the answer, as the
+    chat API gives it (Responses)."""
 
-    def __init__(self, tools: ToolPlan | None, empty_text: bool = False, one_text: bool = True) -> None:
+    def __init__(self, tools: ToolPlan | None, empty_text: bool = False, one_text: bool = True,
+                 cut_calls_as_text: bool = True) -> None:
         self.tools = tools
         self.empty_text = empty_text
         self.one_text = one_text
+        self.cut_calls_as_text = cut_calls_as_text
         self._items = 0
         self._text_index: int | None = None
         self.text = ""
@@ -66,6 +71,7 @@ class ItemStream:
             steps += self._say(self._auto.close())
         elif tools is not None and tools.mode == "required":
             text, calls = parse_calls(tools, self._held)
+            text = text if self.cut_calls_as_text else ""
             steps += self._say(text or "") + [s for call in calls for s in self._whole_call(call)]
         elif self._named is not None:
             index, call = self._named

@@ -27,7 +27,7 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
                  code: str | None = None, param: str | None = None, grpc_code: str = "INVALID_ARGUMENT",
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, details: dict | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -36,9 +36,19 @@ class APIError(Exception):
         self.param = param
         self.grpc_code = grpc_code
         self.headers = headers or {}
+        self.details = details          # Anthropic's error.details (what a client may act on)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class ContextLengthError(APIError):
+    """A request past the model's context, with its numbers (each API words it its own way)."""
+
+    def __init__(self, message: str, param: str, prompt_tokens: int, max_tokens: int | None,
+                 max_model_len: int) -> None:
+        super().__init__(400, message, code="context_length_exceeded", param=param)
+        self.prompt_tokens, self.max_tokens, self.max_model_len = prompt_tokens, max_tokens, max_model_len
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

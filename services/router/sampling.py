@@ -5,11 +5,11 @@ from __future__ import annotations
 import secrets
 
 from services.engine.core.sampling import SEED_MASK, InvalidSampling, SamplingParams
-from services.router.protocol import APIError, bad_request
+from services.router.protocol import ContextLengthError, bad_request
 
 
 def context_error(prompt_len: int, max_model_len: int, max_tokens: int | None = None,
-                  param: str = "messages") -> APIError:
+                  param: str = "messages") -> ContextLengthError:
     """OpenAI's error for a request past the context, naming the prompt's field (chat:
     `messages`, as OpenAI does; completions: `prompt`, or `prompt.3` in a list)."""
     if max_tokens is None:
@@ -18,7 +18,7 @@ def context_error(prompt_len: int, max_model_len: int, max_tokens: int | None = 
     else:
         msg = (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion).")
-    return APIError(400, msg, code="context_length_exceeded", param=param)
+    return ContextLengthError(msg, param, prompt_len, max_tokens, max_model_len)
 
 
 def resolve_sampling(*, prompt_len: int, max_model_len: int, vocab_size: int, max_tokens: int | None = None,
