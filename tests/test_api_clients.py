@@ -527,6 +527,11 @@ def test_responses_function_tools(tools_router):
         jsonschema.validate(json.loads(call.arguments), params)
         (streamed,) = [o for o in final.output if o.type == "function_call"]
         assert streamed.arguments == deltas == call.arguments
+    # Required calls cut short before the first is whole: no call, and not their syntax as text.
+    cut = client.responses.create(model=MODEL, input=ASK, tools=[WEATHER], tool_choice="required",
+                                  max_output_tokens=3, temperature=0)
+    assert cut.status == "incomplete" and cut.output_text == "" and not [
+        o for o in cut.output if o.type == "function_call"]
     follow = client.responses.create(model=MODEL, tools=[WEATHER], max_output_tokens=8, temperature=0, input=[
         {"role": "user", "content": ASK},
         {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},

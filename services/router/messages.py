@@ -27,7 +27,7 @@ from services.router.http_input import anthropic_error, parse
 from services.router.output_items import ItemStream, Step
 from services.router.protocol import (STRICT, APIError, ChatCompletionRequest, ContextLengthError, FunctionName,
                                       Number, Unimplemented, bad_request, text_parts_only)
-from services.router.tools import ToolPlan, parse_calls
+from services.router.tools import ToolPlan, split_output
 
 # The chat request's fields as this API names them, for errors raised on the chat path.
 _PARAMS = {"stop": "stop_sequences", "response_format": "output_config.format",
@@ -386,7 +386,7 @@ class MessageWriter:
         return "end_turn", None
 
     def whole(self, result: Collected) -> dict:
-        text, calls = self._split(result.text)
+        text, calls = split_output(self.tools, result.text)
         content = [{"type": "text", "text": text}] if text else []
         for call in calls:
             arguments = _input(call["function"]["arguments"])
@@ -394,14 +394,6 @@ class MessageWriter:
                 content.append({"type": "tool_use", "id": _tool_use_id(call), "name": call["function"]["name"],
                                 "input": arguments})
         return self.message(content, done=True)
-
-    def _split(self, text: str) -> tuple[str, list[dict]]:
-        """(text, calls); a forced call's output is calls only, and one cut short before its
-        first call was whole is no text either (it is the tools' own syntax)."""
-        if self.tools is None:
-            return text, []
-        content, calls = parse_calls(self.tools, text)
-        return ("" if self.tools.mode != "auto" else content or ""), calls
 
     # ---- streamed ----
     @staticmethod
@@ -441,7 +433,7 @@ class _EventStream:
 
     def __init__(self, writer: MessageWriter) -> None:
         self.w = writer
-        self._items = ItemStream(writer.tools, one_text=False, cut_calls_as_text=False)
+        self._items = ItemStream(writer.tools, one_text=False)
         self.content: list[dict] = []       # the blocks begun, in order
 
     def feed(self, text: str) -> list[bytes]:

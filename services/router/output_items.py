@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.router.tools import CallStream, ToolPlan, new_call, parse_calls
+from services.router.tools import CallStream, ToolPlan, new_call, split_output
 
 
 @dataclass(frozen=True)
@@ -30,17 +30,13 @@ class ItemStream:
     with no text and no call still has one (empty) text item, as the Responses API has.
     With `one_text`, all the text is one item, wherever the calls fall (Responses);
     without, a call ends the text item open and text after it begins another, so items
-    never overlap (Messages' content blocks). Without `cut_calls_as_text`, "required"
-    calls cut short before the first was whole leave no text: what was written is the
-    tools' own syntax, not an answer (Messages); with it, that text is the answer, as the
-    chat API gives it (Responses)."""
+    never overlap (Messages' content blocks). "required" calls cut short before the first
+    was whole leave no text (tools.split_output)."""
 
-    def __init__(self, tools: ToolPlan | None, empty_text: bool = False, one_text: bool = True,
-                 cut_calls_as_text: bool = True) -> None:
+    def __init__(self, tools: ToolPlan | None, empty_text: bool = False, one_text: bool = True) -> None:
         self.tools = tools
         self.empty_text = empty_text
         self.one_text = one_text
-        self.cut_calls_as_text = cut_calls_as_text
         self._items = 0
         self._text_index: int | None = None
         self.text = ""
@@ -70,9 +66,8 @@ class ItemStream:
         if tools is not None and tools.mode == "auto":
             steps += self._say(self._auto.close())
         elif tools is not None and tools.mode == "required":
-            text, calls = parse_calls(tools, self._held)
-            text = text if self.cut_calls_as_text else ""
-            steps += self._say(text or "") + [s for call in calls for s in self._whole_call(call)]
+            _, calls = split_output(tools, self._held)
+            steps += [s for call in calls for s in self._whole_call(call)]
         elif self._named is not None:
             index, call = self._named
             steps.append(Step("close_call", index, self._arguments, call))

@@ -26,7 +26,7 @@ from services.router.protocol import (STRICT, APIError, CacheSalt, ChatCompletio
                                       ReasoningEffort, Unimplemented, bad_request, text_parts_only, unsupported)
 from services.router.choices import SSE_KEEPALIVE, sse_json
 from services.router.output_items import ItemStream, Step
-from services.router.tools import ToolPlan, parse_calls
+from services.router.tools import ToolPlan, split_output
 
 # The chat request's fields as this API names them, for errors raised on the chat path.
 _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
@@ -316,17 +316,11 @@ class ResponseWriter:
                 "status": status}
 
     def whole(self, result: Collected) -> dict:
-        text, calls = self._split(result.text)
+        text, calls = split_output(self.tools, result.text)
         status = self._status()
         output = [self.message(text, status)] if text or not calls else []
         output += [self.function_call(c, "completed") for c in calls]
         return self.response(status, output)
-
-    def _split(self, text: str) -> tuple[str, list[dict]]:
-        if self.tools is None:
-            return text, []
-        content, calls = parse_calls(self.tools, text)
-        return content or "", calls
 
     # ---- streamed ----
     def _event(self, type_: str, **fields) -> bytes:

@@ -97,6 +97,16 @@ def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
     return content.strip() or None, calls
 
 
+def split_output(plan: ToolPlan | None, text: str) -> tuple[str, list[dict]]:
+    """(text, calls) of a whole output, for the APIs whose answers are items (Responses,
+    Messages): a forced choice's output is its calls only, and a forced output cut short
+    before its first call was whole is no text either (it is the tools' own syntax)."""
+    if plan is None:
+        return text, []
+    content, calls = parse_calls(plan, text)
+    return ((content or "") if plan.mode == "auto" else ""), calls
+
+
 def _whole_items(text: str) -> list:
     """The items of a JSON array that are whole: all of them, or, when `max_tokens` cut
     the array short, those before the cut (the calls made before it are calls)."""
