@@ -7,9 +7,11 @@ the conversation (an assistant's tool_use blocks its tool calls, a user's tool_r
 blocks tool messages), custom tools and `tool_choice` the chat's (tools.py). What comes
 back is a Message: a text block and a tool_use block per call, or, streamed, the
 Messages events in the order the SDK's `messages.stream()` folds them. Errors on these
-routes are Anthropic's error objects. Images, documents, server tools and MCP servers
-are refused by name; `thinking` and `cache_control` are taken and change nothing (the
-prefix cache needs no marks, and no reasoning is parsed out of a model's output)."""
+routes are Anthropic's error objects. Images, documents, Anthropic's own tools, MCP
+servers and conversations kept on the server are refused by name; `thinking`,
+`cache_control` and `context_management` are taken and change nothing (the prefix cache
+needs no marks, no reasoning is parsed out of a model's output, and the conversation is
+taken as sent)."""
 from __future__ import annotations
 
 import json
@@ -103,12 +105,6 @@ Block = Annotated[Union[Annotated[TextBlock, Tag("text")], Annotated[ToolUseBloc
                   Discriminator(_block_type)]
 
 
-def _only(blocks, kinds: tuple[str, ...]):
-    """Blocks as they are, unless one is of a kind this server cannot read (an image, a
-    document): refused by its place and kind."""
-    return text_parts_only(blocks, kinds, noun="block")
-
-
 def _text(content) -> str:
     if content is None:
         return ""
@@ -126,13 +122,14 @@ class Message(BaseModel):
     @field_validator("content", mode="before")
     @classmethod
     def _readable(cls, v):
-        return _only(v, _TEXT_KINDS)
+        return text_parts_only(v, _TEXT_KINDS, noun="block")       # an image, a document: refused by place
 
 
 class Tool(BaseModel):
-    """A custom tool. Anthropic's server tools (web search, code execution, ...) run on
-    Anthropic's servers: refused by their type. Its options for how Anthropic loads and
-    streams tools change nothing here."""
+    """A custom tool. Anthropic's own tools (web search and code execution, run on its
+    servers; bash, text editor and computer use, which it defines for its clients) are
+    refused by their type. The options for how Anthropic loads and streams tools change
+    nothing here."""
     model_config = STRICT
     type: Literal["custom"] | None = None
     name: FunctionName
@@ -245,7 +242,8 @@ class MessagesRequest(BaseModel):
     def to_chat(self) -> ChatCompletionRequest:
         """The same request as a chat completion."""
         config = self.output_config
-        chat: dict = {"messages": self.chat_messages(), "max_tokens": self.max_tokens,
+        messages = self.chat_messages()
+        chat: dict = {"messages": messages, "max_tokens": self.max_tokens,
                       "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                       "stop": self.stop_sequences or None, "user": self.metadata and self.metadata.user_id,
                       "reasoning_effort": config and config.effort}
@@ -253,18 +251,14 @@ class MessagesRequest(BaseModel):
             chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output",
                                                                               "schema": config.format.schema_}}
         chat.update(self.chat_tools())
-        if self._prefilled():                   # the answer goes on from the assistant's text
+        # A last message of the assistant's with text and no call is the start of the
+        # answer, which the model continues (Anthropic's prefill); the answer holds only
+        # what follows.
+        last = messages[-1] if messages else {}
+        if self.messages and self.messages[-1].role == "assistant" and last.get("role") == "assistant" \
+                and last.get("content") and not last.get("tool_calls"):
             chat.update(add_generation_prompt=False, continue_final_message=True)
         return parse(ChatCompletionRequest, {k: v for k, v in chat.items() if v is not None})
-
-    def _prefilled(self) -> bool:
-        """A last message of the assistant's, text only, is the start of the answer, which
-        the model continues (Anthropic's prefill); the answer holds only what follows."""
-        last = self.messages[-1] if self.messages else None
-        if last is None or last.role != "assistant":
-            return False
-        return isinstance(last.content, str) or all(isinstance(b, (TextBlock, ThinkingBlock, RedactedThinkingBlock))
-                                                    for b in last.content)
 
     def chat_tools(self) -> dict:
         """The chat request's tools and tool_choice."""
