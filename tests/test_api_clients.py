@@ -650,13 +650,18 @@ def test_messages_text_is_the_chat_completions(cluster):
                              messages=[*CHAT, PREFILL], extra_body={"add_generation_prompt": False,
                                                                      "continue_final_message": True}),
                  pool.submit(client.messages.create, **{**kw, "max_tokens": 8, "messages": [CHAT[1], PREFILL]}),
+                 pool.submit(client.messages.count_tokens, model=MODEL, system=CHAT[0]["content"],
+                             messages=[CHAT[1], PREFILL]),
                  # what Claude Code sends: a system message among the turns, context editing (beta)
                  pool.submit(client.messages.create, model=MODEL, max_tokens=2, messages=[
                      CHAT[1], {"role": "system", "content": "Be brief."}, {"role": "user", "content": ASK}],
                      extra_body={**GREEDY, "context_management": {"edits": [{"type": "clear_thinking_20251015"}]}})]
-        chat, m, (events, final), cut, long, counted, chat_prefilled, prefilled, beta = (f.result() for f in asked)
+        chat, m, (events, final), cut, long, counted, chat_prefilled, prefilled, counted_prefilled, beta = (
+            f.result() for f in asked)
     assert beta.stop_reason == "max_tokens" and m._request_id       # the SDK's request id (request-id)
     assert prefilled.content[0].text == chat_prefilled.choices[0].message.content
+    assert counted_prefilled.input_tokens == chat_prefilled.usage.prompt_tokens \
+        == prefilled.usage.input_tokens + prefilled.usage.cache_read_input_tokens
     text = chat.choices[0].message.content
     assert [b.type for b in m.content] == ["text"] and m.content[0].text == text
     assert m.id.startswith("msg_") and m.role == "assistant" and m.model == MODEL

@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP front end: /v1/chat/completions, /v1/completions, /v1/responses,
 /v1/models, vLLM's /tokenize, /detokenize and /tokenizer_info, plus /health, /ready and
-/metrics; and Anthropic's /v1/messages and /v1/messages/count_tokens. Requests run as `RunningRequest` tasks (frontend.py), so a client that
-disconnects cancels its request on every worker; choices.py writes the completions' answers.
+/metrics; and Anthropic's /v1/messages and /v1/messages/count_tokens. Requests run as
+`RunningRequest` tasks (frontend.py), so a client that disconnects cancels its request on
+every worker; choices.py writes the completions' answers.
 
 With API keys, every route but /health, /ping and /ready (and /metrics, unless protected) needs
 `Authorization: Bearer <key>`. JSON routes take only `Content-Type: application/json`
@@ -143,7 +144,8 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        """Unknown paths, wrong methods: the same OpenAI-style error object as the rest."""
+        """Unknown paths, wrong methods: the same error object as the rest (OpenAI's;
+        Anthropic's on its routes)."""
         return error_response(APIError(exc.status_code, str(exc.detail), code=HTTP_CODES.get(exc.status_code),
                                        headers=dict(exc.headers or {})), request.url.path)
 
@@ -272,7 +274,10 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
         try:
             chat = req.to_chat()
             tools = plan_tools(chat, fe.supports_tools)
-            ids = await fe.tokenize_chat([m.for_template() for m in chat.messages], tools and tools.tools)
+            ids = await fe.tokenize_chat([m.for_template() for m in chat.messages], tools and tools.tools,
+                                         add_generation_prompt=chat.add_generation_prompt,
+                                         continue_final_message=chat.continue_final_message,
+                                         template_kwargs=chat.template_kwargs())
         except APIError as exc:
             raise in_messages_terms(exc) from None
         return {"input_tokens": len(ids)}
