@@ -155,3 +155,20 @@ def test_tokenizer_routes_take_only_json_bodies_within_the_limits(cluster):
     for path, model in [("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest")]:
         schema = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert schema == {"$ref": f"#/components/schemas/{model}"}
+
+
+def test_invocations_serve_a_chat_or_a_completion_by_the_body(cluster):
+    """SageMaker's /invocations, as vLLM serves it: `messages` is a chat request, `prompt`
+    a completion, each answered as its own route answers it; anything else is a 400."""
+    chat = {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 5, "temperature": 0}
+    completion = {"prompt": "The sky is", "max_tokens": 5, "temperature": 0}
+    with httpx.Client(base_url=cluster.http, timeout=60) as http:
+        for body, path, text in ((chat, "/v1/chat/completions", lambda c: c["message"]["content"]),
+                                 (completion, "/v1/completions", lambda c: c["text"])):
+            via, direct = http.post("/invocations", json=body), http.post(path, json=body)
+            assert via.status_code == direct.status_code == 200, via.text
+            assert via.json()["object"] == direct.json()["object"]
+            assert text(via.json()["choices"][0]) == text(direct.json()["choices"][0])
+        refused = http.post("/invocations", json={"input": "hi"})
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_invocation"
+        assert http.post("/invocations", json={**chat, "max_tokens": -1}).status_code == 400

@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP front end: /v1/chat/completions, /v1/completions, /v1/responses,
 /v1/models, vLLM's /tokenize, /detokenize and /tokenizer_info, plus /health, /ready and
-/metrics; and Anthropic's /v1/messages and /v1/messages/count_tokens. Requests run as
+/metrics; Anthropic's /v1/messages and /v1/messages/count_tokens; SageMaker's
+/invocations. Requests run as
 `RunningRequest` tasks (frontend.py), so a client that disconnects cancels its request on
 every worker; choices.py writes the completions' answers.
 
@@ -28,7 +29,7 @@ from services.router.http_input import (HTTP_CODES, error_response, RequireAPIKe
                                        unless_disconnected)
 from services.router.generation import Generation, new_request_id
 from services.router.protocol import (APIError, ChatCompletionRequest, CommonRequest, CompletionRequest,
-                                      DetokenizeRequest, TokenizeRequest, unsupported)
+                                      DetokenizeRequest, TokenizeRequest, bad_request, unsupported)
 from services.router.messages import (CountTokensRequest, MessagesRequest, MessageWriter, in_messages_terms,
                                       new_message_id)
 from services.router.responses import ResponsesRequest, ResponseWriter, in_responses_terms, new_response_id
@@ -199,7 +200,10 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        req = parse(ChatCompletionRequest, await read_json(request, fe.max_body_bytes))
+        return await chat_of(request, await read_json(request, fe.max_body_bytes))
+
+    async def chat_of(request: Request, body: dict):
+        req = parse(ChatCompletionRequest, body)
         fe.check_model(req.model)
         request_id = new_request_id("chatcmpl")
         gens, tools = await chat_generations(fe, req, request_id)
@@ -209,7 +213,10 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse(CompletionRequest, await read_json(request, fe.max_body_bytes))
+        return await completion_of(request, await read_json(request, fe.max_body_bytes))
+
+    async def completion_of(request: Request, body: dict):
+        req = parse(CompletionRequest, body)
         fe.check_model(req.model)
         req.check()
         logprobs = req.top_logprobs_count()
@@ -234,6 +241,19 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
         shape = Shape(chat=False, echo=tuple(echoes), echo_only=echo_only, n=req.choices,
                       prompt_logprobs=req.prompt_logprobs, names=token_names(fe, req.return_tokens_as_token_ids))
         return await unless_disconnected(request, respond(fe, req, request_id, prompts, shape, tenant_of(request)))
+
+    @app.post("/invocations")
+    async def invocations(request: Request):
+        """SageMaker's inference route, as vLLM serves it: a chat request (`messages`) or a
+        completion (`prompt`), told apart by its body. Unlike vLLM's, it needs the API key
+        as every other route does."""
+        body = await read_json(request, fe.max_body_bytes)
+        if "messages" in body:
+            return await chat_of(request, body)
+        if "prompt" in body:
+            return await completion_of(request, body)
+        raise bad_request("/invocations takes a chat request (with messages) or a completion (with prompt)",
+                          param="messages", code="invalid_invocation")
 
     async def through_chat(request: Request, req, answer_id: str, writer_of, in_own_terms):
         """A request of another API (Responses, Messages) served as one chat choice: its own
