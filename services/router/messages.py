@@ -15,7 +15,6 @@ taken as sent)."""
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from typing import Annotated, AsyncIterator, ClassVar, Literal, Union
 
@@ -356,7 +355,6 @@ class MessageWriter:
         self.model = model
         self.tools = tools
         self.gen = gen
-        self.created = int(time.time())
 
     def message(self, content: list[dict], done: bool) -> dict:
         stop_reason, stop_sequence = self.stop_reason(content) if done else (None, None)
