@@ -25,7 +25,7 @@ from services.router.choices import sse_json
 from services.router.frontend import Collected, RunningRequest
 from services.router.generation import Generation
 from services.router.http_input import anthropic_error, parse
-from services.router.output_items import ItemStream, Step
+from services.router.output_items import ItemStream, Step, steps_of
 from services.router.protocol import (STRICT, APIError, ChatCompletionRequest, ContextLengthError, FunctionName,
                                       Number, Unimplemented, bad_request, text_parts_only)
 from services.router.tools import ToolPlan, split_output
@@ -393,23 +393,20 @@ class MessageWriter:
         return f"event: {type_}\ndata: {sse_json({'type': type_, **fields})}\n\n".encode()
 
     async def events(self, running: RunningRequest, keepalive: float) -> AsyncIterator[bytes]:
-        """message_start goes out with the first token (or the first keep-alive before it):
-        then the prompt's cached tokens are known, and its usage is the final one's."""
+        """message_start goes out with the first content (or the first keep-alive before it):
+        the prompt's cached tokens are known by then, and its usage is the final one's."""
         stream = _EventStream(self)
         started = False
         try:
-            async for d in running.deltas(keepalive):
+            async for step in steps_of(running.deltas(keepalive), ItemStream(self.tools, one_text=False)):
                 if not started:
                     started = True
                     yield self.event("message_start", message=self.message([], done=False))
-                if d is None:
+                if step is None:
                     yield self.event("ping")
                     continue
-                for event in stream.feed(d.text):
+                for event in stream.events(step):
                     yield event
-                if d.finish_reason:
-                    for event in stream.close():
-                        yield event
             if not started:
                 yield self.event("message_start", message=self.message([], done=False))
             stop_reason, stop_sequence = self.stop_reason(stream.content)
@@ -425,16 +422,9 @@ class _EventStream:
 
     def __init__(self, writer: MessageWriter) -> None:
         self.w = writer
-        self._items = ItemStream(writer.tools, one_text=False)
         self.content: list[dict] = []       # the blocks begun, in order
 
-    def feed(self, text: str) -> list[bytes]:
-        return [e for step in self._items.feed(text) for e in self._events(step)]
-
-    def close(self) -> list[bytes]:
-        return [e for step in self._items.close() for e in self._events(step)]
-
-    def _events(self, step: Step) -> list[bytes]:
+    def events(self, step: Step) -> list[bytes]:
         event, index = self.w.event, step.index
         if step.kind == "open_text":
             self.content.append({"type": "text"})

@@ -6,6 +6,7 @@ once its closing tag arrives (tools.py). Each API writes the steps below as its 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import AsyncIterator
 
 from services.router.tools import CallStream, ToolPlan, new_call, split_output
 
@@ -112,3 +113,17 @@ class ItemStream:
         index, steps = self._open_call(call)
         arguments = call["function"]["arguments"]
         return steps + [Step("arguments", index, arguments, call), Step("close_call", index, arguments, call)]
+
+
+async def steps_of(deltas: AsyncIterator, items: ItemStream) -> AsyncIterator[Step | None]:
+    """The steps of one choice's streamed deltas (RunningRequest.deltas), through `items`;
+    None where the stream sends a keep-alive."""
+    async for d in deltas:
+        if d is None:
+            yield None
+            continue
+        for step in items.feed(d.text):
+            yield step
+        if d.finish_reason:
+            for step in items.close():
+                yield step

@@ -25,7 +25,7 @@ from services.router.http_input import parse
 from services.router.protocol import (STRICT, APIError, CacheSalt, ChatCompletionRequest, FunctionName, Number,
                                       ReasoningEffort, Unimplemented, bad_request, text_parts_only, unsupported)
 from services.router.choices import SSE_KEEPALIVE, sse_json
-from services.router.output_items import ItemStream, Step
+from services.router.output_items import ItemStream, Step, steps_of
 from services.router.tools import ToolPlan, split_output
 
 # The chat request's fields as this API names them, for errors raised on the chat path.
@@ -333,15 +333,12 @@ class ResponseWriter:
         yield self._event("response.created", response=self.response("in_progress", []))
         yield self._event("response.in_progress", response=self.response("in_progress", []))
         try:
-            async for d in running.deltas(keepalive):
-                if d is None:
+            async for step in steps_of(running.deltas(keepalive), ItemStream(self.tools, empty_text=True)):
+                if step is None:
                     yield SSE_KEEPALIVE
                     continue
-                for event in stream.feed(d.text):
+                for event in stream.events(step):
                     yield event
-                if d.finish_reason:
-                    for event in stream.close():
-                        yield event
             status = self._status()
             yield self._event(f"response.{status}", response=self.response(status, stream.output))
         except APIError as exc:
@@ -359,21 +356,14 @@ class _EventStream:
 
     def __init__(self, writer: ResponseWriter) -> None:
         self.w = writer
-        self._items = ItemStream(writer.tools, empty_text=True)
         self._done: list[tuple[int, dict]] = []     # (output index, item) of the items done
-
-    def feed(self, text: str) -> list[bytes]:
-        return [e for step in self._items.feed(text) for e in self._events(step)]
-
-    def close(self) -> list[bytes]:
-        return [e for step in self._items.close() for e in self._events(step)]
 
     @property
     def output(self) -> list[dict]:
         """The items done, in output order."""
         return [item for _, item in sorted(self._done, key=lambda done: done[0])]
 
-    def _events(self, step: Step) -> list[bytes]:
+    def events(self, step: Step) -> list[bytes]:
         w, index = self.w, step.index
         if step.kind == "open_text":
             return [w._event("response.output_item.added", output_index=index, item=w.message("", "in_progress")),
