@@ -67,14 +67,19 @@ async def chat_generations(fe: FrontEnd, req: ChatCompletionRequest,
         structure = "json_schema", await fe.check_schema(tools.schema, "tools")
     elif tools is not None and structure is not None and structure[0] == "json_schema":
         structure = structured.with_calls(structure, tools.tools, one_call=req.parallel_tool_calls is False)
-    prompt_ids = await fe.tokenize_chat([m.for_template() for m in req.messages], tools and tools.tools,
-                                        add_generation_prompt=req.add_generation_prompt,
-                                        continue_final_message=req.continue_final_message,
-                                        template_kwargs=req.template_kwargs())
+    prompt_ids = await chat_prompt(fe, req, tools)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     gens = await generations(fe, req, request_id, req.truncate(prompt_ids, fe.max_model_len), max_tokens,
                              req.top_logprobs_count(), structure, req.prompt_logprobs)
     return gens, tools
+
+
+async def chat_prompt(fe: FrontEnd, req: ChatCompletionRequest, tools: ToolPlan | None) -> list[int]:
+    """The chat request's prompt ids, through the chat template with its tools and options."""
+    return await fe.tokenize_chat([m.for_template() for m in req.messages], tools and tools.tools,
+                                  add_generation_prompt=req.add_generation_prompt,
+                                  continue_final_message=req.continue_final_message,
+                                  template_kwargs=req.template_kwargs())
 
 
 def tokenizer_info(fe: FrontEnd) -> dict:
@@ -293,11 +298,7 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
         req.check()
         try:
             chat = req.to_chat()
-            tools = plan_tools(chat, fe.supports_tools)
-            ids = await fe.tokenize_chat([m.for_template() for m in chat.messages], tools and tools.tools,
-                                         add_generation_prompt=chat.add_generation_prompt,
-                                         continue_final_message=chat.continue_final_message,
-                                         template_kwargs=chat.template_kwargs())
+            ids = await chat_prompt(fe, chat, plan_tools(chat, fe.supports_tools))
         except APIError as exc:
             raise in_messages_terms(exc) from None
         return {"input_tokens": len(ids)}
