@@ -10,7 +10,7 @@ from services.engine.core.block_pool import BlockPool
 from services.engine.core.sampling import SamplingParams
 from services.engine.core.scheduler import Scheduler, SchedulerConfig
 from services.engine.core.sequence import PENDING, Sequence, SeqStatus
-from services.engine.core.speculation import (NgramProposer, SpeculativeConfig, Speculator, SuffixProposer)
+from services.engine.core.speculation import NgramProposer, SpeculativeConfig, Speculator, SuffixProposer
 
 EOS = frozenset({2})
 
@@ -29,7 +29,7 @@ def test_the_config_is_vllm_shaped_json_and_refuses_what_it_cannot_use():
     assert SpeculativeConfig.parse('{"model": "m"}').method == "draft"            # vLLM infers it from the model
     assert SpeculativeConfig.parse('{"method": "draft_model", "model": "m"}').method == "draft"
     for bad, says in [("{", "not JSON"), ("[1]", "JSON object"), ('{"method": "eagle"}', "method"),
-                      ('{"num_speculative_tokens": 0}', "1 to 16"), ('{"num_speculative_tokens": "4"}', "int"),
+                      ('{"num_speculative_tokens": 0}', "1 to 32"), ('{"num_speculative_tokens": 33}', "1 to 32"), ('{"num_speculative_tokens": "4"}', "int"),
                       ('{"num_speculative_tokens": true}', "int"), ('{"adaptive": 1}', "bool"),
                       ('{"prompt_lookup_min": 5}', "prompt_lookup_min"), ('{"draft_model": "x"}', "unknown keys"),
                       ('{"method": "draft"}', "draft model"), ('{"method": "ngram", "model": "m"}', "only it"),
@@ -68,7 +68,8 @@ def test_ngram_grows_its_index_with_the_sequence_and_forgets_it():
 
 
 def test_suffix_follows_confident_continuations_of_its_own_and_others_outputs():
-    p = SuffixProposer(SpeculativeConfig(method="suffix", suffix_decoding_min_token_prob=0.5))
+    p = SuffixProposer(SpeculativeConfig(method="suffix", suffix_decoding_min_token_prob=0.5,
+                                         suffix_decoding_max_spec_factor=2.0))
     done = seq("old", [1, 1, 40, 41, 42, 43, 44], prompt_len=2)
     p.finished(done)                                  # its output enters the worker's index
     s = seq("new", [7, 8, 40, 41], prompt_len=2)
@@ -80,15 +81,54 @@ def test_suffix_follows_confident_continuations_of_its_own_and_others_outputs():
     assert p.propose(unsure, 4) == []                 # 1/3 each: below the floor
 
 
+def test_suffix_drafts_as_far_as_its_match_is_long_by_default_as_vllm():
+    c = SpeculativeConfig.parse('{"method": "suffix"}')
+    assert c.num_speculative_tokens == c.suffix_decoding_max_tree_depth == 24          # vLLM's default
+    assert SpeculativeConfig.parse('{"method": "suffix", "suffix_decoding_max_tree_depth": 8}').num_speculative_tokens == 8
+    assert SpeculativeConfig.parse('{"method": "ngram"}').num_speculative_tokens == 4
+    p = SuffixProposer(c)
+    text = list(range(100, 160))
+    s = seq("copy", [*text, 1, *text[:3]], prompt_len=len(text) + 4)
+    assert p.propose(s, 30) == text[3:6]              # a 3-token match drafts 3 (max_spec_factor 1.0)
+    s.token_ids += text[3:20]                          # a 20-token match: 20 of the 24 allowed
+    assert p.propose(s, 30) == text[20:40]
+    s.token_ids += text[20:30]
+    assert p.propose(s, 30) == text[30:54]             # capped by the depth, 24
+    half = SuffixProposer(SpeculativeConfig(method="suffix", suffix_decoding_max_spec_factor=0.5))
+    assert half.propose(seq("h", [*text, 1, *text[:10]]), 30) == text[10:15]
+    with pytest.raises(ValueError, match="max_spec_factor"):
+        SpeculativeConfig.parse('{"method": "suffix", "suffix_decoding_max_spec_factor": -1}')
+
+
 def test_suffix_keeps_a_bounded_number_of_outputs():
     p = SuffixProposer(SpeculativeConfig(method="suffix", suffix_decoding_max_cached_requests=2))
     for i in range(5):
         p.finished(seq(f"r{i}", [0, 100 + i, 200 + i, 300 + i], prompt_len=1))
-    assert len(p._outputs) == 2
+    assert len(p.recent.spans) == 2
     assert p.propose(seq("x", [9, 100, 200], prompt_len=1), 2) == []      # r0 forgotten
     assert p.propose(seq("y", [9, 104, 204], prompt_len=1), 2) == [304]
-    contexts = {k for k in p.recent.next}
-    assert all(any(t in (103, 104, 203, 204, 303, 304) for t in k) for k in contexts)
+    assert set(p.recent.index.where) == {103, 203, 104, 204}              # each followed by a token of its output
+    assert len(p.recent.index.tokens) <= 2 * 2 * 4                       # forgotten tokens are dropped too
+    for i in range(5, 500):
+        p.finished(seq(f"r{i}", [0, 100 + i, 200 + i, 300 + i], prompt_len=1))
+    assert len(p.recent.index.tokens) <= 2 * 2 * 4 and len(p.recent.index.where) == 4
+
+
+def test_suffix_indexes_a_long_history_in_one_int_a_token():
+    """A trie of every context of up to 24 tokens made ~24 objects a token (GBs at the
+    default 1,000 outputs kept, and seconds of the collector's time): the index is a
+    position a token, and a step's match looks at a bounded number of them."""
+    import random
+    import sys
+    rng = random.Random(0)
+    p = SuffixProposer(SpeculativeConfig(method="suffix", suffix_decoding_max_cached_requests=1000))
+    for i in range(1000):
+        p.finished(seq(f"r{i}", [0] + [rng.randrange(100, 3000) for _ in range(300)], prompt_len=1))
+    where = p.recent.index.where
+    held = sum(sys.getsizeof(q) for q in where.values()) + sys.getsizeof(where) + sys.getsizeof(p.recent.index.tokens)
+    assert held < 50 * 1000 * 300                      # ~50 bytes a token, not ~10 KB
+    long = seq("long", [1] + [rng.randrange(100, 3000) for _ in range(8000)])
+    assert p.propose(long, 24) is not None             # a fresh 8,000-token sequence
 
 
 # ---- the adaptive cut ----
