@@ -10,7 +10,8 @@ from services.engine.core.block_pool import BlockPool
 from services.engine.core.sampling import SamplingParams
 from services.engine.core.scheduler import Scheduler, SchedulerConfig
 from services.engine.core.sequence import PENDING, Sequence, SeqStatus
-from services.engine.core.speculation import NgramProposer, SpeculativeConfig, Speculator, SuffixProposer
+from services.engine.core.speculation import (Draft, NgramProposer, SpeculativeConfig, Speculator,
+                                                 SuffixProposer)
 
 EOS = frozenset({2})
 
@@ -172,6 +173,40 @@ def test_the_cut_follows_the_step_cost():
         spec2.observe(rows, 0.001 + 0.050 * rows)
     spec2._steps = 1
     assert spec2.drafts([(s, 10)]) == {}
+
+
+def test_the_cut_keeps_drafts_found_by_long_matches_and_drops_those_of_short_ones():
+    """Copied passages are kept in runs: a draft found after a long match is usually kept
+    whole, one after a single matched token rarely, whichever sequence drafts it. The cut
+    learns that per match length: at four sequences, compute-bound, it verifies long
+    matches' drafts and none of the short ones', even for a sequence whose last drafts
+    (short matches, at an edit) were all rejected."""
+    match = {}
+
+    class ByMatch:
+        def propose(self, seq, most):
+            return Draft(list(range(100, 100 + most)), match=match[seq])
+
+        def finished(self, seq):
+            pass
+
+    spec = Speculator(SpeculativeConfig(method="suffix"), ByMatch())
+    for rows in (4, 8, 40, 100, 4, 60):                      # ~12 ms a step plus 1.5 ms a row
+        spec.observe(rows, 0.012 + 0.0015 * rows)
+    seqs = [seq(f"s{i}", [1, 2, 3]) for i in range(4)]
+    for _ in range(40):
+        for i, s in enumerate(seqs):
+            match[s] = 20 if i < 2 else 1
+        spec.drafts([(s, 30) for s in seqs])
+        for i, s in enumerate(seqs):
+            spec.accepted(s, 24, (24, 20, 0, 1)[i])
+    spec._steps = 1
+    match.update({seqs[0]: 1, seqs[1]: 1, seqs[2]: 20, seqs[3]: 24})
+    got = spec.drafts([(s, 30) for s in seqs])
+    assert seqs[0] not in got and seqs[1] not in got
+    assert len(got[seqs[2]]) >= 16 and len(got[seqs[3]]) >= 16
+    assert Draft([1, 2], match=3) == [1, 2] and NgramProposer(SpeculativeConfig()).propose(
+        seq("n", [1, 2, 3, 4, 1, 2, 3]), 2).match == 3      # ngram: the n-gram it matched
 
 
 # ---- the scheduler's verify chunks ----

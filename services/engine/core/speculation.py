@@ -35,12 +35,17 @@ Proposers:
 The adaptive cut: a verify step runs every drafted token as one more decode row (the
 engine's `pack`), so it costs what a decode step of that many rows costs, and a row
 whose draft is rejected is work thrown away. From the decode steps measured so far (a
-least-squares line of seconds over rows, recent steps weighing most) and each
-sequence's measured acceptance, the speculator keeps the drafted tokens in order of
-their chance of being accepted while the expected tokens per second rise, and drafts
-nothing when a plain step wins. A sequence's first draft is always verified (its own
-record starts there, so one early rejection elsewhere does not keep it from drafting),
-and one step in EXPLORE_EVERY drafts anyway, so the estimates follow the traffic.
+least-squares line of seconds over rows, recent steps weighing most) and the measured
+chance that a drafted token is kept once the drafts before it were, by its position in
+the draft and by how long a context the proposer matched to find it (a draft copied
+after a 20-token match is kept far more often than one after a single token), the
+speculator keeps the drafted tokens in order of their chance of being accepted while
+the expected tokens per second rise, and drafts nothing when a plain step wins. Kept
+drafts come in runs (a copied passage is accepted whole until the model departs from
+it), which these conditional chances follow and one rate per sequence does not. A
+sequence's first draft is always verified (so one early rejection elsewhere does not
+keep it from drafting), and one step in EXPLORE_EVERY drafts anyway, so the estimates
+follow the traffic.
 """
 from __future__ import annotations
 
@@ -60,6 +65,8 @@ __all__ = ["SpeculativeConfig", "Speculator", "NgramProposer", "SuffixProposer"]
 EXPLORE_EVERY = 50
 # A step's cost as the lines fit it forgets older steps at this rate per step.
 COST_DECAY = 0.98
+# The acceptance of a match-length bucket forgets older drafts at this rate per draft.
+ACCEPT_DECAY = 0.99
 # The suffix proposer's matches start from this many of the latest occurrences of a
 # sequence's last token, at most (a bound on a step's work whatever the history).
 MATCH_CANDIDATES = 256
@@ -277,6 +284,48 @@ class _CostLine:
         return max(1e-6, mean_y + slope * (tokens - mean_x))
 
 
+class _Acceptance:
+    """The chance a drafted token is kept once the drafts before it were, by its position
+    and by the bucket of its draft's match length (0, 1, 2-3, 4-7, 8-15, 16+ tokens),
+    recent verifications weighing most. Each estimate leans on the same position over
+    every bucket while its own bucket has seen little."""
+    BUCKETS = 6
+
+    def __init__(self, positions: int) -> None:
+        self.tried = [[0.0] * positions for _ in range(self.BUCKETS)]
+        self.hit = [[0.0] * positions for _ in range(self.BUCKETS)]
+        self._pooled: list[float] | None = None     # each position's chance over every bucket
+
+    @classmethod
+    def bucket(cls, match: int) -> int:
+        return min(match.bit_length(), cls.BUCKETS - 1)
+
+    def record(self, bucket: int, proposed: int, accepted: int) -> None:
+        tried, hit = self.tried[bucket], self.hit[bucket]
+        for j in range(len(tried)):
+            tried[j] *= ACCEPT_DECAY
+            hit[j] *= ACCEPT_DECAY
+        for j in range(min(proposed, accepted + 1)):    # the positions reached
+            tried[j] += 1.0
+            hit[j] += j < accepted
+        self._pooled = None
+
+    def chances(self, bucket: int, n: int) -> list[float]:
+        """The chance each of a draft's first `n` tokens is accepted (all before it too)."""
+        if self._pooled is None:
+            self._pooled = [(sum(h) + 1.0) / (sum(t) + 2.0) for h, t in zip(zip(*self.hit), zip(*self.tried))]
+        out, chance = [], 1.0
+        hit, tried = self.hit[bucket], self.tried[bucket]
+        for j in range(n):
+            chance *= (hit[j] + 2.0 * self._pooled[j]) / (tried[j] + 2.0)
+            out.append(chance)
+        return out
+
+    def best(self, n: int) -> list[float]:
+        """`chances` of the bucket whose drafts are kept most often."""
+        return max((self.chances(b, n) for b in range(self.BUCKETS)), key=sum)
+
+
 @dataclass
 class SpecStats:
     """Totals, as vLLM's spec_decode metrics count them."""
@@ -299,8 +348,10 @@ class Speculator:
         self._drafting = 0.0                    # seconds a step's drafting takes, recent steps weighing most
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._cost = _CostLine()
-        self._tried = self._hit = 0.0          # drafted positions verified, and accepted, recent ones weighing most
-        self._per_seq: weakref.WeakKeyDictionary[Sequence, list[float]] = weakref.WeakKeyDictionary()
+        self._acceptance = _Acceptance(config.num_speculative_tokens)
+        # the match bucket of each sequence's draft in flight; a sequence is here once drafted for
+        self._bucket: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
+        self._verified: weakref.WeakSet[Sequence] = weakref.WeakSet()     # a draft of its own verified
         self._unmatched: weakref.WeakSet[Sequence] = weakref.WeakSet()    # asked once, nothing drafted
         self._steps = 0
 
@@ -327,6 +378,8 @@ class Speculator:
         for seq, _ in wanted:
             if seq not in found:
                 self._unmatched.add(seq)            # no longer fresh: it waits for explored steps
+            else:
+                self._bucket[seq] = _Acceptance.bucket(getattr(found[seq], "match", 0))
         if not found or not self.config.adaptive:
             return found
         keep = self._cut(len(candidates), found)
@@ -334,35 +387,34 @@ class Speculator:
 
     def _may_pay(self, candidates: list[tuple[Sequence, int]]) -> bool:
         """Whether drafting can beat a plain step now: with every candidate drafting
-        its most at the best acceptance any of them has shown. When it cannot, the
+        as many tokens, at the acceptance of the best match bucket. When it cannot, the
         proposers are not asked (their indexes catch up when they next are), except on
         the exploring steps."""
         if not self._cost.known or self._steps % EXPLORE_EVERY == 0:
             return True
         if any(self._fresh(seq) for seq, _ in candidates):
             return True                             # a sequence not yet drafted for
-        batch, k = len(candidates), self.config.num_speculative_tokens
-        rate = max(self._rate(seq) for seq, _ in candidates)
-        gain = batch * sum(rate ** j for j in range(1, k + 1))
-        return (batch + gain) / (self._cost(batch * (1 + k)) + self._drafting) > batch / self._cost(batch)
+        batch, gain = len(candidates), 0.0
+        plain = batch / self._cost(batch)
+        for k, chance in enumerate(self._acceptance.best(self.config.num_speculative_tokens), 1):
+            gain += chance
+            if batch * (1 + gain) / (self._cost(batch * (1 + k)) + self._drafting) > plain:
+                return True
+        return False
 
     def _cut(self, batch: int, found: dict[Sequence, list[int]]) -> dict[Sequence, int]:
         """How many of each sequence's drafted tokens to verify: the most likely first,
         while the expected tokens per second of the step rise."""
-        chances = []                # (chance the token is accepted, its sequence)
-        for seq, draft in found.items():
-            rate, chance = self._rate(seq), 1.0
-            for _ in draft:
-                chance *= rate
-                chances.append((chance, seq))
-        chances.sort(key=lambda c: -c[0])
         keep = dict.fromkeys(found, 0)
         if not self._cost.known:
             return {seq: len(d) for seq, d in found.items()}        # measure first
-        for seq in found:
-            if seq not in self._per_seq:            # a first draft is verified whole
-                keep[seq] = len(found[seq])
-        chances = [c for c in chances if c[1] in self._per_seq]
+        chances = []                # (chance the token is accepted, its sequence)
+        for seq, draft in found.items():
+            if seq not in self._verified:           # a first draft is verified whole
+                keep[seq] = len(draft)
+            else:
+                chances += [(c, seq) for c in self._acceptance.chances(self._bucket[seq], len(draft))]
+        chances.sort(key=lambda c: -c[0])
         forced = sum(keep.values())
         best = batch / (self._cost(batch + forced) + (self._drafting if forced else 0.0))
         best_n, gain = 0, 0.0
@@ -378,18 +430,12 @@ class Speculator:
         return keep
 
     def _fresh(self, seq: Sequence) -> bool:
-        return seq not in self._per_seq and seq not in self._unmatched
-
-    def _rate(self, seq: Sequence) -> float:
-        """The chance a drafted token of `seq` is accepted after the one before it was:
-        its own record, starting from the worker's."""
-        overall = (self._hit + 1.0) / (self._tried + 2.0)
-        hit, tried = self._per_seq.get(seq, (0.0, 0.0))
-        return (hit + 2.0 * overall) / (tried + 2.0)
+        return seq not in self._verified and seq not in self._unmatched
 
     def finished(self, seq: Sequence) -> None:
         self.proposer.finished(seq)
-        self._per_seq.pop(seq, None)
+        self._bucket.pop(seq, None)
+        self._verified.discard(seq)
         self._unmatched.discard(seq)
 
     # ---- the engine, after a step ----
@@ -401,12 +447,8 @@ class Speculator:
         s.accepted_tokens += accepted
         for pos in range(accepted):
             s.accepted_per_pos[pos] += 1
-        tried = min(proposed, accepted + 1)         # positions that were reached
-        self._tried = 0.99 * self._tried + tried
-        self._hit = 0.99 * self._hit + accepted
-        record = self._per_seq.setdefault(seq, [0.0, 0.0])
-        record[0] = 0.8 * record[0] + accepted
-        record[1] = 0.8 * record[1] + tried
+        self._acceptance.record(self._bucket.get(seq, 0), proposed, accepted)
+        self._verified.add(seq)
 
     def observe(self, rows: int, seconds: float) -> None:
         """A decode step (no prompt chunk) of `rows` rows, drafted ones included, took
