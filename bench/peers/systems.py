@@ -71,10 +71,11 @@ def _vllm(*flags: str) -> Callable[[Context, int, Path], Launch]:
 
 
 # Speculative decoding, the same drafts asked of each system: prompt lookup of up to
-# 4-grams, up to 4 tokens a step (vLLM's ngram); pdserve's suffix index beside it.
+# 4-grams, up to 4 tokens a step (vLLM's ngram); pdserve's suffix index beside it, in
+# vLLM's defaults (up to its tree depth, 24 tokens a step).
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
                     "prompt_lookup_min": 2})
-SUFFIX = json.dumps({"method": "suffix", "num_speculative_tokens": 4})
+SUFFIX = json.dumps({"method": "suffix"})
 
 
 def _transformers_serve(c: Context, port: int, workdir: Path) -> Launch:
