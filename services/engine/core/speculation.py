@@ -370,6 +370,8 @@ class Speculator:
             found = {seq: d for seq, d in batched(wanted).items() if d}
         else:
             found = {seq: d for seq, most in wanted if (d := self.proposer.propose(seq, most))}
+        for seq, draft in found.items():
+            self._bucket[seq] = _Acceptance.bucket(getattr(draft, "match", 0))
         for seq in [s for s in found if s.constraint is not None]:
             found[seq] = seq.constraint.fitting(found[seq])     # structured output: what its grammar allows
             if not found[seq]:
@@ -378,8 +380,6 @@ class Speculator:
         for seq, _ in wanted:
             if seq not in found:
                 self._unmatched.add(seq)            # no longer fresh: it waits for explored steps
-            else:
-                self._bucket[seq] = _Acceptance.bucket(getattr(found[seq], "match", 0))
         if not found or not self.config.adaptive:
             return found
         keep = self._cut(len(candidates), found)
