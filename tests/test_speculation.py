@@ -209,6 +209,29 @@ def test_the_cut_keeps_drafts_found_by_long_matches_and_drops_those_of_short_one
         seq("n", [1, 2, 3, 4, 1, 2, 3]), 2).match == 3      # ngram: the n-gram it matched
 
 
+def test_drafts_grow_past_the_longest_verified_while_runs_are_kept_whole():
+    """Positions no draft has reached yet are estimated from the position before: drafts
+    of 8 kept whole let the next one be verified past 8 (a flat prior of one half per
+    new position held every draft at the longest ever verified)."""
+    class Long:
+        def propose(self, seq, most):
+            return Draft(list(range(100, 100 + most)), match=24)
+
+        def finished(self, seq):
+            pass
+
+    spec = Speculator(SpeculativeConfig(method="suffix"), Long())
+    for rows in (4, 8, 40, 100, 4, 60):                      # ~12 ms a step plus 1.5 ms a row
+        spec.observe(rows, 0.012 + 0.0015 * rows)
+    seqs = [seq(f"s{i}", [1, 2, 3]) for i in range(4)]
+    spec.drafts([(s, 8) for s in seqs])
+    for _ in range(20):
+        for s in seqs:
+            spec.accepted(s, 8, 8)
+    spec._steps = 1
+    assert all(len(d) > 12 for d in spec.drafts([(s, 24) for s in seqs]).values())
+
+
 # ---- the scheduler's verify chunks ----
 
 class Fixed:

@@ -287,14 +287,15 @@ class _CostLine:
 class _Acceptance:
     """The chance a drafted token is kept once the drafts before it were, by its position
     and by the bucket of its draft's match length (0, 1, 2-3, 4-7, 8-15, 16+ tokens),
-    recent verifications weighing most. Each estimate leans on the same position over
-    every bucket while its own bucket has seen little."""
+    recent verifications weighing most. Where a bucket has seen little at a position its
+    estimate leans on the position before (a run goes on as it went: a prior of one half
+    for every position not yet reached kept drafts from growing past the longest ever
+    verified), and at the first position on every bucket's."""
     BUCKETS = 6
 
     def __init__(self, positions: int) -> None:
         self.tried = [[0.0] * positions for _ in range(self.BUCKETS)]
         self.hit = [[0.0] * positions for _ in range(self.BUCKETS)]
-        self._pooled: list[float] | None = None     # each position's chance over every bucket
 
     @classmethod
     def bucket(cls, match: int) -> int:
@@ -308,16 +309,15 @@ class _Acceptance:
         for j in range(min(proposed, accepted + 1)):    # the positions reached
             tried[j] += 1.0
             hit[j] += j < accepted
-        self._pooled = None
 
     def chances(self, bucket: int, n: int) -> list[float]:
         """The chance each of a draft's first `n` tokens is accepted (all before it too)."""
-        if self._pooled is None:
-            self._pooled = [(sum(h) + 1.0) / (sum(t) + 2.0) for h, t in zip(zip(*self.hit), zip(*self.tried))]
-        out, chance = [], 1.0
         hit, tried = self.hit[bucket], self.tried[bucket]
+        prior = (sum(h[0] for h in self.hit) + 1.0) / (sum(t[0] for t in self.tried) + 2.0)
+        out, chance = [], 1.0
         for j in range(n):
-            chance *= (hit[j] + 2.0 * self._pooled[j]) / (tried[j] + 2.0)
+            prior = (hit[j] + 2.0 * prior) / (tried[j] + 2.0)
+            chance *= prior
             out.append(chance)
         return out
 
