@@ -175,6 +175,26 @@ def test_the_cut_follows_the_step_cost():
     assert spec2.drafts([(s, 10)]) == {}
 
 
+class Copying:
+    """A proposer that drafts `most` tokens, found after a match of `match(seq)` tokens."""
+    def __init__(self, match):
+        self.match = match
+
+    def propose(self, seq, most):
+        return Draft(list(range(100, 100 + most)), match=self.match(seq))
+
+    def finished(self, seq):
+        pass
+
+
+def compute_bound(proposer) -> Speculator:
+    """A suffix speculator whose decode steps have cost ~12 ms plus 1.5 ms a row (one CPU core)."""
+    spec = Speculator(SpeculativeConfig(method="suffix"), proposer)
+    for rows in (4, 8, 40, 100, 4, 60):
+        spec.observe(rows, 0.012 + 0.0015 * rows)
+    return spec
+
+
 def test_the_cut_keeps_drafts_found_by_long_matches_and_drops_those_of_short_ones():
     """Copied passages are kept in runs: a draft found after a long match is usually kept
     whole, one after a single matched token rarely, whichever sequence drafts it. The cut
@@ -182,17 +202,7 @@ def test_the_cut_keeps_drafts_found_by_long_matches_and_drops_those_of_short_one
     matches' drafts and none of the short ones', even for a sequence whose last drafts
     (short matches, at an edit) were all rejected."""
     match = {}
-
-    class ByMatch:
-        def propose(self, seq, most):
-            return Draft(list(range(100, 100 + most)), match=match[seq])
-
-        def finished(self, seq):
-            pass
-
-    spec = Speculator(SpeculativeConfig(method="suffix"), ByMatch())
-    for rows in (4, 8, 40, 100, 4, 60):                      # ~12 ms a step plus 1.5 ms a row
-        spec.observe(rows, 0.012 + 0.0015 * rows)
+    spec = compute_bound(Copying(match.__getitem__))
     seqs = [seq(f"s{i}", [1, 2, 3]) for i in range(4)]
     for _ in range(40):
         for i, s in enumerate(seqs):
@@ -213,16 +223,7 @@ def test_drafts_grow_past_the_longest_verified_while_runs_are_kept_whole():
     """Positions no draft has reached yet are estimated from the position before: drafts
     of 8 kept whole let the next one be verified past 8 (a flat prior of one half per
     new position held every draft at the longest ever verified)."""
-    class Long:
-        def propose(self, seq, most):
-            return Draft(list(range(100, 100 + most)), match=24)
-
-        def finished(self, seq):
-            pass
-
-    spec = Speculator(SpeculativeConfig(method="suffix"), Long())
-    for rows in (4, 8, 40, 100, 4, 60):                      # ~12 ms a step plus 1.5 ms a row
-        spec.observe(rows, 0.012 + 0.0015 * rows)
+    spec = compute_bound(Copying(lambda seq: 24))
     seqs = [seq(f"s{i}", [1, 2, 3]) for i in range(4)]
     spec.drafts([(s, 8) for s in seqs])
     for _ in range(20):
