@@ -241,7 +241,7 @@ class SuffixProposer:
     def propose(self, seq: Sequence, most: int) -> list[int]:
         ids = seq.token_ids
         own = self._own.get(seq)
-        if own is None:
+        if own is None or own.tokens is not ids:        # indexes the sequence's own list, in place
             own = self._own[seq] = _Occurrences(ids)
         own.note(own.indexed, len(ids) - 1)
         depth = self.config.suffix_decoding_max_tree_depth
