@@ -2,6 +2,8 @@
 cut, and the scheduler's verify chunks (drafts kept while their samples agree, the
 rest rolled back, their blocks returned)."""
 import gc
+import random
+import tracemalloc
 
 import pytest
 
@@ -116,20 +118,24 @@ def test_suffix_keeps_a_bounded_number_of_outputs():
 
 
 def test_suffix_indexes_a_long_history_in_one_int_a_token():
-    """A trie of every context of up to 24 tokens made ~24 objects a token (GBs at the
-    default 1,000 outputs kept, and seconds of the collector's time): the index is a
-    position a token, and a step's match looks at a bounded number of them."""
-    import random
-    import sys
+    """A trie of every context of up to 24 tokens made ~24 objects a token (~10 KB: GBs at
+    the default 1,000 outputs kept, and seconds of the collector's time): the index is a
+    position a token, measured as the bytes it allocates, and a long sequence still finds
+    its copied passage among the latest occurrences of its last token."""
     rng = random.Random(0)
     p = SuffixProposer(SpeculativeConfig(method="suffix", suffix_decoding_max_cached_requests=1000))
-    for i in range(1000):
-        p.finished(seq(f"r{i}", [0] + [rng.randrange(100, 3000) for _ in range(300)], prompt_len=1))
-    where = p.recent.index.where
-    held = sum(sys.getsizeof(q) for q in where.values()) + sys.getsizeof(where) + sys.getsizeof(p.recent.index.tokens)
-    assert held < 50 * 1000 * 300                      # ~50 bytes a token, not ~10 KB
-    long = seq("long", [1] + [rng.randrange(100, 3000) for _ in range(8000)])
-    assert p.propose(long, 24) is not None             # a fresh 8,000-token sequence
+    done = [seq(f"r{i}", [0] + [rng.randrange(100, 3000) for _ in range(300)], prompt_len=1) for i in range(1000)]
+    tracemalloc.start()
+    try:
+        for s in done:
+            p.finished(s)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held < 100 * 1000 * 300                     # ~70 bytes a token
+    text = [rng.randrange(100, 3000) for _ in range(8000)]
+    long = seq("long", [1, *text, *text[100:130]])
+    assert p.propose(long, 24) == text[130:154]        # a 24-token match: 24 drafted
 
 
 # ---- the adaptive cut ----
