@@ -56,6 +56,34 @@ def test_kernel_matches_float64_reference(kernel, dtype, tol, q_heads, kv_heads,
     torch.testing.assert_close(out.double(), reference(q, cache, table, lens, scale), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_heads,kv_heads,dim", [(9, 3, 64), (8, 8, 128), (32, 4, 64)])
+def test_rows_of_one_sequence_attend_as_a_group_with_each_rows_own_result(kernel, dtype, q_heads, kv_heads, dim):
+    """Rows at consecutive positions of one sequence over the same blocks (a verified
+    draft's, a short prompt chunk's) are scored from one pass over their keys. Each row's
+    output is bit for bit what it gets alone in a call of its own, and matches the
+    float64 reference: 20 rows of one sequence (more than one group), then a row of
+    another sequence with the next length, then one whose table differs only in the
+    block the row before it ends in."""
+    torch.manual_seed(q_heads + dim)
+    block_size, width = 16, 10
+    cache = torch.randn(2, 40, block_size, kv_heads, dim).to(dtype)
+    seq = torch.randperm(40)[:width]
+    other = torch.randperm(40)[:width]
+    forked = seq.clone()
+    forked[7] = int(other[7]) if int(other[7]) != int(seq[7]) else int(other[8])
+    table = torch.stack([seq] * 20 + [other, forked]).contiguous()
+    lens = torch.tensor(list(range(100, 120)) + [120, 121], dtype=torch.int32)
+    q = torch.randn(len(lens), q_heads, dim).to(dtype)
+    scale = dim ** -0.5
+    together = kernel.decode(q, cache, table, lens, scale)
+    for row in range(len(lens)):
+        alone = kernel.decode(q[row:row + 1], cache, table[row:row + 1], lens[row:row + 1], scale)
+        assert torch.equal(together[row], alone[0]), row
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(together.double(), reference(q, cache, table, lens, scale), atol=tol, rtol=tol)
+
+
 def test_kernel_reads_only_the_blocks_it_is_given(kernel):
     """Blocks outside a row's table, and slots past its length, do not change its output."""
     torch.manual_seed(1)

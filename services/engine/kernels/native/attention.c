@@ -5,10 +5,15 @@
  * For every sequence the kernel walks its blocks once for K and once for V. Each
  * token's K (then V) for all KV heads is one contiguous row of the block, scored
  * against every query head that shares it (grouped-query attention); the softmax runs
- * in float32. Nothing is gathered or transposed first, so a decode step reads every
- * cached byte once, in order, instead of copying it twice before the math. The next
- * rows are prefetched while the current one is used: the blocks of a sequence are
- * scattered over the pool, which the hardware prefetcher cannot follow.
+ * in float32. Nothing is gathered first, so a decode step reads every cached byte once,
+ * in order, instead of copying it twice before the math. The next rows are prefetched
+ * while the current one is used: the blocks of a sequence are scattered over the pool,
+ * which the hardware prefetcher cannot follow.
+ *
+ * Consecutive rows that are consecutive positions of one sequence (a verified draft's
+ * tokens, a short prompt chunk's) attend as a group: each tile of 16 keys is read and
+ * transposed once for all of them (bfloat16 with AVX512-BF16), where each row alone
+ * read and scored its whole context. A row's scores do not depend on the group it is in.
  *
  * Layout of one layer's cache (K or V): [blocks, block_size, kv_heads, dim], float32
  * or bfloat16; the query and output are [batch, q_heads, dim] in the same dtype.
@@ -37,8 +42,13 @@
 #endif
 
 #define MAX_DIM 256
+
+typedef uint32_t u32_alias __attribute__((may_alias, aligned(2)));     /* a bf16 pair */
 #define MAX_HEADS 64
 #define PREFETCH_AHEAD 16        /* tokens */
+#define TILE_AHEAD 32            /* tokens: the K pass prefetches two tiles ahead */
+#define HEADS_AT_ONCE 4          /* query heads a K tile is scored for at once */
+#define GROUP_ROWS 16            /* most rows attending as one group */
 
 typedef struct {
     const void *q, *k, *v;
@@ -49,7 +59,9 @@ typedef struct {
     int q_heads, kv_heads, dim, block_size, bf16;
     float scale;
     int first, last;        /* rows [first, last) */
-    float *scores;          /* q_heads * max_len floats */
+    int group_rows;         /* most rows attending as one group */
+    int64_t score_stride;   /* floats between two heads' scores: max_len rounded up to 16 */
+    float *scores;          /* group_rows * q_heads * score_stride floats */
     int64_t *offsets;       /* max_len: the current sequence's token rows, element offsets */
 } Job;
 
@@ -110,33 +122,88 @@ static inline void prefetch_row(const void *base, int64_t offset, int bytes, int
 }
 
 #ifdef HAVE_DPBF16
-/* The K pass for bfloat16 with AVX512-BF16: the dot products run on pairs of bf16
- * straight from the cache (vdpbf16ps accumulates in float32), no conversion first.
- * Writes scaled scores; the caller takes their maximum. */
-static inline __attribute__((always_inline)) void score_bf16(const Job *j, const int64_t *blocks, int len,
-                                                             int64_t q_at, const int kv_heads, const int group,
-                                                             const int dim) {
-    const int chunks = dim / 32, q_heads = kv_heads * group;
-    const uint16_t *q = (const uint16_t *)j->q + q_at, *k = (const uint16_t *)j->k;
-    __m512bh qv[MAX_HEADS * MAX_DIM / 32];
-    for (int i = 0; i < q_heads * chunks; i++)
-        qv[i] = (__m512bh)_mm512_loadu_si512(q + 32 * i);
-    for (int t = 0; t < len; t++) {
-        if (t + PREFETCH_AHEAD < len) {     /* V too: the V pass then finds it in cache */
-            prefetch_row(j->k, token_offset(j, blocks, t + PREFETCH_AHEAD), kv_heads * dim * 2, 2);
-            prefetch_row(j->v, token_offset(j, blocks, t + PREFETCH_AHEAD), kv_heads * dim * 2, 2);
+/* 16 rows of 16 32-bit words transposed in place: word i of row r goes to word r of row i. */
+static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 16; i += 8)
+        for (int a = 0; a < 4; a++) {
+            t[i + a] = _mm512_shuffle_i32x4(r[i + a], r[i + 4 + a], 0x88);
+            t[i + 4 + a] = _mm512_shuffle_i32x4(r[i + a], r[i + 4 + a], 0xdd);
         }
-        const uint16_t *row = k + token_offset(j, blocks, t);
+    for (int a = 0; a < 8; a++) {
+        r[a] = _mm512_shuffle_i32x4(t[a], t[8 + a], 0x88);
+        r[8 + a] = _mm512_shuffle_i32x4(t[a], t[8 + a], 0xdd);
+    }
+}
+
+/* The K pass for bfloat16 with AVX512-BF16, rows [b0, b1) of one group (their first
+ * `len` tokens at j->offsets; row b sees its own lens[b] of them). Per tile of 16
+ * tokens and KV head, the tile is transposed into bf16 pairs, one vector per pair of
+ * dims holding it for the 16 tokens, so that vdpbf16ps with a broadcast pair of the
+ * query scores 16 tokens at once, with no horizontal sums; every query head of every
+ * row in the group is scored from the one transposed tile. Each score sums its dims'
+ * products in the same order whatever the group. Tokens past `len` in the last tile
+ * score against zeros; scores past a row's own length are written and never read.
+ * Writes scaled scores, row b's head h at scores + ((b - b0) * q_heads + h) * stride. */
+static inline __attribute__((always_inline)) void score_rows_bf16(const Job *j, int b0, int b1, int len,
+                                                                  int64_t stride, const int kv_heads,
+                                                                  const int group, const int dim) {
+    const int pairs = dim / 2, q_heads = kv_heads * group;
+    const uint16_t *k = (const uint16_t *)j->k;
+    const __m512 scale = _mm512_set1_ps(j->scale);
+    for (int t0 = 0; t0 < len; t0 += 16) {
+        const int n = len - t0 < 16 ? len - t0 : 16;
         for (int h = 0; h < kv_heads; h++) {
-            __m512bh kc[MAX_DIM / 32];
-            for (int c = 0; c < chunks; c++)
-                kc[c] = (__m512bh)_mm512_loadu_si512(row + h * dim + 32 * c);
-            for (int g = 0; g < group; g++) {
-                const int head = h * group + g;
-                __m512 acc = _mm512_setzero_ps();
-                for (int c = 0; c < chunks; c++)
-                    acc = _mm512_dpbf16_ps(acc, qv[head * chunks + c], kc[c]);
-                j->scores[(int64_t)head * len + t] = _mm512_reduce_add_ps(acc) * j->scale;
+            __m512i kt[MAX_DIM / 2];
+            for (int c = 0; c < dim / 32; c++) {
+                __m512i r[16];
+                const int64_t at = h * dim + 32 * c;      /* one cache line of each token's row */
+                if (n == 16)
+                    for (int i = 0; i < 16; i++) {
+                        const int ahead = t0 + TILE_AHEAD + i;  /* the same line of a later tile, V too */
+                        if (ahead < len) {
+                            __builtin_prefetch(k + j->offsets[ahead] + at, 0, 2);
+                            __builtin_prefetch((const uint16_t *)j->v + j->offsets[ahead] + at, 0, 2);
+                        }
+                        r[i] = _mm512_loadu_si512(k + j->offsets[t0 + i] + at);
+                    }
+                else
+                    for (int i = 0; i < 16; i++)
+                        r[i] = i < n ? _mm512_loadu_si512(k + j->offsets[t0 + i] + at) : _mm512_setzero_si512();
+                transpose16(r);
+                for (int i = 0; i < 16; i++)
+                    kt[16 * c + i] = r[i];
+            }
+            for (int b = b0; b < b1; b++) {
+                if (j->lens[b] <= t0)
+                    continue;
+                const u32_alias *q = (const u32_alias *)((const uint16_t *)j->q + ((int64_t)b * q_heads + h * group) * dim);
+                float *s = j->scores + ((int64_t)(b - b0) * q_heads + h * group) * stride + t0;
+                for (int g0 = 0; g0 < group; g0 += HEADS_AT_ONCE) {     /* independent sums, to fill the pipes */
+                    const int heads = group - g0 < HEADS_AT_ONCE ? group - g0 : HEADS_AT_ONCE;
+                    __m512 a[HEADS_AT_ONCE][2];
+                    for (int g = 0; g < heads; g++)
+                        a[g][0] = a[g][1] = _mm512_setzero_ps();
+                    for (int p = 0; p < pairs; p += 2)
+                        for (int g = 0; g < heads; g++) {
+                            const u32_alias *qg = q + (int64_t)(g0 + g) * pairs;
+                            a[g][0] = _mm512_dpbf16_ps(a[g][0], (__m512bh)_mm512_set1_epi32((int)qg[p]), (__m512bh)kt[p]);
+                            a[g][1] = _mm512_dpbf16_ps(a[g][1], (__m512bh)_mm512_set1_epi32((int)qg[p + 1]),
+                                                       (__m512bh)kt[p + 1]);
+                        }
+                    for (int g = 0; g < heads; g++)
+                        _mm512_storeu_ps(s + (int64_t)(g0 + g) * stride, _mm512_mul_ps(_mm512_add_ps(a[g][0], a[g][1]), scale));
+                }
             }
         }
     }
@@ -178,12 +245,12 @@ static inline void weights_to_bf16(float *s, int len) {
  * are put back in order once at the end. The weights are rounded to bf16, as the torch
  * path rounds its probabilities before its matmul. */
 static inline __attribute__((always_inline)) void weigh_bf16(const Job *j, const int64_t *blocks, int len,
-                                                             const int kv_heads, const int group, const int dim,
-                                                             float *out) {
+                                                             float *scores, int64_t stride, const int kv_heads,
+                                                             const int group, const int dim, float *out) {
     const int chunks = dim / 32;
     const uint16_t *v = (const uint16_t *)j->v;
     for (int head = 0; head < kv_heads * group; head++)
-        weights_to_bf16(j->scores + (int64_t)head * len, len);
+        weights_to_bf16(scores + (int64_t)head * stride, len);
     for (int h = 0; h < kv_heads; h++) {
         __m512 acc[4][MAX_DIM / 32][2];
         for (int g = 0; g < group; g++)
@@ -191,7 +258,7 @@ static inline __attribute__((always_inline)) void weigh_bf16(const Job *j, const
                 acc[g][c][0] = acc[g][c][1] = _mm512_setzero_ps();
         const uint16_t *pw[4];
         for (int g = 0; g < group; g++)
-            pw[g] = (const uint16_t *)(j->scores + (int64_t)(h * group + g) * len);
+            pw[g] = (const uint16_t *)(scores + (int64_t)(h * group + g) * stride);
         for (int t = 0; t < len; t += 2) {
             const int two = t + 1 < len;
             const uint16_t *r0 = v + token_offset(j, blocks, t) + h * dim;
@@ -236,31 +303,96 @@ static inline void fetch_row(const Job *j, const void *base, const int64_t *bloc
     load_row(base, token_offset(j, blocks, t), width, bf16, row);
 }
 
+/* Whether row b + 1 is the next position of row b's sequence: one token longer, over
+ * the same blocks for every token row b sees (the rows of a verified draft or of a short
+ * prompt chunk). Then row b reads its tokens where row b + 1 does, and both can attend
+ * as one group. */
+static inline int continues(const Job *j, int b) {
+    const int len = j->lens[b];
+    if (len <= 0 || j->lens[b + 1] != len + 1)
+        return 0;
+    const int64_t blocks = (len + j->block_size - 1) / j->block_size;
+    return !memcmp(j->table + (int64_t)b * j->table_stride, j->table + (int64_t)(b + 1) * j->table_stride,
+                   (size_t)blocks * sizeof(int64_t));
+}
+
+/* Row b's softmax over its `len` scores (head h's at scores + h * stride), its weighted
+ * sum of V (its tokens at j->offsets) and its output. */
+static inline __attribute__((always_inline)) void finish_row(const Job *j, int b, const int64_t *blocks, int len,
+                                                             float *scores, int64_t stride, const int bf16,
+                                                             const int kv_heads, const int group, const int dim) {
+    const int q_heads = kv_heads * group, width = kv_heads * dim;
+    static __thread float acc[MAX_HEADS * MAX_DIM], row[MAX_HEADS * MAX_DIM];
+    float total[MAX_HEADS];
+    for (int g = 0; g < q_heads; g++) {
+        float *s = scores + (int64_t)g * stride, sum = 0.0f, m = -FLT_MAX;
+#pragma omp simd reduction(max : m)
+        for (int t = 0; t < len; t++)
+            m = s[t] > m ? s[t] : m;
+#pragma omp simd reduction(+ : sum)
+        for (int t = 0; t < len; t++) {
+            s[t] = fast_expf(s[t] - m);
+            sum += s[t];
+        }
+        total[g] = sum;
+    }
+    memset(acc, 0, (size_t)q_heads * dim * sizeof(float));
+    /* out_head = sum_t p[head][t] v_t / sum */
+#ifdef HAVE_DPBF16
+    if (bf16 && dim % 32 == 0 && group <= 4) {
+        weigh_bf16(j, blocks, len, scores, stride, kv_heads, group, dim, acc);
+    } else
+#endif
+    for (int t = 0; t < len; t++) {
+        fetch_row(j, j->v, blocks, t, len, width, bf16, row);
+        for (int h = 0; h < kv_heads; h++)
+            for (int g = 0; g < group; g++) {
+                const float p = scores[(int64_t)(h * group + g) * stride + t];
+                float *ah = acc + (h * group + g) * dim;
+                const float *vh = row + h * dim;
+#pragma omp simd
+                for (int d = 0; d < dim; d++)
+                    ah[d] += p * vh[d];
+            }
+    }
+    for (int g = 0; g < q_heads; g++) {
+        const float inv = 1.0f / total[g];
+        for (int d = 0; d < dim; d++)
+            acc[g * dim + d] *= inv;
+    }
+    store_row(j->out, (int64_t)b * q_heads * dim, q_heads * dim, bf16, acc);
+}
+
 /* The work of one thread. Inlined with constant `bf16`, `kv_heads`, `group` and `dim`
  * for the common shapes (run() below), so the compiler unrolls and vectorizes the inner
  * loops fully. */
 static inline __attribute__((always_inline)) void attend(const Job *j, const int bf16, const int kv_heads,
                                                          const int group, const int dim) {
     const int q_heads = kv_heads * group, width = kv_heads * dim;
-    static __thread float qf[MAX_HEADS * MAX_DIM], acc[MAX_HEADS * MAX_DIM], row[MAX_HEADS * MAX_DIM];
-    for (int b = j->first; b < j->last; b++) {
+    static __thread float qf[MAX_HEADS * MAX_DIM], row[MAX_HEADS * MAX_DIM];
+    for (int b = j->first, end; b < j->last; b = end) {
         const int len = j->lens[b];
-        const int64_t *blocks = j->table + (int64_t)b * j->table_stride;
-        const int64_t q_at = (int64_t)b * q_heads * dim;
+        end = b + 1;
         if (len <= 0) {                                 /* nothing to attend to */
-            memset(acc, 0, (size_t)q_heads * dim * sizeof(float));
-            store_row(j->out, q_at, q_heads * dim, bf16, acc);
+            memset(qf, 0, (size_t)q_heads * dim * sizeof(float));
+            store_row(j->out, (int64_t)b * q_heads * dim, q_heads * dim, bf16, qf);
             continue;
         }
-        token_offsets(j, blocks, len);
         /* scores[head][t] = q_head . k_t */
 #ifdef HAVE_DPBF16
         if (bf16 && dim % 32 == 0) {
-            score_bf16(j, blocks, len, q_at, kv_heads, group, dim);
+            while (end < j->last && end - b < j->group_rows && continues(j, end - 1))
+                end++;
+            const int last_len = j->lens[end - 1];
+            const int64_t *blocks = j->table + (int64_t)(end - 1) * j->table_stride;
+            token_offsets(j, blocks, last_len);
+            score_rows_bf16(j, b, end, last_len, j->score_stride, kv_heads, group, dim);
         } else
 #endif
         {
-            load_row(j->q, q_at, q_heads * dim, bf16, qf);
+            const int64_t *blocks = j->table + (int64_t)b * j->table_stride;
+            token_offsets(j, blocks, len);
+            load_row(j->q, (int64_t)b * q_heads * dim, q_heads * dim, bf16, qf);
             for (int i = 0; i < q_heads * dim; i++)
                 qf[i] *= j->scale;
             for (int t = 0; t < len; t++) {
@@ -272,54 +404,20 @@ static inline __attribute__((always_inline)) void attend(const Job *j, const int
 #pragma omp simd reduction(+ : s)
                         for (int d = 0; d < dim; d++)
                             s += qh[d] * kh[d];
-                        j->scores[(int64_t)(h * group + g) * len + t] = s;
+                        j->scores[(int64_t)(h * group + g) * j->score_stride + t] = s;
                     }
             }
         }
-        if (b + 1 < j->last && j->lens[b + 1] > 0) {    /* the next sequence's first block, meanwhile */
-            const int64_t next = j->table[(int64_t)(b + 1) * j->table_stride] * j->block_stride;
+        if (end < j->last && j->lens[end] > 0) {        /* the next sequence's first block, meanwhile */
+            const int64_t next = j->table[(int64_t)end * j->table_stride] * j->block_stride;
             const int bytes = j->block_size * (int)j->token_stride * (bf16 ? 2 : 4);
             prefetch_row(j->k, next, bytes, bf16 ? 2 : 4);
             prefetch_row(j->v, next, bytes, bf16 ? 2 : 4);
         }
-        float total[MAX_HEADS];
-        for (int g = 0; g < q_heads; g++) {
-            float *s = j->scores + (int64_t)g * len, sum = 0.0f, m = -FLT_MAX;
-#pragma omp simd reduction(max : m)
-            for (int t = 0; t < len; t++)
-                m = s[t] > m ? s[t] : m;
-#pragma omp simd reduction(+ : sum)
-            for (int t = 0; t < len; t++) {
-                s[t] = expf(s[t] - m);
-                sum += s[t];
-            }
-            total[g] = sum;
-        }
-        memset(acc, 0, (size_t)q_heads * dim * sizeof(float));
-        /* out_head = sum_t p[head][t] v_t / sum */
-#ifdef HAVE_DPBF16
-        if (bf16 && dim % 32 == 0 && group <= 4) {
-            weigh_bf16(j, blocks, len, kv_heads, group, dim, acc);
-        } else
-#endif
-        for (int t = 0; t < len; t++) {
-            fetch_row(j, j->v, blocks, t, len, width, bf16, row);
-            for (int h = 0; h < kv_heads; h++)
-                for (int g = 0; g < group; g++) {
-                    const float p = j->scores[(int64_t)(h * group + g) * len + t];
-                    float *ah = acc + (h * group + g) * dim;
-                    const float *vh = row + h * dim;
-#pragma omp simd
-                    for (int d = 0; d < dim; d++)
-                        ah[d] += p * vh[d];
-                }
-        }
-        for (int g = 0; g < q_heads; g++) {
-            const float inv = 1.0f / total[g];
-            for (int d = 0; d < dim; d++)
-                acc[g * dim + d] *= inv;
-        }
-        store_row(j->out, q_at, q_heads * dim, bf16, acc);
+        const int64_t *blocks = j->table + (int64_t)(end - 1) * j->table_stride;
+        for (int r = b; r < end; r++)
+            finish_row(j, r, blocks, j->lens[r], j->scores + (int64_t)(r - b) * q_heads * j->score_stride,
+                       j->score_stride, bf16, kv_heads, group, dim);
     }
 }
 
@@ -335,6 +433,21 @@ static void run(const Job *j) {
         attend(j, 1, j->kv_heads, group, 128);
     else
         attend(j, j->bf16, j->kv_heads, group, j->dim);
+}
+
+/* The calling thread's scratch of at least `bytes`, kept from call to call: a fresh
+ * allocation this size is mapped and faulted in page by page on every call (30 a step). */
+static void *scratch(size_t bytes) {
+    static __thread void *buf;
+    static __thread size_t size;
+    if (bytes > size) {
+        free(buf);
+        size = bytes + bytes / 2;
+        buf = malloc(size);
+        if (!buf)
+            size = 0;
+    }
+    return buf;
 }
 
 /* Returns 0, or a negative code for arguments the kernel does not take. */
@@ -356,24 +469,24 @@ int pdserve_paged_decode_attention(const void *q, const void *k, const void *v, 
         threads = 64;
     if (threads < 1)
         threads = 1;
-    float *scores = malloc((size_t)threads * q_heads * max_len * sizeof(float));
-    int64_t *offsets = malloc((size_t)threads * max_len * sizeof(int64_t));
-    if (!scores || !offsets) {
-        free(scores);
-        free(offsets);
+    /* A group's scores stay within ~2 MB, about what L2 holds on the CPUs this runs on. */
+    const int64_t stride = (max_len + 15) & ~(int64_t)15, per_row = (int64_t)q_heads * stride;
+    int group_rows = (int)((2 << 20) / (per_row * (int64_t)sizeof(float)));
+    group_rows = group_rows < 1 ? 1 : group_rows > GROUP_ROWS ? GROUP_ROWS : group_rows;
+    const size_t score_bytes = (size_t)threads * group_rows * per_row * sizeof(float);
+    float *scores = scratch(score_bytes + (size_t)threads * max_len * sizeof(int64_t));
+    if (!scores)
         return -2;
-    }
+    int64_t *offsets = (int64_t *)((char *)scores + score_bytes);
     Job jobs[64];
     for (int i = 0; i < threads; i++)
         jobs[i] = (Job){q, k, v, out, table, lens, table_stride, block_stride, token_stride, q_heads, kv_heads,
                         dim, block_size, bf16, scale, (int)((int64_t)batch * i / threads),
-                        (int)((int64_t)batch * (i + 1) / threads), scores + (size_t)i * q_heads * max_len,
-                        offsets + (size_t)i * max_len};
+                        (int)((int64_t)batch * (i + 1) / threads), group_rows, stride,
+                        scores + (size_t)i * group_rows * per_row, offsets + (size_t)i * max_len};
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int i = 0; i < threads; i++)
         run(&jobs[i]);
-    free(scores);
-    free(offsets);
     return 0;
 }
 
