@@ -48,11 +48,14 @@ ATTN_IMPL = "pdserve_paged"
 # A step whose prompt chunks hold at most this many tokens runs whole in the one-call
 # decoder (`NativeDecoder`), each prompt token a decode row over its sequence's blocks
 # (as a verify chunk's drafts are): its K/V is written before any row attends, so the
-# rows attend causally. Measured on an AVX512-BF16 CPU, one thread, bfloat16 SmolLM2-135M
-# (ms, the layer-by-layer pass / the one call): 10 tokens after 40 cached 23 / 16; 64
-# tokens after 192 with 32 decode rows 196 / 139, alone 94 / 95; 64 after 960 with 8 decode
-# rows 154 / 143; past 64 tokens even or worse (128 after 500 with 8 rows 200 / 203): each
-# row reads its whole context, where the prefill kernel reads it once for the chunk.
+# rows attend causally, a chunk's rows as one group (attention.c: each tile of keys read
+# once for up to 16 rows). Measured on an AVX512-BF16 CPU, one thread, bfloat16
+# SmolLM2-135M (ms, the layer-by-layer pass / the one call): 10 tokens after 40 cached
+# 23 / 16; 64 tokens after 192 with 32 decode rows 196 / 139, alone 94 / 95. Since rows
+# attend in groups (Zen 4, 8 decode rows beside the chunk): 64 after 960 177 / 133, 128
+# after 500 234 / 214, 256 after 700 439 / 404. Kept at 64 all the same: a larger chunk in
+# one call could not pause between layers for an urgent prompt, nor hand each layer's KV
+# on as it is written (a prefill worker's push).
 DECODER_PROMPT_TOKENS = 64
 
 
