@@ -42,13 +42,13 @@
 #endif
 
 #define MAX_DIM 256
-
-typedef uint32_t u32_alias __attribute__((may_alias, aligned(2)));     /* a bf16 pair */
 #define MAX_HEADS 64
 #define PREFETCH_AHEAD 16        /* tokens */
 #define TILE_AHEAD 32            /* tokens: the K pass prefetches two tiles ahead */
 #define HEADS_AT_ONCE 4          /* query heads a K tile is scored for at once */
 #define GROUP_ROWS 16            /* most rows attending as one group */
+
+typedef uint32_t u32_alias __attribute__((may_alias, aligned(2)));     /* a bf16 pair */
 
 typedef struct {
     const void *q, *k, *v;
@@ -469,7 +469,7 @@ int pdserve_paged_decode_attention(const void *q, const void *k, const void *v, 
         threads = 64;
     if (threads < 1)
         threads = 1;
-    /* A group's scores stay within ~2 MB, about what L2 holds on the CPUs this runs on. */
+    /* A group's scores are kept to ~2 MB: at long contexts fewer rows share a pass. */
     const int64_t stride = (max_len + 15) & ~(int64_t)15, per_row = (int64_t)q_heads * stride;
     int group_rows = (int)((2 << 20) / (per_row * (int64_t)sizeof(float)));
     group_rows = group_rows < 1 ? 1 : group_rows > GROUP_ROWS ? GROUP_ROWS : group_rows;
