@@ -161,6 +161,10 @@ static inline __attribute__((always_inline)) void score_rows_bf16(const Job *j, 
     const int pairs = dim / 2, q_heads = kv_heads * group;
     const uint16_t *k = (const uint16_t *)j->k;
     const __m512 scale = _mm512_set1_ps(j->scale);
+    for (int t = 16; t < TILE_AHEAD && t < len; t++) {      /* the tiles before the first prefetched below */
+        prefetch_row(j->k, j->offsets[t], kv_heads * dim * 2, 2);
+        prefetch_row(j->v, j->offsets[t], kv_heads * dim * 2, 2);
+    }
     for (int t0 = 0; t0 < len; t0 += 16) {
         const int n = len - t0 < 16 ? len - t0 : 16;
         for (int h = 0; h < kv_heads; h++) {
