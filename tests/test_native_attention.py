@@ -57,14 +57,17 @@ def test_kernel_matches_float64_reference(kernel, dtype, tol, q_heads, kv_heads,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("q_heads,kv_heads,dim", [(9, 3, 64), (8, 8, 128), (32, 4, 64)])
-def test_rows_of_one_sequence_attend_as_a_group_with_each_rows_own_result(kernel, dtype, q_heads, kv_heads, dim):
+@pytest.mark.parametrize("q_heads,kv_heads,dim,threads", [(9, 3, 64, 1), (9, 3, 64, 2), (8, 8, 128, 1),
+                                                          (32, 4, 64, 1)])
+def test_rows_of_one_sequence_attend_as_a_group_with_each_rows_own_result(kernel, dtype, q_heads, kv_heads, dim,
+                                                                         threads):
     """Rows at consecutive positions of one sequence over the same blocks (a verified
     draft's, a short prompt chunk's) are scored from one pass over their keys. Each row's
     output is bit for bit what it gets alone in a call of its own, and matches the
     float64 reference: 20 rows of one sequence (more than one group), then a row of
     another sequence with the next length, then one whose table differs only in the
-    block the row before it ends in."""
+    block the row before it ends in. With two threads the rows are split between them
+    inside a group."""
     torch.manual_seed(q_heads + dim)
     block_size, width = 16, 10
     cache = torch.randn(2, 40, block_size, kv_heads, dim).to(dtype)
@@ -76,7 +79,7 @@ def test_rows_of_one_sequence_attend_as_a_group_with_each_rows_own_result(kernel
     lens = torch.tensor(list(range(100, 120)) + [120, 121], dtype=torch.int32)
     q = torch.randn(len(lens), q_heads, dim).to(dtype)
     scale = dim ** -0.5
-    together = kernel.decode(q, cache, table, lens, scale)
+    together = kernel.decode(q, cache, table, lens, scale, threads)
     for row in range(len(lens)):
         alone = kernel.decode(q[row:row + 1], cache, table[row:row + 1], lens[row:row + 1], scale)
         assert torch.equal(together[row], alone[0]), row
