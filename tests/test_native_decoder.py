@@ -10,8 +10,9 @@ import torch
 
 from services.engine.model.hardware import cpu_kernels, cpu_kind
 from services.engine.model.kv_cache import KVPoolMemory
-from services.engine.model.runner import (DECODER_PROMPT_TOKENS, ForwardBatch, ModelRunner, PrefillSegment,
-                                          as_decode_rows)
+from services.engine.engine import PAUSABLE_ONE_CALL_TOKENS, one_call_tokens
+from services.engine.model.runner import (DECODER_PROMPT_TOKENS, ONE_CALL_PROMPT_TOKENS, ForwardBatch, ModelRunner,
+                                          PrefillSegment, as_decode_rows)
 
 BLOCK = 16
 # The engine's own rule (hardware.CpuKernels), not a copy of it.
@@ -135,6 +136,43 @@ def test_small_prompt_chunks_run_in_the_one_call_as_decode_rows(runner):
                 assert torch.equal(got[2:].argmax(-1), chunks[2:].argmax(-1))      # the prompts' rows
             else:
                 assert torch.equal(got, chunks) and torch.equal(got_kv, chunks_kv)
+    finally:
+        pool.close()
+
+
+@needs_bf16
+def test_a_whole_prompt_runs_in_the_one_call_where_no_layer_is_handed_on(runner):
+    """Without a layer hook (a decode worker's own prompts) the engine lets up to
+    ONE_CALL_PROMPT_TOKENS prompt tokens into the one call; with one (a prefill worker's
+    push), DECODER_PROMPT_TOKENS; in a pass that yields, PAUSABLE_ONE_CALL_TOKENS. A
+    200-token prompt after a 40-token cached prefix, beside two decode rows, in one call:
+    bit for bit its tokens as decode rows layer by layer, and within bfloat16's rounding
+    of the prefill kernels' pass, with the same greedy tokens."""
+    assert one_call_tokens(pausing=False, hooked=False) == ONE_CALL_PROMPT_TOKENS
+    assert one_call_tokens(pausing=False, hooked=True) == DECODER_PROMPT_TOKENS < ONE_CALL_PROMPT_TOKENS
+    assert one_call_tokens(pausing=True, hooked=False) == PAUSABLE_ONE_CALL_TOKENS
+    gen = torch.Generator().manual_seed(11)
+    prefix, tokens = 40, 200
+    tables = [[0, 1], [2], list(range(3, 3 + -(-(prefix + tokens) // BLOCK)))]
+    prompt = torch.randint(100, 10000, (prefix + tokens,), generator=gen).tolist()
+    batch = ForwardBatch(decode_tokens=[311, 4242], decode_positions=[20, 9], decode_tables=tables[:2],
+                         prefill_tokens=prompt[prefix:], segments=[PrefillSegment(prefix, tokens, tables[2])],
+                         sample_rows=[0, 1, 2 + tokens - 1], logprob_rows=[2, 100])
+    pool = KVPoolMemory.allocate(runner.layout(3 + len(tables[2]), BLOCK))
+    try:
+        pool.tensor.normal_(std=0.5, generator=gen)
+        runner.prefill(pool, prompt[:prefix], tables[2])
+        start = pool.tensor.clone()
+        got = runner.execute(pool, batch, None, ONE_CALL_PROMPT_TOKENS)
+        got_kv = pool.tensor.clone()
+        pool.tensor.copy_(start)
+        rows, rows_kv = _step(runner, pool, as_decode_rows(batch), one_call=False)
+        pool.tensor.copy_(start)
+        chunks, chunks_kv = _step(runner, pool, batch, one_call=False)
+        assert torch.equal(got, rows) and torch.equal(got_kv, rows_kv)
+        torch.testing.assert_close(got, chunks, atol=1.0, rtol=0)
+        torch.testing.assert_close(got_kv, chunks_kv, atol=0.25, rtol=0.05)
+        assert torch.equal(got.argmax(-1), chunks.argmax(-1))
     finally:
         pool.close()
 

@@ -62,7 +62,8 @@ import torch
 from services.engine.model.device import HostCopy, LayerPoster, to_device
 from services.engine.model.hardware import threads_at_most
 from services.engine.model.kv_cache import KVPoolMemory
-from services.engine.model.runner import DECODER_PROMPT_TOKENS, ForwardBatch, ModelRunner, PrefillSegment
+from services.engine.model.runner import (DECODER_PROMPT_TOKENS, ONE_CALL_PROMPT_TOKENS, ForwardBatch, ModelRunner,
+                                           PrefillSegment)
 from services.engine.model.sampler import (History, Sampled, TokenHistory, as_token_logprobs, choose, logprob_tensors,
                                            read_sampled, to_read)
 from services.engine.core.sampling import TokenLogprob
@@ -158,6 +159,13 @@ PAUSE_AHEAD_LAYERS = 2
 # DECODER_PROMPT_TOKENS): an urgent prompt waits for that call whole, not for a layer,
 # so the pass is kept short (16 tokens: ~23 ms on one Zen 4 core, bfloat16 SmolLM2-135M).
 PAUSABLE_ONE_CALL_TOKENS = 16
+
+
+def one_call_tokens(pausing: bool, hooked: bool) -> int:
+    """The most prompt tokens a step may run in the one-call decoder: few in a pass that
+    yields; DECODER_PROMPT_TOKENS where each layer is handed on as it is written (a
+    prefill worker's KV push); else ONE_CALL_PROMPT_TOKENS (runner.py says why)."""
+    return PAUSABLE_ONE_CALL_TOKENS if pausing else DECODER_PROMPT_TOKENS if hooked else ONE_CALL_PROMPT_TOKENS
 
 
 @dataclass(frozen=True)
@@ -431,8 +439,7 @@ class LLMEngine:
                 self._below = min(c.seq.priority for c in plan.chunks)
             with threads_at_most(self.own_threads if self.own_threads and plan.num_tokens < SMALL_STEP_TOKENS
                                  else 0):
-                logits = self.runner.execute(self.memory, batch, hook,
-                                             PAUSABLE_ONE_CALL_TOKENS if pausing else DECODER_PROMPT_TOKENS)
+                logits = self.runner.execute(self.memory, batch, hook, one_call_tokens(pausing, hook is not None))
         finally:
             if pausing:
                 self._below = None

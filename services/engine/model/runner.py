@@ -52,11 +52,14 @@ ATTN_IMPL = "pdserve_paged"
 # once for up to 16 rows). Measured on an AVX512-BF16 CPU, one thread, bfloat16
 # SmolLM2-135M (ms, the layer-by-layer pass / the one call): 10 tokens after 40 cached
 # 23 / 16; 64 tokens after 192 with 32 decode rows 196 / 139, alone 94 / 95. Since rows
-# attend in groups (Zen 4, 8 decode rows beside the chunk): 64 after 960 177 / 133, 128
-# after 500 234 / 214, 256 after 700 439 / 404. Kept at 64 all the same: a larger chunk in
-# one call could not pause between layers for an urgent prompt, nor hand each layer's KV
-# on as it is written (a prefill worker's push).
+# attend in groups (Zen 4): 64 after 960 with 8 decode rows 177 / 133, 128 after 500 with
+# 8 rows 234 / 214, 256 after 700 with 8 rows 439 / 404, 256 from the start with 32 rows
+# 385 / 352, alone 321 / 291, 512 alone 637 / 621. With a layer hook (a prefill worker's
+# KV push) a step keeps to DECODER_PROMPT_TOKENS: the call returns before any layer is
+# handed on, so a larger chunk would hold back the push it overlaps with. Without one,
+# up to ONE_CALL_PROMPT_TOKENS (`one_call_tokens`).
 DECODER_PROMPT_TOKENS = 64
+ONE_CALL_PROMPT_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -205,7 +208,8 @@ class ModelRunner:
         if self.graph_sizes:
             decode += f", CUDA graphs for 1-{self.graph_sizes[-1]} sequences"
         if self.decoder is not None:
-            decode += f", its layers in one call (with prompt chunks of up to {DECODER_PROMPT_TOKENS} tokens)"
+            decode += (f", its layers in one call (with prompt chunks of up to {ONE_CALL_PROMPT_TOKENS} tokens, "
+                       f"{DECODER_PROMPT_TOKENS} where each layer's KV is pushed as it is written)")
         prefill = self.backend.prefill_kernel
         weights = "" if self.quantization == "none" else f", {self.quantization} weights"
         choice = getattr(self.backend, "matmul_choice", None)
