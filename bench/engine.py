@@ -4,12 +4,16 @@ through pdserve's engine and through plain transformers forward calls with a
 
     python -m bench.engine --json out.json [--batches 1,8,32] [--context 256]
                                     [--prefill 512] [--threads 1] [--dtype bfloat16]
-                                    [--attention auto|native|torch]
+                                    [--attention auto|native|torch] [--verify 12]
 
 Decode: every sequence has `--context` tokens of KV already cached (random values: the
 cost does not depend on them); one step feeds one token per sequence. The transformers
 side appends to its DynamicCache as `generate` does, then crops back, so each timed
-step sees the same context. Medians over --repeats steps after warm-up.
+step sees the same context. With `--verify R`, also a speculative verify step at each
+batch size: R tokens per sequence at consecutive positions (R - 1 drafts and the last
+token), every row's logits returned, as the engine packs a verify chunk; the
+transformers side feeds the R tokens as one input per sequence. Medians over --repeats
+steps after warm-up.
 """
 from __future__ import annotations
 
@@ -56,8 +60,25 @@ def pdserve_decode_ms(runner, batch: int, context: int, repeats: int) -> float:
         pool.close()
 
 
+def pdserve_verify_ms(runner, batch: int, context: int, rows: int, repeats: int) -> float:
+    """A verify step: `rows` decode rows per sequence at positions context .. context +
+    rows - 1 over its blocks, every row sampled (the engine's `pack` of verify chunks)."""
+    from services.engine.model.runner import ForwardBatch
+    per_seq = -(-(context + rows) // BLOCK)
+    pool = KVPoolMemory.allocate(runner.layout(batch * per_seq, BLOCK))
+    pool.tensor.normal_()
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch) for _ in range(rows)]
+    step = ForwardBatch(decode_tokens=torch.randint(100, 10000, (batch * rows,)).tolist(),
+                        decode_positions=[context + r for _ in range(batch) for r in range(rows)],
+                        decode_tables=tables, sample_rows=list(range(batch * rows)))
+    try:
+        return median_ms(lambda: runner.execute(pool, step), repeats)
+    finally:
+        pool.close()
+
+
 @torch.inference_mode()
-def hf_decode_ms(model, batch: int, context: int, repeats: int) -> float:
+def hf_decode_ms(model, batch: int, context: int, repeats: int, rows: int = 1) -> float:
     from transformers import DynamicCache
     cfg = model.config
     heads = cfg.num_key_value_heads
@@ -66,12 +87,12 @@ def hf_decode_ms(model, batch: int, context: int, repeats: int) -> float:
     for layer in range(cfg.num_hidden_layers):
         k = torch.randn(batch, heads, context, dim, dtype=model.dtype)
         cache.update(k, torch.randn_like(k), layer)
-    ids = torch.randint(100, 10000, (batch, 1))
-    pos = torch.full((batch, 1), context)
+    ids = torch.randint(100, 10000, (batch, rows))
+    pos = torch.arange(context, context + rows).expand(batch, rows)
 
     def step():
         model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
-        cache.crop(-1)                    # back to `context` tokens
+        cache.crop(-rows)                 # back to `context` tokens
     return median_ms(step, repeats)
 
 
@@ -108,6 +129,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds; the median round is reported")
     ap.add_argument("--model", default=None)
     ap.add_argument("--attention", default="auto", help="pdserve's decode attention: auto, native or torch")
+    ap.add_argument("--verify", type=int, default=0, help="also a verify step of this many tokens a sequence")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     from services.engine.model.hardware import cpu_kind
@@ -127,6 +149,10 @@ def main() -> None:
             r = rows.setdefault(f"decode_b{b}", {"pdserve_ms": [], "transformers_ms": []})
             r["pdserve_ms"].append(pdserve_decode_ms(runner, b, a.context, a.repeats))
             r["transformers_ms"].append(hf_decode_ms(hf, b, a.context, a.repeats))
+            if a.verify:
+                r = rows.setdefault(f"verify_b{b}x{a.verify}", {"pdserve_ms": [], "transformers_ms": []})
+                r["pdserve_ms"].append(pdserve_verify_ms(runner, b, a.context, a.verify, a.repeats))
+                r["transformers_ms"].append(hf_decode_ms(hf, b, a.context, a.repeats, a.verify))
         r = rows.setdefault(f"prefill_{a.prefill}", {"pdserve_ms": [], "transformers_ms": []})
         r["pdserve_ms"].append(pdserve_prefill_ms(runner, a.prefill, max(3, a.repeats // 5)))
         r["transformers_ms"].append(hf_prefill_ms(hf, a.prefill, max(3, a.repeats // 5)))
