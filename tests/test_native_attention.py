@@ -64,10 +64,10 @@ def test_rows_of_one_sequence_attend_as_a_group_with_each_rows_own_result(kernel
     """Rows at consecutive positions of one sequence over the same blocks (a verified
     draft's, a short prompt chunk's) are scored from one pass over their keys. Each row's
     output is bit for bit what it gets alone in a call of its own, and matches the
-    float64 reference: 20 rows of one sequence (more than one group), then a row of
-    another sequence with the next length, then one whose table differs only in the
-    block the row before it ends in. With two threads the rows are split between them
-    inside a group."""
+    float64 reference: 20 rows of one sequence (more than one group), then a row one
+    longer whose table differs from theirs only in the block the row before it ends in,
+    then a row of another sequence with the next length. With two threads the rows are
+    split between them inside a group."""
     torch.manual_seed(q_heads + dim)
     block_size, width = 16, 10
     cache = torch.randn(2, 40, block_size, kv_heads, dim).to(dtype)
@@ -75,7 +75,7 @@ def test_rows_of_one_sequence_attend_as_a_group_with_each_rows_own_result(kernel
     other = torch.randperm(40)[:width]
     forked = seq.clone()
     forked[7] = int(other[7]) if int(other[7]) != int(seq[7]) else int(other[8])
-    table = torch.stack([seq] * 20 + [other, forked]).contiguous()
+    table = torch.stack([seq] * 20 + [forked, other]).contiguous()
     lens = torch.tensor(list(range(100, 120)) + [120, 121], dtype=torch.int32)
     q = torch.randn(len(lens), q_heads, dim).to(dtype)
     scale = dim ** -0.5
