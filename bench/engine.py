@@ -47,22 +47,10 @@ def _hf_model(model_dir: Path, dtype: str):
                                                 attn_implementation="sdpa").eval()
 
 
-def pdserve_decode_ms(runner, batch: int, context: int, repeats: int) -> float:
-    per_seq = -(-(context + 1) // BLOCK)
-    pool = KVPoolMemory.allocate(runner.layout(batch * per_seq, BLOCK))
-    pool.tensor.normal_()
-    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
-    tokens = torch.randint(100, 10000, (batch,)).tolist()
-    positions = [context] * batch
-    try:
-        return median_ms(lambda: runner.decode(pool, tokens, positions, tables), repeats)
-    finally:
-        pool.close()
-
-
-def pdserve_verify_ms(runner, batch: int, context: int, rows: int, repeats: int) -> float:
-    """A verify step: `rows` decode rows per sequence at positions context .. context +
-    rows - 1 over its blocks, every row sampled (the engine's `pack` of verify chunks)."""
+def pdserve_decode_ms(runner, batch: int, context: int, repeats: int, rows: int = 1) -> float:
+    """A decode step, or with `rows` > 1 a verify step: `rows` decode rows per sequence
+    at positions context .. context + rows - 1 over its blocks, every row sampled (the
+    engine's `pack` of verify chunks)."""
     from services.engine.model.runner import ForwardBatch
     per_seq = -(-(context + rows) // BLOCK)
     pool = KVPoolMemory.allocate(runner.layout(batch * per_seq, BLOCK))
@@ -151,7 +139,7 @@ def main() -> None:
             r["transformers_ms"].append(hf_decode_ms(hf, b, a.context, a.repeats))
             if a.verify:
                 r = rows.setdefault(f"verify_b{b}x{a.verify}", {"pdserve_ms": [], "transformers_ms": []})
-                r["pdserve_ms"].append(pdserve_verify_ms(runner, b, a.context, a.verify, a.repeats))
+                r["pdserve_ms"].append(pdserve_decode_ms(runner, b, a.context, a.repeats, a.verify))
                 r["transformers_ms"].append(hf_decode_ms(hf, b, a.context, a.repeats, a.verify))
         r = rows.setdefault(f"prefill_{a.prefill}", {"pdserve_ms": [], "transformers_ms": []})
         r["pdserve_ms"].append(pdserve_prefill_ms(runner, a.prefill, max(3, a.repeats // 5)))
