@@ -23,7 +23,9 @@ Figures, each measured in this run:
             whose steps overlap: none is expected (the read of a step's tokens waits on an
             event, which the mode does not count); CUDA only
   attention one layer's decode attention: the Triton paged kernel against torch's gather
-            path (`--attention-kernel torch`), batch 64, context 2k
+            path (`--attention-kernel torch`), batch 64, context 2k; and a speculative
+            step's (5 rows a sequence: 4 drafts and the token before them), the rows of
+            each sequence attended as a group against each row alone
   prefill   one prompt of 512/2k/4k/8k tokens against the GEMM rate: (2 x linear
             weights x tokens + causal attention's matmul FLOPs) / GEMM rate
   sweep     (--sweep) the decode kernel's tile, warps, stages and split target, timed
@@ -56,6 +58,8 @@ BATCHES = (1, 16, 64, 128)
 CONTEXTS = (512, 2048, 8192)
 PROMPTS = (512, 2048, 4096, 8192)
 BLOCK_SIZE = 16
+# rows a sequence in a speculative step: 4 drafts and the token before them
+VERIFY_ROWS = 5
 
 
 def _sync(device: torch.device) -> None:
@@ -277,10 +281,38 @@ def attention_case(runner, batch: int, context: int, repeats: int) -> dict:
         t32 = table.int()
         out["triton_s"] = timed(lambda: gpu_kernels.paged_decode(q, kv, t32, lens, dim ** -0.5, splits, scratch),
                                 dev, repeats)
+        out.update(verify_case(runner, kv, table, context, repeats))
     out["torch_gather_s"] = timed(lambda: decode_attention(q, kv, table, mask, dim ** -0.5, ws), dev, repeats)
     out["kv_bytes"] = kv_bytes({"hidden_size": dim * c.num_attention_heads,
                                 "num_attention_heads": c.num_attention_heads, "num_hidden_layers": 1,
                                 "num_key_value_heads": runner.num_kv_heads}, batch * (context + 1), kv.element_size())
+    return out
+
+
+def verify_case(runner, kv: torch.Tensor, table: torch.Tensor, context: int, repeats: int,
+                rows: int = VERIFY_ROWS) -> dict:
+    """One layer's attention in a speculative step: each sequence's `rows` next
+    positions (k drafts and the token before them), attended in groups
+    (gpu_kernels.decode_groups) and each row alone, over the same blocks."""
+    import numpy as np
+    from services.engine.kernels import gpu_kernels
+    batch, width = table.shape
+    context = min(context, width * BLOCK_SIZE - rows)
+    dim, heads = runner.head_dim, runner.config.num_attention_heads
+    q = torch.randn(batch * rows, heads, dim, dtype=kv.dtype, device=kv.device)
+    tables = table.int().repeat_interleave(rows, 0)
+    lens = torch.arange(context + 1, context + 1 + rows, dtype=torch.int32).repeat(batch)
+    groups = gpu_kernels.decode_groups(lens.numpy().astype(np.int64) - 1, tables.cpu().numpy(),
+                                       (lens.numpy() - 1) // BLOCK_SIZE + 1,
+                                       gpu_kernels.rows_per_program(heads // runner.num_kv_heads))
+    lens, groups = lens.to(kv.device), torch.from_numpy(groups).to(kv.device)
+    splits = gpu_kernels.splits_for(batch * rows, runner.num_kv_heads)
+    scratch = gpu_kernels.DecodeScratch()
+    out = {"verify_rows": rows}
+    for name, g in (("grouped", groups), ("alone", None)):
+        out[f"triton_verify_{name}_s"] = timed(
+            lambda: gpu_kernels.paged_decode(q, kv, tables, lens, dim ** -0.5, splits, scratch, groups=g),
+            kv.device, repeats)
     return out
 
 

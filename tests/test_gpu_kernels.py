@@ -61,6 +61,42 @@ def check_decode(device: str, dtype: torch.dtype, heads: int, kv_heads: int, dim
     return float((got.cpu().double() - want).abs().max())
 
 
+def check_grouped(device: str, dtype: torch.dtype, heads: int, kv_heads: int, dim: int, splits: int,
+                  tol: float) -> list[str]:
+    """A speculative step's rows: several sequences' next positions, each row over its
+    sequence's table (one list for all its rows, as the engine passes them), attended in
+    the groups `decode_groups` makes, against float64 attention of each row alone."""
+    import numpy as np
+    from services.engine.kernels.gpu_kernels import DecodeScratch, decode_groups, paged_decode, rows_per_program
+    g = torch.Generator().manual_seed(heads * 7 + dim)
+    bs, blocks = 16, 24
+    kv = torch.randn(2, blocks, bs, kv_heads, dim, generator=g).to(dtype)
+    perm = torch.randperm(blocks, generator=g).tolist()
+    a, b, c = perm[0:3], perm[3:4], perm[4:9]
+    forked = perm[9:11] + [perm[12]]      # d's copy: its last block is its own
+    d = perm[9:12]
+    rows = ([(a, n) for n in range(30, 37)] + [(b, 5)] + [(c, n) for n in range(60, 69)]   # c crosses a block
+            + [(d, 40), (forked, 41)])       # the fork's table differs in the block row 40 ends in: not grouped
+    tables, lens = [t for t, _ in rows], [n for _, n in rows]
+    width = max(len(t) for t in tables)
+    widths = np.array([-(-n // bs) for n in lens])
+    table = np.array([t[:w] + [0] * (width - w) for t, w in zip(tables, widths)], dtype=np.int64)
+    per = rows_per_program(heads // kv_heads)
+    groups = decode_groups(np.array(lens) - 1, table, widths, per)
+    runs = [7, 1, 9, 1, 1]                # the rows of each sequence, as they should group
+    want_groups = [min(per, n - i) if i % per == 0 else 0 for n in runs for i in range(n)]
+    failures = [] if groups.tolist() == want_groups else [f"groups {groups.tolist()}, not {want_groups}"]
+    query = torch.randn(len(rows), heads, dim, generator=g).to(dtype)
+    scale = dim ** -0.5
+    got = paged_decode(query.to(device), kv.to(device), torch.tensor(table, dtype=torch.int32, device=device),
+                       torch.tensor(lens, dtype=torch.int32, device=device), scale, splits, DecodeScratch(),
+                       groups=torch.from_numpy(groups).to(device))
+    err = float((got.cpu().double() - _reference(query, kv, tables, lens, scale)).abs().max())
+    if not err <= tol:
+        failures.append(f"grouped decode {dtype} ({heads}, {kv_heads}, {dim}, splits {splits}): max error {err:.2e}")
+    return failures
+
+
 def check_write(device: str, dtype: torch.dtype) -> bool:
     from services.engine.kernels.gpu_kernels import write_kv
     g = torch.Generator().manual_seed(5)
@@ -115,6 +151,12 @@ CASES = [  # heads, kv_heads, dim, lens, splits
     (4, 4, 64, [33, 5], 32),                  # no GQA; more splits than tiles
     (12, 2, 80, [50, 64, 3], 3),              # a head dim that is no power of two
 ]
+GROUPED_CASES = [  # heads, kv_heads, dim, splits: 4, 4, 16 and 2 rows a program (bfloat16: the second)
+    (8, 2, 32, 1),
+    (9, 3, 32, 3),                            # a GQA group of 3, padded to 4
+    (4, 4, 64, 5),
+    (12, 2, 80, 4),
+]
 
 
 def run_all(device: str) -> list[str]:
@@ -124,6 +166,8 @@ def run_all(device: str) -> list[str]:
             err = check_decode(device, dtype, *case)
             if not err <= tol:
                 failures.append(f"decode {dtype} {case}: max error {err:.2e} > {tol:g}")
+        for heads, kv_heads, dim, splits in GROUPED_CASES if dtype == torch.float32 else GROUPED_CASES[1:2]:
+            failures += check_grouped(device, dtype, heads, kv_heads, dim, splits, tol)
         if not check_write(device, dtype):
             failures.append(f"write_kv {dtype}: slots differ")
         failures += check_layers(device, dtype)
@@ -143,7 +187,10 @@ def check_runner(model_dir: str, device: str = "cpu") -> list[str]:
     ref = ModelRunner(Path(model_dir), "float32", device, attention="torch")
     if device == "cpu":
         gpu = ModelRunner(Path(model_dir), "float32", device, attention="torch")
-        gpu.backend, gpu.graph_sizes = CudaBackend(torch.device(device), torch.float32), [1, 2, 4, 8]
+        config = gpu.model.config
+        gpu.backend = CudaBackend(torch.device(device), torch.float32,
+                                  config.num_attention_heads // config.num_key_value_heads)
+        gpu.graph_sizes = [1, 2, 4, 8]
     else:
         gpu = ModelRunner(Path(model_dir), "float32", device, max_batch=8)
     g = torch.Generator().manual_seed(3)
@@ -172,7 +219,11 @@ def check_runner(model_dir: str, device: str = "cpu") -> list[str]:
                           decode_tables=tables, sample_rows=[0, 1, 2]),
              ForwardBatch(decode_tokens=[19, 20], decode_positions=[lens[0] + 3, lens[1] + 3],
                           decode_tables=tables[:2], prefill_tokens=[25, 26, 27],
-                          segments=[PrefillSegment(lens[2] + 6, 3, tables[2])], sample_rows=[0, 1, 4])]
+                          segments=[PrefillSegment(lens[2] + 6, 3, tables[2])], sample_rows=[0, 1, 4]),
+             # a speculative step: sequence 1's next four positions, attended as one group
+             ForwardBatch(decode_tokens=[28, 29, 30, 31, 32], decode_positions=[lens[0] + 4] + [lens[1] + 4 + i
+                                                                                           for i in range(4)],
+                          decode_tables=[tables[0]] + [tables[1]] * 4, sample_rows=[0, 1, 2, 3, 4])]
     pending = {2: [0, 2], 3: [1]}             # step: its rows whose tokens come from the device
     for i, step in enumerate(steps):
         mine = step
@@ -189,6 +240,8 @@ def check_runner(model_dir: str, device: str = "cpu") -> list[str]:
             failures.append(f"step {i}: KV differs")
     if gpu._graphs is None or gpu._graphs.bucket(3) != 4:
         failures.append("the decode-only step did not go through the graph runner")
+    elif gpu._graphs.groups[:5].tolist() != [1, 4, 0, 0, 0]:
+        failures.append(f"the speculative step's rows were attended as {gpu._graphs.groups[:5].tolist()}")
     elif device != "cpu" and 4 not in gpu._graphs.graphs:
         failures.append("no CUDA graph was captured for the decode-only step's bucket")
     return failures

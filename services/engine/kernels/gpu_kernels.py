@@ -6,14 +6,19 @@ into a contiguous copy, no Python per sequence.
 
     write_kv(kv_layer, slots, key, value)        each new token's K and V into its slot;
                                                  a slot of -1 is a padding row, skipped
-    paged_decode(query, kv_layer, table, lens)   one query token per sequence over its
-                                                 blocks (split-K, "flash-decoding")
+    paged_decode(query, kv_layer, table, lens)   one query token per row over its sequence's
+                                                 blocks (split-K, "flash-decoding"); the rows
+                                                 of a verify step's drafts as one group
     TritonLayers                                 RMSNorm, SiLU-and-multiply, rotary: one
                                                  kernel each (fusion.LeanDecoderLayer)
 
 `paged_decode` splits each sequence's context into `splits` equal parts, each part
 attended by one program per KV head for the whole GQA group of query heads (the
 group's rows share every K/V load), then merges the parts by their log-sum-exp. The
+rows of one sequence at consecutive positions (a speculative step's drafts) go to one
+program when `groups` says so (`decode_groups`): its tile rows are then (row, query
+head) pairs, so the GQA group's padding to BLOCK_H carries the sequence's other rows,
+and each K/V tile is read once for all of them instead of once a row. The
 grid depends only on the batch size and `splits`, never on the context lengths, so a
 CUDA graph captured once per batch size replays for any lengths (cuda_graphs.py).
 The design is that of vLLM's and SGLang's Triton decode backends.
@@ -27,6 +32,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 try:
@@ -94,66 +100,84 @@ if triton is not None:
             tl.store(kv_v + dst, v, mask=m)
 
     @triton.jit
-    def _decode_split_kernel(q, kv_k, kv_v, table, lens, mid_o, mid_lse, scale,
+    def _decode_split_kernel(q, kv_k, kv_v, table, lens, groups, mid_o, mid_lse, scale,
                              stride_qb, stride_qh, stride_tb, stride_ob, stride_oh, stride_os,
                              stride_lb, stride_lh, splits,
                              BLOCK_SIZE: tl.constexpr, KV_HEADS: tl.constexpr,
-                             GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                             GROUP: tl.constexpr, GROUP_P2: tl.constexpr, GROUPED: tl.constexpr,
+                             DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                              BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
                              UPCAST: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         s = tl.program_id(2)
-        ctx = tl.load(lens + b)
-        # This part's tokens: [start, end), whole BLOCK_N tiles except the last part's end.
-        per = tl.cdiv(tl.cdiv(ctx, splits), BLOCK_N) * BLOCK_N
-        start = s * per
-        end = tl.minimum(start + per, ctx)
-        h = tl.arange(0, BLOCK_H)
-        hmask = h < GROUP
-        heads = kvh * GROUP + h
-        d = tl.arange(0, BLOCK_D)
-        dmask = d < DIM
-        lse_ptr = mid_lse + b * stride_lb + heads * stride_lh + s
-        if start >= end:
-            tl.store(lse_ptr, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=hmask)
-        else:
-            qv = tl.load(q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                         mask=hmask[:, None] & dmask[None, :], other=0.0)
-            m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_H], tl.float32)
-            acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-            for n0 in range(start, end, BLOCK_N):
-                n = n0 + tl.arange(0, BLOCK_N)
-                nmask = n < end
-                page = tl.load(table + b * stride_tb + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
-                row = (page * BLOCK_SIZE + n % BLOCK_SIZE) * (KV_HEADS * DIM) + kvh * DIM
-                lmask = nmask[:, None] & dmask[None, :]
-                k = tl.load(kv_k + row[:, None] + d[None, :], mask=lmask, other=0.0)
-                if UPCAST:
-                    qk = tl.dot(qv.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-                elif IEEE:
-                    qk = tl.dot(qv, tl.trans(k), input_precision="ieee")
-                else:
-                    qk = tl.dot(qv, tl.trans(k))
-                qk = tl.where(nmask[None, :], qk * scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                p = tl.exp(qk - m_new[:, None])
-                alpha = tl.exp(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(kv_v + row[:, None] + d[None, :], mask=lmask, other=0.0)
-                if UPCAST:
-                    pv = p.to(v.dtype).to(tl.float32)
-                    acc = acc * alpha[:, None] + tl.dot(pv, v.to(tl.float32), input_precision="ieee")
-                elif IEEE:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m_i = m_new
-            out = acc / l_i[:, None]
-            tl.store(mid_o + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + d[None, :], out,
-                     mask=hmask[:, None] & dmask[None, :])
-            tl.store(lse_ptr, m_i + tl.log(l_i), mask=hmask)
+        # The rows this program attends: row b alone, or (GROUPED) the groups[b] rows from
+        # b on, consecutive positions of one sequence (0: b is in the group before it).
+        # Its tile rows are (row, query head) pairs, m = r * GROUP_P2 + h.
+        rows = 1
+        if GROUPED:
+            rows = tl.load(groups + b)
+        if rows > 0:
+            last = b + rows - 1
+            ctx = tl.load(lens + last)
+            # This part's tokens: [start, end) of the last row's context, whole BLOCK_N
+            # tiles except the last part's end; each row masks what lies past its own.
+            per = tl.cdiv(tl.cdiv(ctx, splits), BLOCK_N) * BLOCK_N
+            start = s * per
+            end = tl.minimum(start + per, ctx)
+            m = tl.arange(0, BLOCK_H)
+            r = m // GROUP_P2
+            h = m % GROUP_P2
+            live = (r < rows) & (h < GROUP)
+            heads = kvh * GROUP + h
+            row_len = tl.load(lens + b + r, mask=live, other=0)
+            d = tl.arange(0, BLOCK_D)
+            dmask = d < DIM
+            lse_ptr = mid_lse + (b + r) * stride_lb + heads * stride_lh + s
+            if start >= end:
+                tl.store(lse_ptr, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=live)
+            else:
+                qv = tl.load(q + (b + r)[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                             mask=live[:, None] & dmask[None, :], other=0.0)
+                m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+                l_i = tl.zeros([BLOCK_H], tl.float32)
+                acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+                for n0 in range(start, end, BLOCK_N):
+                    n = n0 + tl.arange(0, BLOCK_N)
+                    nmask = n < end
+                    page = tl.load(table + last * stride_tb + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+                    row = (page * BLOCK_SIZE + n % BLOCK_SIZE) * (KV_HEADS * DIM) + kvh * DIM
+                    lmask = nmask[:, None] & dmask[None, :]
+                    k = tl.load(kv_k + row[:, None] + d[None, :], mask=lmask, other=0.0)
+                    if UPCAST:
+                        qk = tl.dot(qv.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+                    elif IEEE:
+                        qk = tl.dot(qv, tl.trans(k), input_precision="ieee")
+                    else:
+                        qk = tl.dot(qv, tl.trans(k))
+                    qk = tl.where(nmask[None, :] & (n[None, :] < row_len[:, None]), qk * scale, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(qk, 1))
+                    # a row with no token here yet (an earlier row of a group, past its end)
+                    # keeps max -inf: subtract 0 there, so its weights are 0, not NaN
+                    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+                    p = tl.exp(qk - m_safe[:, None])
+                    alpha = tl.exp(m_i - m_safe)
+                    l_i = l_i * alpha + tl.sum(p, 1)
+                    v = tl.load(kv_v + row[:, None] + d[None, :], mask=lmask, other=0.0)
+                    if UPCAST:
+                        pv = p.to(v.dtype).to(tl.float32)
+                        acc = acc * alpha[:, None] + tl.dot(pv, v.to(tl.float32), input_precision="ieee")
+                    elif IEEE:
+                        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                    else:
+                        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                    m_i = m_new
+                some = l_i > 0
+                out = acc / tl.where(some, l_i, 1.0)[:, None]
+                tl.store(mid_o + (b + r)[:, None] * stride_ob + heads[:, None] * stride_oh + s * stride_os
+                         + d[None, :], out, mask=live[:, None] & dmask[None, :])
+                tl.store(lse_ptr, tl.where(some, m_i + tl.log(tl.where(some, l_i, 1.0)), float("-inf")),
+                         mask=live)
 
     @triton.jit
     def _decode_merge_kernel(mid_o, mid_lse, out, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
@@ -207,12 +231,42 @@ class DecodeScratch:
         return self.o[:batch, :heads, :splits], self.lse[:batch, :heads, :splits]
 
 
+def rows_per_program(query_heads_per_kv_head: int) -> int:
+    """How many rows of one sequence a program of paged_decode attends together: its
+    BLOCK_H tile rows are (row, query head) pairs, the GQA group padded to a power of two."""
+    return BLOCK_H // triton.next_power_of_2(query_heads_per_kv_head) if triton is not None else 1
+
+
+def decode_groups(positions: np.ndarray, table: np.ndarray, widths: np.ndarray, rows: int) -> np.ndarray:
+    """Which decode rows paged_decode attends together (a verify step's drafts, the next
+    positions of one sequence): int32 [n], at a group's first row its row count (at most
+    `rows`), 0 at the rows after it. Row i + 1 joins row i's group when it is the next
+    position and its table's first widths[i] blocks are row i's (so the group's last row's
+    table serves every row); `table` int [n, width] (host), `widths` each row's blocks."""
+    n = len(positions)
+    out = np.ones(n, dtype=np.int32)
+    if n < 2 or rows < 2:
+        return out
+    cols = np.arange(table.shape[1])
+    same = ((table[1:] == table[:-1]) | (cols[None, :] >= widths[:-1, None])).all(1)
+    joins = np.concatenate(([False], same & (positions[1:] == positions[:-1] + 1)))
+    if not joins.any():
+        return out
+    starts = np.flatnonzero(~joins)
+    run = np.cumsum(~joins) - 1
+    at = np.arange(n) - starts[run]                      # place in its run of joined rows
+    left = np.diff(np.append(starts, n))[run] - at       # rows of the run from this one on
+    return np.where(at % rows == 0, np.minimum(rows, left), 0).astype(np.int32)
+
+
 def paged_decode(query: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor,
                  scale: float, splits: int, scratch: DecodeScratch, out: torch.Tensor | None = None,
-                 tiling: DecodeTiling = TILING) -> torch.Tensor:
+                 tiling: DecodeTiling = TILING, groups: torch.Tensor | None = None) -> torch.Tensor:
     """query [batch, q_heads, dim]; kv_layer [2, blocks, block_size, kv_heads, dim];
     block_table int32 [batch, width] (row i's blocks in order); context_lens int32
-    [batch] (tokens attended, the new one's K/V already written; 0 gives zeros).
+    [batch] (tokens attended, the new one's K/V already written; 0 gives zeros);
+    groups int32 [batch] (decode_groups: rows attended together, each of their KV tiles
+    loaded once for all of them; None: every row alone).
     Returns [batch, q_heads, dim] in the query's dtype (into `out` where given)."""
     batch, q_heads, dim = query.shape
     _, _, block_size, kv_heads, _ = kv_layer.shape
@@ -230,10 +284,12 @@ def paged_decode(query: torch.Tensor, kv_layer: torch.Tensor, block_table: torch
     mid_o, mid_lse = scratch.take(batch, q_heads, splits, dim, query.device)
     block_d = triton.next_power_of_2(dim)
     _decode_split_kernel[(batch, kv_heads, splits)](
-        query, kv_layer[0], kv_layer[1], block_table, context_lens, mid_o, mid_lse, scale,
+        query, kv_layer[0], kv_layer[1], block_table, context_lens, context_lens if groups is None else groups,
+        mid_o, mid_lse, scale,
         query.stride(0), query.stride(1), block_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), splits,
-        BLOCK_SIZE=block_size, KV_HEADS=kv_heads, GROUP=group, DIM=dim, BLOCK_D=block_d,
+        BLOCK_SIZE=block_size, KV_HEADS=kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group),
+        GROUPED=groups is not None, DIM=dim, BLOCK_D=block_d,
         BLOCK_H=BLOCK_H, BLOCK_N=tiling.block_n, IEEE=query.dtype == torch.float32, UPCAST=INTERPRETED,
         num_warps=tiling.warps, num_stages=tiling.stages)
     _decode_merge_kernel[(batch, q_heads)](

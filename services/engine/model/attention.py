@@ -40,11 +40,13 @@ class NativeDecode:
 @dataclass
 class GPUDecode:
     """Decode rows through `gpu_kernels.paged_decode`: int32 tables and lengths on the
-    device, the split count for this batch size, and the kernel's scratch."""
+    device, the split count for this batch size, the kernel's scratch, and which rows it
+    attends together (`gpu_kernels.decode_groups`; None: each alone)."""
     block_table: torch.Tensor                   # int32 [rows, width]
     context_lens: torch.Tensor                  # int32 [rows]
     splits: int
     scratch: object                             # gpu_kernels.DecodeScratch
+    groups: torch.Tensor | None = None          # int32 [rows]
 
 
 @dataclass

@@ -20,6 +20,7 @@ import logging
 from pathlib import Path
 from typing import Callable, TypeVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -228,10 +229,13 @@ class CudaBackend(TorchBackend):
     there, for exact parity); decode steps replayed from CUDA graphs."""
     decode_kernel = "triton paged"
 
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype, heads_per_kv: int) -> None:
+        """`heads_per_kv`: the model's query heads per KV head, which sets how many rows of
+        one sequence (a verify step's drafts) the decode kernel attends together."""
         super().__init__(device)
         self.layers = gpu_kernels.TritonLayers() if dtype != torch.float32 else None
         self.scratch = gpu_kernels.DecodeScratch()
+        self.rows_per_program = gpu_kernels.rows_per_program(heads_per_kv)
 
     def _layers(self, model: nn.Module):
         return self.layers
@@ -248,12 +252,15 @@ class CudaBackend(TorchBackend):
         gpu_kernels.write_kv(kv[layer], slots, key, value)        # slot -1 (a graph's padding): skipped
 
     def decode_rows(self, kv: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, widths: list[int]):
+        groups = gpu_kernels.decode_groups(positions.numpy(), table.numpy(), np.asarray(widths), self.rows_per_program)
         return GPUDecode(to_device(table, torch.int32, self.device), to_device(positions + 1, torch.int32, self.device),
-                         gpu_kernels.splits_for(len(widths), kv.shape[-2]), self.scratch)
+                         gpu_kernels.splits_for(len(widths), kv.shape[-2]), self.scratch,
+                         to_device(torch.from_numpy(groups), torch.int32, self.device))
 
     def decode(self, b: PagedBatch, layer: int, q: torch.Tensor, scale: float, out: torch.Tensor) -> None:
         g = b.decode
-        gpu_kernels.paged_decode(q, b.kv[layer], g.block_table, g.context_lens, scale, g.splits, g.scratch, out=out)
+        gpu_kernels.paged_decode(q, b.kv[layer], g.block_table, g.context_lens, scale, g.splits, g.scratch, out=out,
+                                 groups=g.groups)
 
 
 # Under the kernel cache: the kernels measured at a worker's start, one file each (kernel_choice.py).
@@ -293,7 +300,7 @@ def select(attention: str, device: torch.device, dtype: torch.dtype, quantizatio
                              f"not {device} {dtype_name or dtype}")
         if device.type == "cuda" and gpu_kernels.available():
             if gpu_kernels.takes_group(heads_per_kv):
-                return CudaBackend(device, dtype)
+                return CudaBackend(device, dtype, heads_per_kv)
             log.info("decode attention: torch's (pdserve's Triton kernel takes up to %d query heads per KV head, "
                      "this model has %d)", gpu_kernels.BLOCK_H, heads_per_kv)
         return TorchBackend(device)

@@ -9,8 +9,10 @@ ids, positions, KV slots, block table, context lengths) that each step overwrite
 one pinned host staging buffer; its kernels' grids depend only on the bucket's size
 (gpu_kernels.paged_decode splits by batch size, never by context length). A step of n
 sequences replays the smallest bucket >= n; the rows past n are padding: slot -1 (their
-K/V is not written), context length 0 (their attention is zeros), logits ignored. The
-only host sync of the step is the sampler reading its tokens.
+K/V is not written), context length 0 (their attention is zeros), logits ignored. A
+speculative step's rows (a sequence's next positions) replay the same graphs, the
+kernel told which rows to attend together (gpu_kernels.decode_groups). The only host
+sync of the step is the sampler reading its tokens.
 
 Graphs are captured on the first decode-only step over a pool, for every bucket; a
 step with prompt rows, prompt log-probabilities, more rows than the largest bucket or
@@ -60,13 +62,15 @@ class DecodeGraphs:
         self.slots = torch.full((top,), -1, dtype=torch.long, device=device)
         self.lens = torch.zeros(top, dtype=torch.int32, device=device)
         self.table = torch.zeros(top, self.width, dtype=torch.int32, device=device)
+        # rows the decode kernel attends together (a verify step's drafts; padding alone)
+        self.groups = torch.ones(top, dtype=torch.int32, device=device)
         # async scheduling: rows whose token comes from the step before's tokens on the
         # device, then their places there
         self.fill = torch.zeros(2 * top, dtype=torch.long, device=device)
         # host staging: ids, positions, slots (int64) | lengths, then the table (int32)
         pinned = device.type == "cuda"
         self.stage_rows = torch.empty(3, top, dtype=torch.long, pin_memory=pinned)
-        self.stage_lens = torch.empty(top, dtype=torch.int32, pin_memory=pinned)
+        self.stage_lens = torch.empty(2, top, dtype=torch.int32, pin_memory=pinned)     # lengths | groups
         self.stage_table = torch.empty(top * self.width, dtype=torch.int32, pin_memory=pinned)
         self.stage_fill = torch.empty(2 * top, dtype=torch.long, pin_memory=pinned)
         # the last step's staging has been read (on a CPU, where tests run the steps
@@ -85,7 +89,7 @@ class DecodeGraphs:
         body = self.model.model
         paged = PagedBatch(kv=self.kv, slots=self.slots[:n], backend=self.backend, num_decode=n,
                            decode=GPUDecode(self.table[:n], self.lens[:n], gpu_kernels.splits_for(n, self.num_kv_heads),
-                                            self.scratch))
+                                            self.scratch, self.groups[:n]))
         hidden = body.embed_tokens(self.ids[:n]).unsqueeze(0)
         position_embeddings = body.rotary_emb(hidden, position_ids=self.positions[:n].unsqueeze(0))
         for layer in body.layers:
@@ -103,6 +107,7 @@ class DecodeGraphs:
         started = time.perf_counter()
         self.slots.fill_(-1)
         self.lens.zero_()
+        self.groups.fill_(1)
         if self.copied is None:
             return
         pool = torch.cuda.graph_pool_handle()
@@ -152,13 +157,16 @@ class DecodeGraphs:
         pos = r[1, :n]
         r[2, :n] = grid[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
         r[0, n:], r[1, n:], r[2, n:] = 0, 0, -1
-        lens = self.stage_lens.numpy()
+        lens, groups = self.stage_lens.numpy()
         lens[:n] = pos + 1
         lens[n:size] = 0
+        groups[:n] = gpu_kernels.decode_groups(pos, grid[:n], np.asarray(widths), self.backend.rows_per_program)
+        groups[n:size] = 1
         self.ids[:size].copy_(rows[0], non_blocking=True)
         self.positions[:size].copy_(rows[1], non_blocking=True)
         self.slots[:size].copy_(rows[2], non_blocking=True)
-        self.lens[:size].copy_(self.stage_lens[:size], non_blocking=True)
+        self.lens[:size].copy_(self.stage_lens[0, :size], non_blocking=True)
+        self.groups[:size].copy_(self.stage_lens[1, :size], non_blocking=True)
         self.table[:size, :width].copy_(table, non_blocking=True)
         m = len(pending.pending_rows) if pending is not None else 0
         if m:
