@@ -101,6 +101,7 @@ SYSTEMS = {s.name: s for s in (
     System("pdserve-disaggregated-ngram", None, _pdserve("disaggregated", "--speculative-config", NGRAM)),
     System("pdserve-disaggregated-suffix", None, _pdserve("disaggregated", "--speculative-config", SUFFIX)),
     System("pdserve-aggregated-ngram", None, _pdserve("aggregated", "--speculative-config", NGRAM)),
+    System("pdserve-aggregated-suffix", None, _pdserve("aggregated", "--speculative-config", SUFFIX)),
     System("vllm-ngram", "vllm", _vllm("--speculative-config", NGRAM)),
 )}
 DEFAULT_SYSTEMS = tuple(name for name in SYSTEMS if not name.endswith(("-int8", "-ngram", "-suffix")))
