@@ -21,6 +21,10 @@ Checks, each a row of the table and of the JSON:
              generate's, logprobs equal log_softmax of transformers' logits on the device
              (1e-3), and a JSON schema's masks keep the output to the schema's values
   host-only  a pool on the device offered through shm or tcp: refused at start
+  spec       speculative decoding on the decode worker (the model drafting for itself,
+             4 tokens a step, so nearly every draft is kept): the same parity check as
+             `parity`, with verify steps of 5 rows a sequence through the CUDA graphs and
+             the grouped decode kernel, and the drafts the worker counts as accepted
   tp         tensor parallelism through a cluster: prefill TP 2 into decode TP 1, KV
              resharded through NIXL, each rank on a GPU of its own from three cards on
              (on fewer they share, for correctness only): the same parity check as
@@ -234,6 +238,23 @@ def check_api(cluster: Cluster, model_dir: Path, device: str, vocab: int) -> dic
             "ok": choices_ok and worst < 1e-3 and json_ok}
 
 
+def check_speculation(model_dir: Path, device: str, work: Path, vocab: int, quick: bool) -> dict:
+    """Greedy output with drafts verified on the device equals generate's."""
+    import httpx
+    from services.bench.server_metrics import acceptance, parse
+    config = {"method": "draft", "model": str(model_dir), "num_speculative_tokens": 4, "adaptive": False}
+    cluster = Cluster(model_dir, device, work, Cluster.PARITY + ("--speculative-config", json.dumps(config)))
+    try:
+        out = check_parity(cluster, model_dir, device, vocab, n=4, length=64 if quick else 300,
+                           max_tokens=12 if quick else 48, seed=4)
+        seen = acceptance({}, parse(httpx.get(f"http://127.0.0.1:{cluster.info['decode']['metrics_port']}/metrics",
+                                              timeout=30).text))
+    finally:
+        cluster.stop()
+    drafts, accepted = (seen.drafts, seen.accepted_tokens) if seen else (0, 0)
+    return {**out, "drafts": drafts, "accepted_tokens": accepted, "ok": out["ok"] and accepted > 0}
+
+
 def check_bandwidth(device: str, shape: tuple[int, int, int], blocks: int, repeats: int) -> dict:
     """Two NIXL agents in this process, device pools, every layer written as prefill sends it."""
     from kv_transfer.base import wait_for
@@ -404,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         print("api", json.dumps(results["api"]), flush=True)
     finally:
         cluster.stop()
-    for name, check in (("tp", lambda: check_tensor_parallel(model_dir, a.device, work, vocab, a.quick)),
+    for name, check in (("spec", lambda: check_speculation(model_dir, a.device, work, vocab, a.quick)),
+                        ("tp", lambda: check_tensor_parallel(model_dir, a.device, work, vocab, a.quick)),
                         ("pause", lambda: check_pause(a.device, work, a.quick))):
         try:
             results[name] = check()
@@ -414,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     blocks = 8 if a.quick else 256
     results["bandwidth"] = {name: check_bandwidth(a.device, shape, blocks, 2 if a.quick else 5)
                             for name, shape in KV_SHAPES.items()}
-    ok = all(results[k]["ok"] for k in ("parity", "race", "api", "host_only", "tp", "pause")) and all(
+    ok = all(results[k]["ok"] for k in ("parity", "race", "api", "host_only", "spec", "tp", "pause")) and all(
         b["ok"] for b in results["bandwidth"].values())
     results["ok"] = ok
     rows = [("device", results["device"]),
@@ -429,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
                f"device copy ({b['copy_gbps']:.1f} GB/s), bitwise {b['bitwise']}")
               for n, b in results["bandwidth"].items()),
             ("host-only transports for a device pool", "refused" if results["host_only"]["ok"] else "OFFERED"),
+            ("speculative decoding (draft model, 4 tokens)", _failed(results["spec"]) or
+             f"{results['spec']['identical']}/{results['spec']['prompts']} identical, "
+             f"{results['spec']['accepted_tokens']} drafted tokens accepted in {results['spec']['drafts']} drafts"),
             ("tensor parallel", _failed(results["tp"]) or
              f"prefill TP {results['tp']['prefill_tp']} -> decode TP {results['tp']['decode_tp']}"
              + (" (ranks sharing a GPU)" if results["tp"]["shared"] else "")

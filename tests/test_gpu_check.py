@@ -28,6 +28,7 @@ def test_gpu_check_passes_its_checks_on_the_cpu(model_dir, tmp_path):
     assert doc["api"]["choices_identical"] and doc["api"]["logprob_max_error"] < 1e-4 and doc["api"]["ok"]
     assert all(b["bitwise"] for b in doc["bandwidth"].values())
     assert doc["host_only"]["ok"]
+    assert doc["spec"]["identical"] == doc["spec"]["prompts"] and doc["spec"]["accepted_tokens"] > 0, doc["spec"]
     assert doc["pause"]["first_tokens_identical"] and doc["pause"]["ok"], doc["pause"]
 
 
