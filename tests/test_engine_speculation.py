@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import random
 from dataclasses import replace
@@ -25,6 +26,7 @@ from services.engine.core.block_manager import BlockManager
 from services.engine.core.block_pool import BlockPool
 from services.engine.core.sampling import SamplingParams
 from services.engine.core.scheduler import Scheduler, SchedulerConfig
+from services.engine.core import speculation
 from services.engine.core.sequence import Sequence
 from services.engine.core.speculation import SpeculativeConfig, Speculator
 from services.engine.engine import LLMEngine
@@ -43,15 +45,16 @@ def runner(model_dir):
     return ModelRunner(model_dir, "float32", "cpu")
 
 
-def generate(runner, seqs, spec: str | None, num_blocks=512, speculator: Speculator | None = None
-             ) -> tuple[dict, dict, Speculator | None]:
-    """Run `seqs` (fresh copies) to their ends; each one's tokens and logprobs."""
+def generate(runner, seqs, spec: str | None, num_blocks=512, speculator: Speculator | None = None,
+             async_scheduling: bool = False, steps: list | None = None) -> tuple[dict, dict, Speculator | None]:
+    """Run `seqs` (fresh copies) to their ends; each one's tokens and logprobs (and in
+    `steps`, the engine's count of steps launched before the one before them was read)."""
     blocks = BlockManager(BlockPool(num_blocks, BLOCK))
     memory = KVPoolMemory.allocate(runner.layout(num_blocks, BLOCK))
     if spec:
         speculator = Speculator(SpeculativeConfig.parse(spec))
     engine = LLMEngine(runner, memory, Scheduler(blocks, SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512),
-                                                 speculator))
+                                                 speculator), async_scheduling=async_scheduling)
     out, logprobs = {}, {}
     for s in seqs:
         engine.add(Sequence(s.request_id, list(s.token_ids), s.prompt_len, s.params, s.eos_token_ids))
@@ -62,6 +65,8 @@ def generate(runner, seqs, spec: str | None, num_blocks=512, speculator: Specula
             logprobs[o.request_id] += [(lp.token_id, round(lp.logprob, 4), lp.top_ids) for lp in o.logprobs or ()]
     memory.close()
     assert blocks.num_available == num_blocks
+    if steps is not None:
+        steps.append(engine.overlapped_steps)
     return out, logprobs, speculator
 
 
@@ -88,6 +93,54 @@ def test_greedy_output_is_generates_with_each_proposer(runner, model_dir, expect
     assert out["copy"] == reference["copy"]
     stats = speculator.stats
     assert stats.accepted_tokens > 20 and stats.draft_tokens >= stats.accepted_tokens   # drafts really ran
+
+
+class PricedSpeculator(Speculator):
+    """The real speculator with a step cost fixed in advance (the cost line a worker
+    learns from its step times, which a test cannot rely on): flat, drafting always
+    pays; in proportion to the rows, it never does, but for a sequence's first draft
+    and the exploring steps."""
+
+    def __init__(self, config: SpeculativeConfig, pays: bool) -> None:
+        super().__init__(config)
+        for rows in (1, 2, 4, 8, 16):
+            super().observe(rows, 0.01 if pays else 0.01 * rows)
+        assert self._cost.known
+
+    def observe(self, rows: int, seconds: float) -> None:
+        pass
+
+
+@pytest.mark.parametrize("pays", [True, False], ids=["drafting-pays", "drafting-never-pays"])
+def test_async_scheduling_with_drafts_keeps_generates_output(runner, model_dir, expected, pays, caplog,
+                                                             monkeypatch):
+    """Under async scheduling a step that would draft reads the step in flight first and
+    a verify step is read before the next is planned; where drafting does not pay, the
+    steps overlap as without a speculator. Greedy output is generate's either way, and
+    no step failed (a failed step is run again one sequence at a time, which would hide
+    a wrong plan)."""
+    eos = eos_token_ids(model_dir)
+    tok = load_tokenizer(model_dir)
+    passage = " ".join(f"item {i} costs {i * 7 % 13} coins" for i in range(20))
+    copy = tok(f"Repeat exactly: {passage}\n{passage}\n")["input_ids"]
+    seqs = [Sequence("copy", copy, len(copy), SamplingParams(max_tokens=40, temperature=0), eos)]
+    for case in CASES[:3]:
+        exp = expected[case.name]
+        seqs.append(Sequence(case.name, list(exp.prompt_ids), len(exp.prompt_ids),
+                             SamplingParams(max_tokens=min(24, len(exp.token_ids)), temperature=0), eos))
+    reference, _, _ = generate(runner, seqs[:1], None)
+    monkeypatch.setattr(speculation, "EXPLORE_EVERY", 4)      # drafts between overlapping steps, where not paying
+    overlapped: list[int] = []
+    speculator = PricedSpeculator(SpeculativeConfig.parse('{"method": "ngram"}'), pays)
+    with caplog.at_level(logging.ERROR, logger="services.engine.engine"):
+        out, _, _ = generate(runner, seqs, None, speculator=speculator, async_scheduling=True, steps=overlapped)
+    assert not caplog.records, caplog.text[-2000:]
+    assert out["copy"] == reference["copy"]
+    for case, seq in zip(CASES[:3], seqs[1:]):
+        assert out[case.name] == expected[case.name].token_ids[:seq.params.max_tokens], case.name
+    assert speculator.stats.accepted_tokens > 0                     # drafts were verified
+    if not pays:
+        assert overlapped[0] > 0                                    # and the other steps overlapped
 
 
 def test_sampled_output_is_what_it_is_without_speculation(runner, model_dir, expected):

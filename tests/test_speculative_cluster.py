@@ -33,7 +33,10 @@ def spec_cluster(request, model_dir):
     if request.param == "draft":            # the model drafting for itself: a test of the plumbing, not a speed-up
         config.update(model=str(model_dir), adaptive=False)
     # KV through NIXL: the transport parity test's NIXL cluster runs under make test-slow.
-    c = start_cluster("--speculative-config", json.dumps(config), "--kv-transport", "nixl")
+    # Async scheduling, as a decode worker on a GPU has it by default: steps that draft
+    # read the step in flight first, verify steps are read before the next is planned.
+    c = start_cluster("--speculative-config", json.dumps(config), "--kv-transport", "nixl",
+                      "--async-scheduling", "on")
     yield c
     stop_cluster(c)
 

@@ -82,10 +82,6 @@ class DecodeWorker(EngineWorker):
         log.info("decode worker offers KV transports: %s", ", ".join(self.transports))
         overlap = settings.async_scheduling == "on" or (settings.async_scheduling == "auto"
                                                         and runner.device.type == "cuda")
-        if speculation is not None and overlap:
-            log.warning("async scheduling is off: speculative decoding drafts from each step's tokens, read "
-                        "before the next step is planned")
-            overlap = False
         speculator = None
         if speculation is not None:
             speculator = Speculator(speculation, draft_proposer(speculation, runner, tokens, settings.block_size,

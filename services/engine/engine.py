@@ -35,7 +35,11 @@ With speculative decoding (the scheduler's speculator), a verify chunk samples a
 each of its positions, each as a row of its own would be sampled without drafts (its
 index in the output, its history with the drafts before it), and the scheduler keeps
 the drafts those samples agree with (core/speculation.py says why that is lossless).
-Drafting needs the last token on the host: an engine with a speculator is not async.
+Drafting needs the last token on the host, and planning after a verify step needs to
+know how many drafts it kept. Under async scheduling, then, a step the speculator would
+draft for first reads the step in flight (`Scheduler.drafts_need_tokens`), and a step
+that verifies drafts is read as soon as it is launched; where drafting does not pay
+(the adaptive speculator asks the proposer only then) steps overlap as without drafts.
 
 With `yields` (a prefill worker's engine, whose every pass is prompts alone), a forward
 pass pauses between two layers for a prompt more urgent than every one in it (a lower
@@ -188,9 +192,6 @@ class LLMEngine:
         if async_scheduling and (layer_hook is not None or scheduler.config.prefill_only):
             raise ValueError("async scheduling is for engines that decode: a prefill worker's step ends its "
                              "sequences and ships their KV")
-        if async_scheduling and scheduler.speculator is not None:
-            raise ValueError("async scheduling and speculative decoding do not combine yet: drafting needs the "
-                             "last token on the host")
         self.runner = runner
         self.async_scheduling = async_scheduling
         # Of torch's threads, those on the worker's own cores (0: all): the others run on
@@ -301,7 +302,8 @@ class LLMEngine:
     def _step(self) -> list[EngineOutput]:
         outputs = self._apply_inbox()
         outputs += self._orphans()
-        if self._flight is not None and not all(overlaps(s) for s in self.scheduler.running):
+        if self._flight is not None and (not all(overlaps(s) for s in self.scheduler.running)
+                                         or self.scheduler.drafts_need_tokens()):
             outputs += self._land()
         plan = self.scheduler.schedule()
         if self.scheduler.copies:               # forked choices' last prompt blocks, queued ahead of the step
@@ -309,7 +311,7 @@ class LLMEngine:
             self.scheduler.copies_made()
         if plan.joined and self.on_joined is not None:
             self.on_joined([seq.request_id for seq in plan.joined])
-        overlap = self.async_scheduling and all(overlaps(c.seq) for c in plan.chunks)
+        overlap = self.async_scheduling and not plan.verify and all(overlaps(c.seq) for c in plan.chunks)
         if not (plan and overlap):
             outputs += self._land_before(plan)
         if not plan:
@@ -419,6 +421,9 @@ class LLMEngine:
         starting their copy to the host. With `yields`, a `pausable` pass takes a step
         of more urgent prompts between two layers (`_interject`)."""
         flight = self._flight
+        if flight is not None and flight.plan.verify:
+            # its sequences' next positions and tokens depend on the drafts it keeps
+            raise RuntimeError("a step was planned while a verify step was in flight")
         pending = {c.seq: i for i, c in enumerate(flight.rows)} if flight is not None else {}
         batch, targets = pack(plan, pending)
         if batch.pending_rows:

@@ -55,7 +55,9 @@ sampled in the step. `resolve()` keeps the drafts up to the first that differs f
 position's sample, then that sample: 1 to k + 1 tokens. The rejected drafts' KV is
 left behind num_computed, to be written over, and blocks holding nothing but rejected
 drafts go back. A sequence is drafted for only when its blocks can grow without
-preempting anyone, and never while its last token is PENDING.
+preempting anyone, and never while its last token is PENDING: under async scheduling
+the engine reads the step in flight first when the speculator would draft
+(`drafts_need_tokens`), and runs a step that verifies drafts without overlap.
 """
 from __future__ import annotations
 
@@ -323,8 +325,7 @@ class Scheduler:
         the block for it, so a draft never starves or preempts another sequence."""
         if self.speculator is None:
             return {}, [0, 0]
-        decoding = [(s, s.params.max_tokens - s.num_generated - 1) for s in self.running
-                    if s.num_computed == len(s.token_ids) - 1 and s.num_generated > 0]
+        decoding = self._decoding()
         if not decoding:
             return {}, [0, 0]
         own_blocks = sum(max(0, self._needed(s, len(s.token_ids))) for s in self.running)
@@ -332,6 +333,17 @@ class Scheduler:
         if room[0] <= 0:
             return {}, room
         return self.speculator.drafts(decoding), room
+
+    def _decoding(self) -> list[tuple[Sequence, int]]:
+        """The sequences a draft may follow (decoding, their last token not yet computed),
+        each with the most tokens its max_tokens leaves after this step's own."""
+        return [(s, s.params.max_tokens - s.num_generated - 1) for s in self.running
+                if s.num_computed == len(s.token_ids) - 1 and s.num_generated > 0]
+
+    def drafts_need_tokens(self) -> bool:
+        """Whether the next step's drafting needs a token still on the device (async
+        scheduling: the engine reads the step in flight first)."""
+        return self.speculator is not None and self.speculator.needs_tokens(self._decoding())
 
     def _fit_draft(self, seq: Sequence, draft: list[int], room: list[int]) -> tuple[int, ...]:
         """`draft` cut to the room drafts have left (`_drafts`), which it then takes."""

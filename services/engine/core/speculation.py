@@ -360,7 +360,7 @@ class Speculator:
         """Drafts for some of `candidates` (a decoding sequence, the most tokens it may
         take), as many tokens as are worth verifying this step."""
         self._steps += 1
-        if self.config.adaptive and not self._may_pay(candidates):
+        if self.config.adaptive and not self._may_pay(candidates, self._steps, [seq for seq, _ in candidates]):
             return {}
         wanted = [(seq, min(most, self.config.num_speculative_tokens)) for seq, most in candidates
                   if most > 0 and seq.last_token != PENDING]
@@ -385,14 +385,25 @@ class Speculator:
         keep = self._cut(len(candidates), found)
         return {seq: found[seq][:n] for seq, n in keep.items() if n}
 
-    def _may_pay(self, candidates: list[tuple[Sequence, int]]) -> bool:
-        """Whether drafting can beat a plain step now: with every candidate drafting
-        as many tokens, at the acceptance of the best match bucket. When it cannot, the
-        proposers are not asked (their indexes catch up when they next are), except on
-        the exploring steps."""
-        if not self._cost.known or self._steps % EXPLORE_EVERY == 0:
+    def needs_tokens(self, candidates: list[tuple[Sequence, int]]) -> bool:
+        """Whether the next `drafts(candidates)` would ask the proposer about a sequence
+        whose last token is still on the device (PENDING, under async scheduling): the
+        engine then reads the step in flight before it plans. Where drafting cannot pay,
+        it does not, and steps overlap as they do without a speculator."""
+        pending = [seq for seq, most in candidates if most > 0 and seq.last_token == PENDING]
+        if not pending:
+            return False
+        return not self.config.adaptive or self._may_pay(candidates, self._steps + 1, pending)
+
+    def _may_pay(self, candidates: list[tuple[Sequence, int]], step: int, asked: list[Sequence]) -> bool:
+        """Whether drafting can beat a plain step at step number `step`: with every
+        candidate drafting as many tokens, at the acceptance of the best match bucket,
+        or for a sequence of `asked` not yet drafted for. When it cannot, the proposers
+        are not asked (their indexes catch up when they next are), except on the
+        exploring steps."""
+        if not self._cost.known or step % EXPLORE_EVERY == 0:
             return True
-        if any(self._fresh(seq) for seq, _ in candidates):
+        if any(self._fresh(seq) for seq in asked):
             return True                             # a sequence not yet drafted for
         batch, gain = len(candidates), 0.0
         plain = batch / self._cost(batch)
