@@ -17,7 +17,8 @@ Figures, each measured in this run:
   graphs    the same step eagerly (no CUDA graph) at batch 64, context 2k
   engine    the engine core decoding 64 sequences over 2k cached tokens each (the decode
             worker's loop without its RPC: scheduling, the step, sampling, outputs),
-            output tokens/s without and with async scheduling
+            output tokens/s without and with async scheduling; and with ngram drafts
+            (async, adaptive) at 1 and 64 sequences against the same without
   syncs     calls that made the host wait for the device (torch's sync debug mode) in the
             async engine's steps, with CUDA graphs and eagerly, over every kind of request
             whose steps overlap: none is expected (the read of a step's tokens waits on an
@@ -60,6 +61,8 @@ PROMPTS = (512, 2048, 4096, 8192)
 BLOCK_SIZE = 16
 # rows a sequence in a speculative step: 4 drafts and the token before them
 VERIFY_ROWS = 5
+# the engine's speculation case: vLLM's ngram settings, adaptive
+SPECULATION = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 
 
 def _sync(device: torch.device) -> None:
@@ -149,10 +152,12 @@ def decode_case(runner, batch: int, context: int, repeats: int) -> float:
         _release(runner, pool)
 
 
-def engine_case(runner, batch: int, context: int, steps: int, async_scheduling: bool, repeats: int) -> float:
+def engine_case(runner, batch: int, context: int, steps: int, async_scheduling: bool, repeats: int,
+                speculation: str | None = None, stats: dict | None = None) -> float:
     """Output tokens/s of the engine core decoding `batch` greedy sequences `steps`
     tokens each, over `context` cached tokens apiece (random KV, as a prefill worker
-    would have handed it over)."""
+    would have handed it over). `speculation`: a --speculative-config, whose drafts'
+    totals go into `stats`."""
     from services.engine.core.block_manager import BlockManager
     from services.engine.core.block_pool import BlockPool
     from services.engine.engine import LLMEngine
@@ -164,8 +169,13 @@ def engine_case(runner, batch: int, context: int, steps: int, async_scheduling: 
     pool = KVPoolMemory.allocate(runner.layout(num_blocks, BLOCK_SIZE), device=str(runner.device))
     pool.tensor.normal_()
     blocks = BlockManager(BlockPool(num_blocks, BLOCK_SIZE))
+    speculator = None
+    if speculation:
+        from services.engine.core.speculation import SpeculativeConfig, Speculator
+        speculator = Speculator(SpeculativeConfig.parse(speculation))
     engine = LLMEngine(runner, pool, Scheduler(blocks, SchedulerConfig(max_num_seqs=batch,
-                                                                       max_num_batched_tokens=max(batch, 256))),
+                                                                       max_num_batched_tokens=max(batch, 256)),
+                                               speculator),
                        async_scheduling=async_scheduling)
     g = torch.Generator().manual_seed(batch)
     params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
@@ -184,7 +194,11 @@ def engine_case(runner, batch: int, context: int, steps: int, async_scheduling: 
         return time.perf_counter() - t0
     try:
         run()                                   # the graphs are captured over this pool here
-        return batch * steps / statistics.median(run() for _ in range(repeats))
+        rate = batch * steps / statistics.median(run() for _ in range(repeats))
+        if speculator is not None and stats is not None:
+            st = speculator.stats
+            stats.update(drafts=st.drafts, draft_tokens=st.draft_tokens, accepted_tokens=st.accepted_tokens)
+        return rate
     finally:
         _release(runner, pool)
 
@@ -394,6 +408,18 @@ def speed(shape: str, device: torch.device, quick: bool, copy_bps: float, gemm_f
     result["engine"] = {"batch": batch, "context": context, "steps": steps, "sync_tok_s": rates[0],
                         "async_tok_s": rates[1], "async_ratio": rates[1] / rates[0]}
     log(f"{shape} engine {result['engine']}")
+    # Speculation (ngram, adaptive), async as a GPU decode worker runs it, at one sequence
+    # and at the batch above, against the same without drafts: the adaptive cut must
+    # never make a step slower (a random model's greedy text repeats itself, so drafts
+    # are found; the acceptance says how many were kept).
+    result["speculation"] = []
+    for n in (1, batch):
+        plain = rates[1] if n == batch else engine_case(runner, n, context, steps, True, max(2, repeats // 3))
+        seen: dict = {}
+        drafted = engine_case(runner, n, context, steps, True, max(2, repeats // 3), SPECULATION, seen)
+        result["speculation"].append({"batch": n, "context": context, "off_tok_s": plain, "ngram_tok_s": drafted,
+                                      "ratio": drafted / plain, **seen})
+        log(f"{shape} speculation {result['speculation'][-1]}")
     result["host_syncs"] = host_syncs(runner, 16 if not quick else 4, context, steps)
     log(f"{shape} host syncs in async steps {result['host_syncs']}")
     result["attention"] = {"batch": batch, "context": context, **attention_case(runner, batch, context, repeats)}
@@ -444,6 +470,10 @@ def table(results: dict) -> str:
         lines.append(f"engine core, {e['batch']} sequences over {e['context']} tokens, {e['steps']} steps: "
                      f"{e['sync_tok_s']:.0f} output tok/s, with async scheduling {e['async_tok_s']:.0f} "
                      f"({e['async_ratio']:.2f}x)")
+        for sp in r.get("speculation", ()):
+            lines.append(f"engine core with ngram drafts (async), {sp['batch']} sequences: {sp['ngram_tok_s']:.0f} "
+                         f"output tok/s against {sp['off_tok_s']:.0f} without ({sp['ratio']:.2f}x), "
+                         f"{sp.get('accepted_tokens', 0)} of {sp.get('draft_tokens', 0)} drafted tokens kept")
         lines.append(f"calls that made the host wait in the async engine's steps (expected: none): "
                      + ", ".join(f"{k} {v}" for k, v in r["host_syncs"].items()))
         a = r["attention"]

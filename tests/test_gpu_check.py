@@ -60,6 +60,8 @@ def test_gpu_speed_measures_a_tiny_model_on_the_cpu(tmp_path):
     assert all(0 < d["roofline_pct"] and d["bytes"] > d["kv_bytes"] for d in model["decode"])
     assert [p["tokens"] for p in model["prefill"]] == [64, 256] and all(p["gemm_pct"] > 0 for p in model["prefill"])
     assert model["engine"]["sync_tok_s"] > 0 and model["engine"]["async_tok_s"] > 0
+    assert [sp["batch"] for sp in model["speculation"]] == [1, 4]
+    assert all(sp["ngram_tok_s"] > 0 and sp["drafts"] >= 0 for sp in model["speculation"])
     assert "% of the memory roofline" in r.stdout and "with async scheduling" in r.stdout
 
 
