@@ -111,7 +111,10 @@ class PricedSpeculator(Speculator):
         pass
 
 
-@pytest.mark.parametrize("pays", [True, False], ids=["drafting-pays", "drafting-never-pays"])
+# Where drafting never pays the run has both kinds of step: overlapping ones, and the
+# first drafts and exploring steps, verified before the next step is planned.
+@pytest.mark.parametrize("pays", [pytest.param(True, marks=pytest.mark.slow), False],
+                         ids=["drafting-pays", "drafting-never-pays"])
 def test_async_scheduling_with_drafts_keeps_generates_output(runner, model_dir, expected, pays, caplog,
                                                              monkeypatch):
     """Under async scheduling a step that would draft reads the step in flight first and
