@@ -213,6 +213,31 @@ def test_prompt_tokens_beside_decoding_sequences_are_capped_across_prompts():
         SchedulerConfig(max_mixed_prefill=-1)
 
 
+def test_a_long_prompts_later_chunks_beside_decodes_are_smaller_by_what_they_attend_to():
+    """With a context cost, the cap counts what a chunk costs: each token also attends
+    to every token before it, so a chunk late in a long prompt takes fewer tokens, and
+    every step that decodes beside it costs about what the first chunk's did."""
+    w = 0.01                                  # attending 100 tokens costs one token's matmuls
+    s = scheduler(blocks=128, max_num_batched_tokens=64, max_mixed_prefill=16, context_cost=w)
+    running = prefilled(s, seq("r", prompt_len=4, first=5, max_tokens=200))
+    long = seq("long", prompt_len=300)
+    s.add(long)
+    chunks = []
+    while long.num_generated == 0:
+        plan, _ = step(s)
+        assert plan.decode and plan.decode[0].seq is running
+        chunks += [(c.start, c.num_tokens) for c in plan.prefill]
+    assert sum(n for _, n in chunks) == 300 and chunks[0] == (0, 16)
+    def cost(start, n): return n * (1 + w * (start + (n - 1) / 2))
+    allowance = cost(0, 16)
+    for start, n in chunks[:-1]:               # each as large as the allowance takes
+        assert cost(start, n) <= allowance * (1 + 1e-9) < cost(start, n + 1), (start, n)
+    assert [n for _, n in chunks[:-1]] == sorted((n for _, n in chunks[:-1]), reverse=True)
+    assert chunks[-2][1] < 8                   # past 200 tokens of context, under half the first chunk
+    with pytest.raises(ValueError):
+        SchedulerConfig(context_cost=-1.0)
+
+
 def test_out_of_blocks_preempts_newest_and_recomputes_its_tokens():
     s = scheduler(blocks=3, block_size=2)
     a = prefilled(s, seq("a", prompt_len=2, first=1, max_tokens=50))

@@ -130,6 +130,8 @@ def test_mixed_prefill_cap_defaults_by_role_and_device():
     from services.worker.main import scheduler_config
     decode = WorkerSettings(role="decode")
     assert scheduler_config(decode, "cpu").max_mixed_prefill == MIXED_PREFILL_CPU
+    assert scheduler_config(decode, "cpu", 3e-4).context_cost == 3e-4
+    assert scheduler_config(WorkerSettings(role="prefill"), "cpu", 3e-4).context_cost == 0.0
     assert scheduler_config(decode, "cuda").max_mixed_prefill == MIXED_PREFILL_GPU
     assert scheduler_config(WorkerSettings(role="decode", mixed_prefill_tokens=0)).max_mixed_prefill == 0
     assert scheduler_config(WorkerSettings(role="decode", mixed_prefill_tokens=96)).max_mixed_prefill == 96

@@ -39,7 +39,7 @@ class EngineWorker:
         self.eos = eos
         self.metrics = metrics
         self.epoch = uuid.uuid4().hex[:12]          # a restarted worker is another epoch
-        self.config = scheduler_config(settings, runner.device.type)
+        self.config = scheduler_config(settings, runner.device.type, runner.context_cost)
         self.transports: dict[str, KVTransport] = {}
 
     def _layout(self, num_blocks: int) -> None:

@@ -37,7 +37,9 @@ log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_SECONDS = 5.0
 
 
-def scheduler_config(settings: WorkerSettings, device: str = "cpu") -> SchedulerConfig:
+def scheduler_config(settings: WorkerSettings, device: str = "cpu", context_cost: float = 0.0) -> SchedulerConfig:
+    """`context_cost`: the runner's (ModelRunner.context_cost), by which a decode worker
+    sizes the prompt chunks of its steps that decode."""
     prefill = settings.role == "prefill"
     budget = token_budget(settings.max_num_batched_tokens, settings.role, device)
     mixed = 0 if prefill else settings.mixed_prefill_tokens
@@ -46,7 +48,7 @@ def scheduler_config(settings: WorkerSettings, device: str = "cpu") -> Scheduler
     whole = 0 if prefill else max(0, settings.mixed_whole_prompt_tokens)     # -1 here: none
     return SchedulerConfig(max_num_seqs=min(settings.max_batch, budget), max_num_batched_tokens=budget,
                            max_prefill_chunk=settings.prefill_chunk_tokens, max_mixed_prefill=mixed,
-                           mixed_whole_prompt=whole,
+                           mixed_whole_prompt=whole, context_cost=0.0 if prefill else context_cost,
                            prefill_only=prefill, retain_finished=prefill)
 
 

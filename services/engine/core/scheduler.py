@@ -61,6 +61,7 @@ the engine reads the step in flight first when the speculator would draft
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -90,6 +91,11 @@ class SchedulerConfig:
     # many steps, each re-reading the weights for the batch, while a long one is still
     # computed a bounded chunk a step.
     mixed_whole_prompt: int = 0
+    # Attending one token of context, as a share of one token's linear layers (the
+    # runner's `context_cost`). With it, max_mixed_prefill counts a prompt chunk's cost,
+    # not its tokens: a chunk late in a long prompt, which attends to all before it,
+    # takes fewer tokens, so every step that decodes beside a prompt costs about alike.
+    context_cost: float = 0.0
     prefill_only: bool = False          # each sequence ends with its first token (prefill worker)
     retain_finished: bool = False       # finished sequences keep their blocks until release()
 
@@ -105,6 +111,8 @@ class SchedulerConfig:
             raise ValueError("max_mixed_prefill must be 0 (the budget) or more")
         if self.mixed_whole_prompt < 0:
             raise ValueError("mixed_whole_prompt must be 0 (none) or more")
+        if self.context_cost < 0:
+            raise ValueError("context_cost must be 0 or more")
 
 
 class Scheduler:
@@ -239,17 +247,20 @@ class Scheduler:
             self.running.append(seq)
             plan.joined.append(seq)
         preempted = False
-        # Prompt tokens this step may take: all the budget leaves, unless it decodes too.
-        prompts, capped = budget, None
+        # Prompt tokens this step may take: all the budget leaves, unless it decodes too
+        # (then what max_mixed_prefill tokens at a prompt's start cost, each chunk counted
+        # at its cost: `_prompt_cost`).
+        prompts, capped, weight = budget, None, 0.0
         if self.config.max_mixed_prefill and any(s.num_computed == len(s.token_ids) - 1 for s in self.running):
-            prompts = capped = self.config.max_mixed_prefill
+            weight = self.config.context_cost
+            prompts = capped = _prompt_cost(0, self.config.max_mixed_prefill, weight)
         drafts, room = self._drafts(budget)
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SeqStatus.RUNNING:        # preempted earlier in this pass
                 continue
-            n = self._chunk_len(seq, budget, prompts)
+            n = self._chunk_len(seq, budget, prompts, weight)
             if n == 0:
                 continue
             draft = self._fit_draft(seq, drafts.get(seq, ()), room) if n == 1 else ()
@@ -266,7 +277,7 @@ class Scheduler:
             if seq.status is SeqStatus.RUNNING:
                 plan._add(Chunk(seq, seq.num_computed, n, draft))
                 budget -= n
-                prompts -= n if n > 1 and not draft else 0
+                prompts -= _prompt_cost(seq.num_computed, n, weight) if n > 1 and not draft else 0
         priority = None                                 # of the new prompts this step
         while (not preempted and self.waiting and min(budget, prompts) > 0
                and len(self.running) < self.config.max_num_seqs):
@@ -278,9 +289,10 @@ class Scheduler:
             priority = seq.priority
             # capped, and no prompt tokens in the step yet: a short prompt may go whole
             whole = prompts == capped and len(seq.token_ids) - seq.num_computed <= self.config.mixed_whole_prompt
-            n = self._start(seq, plan, budget, budget if whole else prompts)
+            start = seq.num_computed
+            n = self._start(seq, plan, budget, budget if whole else prompts, 0.0 if whole else weight)
             budget -= n
-            prompts -= n if n > 1 else 0
+            prompts -= _prompt_cost(start, n, weight) if n > 1 else 0
         return plan
 
     def schedule_ahead(self, below: int) -> StepPlan:
@@ -300,13 +312,13 @@ class Scheduler:
             budget -= self._start(seq, plan, budget, budget)
         return plan
 
-    def _start(self, seq: Sequence, plan: StepPlan, budget: int, prompts: int) -> int:
+    def _start(self, seq: Sequence, plan: StepPlan, budget: int, prompts: float, weight: float = 0.0) -> int:
         """An admitted waiting sequence starts running with its first chunk in `plan`
         (`_chunk_len`'s tokens under `budget` and `prompts`); returns the chunk's tokens."""
         self.waiting.remove(seq)
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
-        n = self._chunk_len(seq, budget, prompts)
+        n = self._chunk_len(seq, budget, prompts, weight)
         plan._add(Chunk(seq, seq.num_computed, n))
         return n
 
@@ -358,12 +370,13 @@ class Scheduler:
                         - self.blocks.blocks_for(seq.num_computed + 1))
         return tuple(draft)
 
-    def _chunk_len(self, seq: Sequence, budget: int, prompts: int) -> int:
+    def _chunk_len(self, seq: Sequence, budget: int, prompts: float, weight: float = 0.0) -> int:
         """Tokens of `seq` in this step: its next token, or as much of its prompt as the
-        budget, the prompt-token allowance `prompts` and the chunk limit leave."""
+        budget, the prompt allowance `prompts` (tokens, or with a context `weight` their
+        `_prompt_cost`) and the chunk limit leave."""
         n = min(len(seq.token_ids) - seq.num_computed, budget)
         if n > 1:
-            n = max(min(n, prompts, self.config.max_prefill_chunk or n), 0)
+            n = max(min(n, _affordable(seq.num_computed, prompts, weight), self.config.max_prefill_chunk or n), 0)
         return n
 
     def _admit(self, seq: Sequence) -> bool:
@@ -568,3 +581,24 @@ class Scheduler:
         elif seq.block_ids:
             self.blocks.release(seq.block_ids, seq.keys, seq.num_computed)
         seq.block_ids, seq.keys = [], []
+
+
+def _prompt_cost(start: int, n: int, weight: float) -> float:
+    """Prompt tokens start..start + n as tokens at position 0 cost: each also attends to
+    the tokens before it, `weight` a token of context."""
+    return n * (1.0 + weight * (start + (n - 1) / 2))
+
+
+def _affordable(start: int, allowance: float, weight: float) -> int:
+    """The most prompt tokens from `start` on whose `_prompt_cost` fits `allowance`."""
+    if allowance <= 0:
+        return 0
+    if weight <= 0:
+        return int(allowance)
+    b = 1.0 + weight * (start - 0.5)                    # cost = n * b + weight / 2 * n^2
+    n = int((math.sqrt(b * b + 2 * weight * allowance) - b) / weight)
+    while _prompt_cost(start, n + 1, weight) <= allowance * (1 + 1e-12):   # float rounding at the edge
+        n += 1
+    while n > 0 and _prompt_cost(start, n, weight) > allowance * (1 + 1e-12):
+        n -= 1
+    return n

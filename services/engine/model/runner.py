@@ -203,6 +203,19 @@ class ModelRunner:
         """Rank 0 of several: each step is sent to the other ranks first."""
         return self.tp.size > 1 and self.tp.rank == 0
 
+    @property
+    def context_cost(self) -> float:
+        """Attending one token of context, as a share of one token's decoder-layer
+        matmuls, in FLOPs: 4 x query heads x head dim a layer (scores and values) over
+        twice the layers' weights (the scheduler sizes prompt chunks beside decoding rows
+        by it)."""
+        c = self.config
+        hidden, heads = c.hidden_size, c.num_attention_heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or heads
+        mlp = getattr(c, "intermediate_size", None) or 4 * hidden
+        per_layer = hidden * self.head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * mlp
+        return 4 * heads * self.head_dim / (2 * per_layer)
+
     def describe(self) -> str:
         decode = self.backend.decode_kernel
         if self.graph_sizes:
