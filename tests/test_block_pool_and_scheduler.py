@@ -228,7 +228,9 @@ def test_a_long_prompts_later_chunks_beside_decodes_are_smaller_by_what_they_att
         assert plan.decode and plan.decode[0].seq is running
         chunks += [(c.start, c.num_tokens) for c in plan.prefill]
     assert sum(n for _, n in chunks) == 300 and chunks[0] == (0, 16)
-    def cost(start, n): return n * (1 + w * (start + (n - 1) / 2))
+
+    def cost(start, n):
+        return n * (1 + w * (start + (n - 1) / 2))
     allowance = cost(0, 16)
     for start, n in chunks[:-1]:               # each as large as the allowance takes
         assert cost(start, n) <= allowance * (1 + 1e-9) < cost(start, n + 1), (start, n)
