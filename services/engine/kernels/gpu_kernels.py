@@ -247,9 +247,13 @@ def decode_groups(positions: np.ndarray, table: np.ndarray, widths: np.ndarray, 
     out = np.ones(n, dtype=np.int32)
     if n < 2 or rows < 2:
         return out
+    nxt = np.flatnonzero(positions[1:] == positions[:-1] + 1)      # row i + 1 is row i's next position
+    if not len(nxt):
+        return out                                              # a plain step: no table compared
     cols = np.arange(table.shape[1])
-    same = ((table[1:] == table[:-1]) | (cols[None, :] >= widths[:-1, None])).all(1)
-    joins = np.concatenate(([False], same & (positions[1:] == positions[:-1] + 1)))
+    same = ((table[nxt + 1] == table[nxt]) | (cols[None, :] >= widths[nxt, None])).all(1)
+    joins = np.zeros(n, dtype=bool)
+    joins[nxt[same] + 1] = True
     if not joins.any():
         return out
     starts = np.flatnonzero(~joins)

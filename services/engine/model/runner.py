@@ -211,9 +211,7 @@ class ModelRunner:
         by it)."""
         c = self.config
         hidden, heads = c.hidden_size, c.num_attention_heads
-        kv_heads = getattr(c, "num_key_value_heads", None) or heads
-        mlp = getattr(c, "intermediate_size", None) or 4 * hidden
-        per_layer = hidden * self.head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * mlp
+        per_layer = hidden * self.head_dim * (2 * heads + 2 * self.total_kv_heads) + 3 * hidden * c.intermediate_size
         return 4 * heads * self.head_dim / (2 * per_layer)
 
     def describe(self) -> str:
