@@ -79,7 +79,8 @@ def test_suffix_follows_confident_continuations_of_its_own_and_others_outputs():
     assert p.propose(s, 8) == [42, 43, 44]            # from the other request's output
     # its own history: "5 6" was followed by 7 twice and by 9 once: 7 (2/3) is confident
     own = seq("own", [5, 6, 7, 1, 5, 6, 7, 2, 5, 6, 9, 3, 5, 6])
-    assert p.propose(own, 1) == [7]
+    assert p.propose(own, 1) == [7] and p.propose(own, 1).split == [True]     # the occurrences disagreed
+    assert p.propose(s, 8).split == [False] * 3
     unsure = seq("unsure", [5, 6, 7, 5, 6, 8, 5, 6, 9, 5, 6])
     assert p.propose(unsure, 4) == []                 # 1/3 each: below the floor
 
@@ -223,6 +224,29 @@ def test_the_cut_keeps_drafts_found_by_long_matches_and_drops_those_of_short_one
     assert len(got[seqs[2]]) >= 16 and len(got[seqs[3]]) >= 16
     assert Draft([1, 2], match=3) == [1, 2] and NgramProposer(SpeculativeConfig()).propose(
         seq("n", [1, 2, 3, 4, 1, 2, 3]), 2).match == 3      # ngram: the n-gram it matched
+
+
+def test_the_cut_drops_tokens_where_the_matched_occurrences_disagreed():
+    """A copied passage's source may fork (a line that occurs twice, followed by different
+    lines): past the fork the draft is the majority's guess, kept far less often than
+    where every occurrence agreed. With the same match length, the cut learns that per
+    token: it keeps a draft's agreed tokens and drops those past the fork."""
+    fork = 4
+
+    class Forking(Copying):
+        def propose(self, seq, most):
+            return Draft(list(range(100, 100 + most)), match=20, split=[j >= fork for j in range(most)])
+
+    spec = compute_bound(Forking(None))
+    seqs = [seq(f"s{i}", [1, 2, 3]) for i in range(4)]
+    for _ in range(40):
+        spec.drafts([(s, 24) for s in seqs])
+        for s in seqs:
+            spec.accepted(s, 24, fork + (s is seqs[0]))    # past the fork, rarely kept
+    spec._steps = 1
+    got = spec.drafts([(s, 24) for s in seqs])
+    assert got and all(len(d) == fork for d in got.values())
+    assert Draft([1, 2, 3], split=[False, True]).classes() == [0, 1, 0]
 
 
 def test_drafts_grow_past_the_longest_verified_while_runs_are_kept_whole():

@@ -37,9 +37,10 @@ engine's `pack`), so it costs what a decode step of that many rows costs, and a 
 whose draft is rejected is work thrown away. From the decode steps measured so far (a
 least-squares line of seconds over rows, recent steps weighing most) and the measured
 chance that a drafted token is kept once the drafts before it were, by its position in
-the draft and by how long a context the proposer matched to find it (a draft copied
-after a 20-token match is kept far more often than one after a single token), the
-speculator keeps the drafted tokens in order of their chance of being accepted while
+the draft, by how long a context the proposer matched to find it (a draft copied after
+a 20-token match is kept far more often than one after a single token) and by whether
+the occurrences of that context agreed on it (past a fork in the source the draft is
+the majority's guess), the speculator keeps the drafted tokens in order of their chance of being accepted while
 the expected tokens per second rise, and drafts nothing when a plain step wins. Kept
 drafts come in runs (a copied passage is accepted whole until the model departs from
 it), which these conditional chances follow and one rate per sequence does not. A
@@ -76,11 +77,18 @@ SEP = -1
 
 class Draft(list):
     """Drafted tokens, and the length of the context at the sequence's end the proposer
-    matched to find them (0: it matches none, as a draft model)."""
+    matched to find them (0: it matches none, as a draft model); `split`: for each token,
+    whether the occurrences of that context disagreed on it or on a token before it (a
+    copy where the source forks is kept far less often than one where it does not)."""
 
-    def __init__(self, tokens: Iterable[int] = (), match: int = 0) -> None:
+    def __init__(self, tokens: Iterable[int] = (), match: int = 0, split: Iterable[bool] = ()) -> None:
         super().__init__(tokens)
         self.match = match
+        self.split = list(split)
+
+    def classes(self) -> list[int]:
+        """The acceptance class of each token: 1 where `split`, else 0."""
+        return [int(s) for s in self.split] + [0] * (len(self) - len(self.split))
 
 
 class Proposer(Protocol):
@@ -172,11 +180,12 @@ class _Occurrences:
                 ends.append(p)
         return best, ends
 
-    def follow(self, ends: list[int], most: int, floor: float) -> list[int]:
+    def follow(self, ends: list[int], most: int, floor: float) -> tuple[list[int], list[bool]]:
         """From the occurrences ending at `ends`, the token that followed most of them,
         again and again over the occurrences that still agree (SuffixDecoding's walk down
-        its tree), while the product of each token's share stays at or above `floor`."""
-        tokens, out, confidence = self.tokens, [], 1.0
+        its tree), while the product of each token's share stays at or above `floor`; and
+        for each token whether that product is below 1 (the occurrences disagreed)."""
+        tokens, out, split, confidence = self.tokens, [], [], 1.0
         while len(out) < most and ends:
             counts: dict[int, int] = {}
             for p in ends:
@@ -189,8 +198,9 @@ class _Occurrences:
             if confidence < floor:
                 break
             out.append(token)
+            split.append(confidence < 1.0)
             ends = [p + 1 for p in ends if p + 1 < len(tokens) and tokens[p + 1] == token]
-        return out
+        return out, split
 
 
 class _Outputs:
@@ -250,7 +260,8 @@ class SuffixProposer:
         most = min(most, int(self.config.suffix_decoding_max_spec_factor * n))
         if most <= 0:
             return []
-        return Draft(source.follow(ends, most, self.config.suffix_decoding_min_token_prob), n)
+        tokens, split = source.follow(ends, most, self.config.suffix_decoding_min_token_prob)
+        return Draft(tokens, n, split)
 
     def finished(self, seq: Sequence) -> None:
         self._own.pop(seq, None)
@@ -285,45 +296,51 @@ class _CostLine:
 
 
 class _Acceptance:
-    """The chance a drafted token is kept once the drafts before it were, by its position
-    and by the bucket of its draft's match length (0, 1, 2-3, 4-7, 8-15, 16+ tokens),
-    recent verifications weighing most. Where a bucket has seen little at a position its
-    estimate leans on the position before (a run goes on as it went: a prior of one half
-    for every position not yet reached kept drafts from growing past the longest ever
-    verified), and at the first position on every bucket's."""
+    """The chance a drafted token is kept once the drafts before it were, by its position,
+    by the bucket of its draft's match length (0, 1, 2-3, 4-7, 8-15, 16+ tokens) and by
+    its class (`Draft.classes`: whether the matched occurrences agreed on it), recent
+    verifications weighing most. Where a bucket has seen little of a class at a position
+    its estimate leans on that class's at the position before (a run goes on as it went: a
+    prior of one half for every position not yet reached kept drafts from growing past the
+    longest ever verified), and at the first position on every bucket's."""
     BUCKETS = 6
+    CLASSES = 2
 
     def __init__(self, positions: int) -> None:
-        self.tried = [[0.0] * positions for _ in range(self.BUCKETS)]
-        self.hit = [[0.0] * positions for _ in range(self.BUCKETS)]
+        self.tried = [[[0.0] * positions for _ in range(self.CLASSES)] for _ in range(self.BUCKETS)]
+        self.hit = [[[0.0] * positions for _ in range(self.CLASSES)] for _ in range(self.BUCKETS)]
 
     @classmethod
     def bucket(cls, match: int) -> int:
         return min(match.bit_length(), cls.BUCKETS - 1)
 
-    def record(self, bucket: int, proposed: int, accepted: int) -> None:
+    def record(self, bucket: int, classes: list[int], proposed: int, accepted: int) -> None:
+        for tried, hit in zip(self.tried[bucket], self.hit[bucket]):
+            for j in range(len(tried)):
+                tried[j] *= ACCEPT_DECAY
+                hit[j] *= ACCEPT_DECAY
         tried, hit = self.tried[bucket], self.hit[bucket]
-        for j in range(len(tried)):
-            tried[j] *= ACCEPT_DECAY
-            hit[j] *= ACCEPT_DECAY
         for j in range(min(proposed, accepted + 1)):    # the positions reached
-            tried[j] += 1.0
-            hit[j] += j < accepted
+            c = classes[j] if j < len(classes) else 0
+            tried[c][j] += 1.0
+            hit[c][j] += j < accepted
 
-    def chances(self, bucket: int, n: int) -> list[float]:
-        """The chance each of a draft's first `n` tokens is accepted (all before it too)."""
-        hit, tried = self.hit[bucket], self.tried[bucket]
-        prior = (sum(h[0] for h in self.hit) + 1.0) / (sum(t[0] for t in self.tried) + 2.0)
+    def chances(self, bucket: int, classes: list[int], n: int) -> list[float]:
+        """The chance each of a draft's first `n` tokens (of these classes) is accepted,
+        all before it too."""
+        priors = [(sum(b[c][0] for b in self.hit) + 1.0) / (sum(b[c][0] for b in self.tried) + 2.0)
+                  for c in range(self.CLASSES)]
         out, chance = [], 1.0
         for j in range(n):
-            prior = (hit[j] + 2.0 * prior) / (tried[j] + 2.0)
-            chance *= prior
+            priors[0] = (self.hit[bucket][0][j] + 2.0 * priors[0]) / (self.tried[bucket][0][j] + 2.0)
+            priors[1] = (self.hit[bucket][1][j] + 2.0 * priors[0]) / (self.tried[bucket][1][j] + 2.0)
+            chance *= priors[classes[j] if j < len(classes) else 0]
             out.append(chance)
         return out
 
     def best(self, n: int) -> list[float]:
-        """`chances` of the bucket whose drafts are kept most often."""
-        return max((self.chances(b, n) for b in range(self.BUCKETS)), key=sum)
+        """`chances` of the bucket whose drafts of agreed tokens are kept most often."""
+        return max((self.chances(b, [], n) for b in range(self.BUCKETS)), key=sum)
 
 
 @dataclass
@@ -350,7 +367,7 @@ class Speculator:
         self._cost = _CostLine()
         self._acceptance = _Acceptance(config.num_speculative_tokens)
         # the match bucket of each sequence's draft in flight; a sequence is here once drafted for
-        self._bucket: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
+        self._bucket: weakref.WeakKeyDictionary[Sequence, tuple[int, list[int]]] = weakref.WeakKeyDictionary()
         self._verified: weakref.WeakSet[Sequence] = weakref.WeakSet()     # a draft of its own verified
         self._unmatched: weakref.WeakSet[Sequence] = weakref.WeakSet()    # asked once, nothing drafted
         self._steps = 0
@@ -371,7 +388,8 @@ class Speculator:
         else:
             found = {seq: d for seq, most in wanted if (d := self.proposer.propose(seq, most))}
         for seq, draft in found.items():
-            self._bucket[seq] = _Acceptance.bucket(getattr(draft, "match", 0))
+            self._bucket[seq] = (_Acceptance.bucket(getattr(draft, "match", 0)),
+                                 draft.classes() if isinstance(draft, Draft) else [])
         for seq in [s for s in found if s.constraint is not None]:
             found[seq] = seq.constraint.fitting(found[seq])     # structured output: what its grammar allows
             if not found[seq]:
@@ -424,7 +442,7 @@ class Speculator:
             if seq not in self._verified:           # a first draft is verified whole
                 keep[seq] = len(draft)
             else:
-                chances += [(c, seq) for c in self._acceptance.chances(self._bucket[seq], len(draft))]
+                chances += [(c, seq) for c in self._acceptance.chances(*self._bucket[seq], len(draft))]
         chances.sort(key=lambda c: -c[0])
         forced = sum(keep.values())
         best = batch / (self._cost(batch + forced) + (self._drafting if forced else 0.0))
@@ -458,7 +476,7 @@ class Speculator:
         s.accepted_tokens += accepted
         for pos in range(accepted):
             s.accepted_per_pos[pos] += 1
-        self._acceptance.record(self._bucket.get(seq, 0), proposed, accepted)
+        self._acceptance.record(*self._bucket.get(seq, (0, [])), proposed, accepted)
         self._verified.add(seq)
 
     def observe(self, rows: int, seconds: float) -> None:
