@@ -50,10 +50,11 @@ redis:
 # again (~1 s of CPU each), and each pytest worker rewrites every test module's asserts.
 test test-fast test-slow: export PYTHONDONTWRITEBYTECODE :=
 
-# Two workers, a test file each at a time (the tests' own processes share the cores).
+# Two workers, a test file each at a time, the longest first (tests/durations.py); the
+# tests' own processes share the cores.
 test: model redis
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # the plain-Python tests alone: no process started, no model loaded (tests/conftest.py
 # marks the others), in well under a minute

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from services.engine.text.model_store import ensure_default_model
+from tests import durations
 from services.local_processes import start_private_redis
 from tests.processes import ROOT, RunningCluster, spawn_service, start_cluster, stop_cluster, terminate
 
@@ -142,6 +143,10 @@ def _starts_processes(func) -> bool:
     return any(pattern in source for pattern in STARTS_PROCESSES)
 
 
+# A file not yet in tests/durations.json is taken to last this long, by what it does.
+UNMEASURED_SECONDS = {2: 15.0, 1: 5.0, 0: 1.0}
+
+
 def pytest_collection_modifyitems(config, items):
     weight: dict[str, int] = {}                 # per file: 2 starts processes, 1 runs the model
     for item in items:
@@ -157,6 +162,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.model)
             kind = 1
         weight[item.path] = max(weight.get(item.path, 0), kind)
-    # Heavy files first, each file's tests in their own order: `make test` hands whole
-    # files to two workers (pytest-xdist), and a heavy file started last would run alone.
-    items.sort(key=lambda item: -weight[item.path])
+    # The longest files first, each file's tests in their own order: `make test` hands
+    # whole files to two workers (pytest-xdist, told not to reorder them by their number
+    # of tests), and a long file started last would run alone. Measured seconds where
+    # tests/durations.json has them.
+    measured = durations.load()
+    seconds = {path: measured.get(str(path.relative_to(ROOT)), UNMEASURED_SECONDS[kind])
+               for path, kind in weight.items()}
+    items.sort(key=lambda item: -seconds[item.path])

@@ -120,6 +120,7 @@ def _sampling(max_tokens: int = 4):
     return generate_pb2.SamplingParams(max_tokens=max_tokens, temperature=0, top_p=1.0)
 
 
+@pytest.mark.slow       # a dead decode worker's streams: test_supervision.py's check runs by default
 def test_killing_the_decode_worker_mid_stream_ends_the_stream_and_its_old_handles(svc):
     """The stream it carried ends with an error event; while it is down requests fail
     fast; restarted at the same address it serves within 2 s; and a reservation made

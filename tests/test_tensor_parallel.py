@@ -275,6 +275,7 @@ def test_a_rank_after_the_first_reads_only_its_slices_and_no_untied_head(untied,
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
 
 
+@pytest.mark.slow       # the TP 2 cluster's test below checks the tokens by default
 def test_tp2_ranks_give_tp1s_logits_within_1e4_and_its_tokens(untied):
     worst = _ranks_against_one_process(untied, 2)
     assert worst <= 1e-4, worst
