@@ -46,6 +46,8 @@ from pathlib import Path
 
 import torch
 
+from services.engine.model.shapes import head_dim, layer_matmul_weights
+
 SEED = 1234
 SHAPES = {
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -109,9 +111,7 @@ def build_model(shape: str, device: torch.device, dtype: torch.dtype, max_len: i
 
 def linear_params(c: dict) -> int:
     """Weights of every decoder layer's matmuls."""
-    h, heads, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
-    dim = h // heads
-    return c["num_hidden_layers"] * (h * (heads + 2 * kv) * dim + heads * dim * h + 3 * h * c["intermediate_size"])
+    return c["num_hidden_layers"] * layer_matmul_weights(c)
 
 
 def weight_bytes_read(c: dict, itemsize: int) -> int:
@@ -425,7 +425,7 @@ def speed(shape: str, device: torch.device, quick: bool, copy_bps: float, gemm_f
     result["attention"] = {"batch": batch, "context": context, **attention_case(runner, batch, context, repeats)}
     log(f"{shape} attention {result['attention']}")
     heads, layers = c["num_attention_heads"], c["num_hidden_layers"]
-    dim = c["hidden_size"] // heads
+    dim = head_dim(c)
     for tokens in prompts:
         seconds = prefill_case(runner, tokens, max(3, repeats // 3))
         flops = (2 * linear_params(c) * tokens + 2 * c["hidden_size"] * c["vocab_size"]

@@ -36,6 +36,7 @@ from bench.peers.install import ensure_peer, vllm_venv
 from bench.peers.shell import Shell
 from bench.peers.systems import SYSTEMS, Context, Server, ServerError, free_port, parse_systems
 from services.bench.server_metrics import acceptance, parse
+from services.engine.model.shapes import layer_matmul_weights
 
 WORKLOADS = {
     "chat": ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "64",
@@ -70,11 +71,8 @@ def gemm_rate(dtype: torch.dtype, seconds: float = 2.0) -> float:
 def linear_flops(config: dict, input_tokens: int, output_tokens: int) -> float:
     """Matmul FLOPs of the linear layers: every token through every layer, and the
     vocabulary projection for each sampled token (one per output token)."""
-    h, layers = config["hidden_size"], config["num_hidden_layers"]
-    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
-    dim = config.get("head_dim") or h // heads
-    per_layer = h * heads * dim * 2 + h * kv * dim * 2 + 3 * h * config["intermediate_size"]
-    per_token = 2 * layers * per_layer
+    h = config["hidden_size"]
+    per_token = 2 * config["num_hidden_layers"] * layer_matmul_weights(config)
     return per_token * (input_tokens + output_tokens) + 2 * h * config["vocab_size"] * output_tokens
 
 

@@ -37,6 +37,7 @@ from services.engine.model.hardware import pick_dtype
 from services.engine.model.int8 import CALIBRATION_TEXT
 from services.engine.model.kv_cache import (CPU_KV_TOKENS, KVLayout, KVPoolMemory, compat_hash, device_memory,
                                             tokens_for_memory)
+from services.engine.model.shapes import head_dim, layer_matmul_weights
 from services.engine.model.parallel import (Command, RankGroup, TensorParallel, drop_head, encode_batch,
                                              load_shard, shard_model)
 from services.engine.text.model_store import context_length
@@ -178,7 +179,7 @@ class ModelRunner:
         self.total_kv_heads = config.num_key_value_heads
         self.kv_heads = self.tp.kv_heads(self.total_kv_heads)       # the global KV heads in this rank's pool
         self.num_kv_heads = len(self.kv_heads)
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = head_dim(config)
         self.max_model_len = context_length(config, max_model_len)
         self.vocab_size = config.vocab_size
         self.workspace = Workspace()
@@ -209,10 +210,7 @@ class ModelRunner:
         matmuls, in FLOPs: 4 x query heads x head dim a layer (scores and values) over
         twice the layers' weights (the scheduler sizes prompt chunks beside decoding rows
         by it)."""
-        c = self.config
-        hidden, heads = c.hidden_size, c.num_attention_heads
-        per_layer = hidden * self.head_dim * (2 * heads + 2 * self.total_kv_heads) + 3 * hidden * c.intermediate_size
-        return 4 * heads * self.head_dim / (2 * per_layer)
+        return 4 * self.config.num_attention_heads * self.head_dim / (2 * layer_matmul_weights(self.config))
 
     def describe(self) -> str:
         decode = self.backend.decode_kernel

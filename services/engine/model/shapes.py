@@ -1,0 +1,20 @@
+"""A decoder's sizes from its Hugging Face config (a `config.json` as a dict, or the
+config object): what the scheduler's cost model and the benchmarks' FLOP counts share."""
+from __future__ import annotations
+
+from typing import Any
+
+
+def _get(config: Any, name: str, default: Any = None) -> Any:
+    return config.get(name, default) if isinstance(config, dict) else getattr(config, name, default)
+
+
+def head_dim(config: Any) -> int:
+    return _get(config, "head_dim") or _get(config, "hidden_size") // _get(config, "num_attention_heads")
+
+
+def layer_matmul_weights(config: Any) -> int:
+    """Weights of one decoder layer's matmuls: q, k, v and o, gate, up and down."""
+    hidden, heads = _get(config, "hidden_size"), _get(config, "num_attention_heads")
+    kv_heads = _get(config, "num_key_value_heads") or heads
+    return hidden * head_dim(config) * (2 * heads + 2 * kv_heads) + 3 * hidden * _get(config, "intermediate_size")
