@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from services.engine.text.model_store import ensure_default_model
-from tests import durations
 from services.local_processes import start_private_redis
+from tests import durations
 from tests.processes import ROOT, RunningCluster, spawn_service, start_cluster, stop_cluster, terminate
 
 

@@ -40,8 +40,9 @@ chance that a drafted token is kept once the drafts before it were, by its posit
 the draft, by how long a context the proposer matched to find it (a draft copied after
 a 20-token match is kept far more often than one after a single token) and by whether
 the occurrences of that context agreed on it (past a fork in the source the draft is
-the majority's guess), the speculator keeps the drafted tokens in order of their chance of being accepted while
-the expected tokens per second rise, and drafts nothing when a plain step wins. Kept
+the majority's guess), the speculator keeps the drafted tokens in order of their chance
+of being accepted while the expected tokens per second rise, and drafts nothing when a
+plain step wins. Kept
 drafts come in runs (a copied passage is accepted whole until the model departs from
 it), which these conditional chances follow and one rate per sequence does not. A
 sequence's first draft is always verified (so one early rejection elsewhere does not
@@ -298,11 +299,13 @@ class _CostLine:
 class _Acceptance:
     """The chance a drafted token is kept once the drafts before it were, by its position,
     by the bucket of its draft's match length (0, 1, 2-3, 4-7, 8-15, 16+ tokens) and by
-    its class (`Draft.classes`: whether the matched occurrences agreed on it), recent
-    verifications weighing most. Where a bucket has seen little of a class at a position
-    its estimate leans on that class's at the position before (a run goes on as it went: a
-    prior of one half for every position not yet reached kept drafts from growing past the
-    longest ever verified), and at the first position on every bucket's."""
+    its class (`Draft.classes`: 0 where the matched occurrences agreed on it), recent
+    verifications weighing most. Where a bucket has seen few agreed tokens at a position
+    its estimate leans on the position before (a run goes on as it went: a prior of one
+    half for every position not yet reached kept drafts from growing past the longest
+    ever verified), and at the first position on every bucket's; where it has seen few of
+    another class at a position, on the agreed tokens' estimate there (split tokens are
+    rarer, and a chain of their own, thin at every position, cut good drafts short)."""
     BUCKETS = 6
     CLASSES = 2
 
@@ -328,13 +331,13 @@ class _Acceptance:
     def chances(self, bucket: int, classes: list[int], n: int) -> list[float]:
         """The chance each of a draft's first `n` tokens (of these classes) is accepted,
         all before it too."""
-        priors = [(sum(b[c][0] for b in self.hit) + 1.0) / (sum(b[c][0] for b in self.tried) + 2.0)
-                  for c in range(self.CLASSES)]
+        hit, tried = self.hit[bucket], self.tried[bucket]
+        prior = (sum(b[0][0] for b in self.hit) + 1.0) / (sum(b[0][0] for b in self.tried) + 2.0)
         out, chance = [], 1.0
         for j in range(n):
-            priors[0] = (self.hit[bucket][0][j] + 2.0 * priors[0]) / (self.tried[bucket][0][j] + 2.0)
-            priors[1] = (self.hit[bucket][1][j] + 2.0 * priors[0]) / (self.tried[bucket][1][j] + 2.0)
-            chance *= priors[classes[j] if j < len(classes) else 0]
+            prior = (hit[0][j] + 2.0 * prior) / (tried[0][j] + 2.0)
+            c = classes[j] if j < len(classes) else 0
+            chance *= prior if c == 0 else (hit[c][j] + 2.0 * prior) / (tried[c][j] + 2.0)
             out.append(chance)
         return out
 
