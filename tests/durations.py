@@ -2,7 +2,7 @@
 tests/conftest.py hands the longest files to the two workers first. Refresh it from a
 run's JUnit report:
 
-    .venv/bin/python -m pytest -n 2 --dist loadfile --junitxml=build/junit.xml
+    make test PYTEST_ARGS=--junitxml=build/junit.xml
     .venv/bin/python -m tests.durations build/junit.xml
 """
 from __future__ import annotations
