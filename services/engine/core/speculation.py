@@ -42,12 +42,11 @@ a 20-token match is kept far more often than one after a single token) and by wh
 the occurrences of that context agreed on it (past a fork in the source the draft is
 the majority's guess), the speculator keeps the drafted tokens in order of their chance
 of being accepted while the expected tokens per second rise, and drafts nothing when a
-plain step wins. Kept
-drafts come in runs (a copied passage is accepted whole until the model departs from
-it), which these conditional chances follow and one rate per sequence does not. A
-sequence's first draft is always verified (so one early rejection elsewhere does not
-keep it from drafting), and one step in EXPLORE_EVERY drafts anyway, so the estimates
-follow the traffic.
+plain step wins. Kept drafts come in runs (a copied passage is accepted whole until the
+model departs from it), which these conditional chances follow and one rate per
+sequence does not. A sequence's first draft is always verified (so one early rejection
+elsewhere does not keep it from drafting), and one step in EXPLORE_EVERY drafts anyway,
+so the estimates follow the traffic.
 """
 from __future__ import annotations
 
@@ -369,7 +368,8 @@ class Speculator:
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._cost = _CostLine()
         self._acceptance = _Acceptance(config.num_speculative_tokens)
-        # the match bucket of each sequence's draft in flight; a sequence is here once drafted for
+        # the match bucket and token classes of each sequence's draft in flight; a sequence
+        # is here once drafted for
         self._bucket: weakref.WeakKeyDictionary[Sequence, tuple[int, list[int]]] = weakref.WeakKeyDictionary()
         self._verified: weakref.WeakSet[Sequence] = weakref.WeakSet()     # a draft of its own verified
         self._unmatched: weakref.WeakSet[Sequence] = weakref.WeakSet()    # asked once, nothing drafted

@@ -37,9 +37,9 @@ from services.engine.model.hardware import pick_dtype
 from services.engine.model.int8 import CALIBRATION_TEXT
 from services.engine.model.kv_cache import (CPU_KV_TOKENS, KVLayout, KVPoolMemory, compat_hash, device_memory,
                                             tokens_for_memory)
-from services.engine.model.shapes import head_dim, layer_matmul_weights
 from services.engine.model.parallel import (Command, RankGroup, TensorParallel, drop_head, encode_batch,
                                              load_shard, shard_model)
+from services.engine.model.shapes import head_dim, layer_matmul_weights
 from services.engine.text.model_store import context_length
 
 log = logging.getLogger(__name__)
