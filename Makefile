@@ -19,7 +19,7 @@ $(BIN)/python:
 
 # The same install steps as the container image (deploy/docker/Dockerfile).
 $(STAMP): pyproject.toml deploy/install.sh | $(BIN)/python
-	deploy/install.sh $(PIP) --editable --extras test,bench
+	deploy/install.sh $(PIP) --editable --extras test,bench --no-compile
 	touch $@
 
 install: $(STAMP)

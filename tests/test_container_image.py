@@ -97,6 +97,20 @@ def test_install_script_pins_torch_before_the_project(tmp_path):
     assert calls[1] == ["install", "-q", "."]
 
 
+def test_the_development_venv_installs_without_bytecode_and_the_image_with_it(tmp_path):
+    """`make install` skips pip's byte-compiling of every installed file (about half of a
+    fresh install's time; Python compiles what it imports, on first import); the image,
+    whose root is read-only where it runs, keeps it."""
+    calls = run_install(tmp_path / "dev", "--editable", "--extras", "test", "--no-compile")
+    assert [call[:3] for call in calls] == [["install", "-q", "--no-compile"]] * 3
+    assert calls[1][3:] == ["-e", ".[test]"]
+    makefile = (ROOT / "Makefile").read_text()
+    stamp_recipe = re.search(r"^\$\(STAMP\):.*\n((?:\t.*\n)+)", makefile, re.M).group(1)
+    assert "--no-compile" in stamp_recipe
+    runs = [args for op, args in instructions() if op == "RUN" and "deploy/install.sh" in args]
+    assert runs and not [run for run in runs if "--no-compile" in run]
+
+
 def test_image_and_chart_agree():
     ops = instructions()
     (user,) = [args for op, args in ops if op == "USER"]
