@@ -58,6 +58,24 @@ def test_each_kind_allows_its_sentences_and_no_other(grammars):
     assert not _allows(grammars, legacy, "structural_tag", "<function=g>{}")
 
 
+def test_a_draft_stops_short_of_the_grammars_end(grammars):
+    """Speculative decoding drafts what the grammar allows, but not the stop token that
+    ends it: the verify step's row after that token would ask a finished matcher for a
+    next mask (xgrammar raises, and the step failed). The target's own row gives the end."""
+    import xgrammar as xgr
+    tokenizer, compiled = grammars
+    constraint = compiled.constraint(YES_NO, "grammar")
+    said = tokenizer.encode("no.", add_special_tokens=False)
+    draft = constraint.fitting([*said, tokenizer.eos_token_id, *said])
+    assert draft == said
+    bitmask = xgr.allocate_token_bitmask(1, constraint.vocab_size)
+    constraint.fill(bitmask, 0, tuple(draft))             # the draft's last row: only the end fits
+    allowed = [t for t in range(constraint.vocab_size) if int(bitmask[0, t // 32]) >> (t % 32) & 1]
+    assert allowed == [tokenizer.eos_token_id]
+    assert all(constraint.accept(t) for t in said) and constraint.accept(tokenizer.eos_token_id)
+    assert constraint.fitting(said) == []                 # a finished grammar drafts nothing
+
+
 def test_a_json_format_beside_auto_tools_allows_the_format_or_the_calls(grammars):
     answer = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
               "additionalProperties": False}

@@ -152,15 +152,19 @@ class Constraint:
 
     def fitting(self, draft: list[int]) -> list[int]:
         """The leading tokens of `draft` the grammar allows from here (speculative
-        decoding drafts only those); the matcher is left where it was."""
-        n = 0
+        decoding drafts only those), short of a stop token that ends the grammar: the
+        verify row after it would have no next token to mask, and the row before it
+        samples the end itself. The matcher is left where it was."""
+        n, ended = 0, False
         for token in draft:
             if self._matcher.is_terminated() or not self._matcher.accept_token(token):
                 break
             n += 1
+            if ended := self._matcher.is_terminated():
+                break
         if n:
             self._matcher.rollback(n)
-        return draft[:n]
+        return draft[:n - ended]
 
 
 def fill_masks(constraints: list[tuple[Constraint | None, tuple[int, ...]]]) -> Callable[[torch.Tensor], None] | None:
