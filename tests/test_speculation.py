@@ -108,14 +108,30 @@ def test_suffix_keeps_a_bounded_number_of_outputs():
     p = SuffixProposer(SpeculativeConfig(method="suffix", suffix_decoding_max_cached_requests=2))
     for i in range(5):
         p.finished(seq(f"r{i}", [0, 100 + i, 200 + i, 300 + i], prompt_len=1))
-    assert len(p.recent.spans) == 2
+    assert len(p.recent[""].spans) == 2
     assert p.propose(seq("x", [9, 100, 200], prompt_len=1), 2) == []      # r0 forgotten
     assert p.propose(seq("y", [9, 104, 204], prompt_len=1), 2) == [304]
-    assert set(p.recent.index.where) == {103, 203, 104, 204}              # each followed by a token of its output
-    assert len(p.recent.index.tokens) <= 2 * 2 * 4                       # forgotten tokens are dropped too
+    assert set(p.recent[""].index.where) == {103, 203, 104, 204}          # each followed by a token of its output
+    assert len(p.recent[""].index.tokens) <= 2 * 2 * 4                   # forgotten tokens are dropped too
     for i in range(5, 500):
         p.finished(seq(f"r{i}", [0, 100 + i, 200 + i, 300 + i], prompt_len=1))
-    assert len(p.recent.index.tokens) <= 2 * 2 * 4 and len(p.recent.index.where) == 4
+    assert len(p.recent[""].index.tokens) <= 2 * 2 * 4 and len(p.recent[""].index.where) == 4
+
+
+def test_suffix_drafts_from_the_outputs_of_its_own_salt_only():
+    """The outputs kept for drafting are split by prefix-cache salt (each API key's own):
+    another key's answer is never drafted, so how fast a request streams tells nothing of
+    what others were told. The bound counts every salt's outputs together."""
+    p = SuffixProposer(SpeculativeConfig(method="suffix", suffix_decoding_max_cached_requests=3))
+    p.finished(seq("a", [0, 100, 200, 300, 400], prompt_len=1, cache_salt="key-a"))
+    assert p.propose(seq("b", [9, 100, 200], prompt_len=1, cache_salt="key-b"), 2) == []
+    assert p.propose(seq("a2", [9, 100, 200], prompt_len=1, cache_salt="key-a"), 2) == [300, 400]
+    assert p.propose(seq("none", [9, 100, 200], prompt_len=1), 2) == []
+    for i, salt in enumerate(["key-b", "", "key-b"]):          # three more: key-a's is the oldest, forgotten
+        p.finished(seq(f"r{i}", [0, 500 + i, 600 + i, 700 + i], prompt_len=1, cache_salt=salt))
+    assert set(p.recent) == {"key-b", ""} and sum(len(o.spans) for o in p.recent.values()) == 3
+    assert p.propose(seq("a3", [9, 100, 200], prompt_len=1, cache_salt="key-a"), 2) == []
+    assert p.propose(seq("b2", [9, 502, 602], prompt_len=1, cache_salt="key-b"), 1) == [702]
 
 
 def test_suffix_indexes_a_long_history_in_one_int_a_token():

@@ -24,8 +24,9 @@ Proposers:
           no model);
   suffix  a frequency index of continuations (SuffixDecoding's idea, a trie of depth
           `suffix_decoding_max_tree_depth` kept as counts per context): one over each
-          sequence's prompt and output, and one over the worker's recent outputs
-          (`suffix_decoding_max_cached_requests` of them, the oldest forgotten). It follows
+          sequence's prompt and output, and one over the worker's recent outputs of the
+          same prefix-cache salt, each API key's own (`suffix_decoding_max_cached_requests`
+          of them in all, the oldest forgotten). It follows
           the likeliest continuation of the longest matched context while the product of
           its frequencies stays above `suffix_decoding_min_token_prob`, and for at most
           `suffix_decoding_max_spec_factor` tokens per matched one, so it drafts more
@@ -204,11 +205,9 @@ class _Occurrences:
 
 
 class _Outputs:
-    """A worker's recent outputs, joined (each followed by SEP) and indexed; past
-    `capacity` outputs the oldest is forgotten."""
+    """Recent outputs, joined (each followed by SEP) and indexed, the oldest forgotten first."""
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
+    def __init__(self) -> None:
         self.index = _Occurrences([])
         self.spans: deque[tuple[int, int]] = deque()    # each output's [begin, end) in the index's tokens
 
@@ -219,10 +218,9 @@ class _Outputs:
         tokens.append(SEP)
         self.index.note(begin, begin + len(output) - 1)
         self.spans.append((begin, begin + len(output)))
-        while len(self.spans) > self.capacity:
-            self._forget()
 
-    def _forget(self) -> None:
+    def forget(self) -> None:
+        """The oldest output."""
         begin, end = self.spans.popleft()
         where, tokens = self.index.where, self.index.tokens
         for q in range(begin, end - 1):         # the oldest positions: first in each token's queue
@@ -246,7 +244,13 @@ class SuffixProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self._own: weakref.WeakKeyDictionary[Sequence, _Occurrences] = weakref.WeakKeyDictionary()
-        self.recent = _Outputs(config.suffix_decoding_max_cached_requests)
+        # The worker's recent outputs, an index per prefix-cache salt (the router gives each
+        # API key its own, as for cached blocks): a draft from another key's output would
+        # not change what a request gets, but how fast it streams would tell whether
+        # another key's answers said the same. `suffix_decoding_max_cached_requests`
+        # bounds the outputs of all salts together, the oldest forgotten first.
+        self.recent: dict[str, _Outputs] = {}
+        self._kept: deque[str] = deque()            # the salt of each output kept, oldest first
 
     def propose(self, seq: Sequence, most: int) -> list[int]:
         ids = seq.token_ids
@@ -255,8 +259,10 @@ class SuffixProposer:
             own = self._own[seq] = _Occurrences(ids)
         own.note(own.indexed, len(ids) - 1)
         depth = self.config.suffix_decoding_max_tree_depth
-        (mine, at), (theirs, there) = own.longest(ids, depth), self.recent.index.longest(ids, depth)
-        source, n, ends = (own, mine, at) if mine >= theirs else (self.recent.index, theirs, there)
+        recent = self.recent.get(seq.params.cache_salt)
+        mine, at = own.longest(ids, depth)
+        theirs, there = recent.index.longest(ids, depth) if recent is not None else (0, [])
+        source, n, ends = (own, mine, at) if mine >= theirs else (recent.index, theirs, there)
         most = min(most, int(self.config.suffix_decoding_max_spec_factor * n))
         if most <= 0:
             return []
@@ -265,8 +271,17 @@ class SuffixProposer:
 
     def finished(self, seq: Sequence) -> None:
         self._own.pop(seq, None)
-        if self.config.suffix_decoding_max_cached_requests > 0 and seq.num_generated >= 2:
-            self.recent.add(seq.token_ids[seq.prompt_len:])
+        capacity = self.config.suffix_decoding_max_cached_requests
+        if capacity <= 0 or seq.num_generated < 2:
+            return
+        salt = seq.params.cache_salt
+        self.recent.setdefault(salt, _Outputs()).add(seq.token_ids[seq.prompt_len:])
+        self._kept.append(salt)
+        while len(self._kept) > capacity:
+            gone = self._kept.popleft()
+            self.recent[gone].forget()
+            if not self.recent[gone].spans:
+                del self.recent[gone]
 
 
 PROPOSERS = {"ngram": NgramProposer, "suffix": SuffixProposer}
