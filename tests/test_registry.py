@@ -42,3 +42,40 @@ def test_a_workers_first_announcement_nudges_a_listener_at_once_and_its_heartbea
     joined, heard = asyncio.run(run())
     assert len(heard) == 2, heard
     assert all(0 <= h - j < 0.5 for j, h in zip(joined, heard)), [h - j for j, h in zip(joined, heard)]
+
+
+def test_a_stopping_listener_and_registry_close_within_the_bound_when_redis_py_hangs_closing(redis_url, monkeypatch):
+    """redis-py's aclose can wait forever on its socket's close (redis/redis-py#3941): a
+    router once outlived `up`, its joins listener hung in that cleanup. Here aclose is
+    made to hang as it did (the one stand-in: the hang is rare and timing-bound), on a
+    real redis-server: the cancelled listener and the registry's close still end within
+    CLOSE_TIMEOUT."""
+    import redis.asyncio.client as client
+    from services.common import registry
+
+    async def hang(self) -> None:
+        await asyncio.sleep(3600)
+
+    async def run() -> tuple[float, float]:
+        router = RedisRegistry(redis_url)
+
+        async def listen() -> None:
+            async for _ in router.joins():
+                pass
+        listener = asyncio.create_task(listen())
+        await asyncio.sleep(0.5)                        # subscribed
+        monkeypatch.setattr(client.PubSub, "aclose", hang)
+        monkeypatch.setattr(client.Redis, "aclose", hang)
+        started = time.monotonic()
+        listener.cancel()
+        try:
+            await listener
+        except asyncio.CancelledError:
+            pass
+        stopped = time.monotonic() - started
+        started = time.monotonic()
+        await router.close()
+        return stopped, time.monotonic() - started
+
+    stopped, closed = asyncio.run(asyncio.wait_for(run(), 30))
+    assert stopped < registry.CLOSE_TIMEOUT + 1.5 and closed < registry.CLOSE_TIMEOUT + 1.5, (stopped, closed)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -39,6 +39,17 @@ from services.rpc import autoscaler_pb2, worker_pb2
 log = logging.getLogger(__name__)
 
 DEFAULT_TTL = 3.0
+# redis-py's aclose can wait forever on its socket's close (redis/redis-py#3941): a router
+# stopped by `up` was seen to outlive it, hung in the joins listener's cleanup. A close
+# waits this long, then the connection is dropped as it is.
+CLOSE_TIMEOUT = 2.0
+
+
+async def _close(closing: Awaitable[None], what: str) -> None:
+    try:
+        await asyncio.wait_for(closing, CLOSE_TIMEOUT)
+    except Exception as exc:                # timed out, or already broken: closed either way
+        log.debug("closing %s: %r", what, exc)
 
 
 class RedisRegistry:
@@ -79,7 +90,7 @@ class RedisRegistry:
                 if await pubsub.get_message(timeout=1.0) is not None:
                     yield
         finally:
-            await pubsub.aclose()
+            await _close(pubsub.aclose(), f"the joins channel of {self.where}")
 
     async def withdraw(self, role: str, epoch: str) -> None:
         await self._redis.delete(self._key(role, epoch))
@@ -153,7 +164,7 @@ class RedisRegistry:
         return out
 
     async def close(self) -> None:
-        await self._redis.aclose()
+        await _close(self._redis.aclose(), f"the registry at {self.where}")
 
 
 class Heartbeat:
