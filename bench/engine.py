@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from services.engine.model.kv_cache import KVPoolMemory
+from services.engine.model.shapes import head_dim
 
 BLOCK = 16
 
@@ -70,7 +71,7 @@ def hf_decode_ms(model, batch: int, context: int, repeats: int, rows: int = 1) -
     from transformers import DynamicCache
     cfg = model.config
     heads = cfg.num_key_value_heads
-    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dim = head_dim(cfg)
     cache = DynamicCache(config=cfg)
     for layer in range(cfg.num_hidden_layers):
         k = torch.randn(batch, heads, context, dim, dtype=model.dtype)

@@ -122,8 +122,7 @@ def weight_bytes_read(c: dict, itemsize: int) -> int:
 
 
 def kv_bytes(c: dict, tokens: int, itemsize: int) -> int:
-    dim = c["hidden_size"] // c["num_attention_heads"]
-    return tokens * c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * dim * itemsize
+    return tokens * c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim(c) * itemsize
 
 
 def _release(runner, pool) -> None:
