@@ -476,3 +476,46 @@ def test_a_streams_last_chunk_names_the_route(cluster):
                                                                 stream=True))
     last = next(c for c in reversed(chunks) if c.choices and c.choices[0].finish_reason)
     assert "decision=" in last.model_extra["pdserve_route"]
+
+
+def test_a_router_fills_the_fields_a_request_leaves_out_from_the_generation_config(cluster, tmp_path):
+    """A router over the session cluster's workers with --generation-config naming a
+    folder whose generation_config.json says greedy, a repetition penalty and 6 new
+    tokens, and --override-generation-config making it 5: a request that sets none of them
+    gets what one that sets them all gets, over HTTP and gRPC; what a request sets wins;
+    completions keep OpenAI's default of 16 tokens."""
+    from services.rpc import generate_pb2, generate_pb2_grpc
+    from tests.processes import spawn_service, terminate
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.0, "repetition_penalty": 1.3, "max_new_tokens": 6, "eos_token_id": 2}))
+    proc, info = spawn_service(tmp_path, "router", "router", [
+        "--http-port", "0", "--grpc-port", "0", "--log-level", "warning",
+        "--cluster-secret-file", cluster.secret_file, "--local-prefill-max-tokens", "0",
+        "--decode", cluster.worker_addr("decode"), "--prefill", cluster.worker_addr("prefill"),
+        "--generation-config", str(tmp_path), "--override-generation-config", '{"max_new_tokens": 5}'])
+    try:
+        http = f"http://127.0.0.1:{info['http_port']}"
+        messages = [{"role": "user", "content": "List the days of the week, then the months."}]
+
+        def chat(**fields) -> dict:
+            r = httpx.post(f"{http}/v1/chat/completions", timeout=120,
+                           json={"messages": messages, "return_token_ids": True, **fields})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]
+        left_out = chat()
+        assert left_out["token_ids"] == chat(temperature=0, repetition_penalty=1.3, max_tokens=5)["token_ids"]
+        assert len(left_out["token_ids"]) == 5 and left_out["finish_reason"] == "length"
+        assert len(chat(max_tokens=2, temperature=0)["token_ids"]) == 2
+        # completions' own default is OpenAI's 16; an explicit null takes the config's
+        for body, n in (({}, 16), ({"max_tokens": None}, 5)):
+            r = httpx.post(f"{http}/v1/completions", timeout=120,
+                           json={"prompt": "Once upon a time", "ignore_eos": True, **body})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == n, r.text
+        request = generate_pb2.GenerateRequest(chat=generate_pb2.ChatMessages(
+            messages=[generate_pb2.ChatMessage(**m) for m in messages]), sampling=generate_pb2.SamplingParams())
+        with grpc.insecure_channel(f"127.0.0.1:{info['grpc_port']}") as ch:
+            replies = list(generate_pb2_grpc.GeneratorStub(ch).Generate(request, timeout=120))
+        assert [t for r in replies for t in r.token_ids] == left_out["token_ids"]
+        assert '"max_tokens": 5' in (tmp_path / "router.log").read_text()     # said so at start
+    finally:
+        terminate(proc)

@@ -1,9 +1,12 @@
 """Incremental detokenization, stop strings and sampling-parameter validation."""
+import json
+
 import pytest
 
+from services.common.settings import RouterSettings
 from services.engine.text.tokenizer import IncrementalDetokenizer, StopMatcher, load_tokenizer, token_bytes
 from services.router.protocol import APIError
-from services.router.sampling import resolve_sampling
+from services.router.sampling import resolve_sampling, sampling_defaults
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +129,44 @@ def test_an_sse_event_is_one_line_to_clients_that_split_on_unicode_line_breaks()
     event = sse({"choices": [{"text": text}]}).decode()
     (line, blank, *rest) = event.splitlines()
     assert blank == "" and not rest and json.loads(line.removeprefix("data: "))["choices"][0]["text"] == text
+
+
+def test_a_requests_absent_sampling_fields_take_the_models_generation_config(tmp_path):
+    """As vLLM's --generation-config auto: the model folder's sampling fields fill what a
+    request leaves out (max_new_tokens: max_tokens, within the context), and what it
+    sets wins, an explicit neutral value too; vllm reads no file; the override goes over
+    the file; a value no request could take stops the router, naming the file."""
+    config = tmp_path / "generation_config.json"
+    config.write_text(json.dumps({"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
+                                  "repetition_penalty": 1.05, "presence_penalty": 0.5, "frequency_penalty": 0.25,
+                                  "max_new_tokens": 40, "bos_token_id": 1, "do_sample": True}))
+    defaults = sampling_defaults(tmp_path)
+    assert defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.05,
+                        "presence_penalty": 0.5, "frequency_penalty": 0.25, "max_tokens": 40}
+    p = resolve_sampling(prompt_len=10, max_model_len=100, vocab_size=1000, defaults=defaults)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens) == (0.6, 0.9, 20, 0.05, 40)
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.05, 0.5, 0.25)
+    assert resolve_sampling(prompt_len=80, max_model_len=100, vocab_size=1000, defaults=defaults).max_tokens == 20
+    mine = resolve_sampling(prompt_len=10, max_model_len=100, vocab_size=1000, defaults=defaults, temperature=0,
+                            top_p=1, top_k=-1, min_p=0, repetition_penalty=1, presence_penalty=0,
+                            frequency_penalty=0, max_tokens=90)
+    assert (mine.temperature, mine.top_p, mine.top_k, mine.min_p, mine.max_tokens) == (0, 1, 0, 0, 90)
+    assert (mine.repetition_penalty, mine.presence_penalty, mine.frequency_penalty) == (1, 0, 0)
+    assert sampling_defaults(tmp_path, "vllm") == {}
+    assert sampling_defaults(tmp_path / "none-here") == {}          # a model without the file
+    assert sampling_defaults(tmp_path, "vllm", {"temperature": 0.5}) == {"temperature": 0.5}
+    assert sampling_defaults(tmp_path, "auto", {"max_new_tokens": 8, "top_k": None})["max_tokens"] == 8
+    for bad, why in [({"top_p": 0}, "top_p must be in"), ({"top_k": 2.5}, "top_k must be an integer"),
+                     ({"temperature": "hot"}, "temperature must be a number"),
+                     ({"max_new_tokens": 0}, "max_new_tokens must be at least 1")]:
+        config.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=why) as e:
+            sampling_defaults(tmp_path)
+        assert str(config) in str(e.value)
+    with pytest.raises(ValueError, match="--override-generation-config: repetition_penalty"):
+        sampling_defaults(tmp_path, "vllm", {"repetition_penalty": -1})
+    with pytest.raises(ValueError, match="not auto, vllm or a folder"):
+        RouterSettings(generation_config=str(tmp_path / "missing"))
+    for bad in ("{temperature", "[1]"):
+        with pytest.raises(ValueError, match="--override-generation-config"):
+            RouterSettings(override_generation_config=bad)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -289,6 +290,15 @@ class RoutingSettings:
     tls_key: str | None = setting(None, "the private key of --tls-cert (PEM)", metavar="FILE")
     chat_template: str | None = setting(None, "a Jinja chat template file used instead of the model's own (e.g. "
                                               "one that supports tools)", metavar="FILE")
+    generation_config: str = setting(
+        "auto", "sampling defaults for the fields a request leaves out: auto, the model's generation_config.json "
+                "(its temperature, top_p, top_k, min_p, repetition, presence and frequency penalties, and "
+                "max_new_tokens as the default max_tokens), as vLLM does; vllm, none from a file (OpenAI's: "
+                "temperature 1, no top-p or top-k cut); or a folder holding a generation_config.json",
+        metavar="auto|vllm|FOLDER")
+    override_generation_config: str | None = setting(
+        None, "a JSON object of those fields over the defaults, e.g. '{\"temperature\": 0.5}' (vLLM's flag)",
+        metavar="JSON")
     sse_keepalive_seconds: float = setting(15.0, "a streamed response waiting this long for its next token gets "
                                                  "an SSE comment, so proxies do not cut it as idle (0: never)")
     header_timeout: float = setting(10.0, "seconds an HTTP connection has to send a whole request head (request "
@@ -305,6 +315,9 @@ class RoutingSettings:
         TLSFiles(self.tls_cert, self.tls_key)                       # the files exist, in pairs
         if self.chat_template and not Path(self.chat_template).is_file():
             raise ValueError(f"--chat-template {self.chat_template}: no such file")
+        if self.generation_config not in ("auto", "vllm", "none") and not Path(self.generation_config).is_dir():
+            raise ValueError(f"--generation-config {self.generation_config}: not auto, vllm or a folder")
+        self.generation_overrides                                  # the JSON is an object
         if self.sse_keepalive_seconds < 0:
             raise ValueError("--sse-keepalive-seconds must be 0 (never) or more")
         if self.header_timeout < 0:
@@ -319,6 +332,17 @@ class RoutingSettings:
             raise ValueError("--max-pending must be at least 1")
         if self.max_running < 0:
             raise ValueError("--max-running must be 0 (the decode workers' batches) or more")
+
+    @property
+    def generation_overrides(self) -> dict:
+        """--override-generation-config, read."""
+        try:
+            value = json.loads(self.override_generation_config or "{}")
+        except ValueError as exc:
+            raise ValueError(f"--override-generation-config is not JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError("--override-generation-config must be a JSON object, e.g. '{\"temperature\": 0.5}'")
+        return value
 
 
 @dataclass(kw_only=True)

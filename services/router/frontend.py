@@ -61,6 +61,8 @@ class FrontEnd:
     gate: FairGate = field(default_factory=lambda: FairGate(TOKENIZER_THREADS))
     sse_keepalive: float = 15.0
     shared_prefix_cache: bool = False
+    # what a request's absent sampling fields take (router/sampling.py: sampling_defaults)
+    sampling_defaults: dict = field(default_factory=dict)
     _token_text: dict[int, str] = field(init=False, default_factory=dict)
     _running: weakref.WeakSet = field(init=False, default_factory=weakref.WeakSet)
 

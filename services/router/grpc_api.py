@@ -56,12 +56,13 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
             prompt_len=len(prompt_ids), max_model_len=self.fe.max_model_len, vocab_size=self.fe.vocab_size,
             max_tokens=opt("max_tokens"), temperature=opt("temperature"), top_p=opt("top_p"), top_k=opt("top_k"),
             seed=opt("seed"), stop=[x for x in s.stop if x], ignore_eos=s.ignore_eos, min_tokens=s.min_tokens,
-            presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-            repetition_penalty=opt("repetition_penalty"), min_p=s.min_p, logit_bias=dict(s.logit_bias),
+            presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"),
+            repetition_penalty=opt("repetition_penalty"), min_p=opt("min_p"), logit_bias=dict(s.logit_bias),
             stop_token_ids=list(s.stop_token_ids), logprobs=opt("logprobs"), structure=structure,
             prompt_logprobs=opt("prompt_logprobs"),
             allowed_token_ids=list(s.allowed_token_ids) or None, bad_words=[list(w.ids) for w in s.bad_words],
-            cache_salt=self.fe.cache_salt(s.cache_salt), prompt_param=request.WhichOneof("input"))
+            cache_salt=self.fe.cache_salt(s.cache_salt), prompt_param=request.WhichOneof("input"),
+            defaults=self.fe.sampling_defaults)
         if not 0 <= request.n <= MAX_CHOICES:
             raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {request.n}", param="n")
         # The router names the request itself: the caller's id is only echoed back.

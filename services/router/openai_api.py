@@ -53,7 +53,7 @@ async def generations(fe: FrontEnd, req: CommonRequest, request_id: str, prompt_
         repetition_penalty=req.repetition_penalty, min_p=req.min_p, logit_bias=req.logit_bias,
         stop_token_ids=req.stop_token_ids or (), logprobs=logprobs, structure=structure,
         prompt_logprobs=prompt_logprobs, allowed_token_ids=req.allowed_token_ids, bad_words=bad_words,
-        cache_salt=fe.cache_salt(req.cache_salt), prompt_param=prompt_param)
+        cache_salt=fe.cache_salt(req.cache_salt), prompt_param=prompt_param, defaults=fe.sampling_defaults)
     return choices(request_id, prompt_ids, params, req.choices)
 
 

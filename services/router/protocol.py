@@ -426,6 +426,9 @@ PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of 
 class CompletionRequest(CommonRequest):
     # OpenAI's four shapes: a list of strings or of token-id lists is several prompts.
     prompt: Prompt
+    # OpenAI's default for completions, as vLLM's and SGLang's; an explicit null takes the
+    # model's max_new_tokens, else what the context leaves (chat's default)
+    max_tokens: StrictInt | None = 16
     logprobs: StrictInt | None = None
     echo: StrictBool = False
     suffix: Unimplemented = None

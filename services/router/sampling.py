@@ -2,10 +2,54 @@
 needs the prompt or the vocabulary is checked here, every range by SamplingParams."""
 from __future__ import annotations
 
+import json
 import secrets
+from collections.abc import Mapping
+from pathlib import Path
 
 from services.engine.core.sampling import SEED_MASK, InvalidSampling, SamplingParams
-from services.router.protocol import ContextLengthError, bad_request
+from services.router.protocol import APIError, ContextLengthError, bad_request
+
+# The fields of a generation_config.json a request that leaves them out takes, as vLLM's
+# `--generation-config auto` reads them; max_new_tokens is the default max_tokens.
+DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty", "max_new_tokens")
+GENERATION_CONFIG = "generation_config.json"
+
+
+def sampling_defaults(model_dir: Path, source: str = "auto",
+                      override: Mapping[str, float | int] | None = None) -> dict[str, float | int]:
+    """What a request's absent sampling fields take (absent here: OpenAI's own, temperature
+    1 and no cut-off). `source`: auto, the model folder's generation_config.json; vllm
+    (or none), nothing from a file; else a folder holding one. `override` goes over
+    it. A value no request could take is a ValueError naming where it came from."""
+    folder = None if source in ("vllm", "none") else Path(model_dir if source == "auto" else source)
+    found: dict = {}
+    if folder is not None and (folder / GENERATION_CONFIG).is_file():
+        found = json.loads((folder / GENERATION_CONFIG).read_text())
+        if not isinstance(found, dict):
+            raise ValueError(f"{folder / GENERATION_CONFIG} is not a JSON object")
+    where = {k: str(folder / GENERATION_CONFIG) for k in found}
+    found = {**found, **(override or {})}
+    where.update({k: "--override-generation-config" for k in override or {}})
+    defaults: dict[str, float | int] = {}
+    for key in DEFAULT_FIELDS:
+        value = found.get(key)
+        if value is None:
+            continue
+        name = "max_tokens" if key == "max_new_tokens" else key
+        whole = key in ("top_k", "max_new_tokens")
+        if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
+            raise ValueError(f"{where[key]}: {key} must be {'an integer' if whole else 'a number'}, not {value!r}")
+        defaults[name] = value
+    try:
+        resolve_sampling(prompt_len=1, max_model_len=2 ** 31, vocab_size=1, defaults=defaults)
+    except APIError as exc:
+        key, message = exc.param, exc.message
+        if key == "max_tokens":
+            key, message = "max_new_tokens", message.replace("max_tokens", "max_new_tokens")
+        raise ValueError(f"{where.get(key, 'the sampling defaults')}: {message}") from None
+    return defaults
 
 
 def context_error(prompt_len: int, max_model_len: int, max_tokens: int | None = None,
@@ -31,13 +75,25 @@ def resolve_sampling(*, prompt_len: int, max_model_len: int, vocab_size: int, ma
                      structure: tuple[str, str] | None = None, prompt_logprobs: int | None = None,
                      allowed_token_ids: list[int] | None = None,
                      bad_words: list[list[int]] | tuple[tuple[int, ...], ...] = (), cache_salt: str = "",
-                     prompt_param: str = "messages") -> SamplingParams:
+                     prompt_param: str = "messages",
+                     defaults: Mapping[str, float | int] | None = None) -> SamplingParams:
+    """The request's SamplingParams; a field it leaves out (None) takes `defaults`'
+    value (sampling_defaults), else OpenAI's."""
+    defaults = defaults or {}
+    if defaults:
+        temperature = defaults.get("temperature") if temperature is None else temperature
+        top_p = defaults.get("top_p") if top_p is None else top_p
+        top_k = defaults.get("top_k") if top_k is None else top_k
+        min_p = defaults.get("min_p") if min_p is None else min_p
+        repetition_penalty = defaults.get("repetition_penalty") if repetition_penalty is None else repetition_penalty
+        presence_penalty = defaults.get("presence_penalty") if presence_penalty is None else presence_penalty
+        frequency_penalty = defaults.get("frequency_penalty") if frequency_penalty is None else frequency_penalty
     if prompt_len < 1:
         raise bad_request("the prompt is empty", param="prompt")
     if prompt_len >= max_model_len:
         raise context_error(prompt_len, max_model_len, param=prompt_param)
     if max_tokens is None:
-        max_tokens = max_model_len - prompt_len
+        max_tokens = min(max_model_len - prompt_len, defaults.get("max_tokens", max_model_len))
     elif max_tokens < 1:
         raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
     elif prompt_len + max_tokens > max_model_len:

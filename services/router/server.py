@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 from pathlib import Path
@@ -21,6 +22,7 @@ from services.router.connections import http_protocol
 from services.router.grpc_api import GeneratorService
 from services.router.frontend import FrontEnd
 from services.router.openai_api import create_app
+from services.router.sampling import sampling_defaults
 from services.rpc import generate_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -39,12 +41,18 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     metrics = RouterMetrics(served_model_name)
     api_keys = read_api_keys(settings.api_key, settings.api_key_file)
     admission = Admission(settings.max_pending, tenant_policies(api_keys), lambda: cluster.capacity(), metrics)
+    # before any worker is asked: a value no request could take stops the router here
+    defaults = sampling_defaults(model_dir, settings.generation_config, settings.generation_overrides)
+    if defaults:
+        log.warning("a request that leaves them out takes these sampling defaults, the model's generation config "
+                    "with --override-generation-config: %s (--generation-config vllm: OpenAI's)",
+                    json.dumps(defaults))
     cluster = Cluster(settings, tokenizer, metrics)
     await cluster.start()
     max_model_len = context_length(read_config(model_dir), settings.max_model_len)
     fe = FrontEnd(cluster, admission, tokenizer, served_model_name, max_model_len, settings.max_body_bytes,
                   settings.request_timeout, sse_keepalive=settings.sse_keepalive_seconds,
-                  shared_prefix_cache=settings.shared_prefix_cache)
+                  shared_prefix_cache=settings.shared_prefix_cache, sampling_defaults=defaults)
 
     keys = KeyCheck(api_keys)
     tls = TLSFiles(settings.tls_cert, settings.tls_key)
