@@ -279,14 +279,32 @@ def test_special_tokens_in_the_text_and_the_stop_string_kept(cluster, tokenizer)
 
 
 def test_chat_template_options(cluster, tokenizer):
-    """add_generation_prompt, continue_final_message and chat_template_kwargs, as the
-    template renders them."""
+    """add_generation_prompt, continue_final_message, add_special_tokens and
+    chat_template_kwargs, as the template renders them; vLLM's echo puts the assistant
+    message continued before the answer, whole and streamed."""
     http = cluster.http
     start = [*CHAT, {"role": "assistant", "content": "The planet is"}]
     r = _chat(http, messages=start, add_generation_prompt=False, continue_final_message=True, max_tokens=3)
     assert r["prompt_token_ids"] == encode_chat(tokenizer, start, add_generation_prompt=False,
                                                 continue_final_message=True)
     assert tokenizer.decode(r["prompt_token_ids"]).endswith("The planet is")
+    continued = r["choices"][0]["message"]["content"]
+    echoed = _chat(http, messages=start, add_generation_prompt=False, continue_final_message=True, max_tokens=3,
+                   echo=True)
+    assert echoed["choices"][0]["message"]["content"] == "The planet is" + continued
+    assert echoed["usage"]["completion_tokens"] == r["usage"]["completion_tokens"]    # the echo is no output
+    with httpx.stream("POST", f"{http}/v1/chat/completions", timeout=120, json={
+            "messages": start, "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 3,
+            "temperature": 0, "echo": True, "stream": True}) as s:
+        deltas = [json.loads(line[6:])["choices"] for line in s.iter_lines() if line.startswith("data: {")]
+    assert "".join(c[0]["delta"].get("content") or "" for c in deltas if c) == "The planet is" + continued
+    assert _chat(http, max_tokens=1, echo=True)["choices"][0]["message"]["content"] == \
+        _chat(http, max_tokens=1)["choices"][0]["message"]["content"]     # the last message is the user's
+    assert _chat(http, max_tokens=1, add_special_tokens=True)["prompt_token_ids"] == \
+        encode_chat(tokenizer, CHAT, add_special_tokens=True)
+    for special in (True, False):                              # completions' (default true)
+        assert _complete(http, prompt="Hello", add_special_tokens=special)["choices"][0]["prompt_token_ids"] == \
+            tokenizer.encode("Hello", add_special_tokens=special)
     bare = _chat(http, add_generation_prompt=False, max_tokens=1)["prompt_token_ids"]
     assert bare == encode_chat(tokenizer, CHAT, add_generation_prompt=False)
     # kwargs are the template's variables; this template reads none of them (as vLLM,

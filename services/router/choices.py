@@ -129,7 +129,7 @@ class Shape:
     chat: bool
     names: TokenName                    # how logprobs name a token (token_names)
     tools: ToolPlan | None = None
-    echo: tuple[str, ...] = ()          # completions: each prompt, returned before its choices' text
+    echo: tuple[str, ...] = ()          # each prompt (chat: the last message), returned before its choices' text
     echo_only: bool = False             # echo with max_tokens 0: the prompt and nothing else
     n: int = 1                          # choices per prompt: choice index = prompt x n + choice
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: this many likeliest per prompt token
@@ -173,10 +173,11 @@ def whole_choice(index: int, gens: list[Generation], result: Collected, req: Com
     choice: dict = {"index": index, "logprobs": None, "finish_reason": gen.finish_reason,
                     "stop_reason": gen.stop_reason}
     if shape.chat:
-        message: dict = {"role": "assistant", "content": result.text}
+        echo = shape.echo[0] if shape.echo else ""
+        message: dict = {"role": "assistant", "content": echo + result.text}
         if shape.tools is not None:
             content, calls = parse_calls(shape.tools, result.text)
-            message["content"] = content
+            message["content"] = echo + (content or "") if echo else content
             if calls:
                 message["tool_calls"] = calls
                 if shape.tools.mode != "named" and gen.finish_reason == "stop":
@@ -300,7 +301,7 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
                     yield sse({**base, "choices": [], "prompt_token_ids": gens[0].prompt_ids, **usage_so_far()})
                 prompt_ids = gens[i].prompt_ids if ids is not None and not single else None
                 if chat:
-                    first = {"role": "assistant", "content": ""}
+                    first = {"role": "assistant", "content": shape.echo[0] if shape.echo else ""}
                     if tools is not None and tools.streams_arguments:
                         first = {"role": "assistant", "content": None, "tool_calls": [
                             {"index": 0, **new_call(tools.name, "")}]}

@@ -78,6 +78,7 @@ async def chat_prompt(fe: FrontEnd, req: ChatCompletionRequest, tools: ToolPlan 
     """The chat request's prompt ids, through the chat template with its tools and options."""
     return await fe.tokenize_chat([m.for_template() for m in req.messages], tools and tools.tools,
                                   add_generation_prompt=req.add_generation_prompt,
+                                  add_special_tokens=req.add_special_tokens,
                                   continue_final_message=req.continue_final_message,
                                   template_kwargs=req.template_kwargs())
 
@@ -213,7 +214,8 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
         request_id = new_request_id("chatcmpl")
         gens, tools = await chat_generations(fe, req, request_id)
         shape = Shape(chat=True, tools=tools, n=req.choices, prompt_logprobs=req.prompt_logprobs,
-                      names=token_names(fe, req.return_tokens_as_token_ids))
+                      names=token_names(fe, req.return_tokens_as_token_ids),
+                      echo=(req.echoed(),) if req.echoed() else ())
         return await unless_disconnected(request, respond(fe, req, request_id, [gens], shape, tenant_of(request)))
 
     @app.post("/v1/completions")
@@ -235,7 +237,7 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
         prompts, echoes = [], []
         for p, prompt in enumerate(req.prompts):
             param = f"prompt.{p}" if many else "prompt"
-            ids = await fe.tokenize_prompt(prompt, param=param)
+            ids = await fe.tokenize_prompt(prompt, add_special_tokens=req.add_special_tokens, param=param)
             truncated = req.truncate(ids, fe.max_model_len)
             prompts.append(await generations(fe, req, f"{request_id}-{p}" if many else request_id, truncated,
                                              1 if echo_only else req.max_tokens, logprobs, structure,

@@ -388,6 +388,15 @@ class ChatCompletionRequest(CommonRequest):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict | None = None
+    add_special_tokens: StrictBool = False      # vLLM's: the tokenizer's BOS and such over the template's
+    # vLLM's: the answer begins with the last message's text when that is the assistant's
+    # (with continue_final_message, the whole message so far)
+    echo: StrictBool = False
+
+    def echoed(self) -> str:
+        """The text `echo` puts before the answer's."""
+        last = self.messages[-1]
+        return (last.text() or "") if self.echo and last.role == "assistant" else ""
 
     def template_kwargs(self) -> dict | None:
         """chat_template_kwargs, with reasoning_effort among them as vLLM passes it (the
@@ -431,6 +440,7 @@ class CompletionRequest(CommonRequest):
     max_tokens: StrictInt | None = 16
     logprobs: StrictInt | None = None
     echo: StrictBool = False
+    add_special_tokens: StrictBool = True       # vLLM's: false leaves out the tokenizer's BOS and such
     suffix: Unimplemented = None
     response_format: ResponseFormat | None = None       # vLLM's, as chat's
 
