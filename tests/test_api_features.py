@@ -519,3 +519,52 @@ def test_a_router_fills_the_fields_a_request_leaves_out_from_the_generation_conf
         assert '"max_tokens": 5' in (tmp_path / "router.log").read_text()     # said so at start
     finally:
         terminate(proc)
+
+
+def test_a_reasoning_parser_tells_thinking_from_the_answer_whole_and_streamed(cluster, tmp_path):
+    """--reasoning-parser deepseek_r1 on a router over the session cluster's workers. The
+    model is held by a regex to think, close the block and answer: the text before
+    </think> is `reasoning` (and `reasoning_content`), the rest `content`, whole and
+    streamed alike; include_reasoning false leaves the reasoning out; an answer that never
+    opens the block is all content; a prompt that leaves <think> open makes it all
+    reasoning."""
+    from tests.processes import spawn_service, terminate
+    proc, info = spawn_service(tmp_path, "router", "router", [
+        "--http-port", "0", "--grpc-port", "0", "--log-level", "warning",
+        "--cluster-secret-file", cluster.secret_file, "--local-prefill-max-tokens", "0",
+        "--decode", cluster.worker_addr("decode"), "--prefill", cluster.worker_addr("prefill"),
+        "--reasoning-parser", "deepseek_r1"])
+    http = f"http://127.0.0.1:{info['http_port']}"
+    ask = [{"role": "user", "content": "Name a colour."}]
+
+    def chat(regex: str, messages=ask, stream: bool = False, **fields):
+        body = {"messages": messages, "temperature": 0, "max_tokens": 40, "stream": stream,
+                "structured_outputs": {"regex": regex}, **fields}
+        if not stream:
+            r = httpx.post(f"{http}/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]
+        parts = {"reasoning": "", "reasoning_content": "", "content": ""}
+        with httpx.stream("POST", f"{http}/v1/chat/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for c in json.loads(line[6:])["choices"]:
+                        for key in parts:
+                            parts[key] += c["delta"].get(key) or ""
+        return parts
+    try:
+        thought = chat(r"<think>[A-Za-z ]{4,30}</think>[A-Za-z ]{4,30}")
+        assert thought["reasoning"] and thought["content"] and thought["reasoning"] == thought["reasoning_content"]
+        assert "<think>" not in thought["reasoning"] + thought["content"]
+        streamed = chat(r"<think>[A-Za-z ]{4,30}</think>[A-Za-z ]{4,30}", stream=True)
+        assert streamed == {"reasoning": thought["reasoning"], "reasoning_content": thought["reasoning"],
+                            "content": thought["content"]}
+        hidden = chat(r"<think>[A-Za-z ]{4,30}</think>[A-Za-z ]{4,30}", include_reasoning=False)
+        assert "reasoning" not in hidden and hidden["content"] == thought["content"]
+        plain = chat(r"[A-Za-z ]{4,30}")
+        assert plain["reasoning"] is None and plain["content"]
+        left_open = [*ask, {"role": "assistant", "content": "<think>"}]
+        musing = chat(r"[a-z ]{4,30}", left_open, continue_final_message=True, add_generation_prompt=False)
+        assert musing["reasoning"] and musing["content"] is None
+    finally:
+        terminate(proc)

@@ -296,6 +296,10 @@ class RoutingSettings:
                 "max_new_tokens as the default max_tokens), as vLLM does; vllm, none from a file (OpenAI's: "
                 "temperature 1, no top-p or top-k cut); or a folder holding a generation_config.json",
         metavar="auto|vllm|FOLDER")
+    reasoning_parser: str = setting(
+        "none", "a reasoning model's thinking (between <think> and </think>) goes out as a chat message's "
+                "`reasoning` (and `reasoning_content`), apart from its `content`, as vLLM's parsers of these "
+                "names do", choices=("none", "deepseek_r1", "qwen3"))
     override_generation_config: str | None = setting(
         None, "a JSON object of those fields over the defaults, e.g. '{\"temperature\": 0.5}' (vLLM's flag)",
         metavar="JSON")

@@ -17,6 +17,7 @@ from services.router.http_input import error_response
 from services.router.generation import Delta, Generation
 from services.router.output_text import TextOptions
 from services.router.protocol import APIError, CommonRequest
+from services.router.reasoning import Thinking, ThinkingStream
 from services.router.tools import CallStream, ToolPlan, new_call, parse_calls
 
 
@@ -133,6 +134,7 @@ class Shape:
     echo_only: bool = False             # echo with max_tokens 0: the prompt and nothing else
     n: int = 1                          # choices per prompt: choice index = prompt x n + choice
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: this many likeliest per prompt token
+    thinking: Thinking | None = None    # chat: a reasoning model's thinking told from its content
 
     def leader(self, gens: list[Generation], index: int) -> Generation:
         """The first choice of choice `index`'s prompt (it holds the prompt's logprobs)."""
@@ -174,9 +176,16 @@ def whole_choice(index: int, gens: list[Generation], result: Collected, req: Com
                     "stop_reason": gen.stop_reason}
     if shape.chat:
         echo = shape.echo[0] if shape.echo else ""
-        message: dict = {"role": "assistant", "content": echo + result.text}
+        text = result.text
+        message: dict = {"role": "assistant", "content": echo + text}
+        if shape.thinking is not None:
+            reasoning, answer = shape.thinking.split(text)
+            text = answer or ""
+            message["content"] = echo + text if echo or answer is not None else None
+            if req.include_reasoning:
+                message["reasoning"] = message["reasoning_content"] = reasoning
         if shape.tools is not None:
-            content, calls = parse_calls(shape.tools, result.text)
+            content, calls = parse_calls(shape.tools, text)
             message["content"] = echo + (content or "") if echo else content
             if calls:
                 message["tool_calls"] = calls
@@ -213,6 +222,7 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
     every_usage = bool(with_usage and options.continuous_usage_stats)
     tools = shape.tools
     held = {i: [] for i in range(len(gens))}       # "required" tool output: known only at its end
+    thinking = [ThinkingStream(shape.thinking) for _ in gens] if shape.thinking is not None else None
     calls = [CallStream() for _ in gens]           # "auto": content streams, calls go out whole
     offsets = [0] * len(gens)                     # completions: where each choice's text is
     # Output tokens sent so far, per choice: continuous usage counts these (vLLM's role
@@ -252,13 +262,22 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
         return sse({**event, **usage_so_far()})
 
     def content(index: int, d: Delta) -> dict:
+        if thinking is None:
+            return answer(index, d.text, d)
+        reasoning, text = thinking[index].feed(d.text, final=bool(d.finish_reason))
+        if not reasoning or not req.include_reasoning:
+            return answer(index, text, d) if text or not reasoning else {}
+        delta = answer(index, text, d) if text else {}
+        return {"reasoning": reasoning, "reasoning_content": reasoning, **delta}
+
+    def answer(index: int, text: str, d: Delta) -> dict:
         if tools is None:       # a chunk per delta, text or not: clients time tokens by chunks
-            return {"content": d.text} if d.text or d.token_ids else {}
+            return {"content": text} if text or d.token_ids else {}
         if tools.streams_arguments:
-            return {"tool_calls": [{"index": 0, "function": {"arguments": d.text}}]} if d.text else {}
+            return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
         if tools.mode == "auto":
-            return auto_delta(index, *calls[index].feed(d.text))
-        held[index].append(d.text)
+            return auto_delta(index, *calls[index].feed(text))
+        held[index].append(text)
         return {}
 
     def auto_delta(index: int, text: str, found: list[dict]) -> dict:

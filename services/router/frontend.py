@@ -63,6 +63,7 @@ class FrontEnd:
     shared_prefix_cache: bool = False
     # what a request's absent sampling fields take (router/sampling.py: sampling_defaults)
     sampling_defaults: dict = field(default_factory=dict)
+    reasoning_parser: str = "none"             # router/reasoning.py's PARSERS, or none
     _token_text: dict[int, str] = field(init=False, default_factory=dict)
     _running: weakref.WeakSet = field(init=False, default_factory=weakref.WeakSet)
 

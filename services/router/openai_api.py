@@ -34,6 +34,7 @@ from services.router.messages import (CountTokensRequest, MessagesRequest, Messa
                                       new_message_id)
 from services.router.responses import ResponsesRequest, ResponseWriter, in_responses_terms, new_response_id
 from services.router import structured
+from services.router.reasoning import Thinking
 from services.router.sampling import resolve_sampling
 from services.router.structured import Structure
 from services.router.tools import ToolPlan, plan_tools
@@ -81,6 +82,14 @@ async def chat_prompt(fe: FrontEnd, req: ChatCompletionRequest, tools: ToolPlan 
                                   add_special_tokens=req.add_special_tokens,
                                   continue_final_message=req.continue_final_message,
                                   template_kwargs=req.template_kwargs())
+
+
+def thinking(fe: FrontEnd, req: ChatCompletionRequest, gens: list[Generation]) -> Thinking | None:
+    """How the answers' thinking is told from their content (--reasoning-parser), if it is."""
+    if fe.reasoning_parser == "none":
+        return None
+    tail = fe.tokenizer.decode(gens[0].prompt_ids[-64:])        # where the template left the block
+    return Thinking.for_prompt(fe.reasoning_parser, tail)
 
 
 def tokenizer_info(fe: FrontEnd) -> dict:
@@ -215,7 +224,7 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
         gens, tools = await chat_generations(fe, req, request_id)
         shape = Shape(chat=True, tools=tools, n=req.choices, prompt_logprobs=req.prompt_logprobs,
                       names=token_names(fe, req.return_tokens_as_token_ids),
-                      echo=(req.echoed(),) if req.echoed() else ())
+                      echo=(req.echoed(),) if req.echoed() else (), thinking=thinking(fe, req, gens))
         return await unless_disconnected(request, respond(fe, req, request_id, [gens], shape, tenant_of(request)))
 
     @app.post("/v1/completions")

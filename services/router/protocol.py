@@ -389,6 +389,7 @@ class ChatCompletionRequest(CommonRequest):
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict | None = None
     add_special_tokens: StrictBool = False      # vLLM's: the tokenizer's BOS and such over the template's
+    include_reasoning: StrictBool = True        # vLLM's: false drops a reasoning model's thinking
     # vLLM's: the answer begins with the last message's text when that is the assistant's
     # (with continue_final_message, the whole message so far)
     echo: StrictBool = False

@@ -52,7 +52,8 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     max_model_len = context_length(read_config(model_dir), settings.max_model_len)
     fe = FrontEnd(cluster, admission, tokenizer, served_model_name, max_model_len, settings.max_body_bytes,
                   settings.request_timeout, sse_keepalive=settings.sse_keepalive_seconds,
-                  shared_prefix_cache=settings.shared_prefix_cache, sampling_defaults=defaults)
+                  shared_prefix_cache=settings.shared_prefix_cache, sampling_defaults=defaults,
+                  reasoning_parser=settings.reasoning_parser)
 
     keys = KeyCheck(api_keys)
     tls = TLSFiles(settings.tls_cert, settings.tls_key)

@@ -1,0 +1,81 @@
+"""A reasoning model's thinking apart from its answer (vLLM's --reasoning-parser): the text
+between <think> and </think> goes out as the message's `reasoning` (and
+`reasoning_content`, the older name DeepSeek's API gave it), what follows as its
+`content`.
+
+The block is open at the output's start when the prompt left it open (a template that
+ends its generation prompt with <think>, as DeepSeek-R1's and Qwen3's thinking models'
+do), or when the output begins with <think>. An output that ends while the block is open
+is all reasoning; one that never opens it is all content (a template told not to think
+writes an empty block into the prompt itself)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# vLLM's parser names; each of these models marks its thinking with the same two tags
+PARSERS = {"deepseek_r1": ("<think>", "</think>"), "qwen3": ("<think>", "</think>")}
+
+
+@dataclass(frozen=True)
+class Thinking:
+    """A reasoning model's tags, and whether the request's prompt left the block open."""
+    start: str
+    end: str
+    open_at_start: bool = False
+
+    @classmethod
+    def for_prompt(cls, parser: str, prompt_text: str) -> Thinking:
+        start, end = PARSERS[parser]
+        return cls(start, end, prompt_text.rfind(start) > prompt_text.rfind(end))
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning, content) of a whole output; None where there is none."""
+        stream = ThinkingStream(self)
+        reasoning, content = stream.feed(text, final=True)
+        return (reasoning if stream.opened else None), (content or None)
+
+
+class ThinkingStream:
+    """One choice's streamed text, split as it comes: each `feed` returns the reasoning
+    and content it can tell apart so far. What could still be the start of a tag is held
+    back until the next text (or the end) says what it is."""
+
+    def __init__(self, thinking: Thinking) -> None:
+        self.t = thinking
+        self.state = "reasoning" if thinking.open_at_start else "start"
+        self.opened = thinking.open_at_start
+        self.held = ""
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        self.held += text
+        reasoning = content = ""
+        while True:
+            if self.state == "start":               # leading whitespace, then <think> or the answer
+                rest = self.held.lstrip()
+                if rest.startswith(self.t.start):
+                    self.held, self.state, self.opened = rest[len(self.t.start):], "reasoning", True
+                    continue
+                if not final and self.t.start.startswith(rest):
+                    return reasoning, content       # maybe the tag, not whole yet
+                self.state = "content"
+            if self.state == "reasoning":
+                at = self.held.find(self.t.end)
+                if at >= 0:
+                    reasoning += self.held[:at]
+                    self.held, self.state = self.held[at + len(self.t.end):], "content"
+                    continue
+                keep = 0 if final else _partial_suffix(self.held, self.t.end)
+                reasoning += self.held[:len(self.held) - keep]
+                self.held = self.held[len(self.held) - keep:]
+                return reasoning, content
+            content += self.held
+            self.held = ""
+            return reasoning, content
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (and is not all of it)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
