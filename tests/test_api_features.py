@@ -526,8 +526,8 @@ def test_a_reasoning_parser_tells_thinking_from_the_answer_whole_and_streamed(cl
     model is held by a regex to think, close the block and answer: the text before
     </think> is `reasoning` (and `reasoning_content`), the rest `content`, whole and
     streamed alike; include_reasoning false leaves the reasoning out; an answer that never
-    opens the block is all content; a prompt that leaves <think> open makes it all
-    reasoning."""
+    opens the block is all content; a prompt that leaves <think> open makes it reasoning,
+    unless a grammar holds the output from its first token."""
     from tests.processes import spawn_service, terminate
     proc, info = spawn_service(tmp_path, "router", "router", [
         "--http-port", "0", "--grpc-port", "0", "--log-level", "warning",
@@ -537,8 +537,8 @@ def test_a_reasoning_parser_tells_thinking_from_the_answer_whole_and_streamed(cl
     http = f"http://127.0.0.1:{info['http_port']}"
     ask = [{"role": "user", "content": "Name a colour."}]
 
-    def chat(regex: str, messages=ask, stream: bool = False, **fields):
-        body = {"messages": messages, "temperature": 0, "max_tokens": 40, "stream": stream,
+    def chat(regex: str, stream: bool = False, **fields):
+        body = {"messages": ask, "temperature": 0, "max_tokens": 40, "stream": stream,
                 "structured_outputs": {"regex": regex}, **fields}
         if not stream:
             r = httpx.post(f"{http}/v1/chat/completions", json=body, timeout=120)
@@ -563,8 +563,14 @@ def test_a_reasoning_parser_tells_thinking_from_the_answer_whole_and_streamed(cl
         assert "reasoning" not in hidden and hidden["content"] == thought["content"]
         plain = chat(r"[A-Za-z ]{4,30}")
         assert plain["reasoning"] is None and plain["content"]
-        left_open = [*ask, {"role": "assistant", "content": "<think>"}]
-        musing = chat(r"[a-z ]{4,30}", left_open, continue_final_message=True, add_generation_prompt=False)
-        assert musing["reasoning"] and musing["content"] is None
+        # a prompt that leaves the block open: reasoning until </think>; but an output a
+        # grammar holds from its first token is the answer (here: the regex's)
+        left_open = dict(messages=[*ask, {"role": "assistant", "content": "<think>"}],
+                         continue_final_message=True, add_generation_prompt=False)
+        r = httpx.post(f"{http}/v1/chat/completions", timeout=120,
+                       json={**left_open, "temperature": 0, "max_tokens": 8}).json()["choices"][0]["message"]
+        assert r["reasoning"] and r["content"] is None and "</think>" not in r["reasoning"]
+        held = chat(r"[a-z ]{4,30}", **left_open)
+        assert held["reasoning"] is None and held["content"]
     finally:
         terminate(proc)

@@ -11,6 +11,7 @@ bodies: a web page can post a form or text/plain to a server on its visitor's ma
 without asking, but not JSON. CORS is off unless origins are allowed."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -22,6 +23,7 @@ from pydantic import BaseModel
 
 from services.common.security import KeyCheck
 from services.common.version import VERSION
+from services.engine.core.sampling import STRUCTURE_KINDS
 from services.router.access import AccessLogMiddleware
 from services.router.choices import Shape, respond, token_names
 from services.router.frontend import FrontEnd, choices
@@ -85,11 +87,15 @@ async def chat_prompt(fe: FrontEnd, req: ChatCompletionRequest, tools: ToolPlan 
 
 
 def thinking(fe: FrontEnd, req: ChatCompletionRequest, gens: list[Generation]) -> Thinking | None:
-    """How the answers' thinking is told from their content (--reasoning-parser), if it is."""
+    """How the answers' thinking is told from their content (--reasoning-parser), if it is.
+    An output a grammar holds from its first token (a response format, forced tool calls)
+    is the answer whatever the prompt left open, unless it opens <think> itself."""
     if fe.reasoning_parser == "none":
         return None
     tail = fe.tokenizer.decode(gens[0].prompt_ids[-64:])        # where the template left the block
-    return Thinking.for_prompt(fe.reasoning_parser, tail)
+    found = Thinking.for_prompt(fe.reasoning_parser, tail)
+    held = any(getattr(gens[0].params, kind) for kind in STRUCTURE_KINDS)
+    return dataclasses.replace(found, open_at_start=False) if held else found
 
 
 def tokenizer_info(fe: FrontEnd) -> dict:
