@@ -528,12 +528,23 @@ def test_a_reasoning_parser_tells_thinking_from_the_answer_whole_and_streamed(cl
     streamed alike; include_reasoning false leaves the reasoning out; an answer that never
     opens the block is all content; a prompt that leaves <think> open makes it reasoning,
     unless a grammar holds the output from its first token."""
+    import anthropic
+
     from tests.processes import spawn_service, terminate
+    # SmolLM2's template, opening the block in the generation prompt when asked to reason
+    # (Responses' reasoning.effort, Messages' output_config.effort), as reasoning models' do
+    template = tmp_path / "thinking.jinja"
+    template.write_text(
+        "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+        "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}"
+        "{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+        "{% if reasoning_effort %}{{ '<think>\\n' }}{% endif %}{% endif %}")
     proc, info = spawn_service(tmp_path, "router", "router", [
         "--http-port", "0", "--grpc-port", "0", "--log-level", "warning",
         "--cluster-secret-file", cluster.secret_file, "--local-prefill-max-tokens", "0",
         "--decode", cluster.worker_addr("decode"), "--prefill", cluster.worker_addr("prefill"),
-        "--reasoning-parser", "deepseek_r1"])
+        "--reasoning-parser", "deepseek_r1", "--chat-template", str(template)])
     http = f"http://127.0.0.1:{info['http_port']}"
     ask = [{"role": "user", "content": "Name a colour."}]
 
@@ -572,5 +583,26 @@ def test_a_reasoning_parser_tells_thinking_from_the_answer_whole_and_streamed(cl
         assert r["reasoning"] and r["content"] is None and "</think>" not in r["reasoning"]
         held = chat(r"[a-z ]{4,30}", **left_open)
         assert held["reasoning"] is None and held["content"]
+        # the Responses API's reasoning item and the Messages API's thinking block, whole
+        # and streamed, through the official clients: the template opened the block
+        client = _client(http)
+        kw = dict(model=MODEL, input="Name a colour.", reasoning={"effort": "low"}, max_output_tokens=10,
+                  temperature=0)
+        whole = client.responses.create(**kw)
+        assert [item.type for item in whole.output] == ["reasoning", "message"]
+        mused = whole.output[0].content[0].text
+        assert mused and whole.output[1].content[0].text == ""
+        with client.responses.stream(**kw) as stream:        # cut by max_output_tokens: incomplete
+            events = list(stream)
+        deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        assert deltas == mused and events[-1].type == "response.incomplete"
+        assert events[-1].response.output[0].content[0].text == mused
+        claude = anthropic.Anthropic(base_url=http, api_key="unused", max_retries=0, timeout=120)
+        ask_claude = dict(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": "Name a colour."}],
+                          extra_body={"output_config": {"effort": "low"}, "temperature": 0})
+        message = claude.messages.create(**ask_claude)
+        assert [(b.type, b.thinking) for b in message.content] == [("thinking", mused)]
+        with claude.messages.stream(**ask_claude) as stream:
+            assert [(b.type, b.thinking) for b in stream.get_final_message().content] == [("thinking", mused)]
     finally:
         terminate(proc)

@@ -71,3 +71,28 @@ def test_output_items_of_an_auto_stream(one_text):
         assert opened == [(0, "open_text"), (1, "open_call"), (2, "open_text"), (3, "open_call"), (4, "open_text")]
         assert [index for index, _ in closed] == [0, 1, 2, 3, 4]        # each ends before the next begins
         assert texts == {0: "Checking. ", 2: " and ", 4: " <tool_call>{oops}</tool_call> bye <tool_"}
+
+
+@pytest.mark.parametrize("size", [1, 3, 8, 1000])
+def test_thinking_goes_first_to_an_item_of_its_own_however_chunked(size):
+    """--reasoning-parser: the thinking is a reasoning item before the answer's items,
+    ended as the answer begins; the calls after it are read from the answer alone; a
+    stream that ends inside the block is all reasoning. The whole-output split agrees."""
+    from services.router.output_items import ItemStream
+    from services.router.reasoning import Thinking
+    thinking = Thinking("<think>", "</think>")
+    text = "\n<think>Weather? Try <tool_call>.</think>" + TEXT
+    items = ItemStream(ToolPlan([], "auto"), thinking=thinking)
+    steps = [s for i in range(0, len(text), size) for s in items.feed(text[i:i + size])] + items.close()
+    kinds = [s.kind for s in steps if s.kind.startswith(("open", "close"))]
+    assert kinds[:3] == ["open_reasoning", "close_reasoning", "open_text"]
+    assert "".join(s.delta for s in steps if s.kind == "reasoning") == "Weather? Try <tool_call>."
+    assert _names([s.call for s in steps if s.kind == "close_call"]) == \
+        [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
+    assert thinking.split(text) == ("Weather? Try <tool_call>.", TEXT)
+    unfinished = ItemStream(None, empty_text=True, thinking=Thinking("<think>", "</think>", open_at_start=True))
+    steps = [s for i in range(0, 20, size) for s in unfinished.feed("still thinking </th"[i:i + size])]
+    steps += unfinished.close()
+    assert [s.kind for s in steps if s.kind != "reasoning"] == \
+        ["open_reasoning", "close_reasoning", "open_text", "close_text"]      # and the empty answer
+    assert "".join(s.delta for s in steps if s.kind == "reasoning") == "still thinking </th"

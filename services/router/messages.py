@@ -28,6 +28,7 @@ from services.router.http_input import anthropic_error, parse
 from services.router.output_items import ItemStream, Step, steps_of
 from services.router.protocol import (STRICT, APIError, ChatCompletionRequest, ContextLengthError, FunctionName,
                                       Number, Unimplemented, bad_request, text_parts_only)
+from services.router.reasoning import Thinking
 from services.router.tools import ToolPlan, split_output
 
 # The chat request's fields as this API names them, for errors raised on the chat path.
@@ -355,6 +356,7 @@ class MessageWriter:
         self.model = model
         self.tools = tools
         self.gen = gen
+        self.thinking: Thinking | None = None      # --reasoning-parser's, set by the front end
 
     def message(self, content: list[dict], done: bool) -> dict:
         stop_reason, stop_sequence = self.stop_reason(content) if done else (None, None)
@@ -378,8 +380,10 @@ class MessageWriter:
         return "end_turn", None
 
     def whole(self, result: Collected) -> dict:
-        text, calls = split_output(self.tools, result.text)
-        content = [{"type": "text", "text": text}] if text else []
+        reasoning, text = (None, result.text) if self.thinking is None else self.thinking.split(result.text)
+        text, calls = split_output(self.tools, text or "")
+        content = [{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning is not None else []
+        content += [{"type": "text", "text": text}] if text else []
         for call in calls:
             arguments = _input(call["function"]["arguments"])
             if arguments is not None:           # else cut short by max_tokens: no call was made
@@ -398,7 +402,8 @@ class MessageWriter:
         stream = _EventStream(self)
         started = False
         try:
-            async for step in steps_of(running.deltas(keepalive), ItemStream(self.tools, one_text=False)):
+            items = ItemStream(self.tools, one_text=False, thinking=self.thinking)
+            async for step in steps_of(running.deltas(keepalive), items):
                 if not started:
                     started = True
                     yield self.event("message_start", message=self.message([], done=False))
@@ -431,6 +436,12 @@ class _EventStream:
             return [event("content_block_start", index=index, content_block={"type": "text", "text": ""})]
         if step.kind == "text":
             return [event("content_block_delta", index=index, delta={"type": "text_delta", "text": step.delta})]
+        if step.kind == "open_reasoning":
+            self.content.append({"type": "thinking"})
+            return [event("content_block_start", index=index,
+                          content_block={"type": "thinking", "thinking": "", "signature": ""})]
+        if step.kind == "reasoning":
+            return [event("content_block_delta", index=index, delta={"type": "thinking_delta", "thinking": step.delta})]
         if step.kind == "open_call":
             self.content.append({"type": "tool_use"})
             block = {"type": "tool_use", "id": _tool_use_id(step.call), "name": step.call["function"]["name"],
@@ -439,4 +450,4 @@ class _EventStream:
         if step.kind == "arguments":
             return [event("content_block_delta", index=index,
                           delta={"type": "input_json_delta", "partial_json": step.delta})]
-        return [event("content_block_stop", index=index)]           # close_text, close_call
+        return [event("content_block_stop", index=index)]           # close_text, close_call, close_reasoning

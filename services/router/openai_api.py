@@ -283,11 +283,13 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
         fe.check_model(req.model)
         req.check()
         try:
-            (gen,), tools = await chat_generations(fe, req.to_chat(), answer_id)
+            chat_req = req.to_chat()
+            (gen,), tools = await chat_generations(fe, chat_req, answer_id)
             running = fe.start([gen], tenant=tenant_of(request))
         except APIError as exc:
             raise in_own_terms(exc) from None
         writer = writer_of(req, answer_id, fe.served_model_name, tools, gen)
+        writer.thinking = thinking(fe, chat_req, [gen])
         if req.stream:
             return StreamingResponse(writer.events(running, fe.sse_keepalive), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,6 +1,7 @@
 """One streamed answer as output items, for the APIs that stream items rather than chat
-deltas (OpenAI's Responses, Anthropic's Messages): text goes to one text item, opened
-when the first text comes; each tool call is an item of its own. A named call's
+deltas (OpenAI's Responses, Anthropic's Messages): a reasoning model's thinking
+(--reasoning-parser) goes first, to a reasoning item of its own; text goes to one text
+item, opened when the first text comes; each tool call is an item of its own. A named call's
 arguments stream as they come; "required" calls are known at the end, "auto" ones each
 once its closing tag arrives (tools.py). Each API writes the steps below as its events."""
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from services.router.reasoning import Thinking, ThinkingStream
 from services.router.tools import CallStream, ToolPlan, new_call, split_output
 
 
@@ -19,7 +21,10 @@ class Step:
       close_text (text)         it ends, with all its text
       open_call (call)          call item `index` begins; `call` as new_call makes it
       arguments (delta)         more of its arguments
-      close_call (call, text)   it ends, with all its arguments"""
+      close_call (call, text)   it ends, with all its arguments
+      open_reasoning            the reasoning item `index` begins
+      reasoning (delta)         more of its text
+      close_reasoning (text)    it ends, with all its text"""
     kind: str
     index: int
     delta: str = ""
@@ -34,8 +39,12 @@ class ItemStream:
     never overlap (Messages' content blocks). "required" calls cut short before the first
     was whole leave no text (tools.split_output)."""
 
-    def __init__(self, tools: ToolPlan | None, empty_text: bool = False, one_text: bool = True) -> None:
+    def __init__(self, tools: ToolPlan | None, empty_text: bool = False, one_text: bool = True,
+                 thinking: Thinking | None = None) -> None:
         self.tools = tools
+        self._thinking = ThinkingStream(thinking) if thinking is not None else None
+        self._reasoning_index: int | None = None
+        self.reasoning = ""
         self.empty_text = empty_text
         self.one_text = one_text
         self._items = 0
@@ -50,7 +59,23 @@ class ItemStream:
         self._items += 1
         return self._items - 1
 
-    def feed(self, text: str) -> list[Step]:
+    def feed(self, text: str, final: bool = False) -> list[Step]:
+        if self._thinking is None:
+            return self._answer(text)
+        reasoning, text = self._thinking.feed(text, final)
+        steps = []
+        if reasoning:
+            if self._reasoning_index is None:
+                self._reasoning_index = self._next_index()
+                steps.append(Step("open_reasoning", self._reasoning_index))
+            self.reasoning += reasoning
+            steps.append(Step("reasoning", self._reasoning_index, reasoning))
+        if (text or final) and self._reasoning_index is not None and self._thinking is not None:
+            steps.append(Step("close_reasoning", self._reasoning_index, self.reasoning))
+            self._thinking = None               # the rest is the answer
+        return steps + self._answer(text)
+
+    def _answer(self, text: str) -> list[Step]:
         tools = self.tools
         if tools is None:
             return self._say(text)
@@ -63,7 +88,7 @@ class ItemStream:
         return []
 
     def close(self) -> list[Step]:
-        tools, steps = self.tools, []
+        tools, steps = self.tools, (self.feed("", final=True) if self._thinking is not None else [])
         if tools is not None and tools.mode == "auto":
             steps += self._say(self._auto.close())
         elif tools is not None and tools.mode == "required":
@@ -72,7 +97,7 @@ class ItemStream:
         elif self._named is not None:
             index, call = self._named
             steps.append(Step("close_call", index, self._arguments, call))
-        if self.empty_text and self._items == 0:
+        if self.empty_text and self._text_index is None and self._items == (self._reasoning_index is not None):
             steps += self._open_text()
         if self._text_index is not None:
             steps.append(Step("close_text", self._text_index, self.text))

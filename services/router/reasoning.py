@@ -3,9 +3,9 @@ between <think> and </think> goes out as the message's `reasoning` (and
 `reasoning_content`, the older name DeepSeek's API gave it), what follows as its
 `content`.
 
-The block is open at the output's start when the prompt left it open (a template that
-ends its generation prompt with <think>, as DeepSeek-R1's and Qwen3's thinking models'
-do), or when the output begins with <think>. An output that ends while the block is open
+The block is open at the output's start when the prompt ends with <think> (a template
+that ends its generation prompt so, as DeepSeek-R1's and Qwen3's thinking models' do),
+or when the output begins with <think>. An output that ends while the block is open
 is all reasoning; one that never opens it is all content (a template told not to think
 writes an empty block into the prompt itself)."""
 from __future__ import annotations
@@ -26,7 +26,7 @@ class Thinking:
     @classmethod
     def for_prompt(cls, parser: str, prompt_text: str) -> Thinking:
         start, end = PARSERS[parser]
-        return cls(start, end, prompt_text.rfind(start) > prompt_text.rfind(end))
+        return cls(start, end, prompt_text.rstrip().endswith(start))
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole output; None where there is none."""

@@ -26,6 +26,7 @@ from services.router.protocol import (STRICT, APIError, CacheSalt, ChatCompletio
                                       ReasoningEffort, Unimplemented, bad_request, text_parts_only, unsupported)
 from services.router.choices import SSE_KEEPALIVE, sse_json
 from services.router.output_items import ItemStream, Step, steps_of
+from services.router.reasoning import Thinking
 from services.router.tools import ToolPlan, split_output
 
 # The chat request's fields as this API names them, for errors raised on the chat path.
@@ -89,6 +90,18 @@ class FunctionCallOutputItem(BaseModel):
     _parts = field_validator("output", mode="before")(_as_parts)
 
 
+class ReasoningItem(BaseModel):
+    """An earlier answer's reasoning, sent back with the conversation: kept out of the
+    prompt, as reasoning models' templates drop an earlier turn's thinking."""
+    model_config = STRICT
+    type: Literal["reasoning"]
+    id: StrictStr | None = None
+    summary: list = []
+    content: list | None = None
+    encrypted_content: StrictStr | None = None
+    status: StrictStr | None = None
+
+
 def _item_type(item) -> str | None:
     if isinstance(item, dict):
         return item.get("type", "message")          # an easy input message may leave out its type
@@ -97,7 +110,8 @@ def _item_type(item) -> str | None:
 
 InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")],
                             Annotated[FunctionCallItem, Tag("function_call")],
-                            Annotated[FunctionCallOutputItem, Tag("function_call_output")]],
+                            Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+                            Annotated[ReasoningItem, Tag("reasoning")]],
                       Discriminator(_item_type)]
 
 
@@ -147,7 +161,7 @@ class Reasoning(BaseModel):
 class ResponsesRequest(BaseModel):
     model_config = STRICT
     # The input items' kinds, which pydantic names in an error's place after the item's index.
-    union_tags: ClassVar[frozenset[str]] = frozenset({"message", "function_call", "function_call_output"})
+    union_tags: ClassVar[frozenset[str]] = frozenset({"message", "function_call", "function_call_output", "reasoning"})
     model: StrictStr | None = None
     input: list[InputItem]                              # a string is one user message
     instructions: StrictStr | None = None
@@ -240,7 +254,7 @@ class ResponsesRequest(BaseModel):
                     last.setdefault("tool_calls", []).append(call)
                 else:
                     out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-            else:
+            elif isinstance(item, FunctionCallOutputItem):
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
         return out
 
@@ -268,6 +282,8 @@ class ResponseWriter:
         self.gen = gen
         self.created = int(time.time())
         self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.reasoning_id = f"rs_{uuid.uuid4().hex}"
+        self.thinking: Thinking | None = None      # --reasoning-parser's, set by the front end
         self._seq = 0
 
     # ---- the Response object ----
@@ -315,10 +331,17 @@ class ResponseWriter:
                 "name": fn["name"], "arguments": fn["arguments"] if arguments is None else arguments,
                 "status": status}
 
+    def reasoning(self, text: str, status: str) -> dict:
+        content = [] if status == "in_progress" else [{"type": "reasoning_text", "text": text}]
+        return {"id": self.reasoning_id, "type": "reasoning", "summary": [], "content": content, "status": status}
+
     def whole(self, result: Collected) -> dict:
-        text, calls = split_output(self.tools, result.text)
+        reasoning, text = (None, result.text) if self.thinking is None else self.thinking.split(result.text)
+        text, calls = split_output(self.tools, text or "")
         status = self._status()
-        output = [self.message(text, status)] if text or not calls else []
+        cut = "completed" if text or calls else status          # ended by the answer, or by the output's end
+        output = [self.reasoning(reasoning, cut)] if reasoning is not None else []
+        output += [self.message(text, status)] if text or not calls else []
         output += [self.function_call(c, "completed") for c in calls]
         return self.response(status, output)
 
@@ -333,7 +356,8 @@ class ResponseWriter:
         yield self._event("response.created", response=self.response("in_progress", []))
         yield self._event("response.in_progress", response=self.response("in_progress", []))
         try:
-            async for step in steps_of(running.deltas(keepalive), ItemStream(self.tools, empty_text=True)):
+            items = ItemStream(self.tools, empty_text=True, thinking=self.thinking)
+            async for step in steps_of(running.deltas(keepalive), items):
                 if step is None:
                     yield SSE_KEEPALIVE
                     continue
@@ -379,6 +403,21 @@ class _EventStream:
                              content_index=0, text=step.delta, logprobs=[]),
                     w._event("response.content_part.done", item_id=w.message_id, output_index=index,
                              content_index=0, part=_output_text(step.delta)),
+                    w._event("response.output_item.done", output_index=index, item=item)]
+        if step.kind == "open_reasoning":
+            return [w._event("response.output_item.added", output_index=index, item=w.reasoning("", "in_progress")),
+                    w._event("response.content_part.added", item_id=w.reasoning_id, output_index=index,
+                             content_index=0, part={"type": "reasoning_text", "text": ""})]
+        if step.kind == "reasoning":
+            return [w._event("response.reasoning_text.delta", item_id=w.reasoning_id, output_index=index,
+                             content_index=0, delta=step.delta)]
+        if step.kind == "close_reasoning":
+            item = w.reasoning(step.delta, w._status())            # completed, or cut short with the output
+            self._done.append((index, item))
+            return [w._event("response.reasoning_text.done", item_id=w.reasoning_id, output_index=index,
+                             content_index=0, text=step.delta),
+                    w._event("response.content_part.done", item_id=w.reasoning_id, output_index=index,
+                             content_index=0, part={"type": "reasoning_text", "text": step.delta}),
                     w._event("response.output_item.done", output_index=index, item=item)]
         if step.kind == "open_call":
             return [w._event("response.output_item.added", output_index=index,
