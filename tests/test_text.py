@@ -163,6 +163,9 @@ def test_a_requests_absent_sampling_fields_take_the_models_generation_config(tmp
         with pytest.raises(ValueError, match=why) as e:
             sampling_defaults(tmp_path)
         assert str(config) in str(e.value)
+    config.write_text("{temperature")
+    with pytest.raises(ValueError, match="generation_config.json is not JSON"):
+        sampling_defaults(tmp_path)
     with pytest.raises(ValueError, match="--override-generation-config: repetition_penalty"):
         sampling_defaults(tmp_path, "vllm", {"repetition_penalty": -1})
     with pytest.raises(ValueError, match="not auto, vllm or a folder"):

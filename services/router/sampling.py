@@ -26,7 +26,10 @@ def sampling_defaults(model_dir: Path, source: str = "auto",
     folder = None if source in ("vllm", "none") else Path(model_dir if source == "auto" else source)
     found: dict = {}
     if folder is not None and (folder / GENERATION_CONFIG).is_file():
-        found = json.loads((folder / GENERATION_CONFIG).read_text())
+        try:
+            found = json.loads((folder / GENERATION_CONFIG).read_text())
+        except ValueError as exc:
+            raise ValueError(f"{folder / GENERATION_CONFIG} is not JSON: {exc}") from None
         if not isinstance(found, dict):
             raise ValueError(f"{folder / GENERATION_CONFIG} is not a JSON object")
     where = {k: str(folder / GENERATION_CONFIG) for k in found}
