@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.engine.text.tokenizer import held_tail
+
 # vLLM's parser names; each of these models marks its thinking with the same two tags
 PARSERS = {"deepseek_r1": ("<think>", "</think>"), "qwen3": ("<think>", "</think>")}
 
@@ -64,7 +66,7 @@ class ThinkingStream:
                     reasoning += self.held[:at]
                     self.held, self.state = self.held[at + len(self.t.end):], "content"
                     continue
-                keep = 0 if final else _partial_suffix(self.held, self.t.end)
+                keep = 0 if final else held_tail(self.held, (self.t.end,))
                 reasoning += self.held[:len(self.held) - keep]
                 self.held = self.held[len(self.held) - keep:]
                 return reasoning, content
@@ -72,10 +74,3 @@ class ThinkingStream:
             self.held = ""
             return reasoning, content
 
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag` (and is not all of it)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0

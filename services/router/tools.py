@@ -22,6 +22,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from services.engine.text.tokenizer import held_tail
 from services.router.protocol import ChatCompletionRequest, NamedToolChoice, bad_request, unsupported
 
 _HERMES_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
@@ -179,7 +180,7 @@ class CallStream:
                 self._held = self._held[start + len(OPEN):]
                 self._in_call = True
                 continue
-            keep = _partial_tag(self._held)
+            keep = held_tail(self._held, (OPEN,))
             content.append(self._held[:len(self._held) - keep])
             self._held = self._held[len(self._held) - keep:]
             break
@@ -191,11 +192,3 @@ class CallStream:
         rest = (OPEN if self._in_call else "") + self._held
         self._held, self._in_call = "", False
         return rest
-
-
-def _partial_tag(text: str) -> int:
-    """How many trailing characters of `text` could begin an opening tag."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
-            return n
-    return 0

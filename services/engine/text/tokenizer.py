@@ -164,6 +164,18 @@ def _ends_inside_a_character(tokenizer, ids: list[int]) -> bool:
     return bool(decoder.getstate()[0])
 
 
+def held_tail(text: str, tags: tuple[str, ...]) -> int:
+    """The length of the longest tail of `text` that begins one of `tags` (short of the
+    whole tag): what a stream must hold back until more text says whether a tag comes."""
+    best = 0
+    for tag in tags:
+        for k in range(min(len(tag) - 1, len(text)), best, -1):
+            if text.endswith(tag[:k]):
+                best = k
+                break
+    return best
+
+
 class StopMatcher:
     """Finds stop strings across deltas and holds back text that may begin one, so no
     part of a stop string ever reaches the client."""
@@ -173,16 +185,6 @@ class StopMatcher:
         self._pending = ""
         self._include = include_in_output       # vLLM's include_stop_str_in_output
         self.matched: str | None = None         # the stop string that was hit
-
-    def _held(self, buf: str) -> int:
-        """Length of the longest tail of `buf` that begins some stop string."""
-        best = 0
-        for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(buf)), best, -1):
-                if buf.endswith(stop[:k]):
-                    best = k
-                    break
-        return best
 
     def feed(self, text: str, armed: bool = True) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop string was hit). Not `armed` (the
@@ -199,7 +201,7 @@ class StopMatcher:
             self._pending = ""
             start, end, self.matched = min(hits)
             return buf[:end if self._include else start], True
-        cut = len(buf) - self._held(buf)
+        cut = len(buf) - held_tail(buf, self._stops)
         self._pending = buf[cut:]
         return buf[:cut], False
 
