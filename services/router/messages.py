@@ -28,7 +28,7 @@ from services.router.http_input import anthropic_error, parse
 from services.router.output_items import ItemStream, Step, steps_of
 from services.router.protocol import (STRICT, APIError, ChatCompletionRequest, ContextLengthError, FunctionName,
                                       Number, Unimplemented, bad_request, text_parts_only)
-from services.router.reasoning import Thinking
+from services.router.reasoning import Thinking, thought_and_answer
 from services.router.tools import ToolPlan, split_output
 
 # The chat request's fields as this API names them, for errors raised on the chat path.
@@ -380,8 +380,8 @@ class MessageWriter:
         return "end_turn", None
 
     def whole(self, result: Collected) -> dict:
-        reasoning, text = (None, result.text) if self.thinking is None else self.thinking.split(result.text)
-        text, calls = split_output(self.tools, text or "")
+        reasoning, text = thought_and_answer(self.thinking, result.text)
+        text, calls = split_output(self.tools, text)
         content = [{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning is not None else []
         content += [{"type": "text", "text": text}] if text else []
         for call in calls:

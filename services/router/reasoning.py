@@ -37,6 +37,14 @@ class Thinking:
         return (reasoning if stream.opened else None), (content or None)
 
 
+def thought_and_answer(thinking: Thinking | None, text: str) -> tuple[str | None, str]:
+    """A whole output's reasoning (None: no block, or no parser) and its answer's text."""
+    if thinking is None:
+        return None, text
+    reasoning, answer = thinking.split(text)
+    return reasoning, answer or ""
+
+
 class ThinkingStream:
     """One choice's streamed text, split as it comes: each `feed` returns the reasoning
     and content it can tell apart so far. What could still be the start of a tag is held

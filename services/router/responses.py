@@ -26,7 +26,7 @@ from services.router.protocol import (STRICT, APIError, CacheSalt, ChatCompletio
                                       ReasoningEffort, Unimplemented, bad_request, text_parts_only, unsupported)
 from services.router.choices import SSE_KEEPALIVE, sse_json
 from services.router.output_items import ItemStream, Step, steps_of
-from services.router.reasoning import Thinking
+from services.router.reasoning import Thinking, thought_and_answer
 from services.router.tools import ToolPlan, split_output
 
 # The chat request's fields as this API names them, for errors raised on the chat path.
@@ -336,8 +336,8 @@ class ResponseWriter:
         return {"id": self.reasoning_id, "type": "reasoning", "summary": [], "content": content, "status": status}
 
     def whole(self, result: Collected) -> dict:
-        reasoning, text = (None, result.text) if self.thinking is None else self.thinking.split(result.text)
-        text, calls = split_output(self.tools, text or "")
+        reasoning, text = thought_and_answer(self.thinking, result.text)
+        text, calls = split_output(self.tools, text)
         status = self._status()
         cut = "completed" if text or calls else status          # ended by the answer, or by the output's end
         output = [self.reasoning(reasoning, cut)] if reasoning is not None else []
