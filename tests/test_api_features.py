@@ -527,7 +527,7 @@ def test_a_reasoning_parser_tells_thinking_from_the_answer_whole_and_streamed(cl
     </think> is `reasoning` (and `reasoning_content`), the rest `content`, whole and
     streamed alike; include_reasoning false leaves the reasoning out; an answer that never
     opens the block is all content; a prompt that leaves <think> open makes it reasoning,
-    unless a grammar holds the output from its first token."""
+    and a grammar there holds only the answer after </think>."""
     import anthropic
 
     from tests.processes import spawn_service, terminate
@@ -574,15 +574,26 @@ def test_a_reasoning_parser_tells_thinking_from_the_answer_whole_and_streamed(cl
         assert "reasoning" not in hidden and hidden["content"] == thought["content"]
         plain = chat(r"[A-Za-z ]{4,30}")
         assert plain["reasoning"] is None and plain["content"]
-        # a prompt that leaves the block open: reasoning until </think>; but an output a
-        # grammar holds from its first token is the answer (here: the regex's)
-        left_open = dict(messages=[*ask, {"role": "assistant", "content": "<think>"}],
-                         continue_final_message=True, add_generation_prompt=False)
+        # a prompt that leaves the block open: reasoning until </think>, free; a grammar
+        # (here a JSON schema) holds the answer after it, as vLLM's does beside a parser
+        shown = [{"role": "system", "content": "Think inside <think></think> tags, then answer. Example: "
+                  "<think>The sky is blue.</think>blue"}, *ask]
+        left_open = dict(messages=[*shown, {"role": "assistant", "content": "<think>"}],
+                         continue_final_message=True, add_generation_prompt=False, temperature=0)
         r = httpx.post(f"{http}/v1/chat/completions", timeout=120,
-                       json={**left_open, "temperature": 0, "max_tokens": 8}).json()["choices"][0]["message"]
+                       json={**left_open, "max_tokens": 3}).json()["choices"][0]["message"]
         assert r["reasoning"] and r["content"] is None and "</think>" not in r["reasoning"]
-        held = chat(r"[a-z ]{4,30}", **left_open)
-        assert held["reasoning"] is None and held["content"]
+        colour = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 12}},
+                  "required": ["colour"], "additionalProperties": False}
+        held = {**left_open, "max_tokens": 40,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": colour}}}
+        answered = httpx.post(f"{http}/v1/chat/completions", json=held, timeout=120).json()["choices"][0]
+        thought, content = answered["message"]["reasoning"], answered["message"]["content"]
+        assert answered["finish_reason"] == "stop" and thought == "The sky is blue." and list(json.loads(content)) == ["colour"]
+        with httpx.stream("POST", f"{http}/v1/chat/completions", json={**held, "stream": True}, timeout=120) as r:
+            deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines() if line.startswith("data: {")]
+        assert "".join(d.get("reasoning") or "" for d in deltas) == thought
+        assert "".join(d.get("content") or "" for d in deltas) == content
         # the Responses API's reasoning item and the Messages API's thinking block, whole
         # and streamed, through the official clients: the template opened the block
         client = _client(http)

@@ -76,6 +76,35 @@ def test_a_draft_stops_short_of_the_grammars_end(grammars):
     assert constraint.fitting(said) == []                 # a finished grammar drafts nothing
 
 
+def test_a_grammar_after_the_end_of_thinking_holds_only_the_answer(grammars):
+    """`structure_after` (a reasoning model's </think>, as the router sends it): the output
+    is free, masks included, until it has made those tokens in a row; the grammar holds
+    what follows, drafts included, and the sequence ends only once the answer ends."""
+    import xgrammar as xgr
+    tokenizer, compiled = grammars
+    end = tuple(tokenizer.encode("</think>", add_special_tokens=False))
+    assert len(end) > 1                                   # SmolLM2 has no single token for it
+    constraint = compiled.constraint(YES_NO, "grammar", after=end)
+    thought = tokenizer.encode("maybe yes, maybe </think no", add_special_tokens=False)
+    answer = tokenizer.encode("no.", add_special_tokens=False)
+    bitmask = xgr.allocate_token_bitmask(1, constraint.vocab_size)
+
+    def allowed() -> list[int]:
+        return [t for t in range(constraint.vocab_size) if int(bitmask[0, t // 32]) >> (t % 32) & 1]
+    # free while thinking: no mask (the row untouched), whatever comes, a tag half made included
+    assert not constraint.fill(bitmask, 0) and all(constraint.accept(t) for t in thought)
+    assert not constraint.terminated and not constraint.fill(bitmask, 0, end[:-1])
+    # a draft that closes the block and answers: only what the grammar allows after the end
+    assert constraint.fitting([*end, *answer, tokenizer.eos_token_id]) == [*end, *answer]
+    assert constraint.fitting([*end, *tokenizer.encode("maybe", add_special_tokens=False)]) == list(end)
+    assert constraint.fill(bitmask, 0, end)
+    assert answer[0] in allowed() and all("yes".startswith(w) or "no".startswith(w)
+                                          for w in tokenizer.batch_decode([[t] for t in allowed()]))
+    assert all(constraint.accept(t) for t in end) and not constraint.terminated
+    assert not constraint.accept(tokenizer.encode(" maybe", add_special_tokens=False)[0]) and constraint.terminated
+    held = compiled.constraint(YES_NO, "grammar", after=end)          # the same, answered as asked
+    assert all(held.accept(t) for t in [*thought, *end, *answer, tokenizer.eos_token_id]) and held.terminated
+
 def test_a_json_format_beside_auto_tools_allows_the_format_or_the_calls(grammars):
     answer = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
               "additionalProperties": False}

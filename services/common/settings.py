@@ -298,8 +298,8 @@ class RoutingSettings:
         metavar="auto|vllm|FOLDER")
     reasoning_parser: str = setting(
         "none", "a reasoning model's thinking (between <think> and </think>) goes out as a chat message's "
-                "`reasoning` (and `reasoning_content`), apart from its `content`, as vLLM's parsers of these "
-                "names do", choices=("none", "deepseek_r1", "qwen3"))
+                "`reasoning` (and `reasoning_content`), apart from its `content`, and a structured output's "
+                "grammar holds only the answer after </think>, as vLLM's parsers of these names do", choices=("none", "deepseek_r1", "qwen3"))
     override_generation_config: str | None = setting(
         None, "a JSON object of those fields over the defaults, e.g. '{\"temperature\": 0.5}' (vLLM's flag)",
         metavar="JSON")

@@ -116,21 +116,37 @@ class Grammars:
                 self._cache.popitem(last=False)
         return grammar
 
-    def constraint(self, text: str, kind: str = "json_schema") -> "Constraint":
+    def constraint(self, text: str, kind: str = "json_schema", after: tuple[int, ...] = ()) -> "Constraint":
         import xgrammar as xgr
-        return Constraint(xgr.GrammarMatcher(self.compile(text, kind)), self.vocab_size)   # it can roll back any number
+        return Constraint(xgr.GrammarMatcher(self.compile(text, kind)), self.vocab_size, after)   # it can roll back any number
 
 
 class Constraint:
     """One sequence's place in its grammar. A grammar that allows no token at all (an
-    unsatisfiable schema) ends its sequence instead of letting it run on unconstrained."""
+    unsatisfiable schema) ends its sequence instead of letting it run on unconstrained.
 
-    def __init__(self, matcher, vocab_size: int) -> None:
+    With `after` (token ids: a reasoning model's end of thinking, as the router's
+    --reasoning-parser sends it), the output is free until it has made those tokens in a
+    row, and the grammar holds what follows: the model thinks, then answers in the shape
+    asked for, as vLLM's structured output does beside a reasoning parser."""
+
+    def __init__(self, matcher, vocab_size: int, after: tuple[int, ...] = ()) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
         self._stuck = False
+        self._after = tuple(after)
+        self._recent: tuple[int, ...] = ()         # the output's last tokens while `after` is awaited
+        self._waiting = bool(after)
+
+    def _awaited(self, recent: tuple[int, ...], token: int) -> tuple[tuple[int, ...], bool]:
+        """The last tokens after `token`, and whether the grammar is still waiting."""
+        recent = (*recent, token)[-len(self._after):]
+        return recent, recent != self._after
 
     def accept(self, token_id: int) -> bool:
+        if self._waiting:
+            self._recent, self._waiting = self._awaited(self._recent, token_id)
+            return True
         ok = self._matcher.accept_token(token_id)
         if not ok and not self._stuck:
             log.warning("no token fits the output's grammar here (token %d came); the output ends", token_id)
@@ -139,47 +155,61 @@ class Constraint:
 
     @property
     def terminated(self) -> bool:
-        return self._stuck or self._matcher.is_terminated()
+        return not self._waiting and (self._stuck or self._matcher.is_terminated())
 
-    def fill(self, bitmask: torch.Tensor, row: int, ahead: tuple[int, ...] = ()) -> None:
+    def _walk(self, tokens) -> tuple[int, int, bool]:
+        """Take `tokens` as if output, stopping before one the grammar refuses and after
+        one that ends it: how many were taken, how many of those the matcher took (the
+        caller rolls them back), and whether the grammar still waits for its start."""
+        recent, waiting, taken, fed = self._recent, self._waiting, 0, 0
+        for token in tokens:
+            if waiting:
+                recent, waiting = self._awaited(recent, token)
+            elif self._matcher.is_terminated() or not self._matcher.accept_token(token):
+                break
+            else:
+                fed += 1
+            taken += 1
+            if not waiting and self._matcher.is_terminated():
+                break
+        return taken, fed, waiting
+
+    def fill(self, bitmask: torch.Tensor, row: int, ahead: tuple[int, ...] = ()) -> bool:
         """The mask of the next token, or of the token after `ahead` (drafted tokens,
-        which the grammar accepts: `fitting`), in row `row`."""
-        for token in ahead:
-            self._matcher.accept_token(token)
-        self._matcher.fill_next_token_bitmask(bitmask, row)
-        if ahead:
-            self._matcher.rollback(len(ahead))
+        which the grammar accepts: `fitting`), in row `row`; False (row untouched) where
+        the grammar does not hold that token yet."""
+        _, fed, waiting = self._walk(ahead)
+        if not waiting:
+            self._matcher.fill_next_token_bitmask(bitmask, row)
+        if fed:
+            self._matcher.rollback(fed)
+        return not waiting
 
     def fitting(self, draft: list[int]) -> list[int]:
         """The leading tokens of `draft` the grammar allows from here (speculative
         decoding drafts only those), short of a stop token that ends the grammar: the
         verify row after it would have no next token to mask, and the row before it
         samples the end itself. The matcher is left where it was."""
-        n, ended = 0, False
-        for token in draft:
-            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
-                break
-            n += 1
-            if ended := self._matcher.is_terminated():
-                break
-        if n:
-            self._matcher.rollback(n)
-        return draft[:n - ended]
+        taken, fed, waiting = self._walk(draft)
+        ended = not waiting and self._matcher.is_terminated()
+        if fed:
+            self._matcher.rollback(fed)
+        return draft[:taken - (ended and fed > 0)]
 
 
 def fill_masks(constraints: list[tuple[Constraint | None, tuple[int, ...]]]) -> Callable[[torch.Tensor], None] | None:
     """The masks of one step's sampling rows, each (its sequence's constraint, None for
     a free row; the drafted tokens before the row), as a function that applies them to
     the step's logits in place."""
-    rows = [i for i, (c, _) in enumerate(constraints) if c is not None]
-    if not rows:
+    held = [i for i, (c, _) in enumerate(constraints) if c is not None]
+    if not held:
         return None
     import xgrammar as xgr
-    vocab = constraints[rows[0]][0].vocab_size
+    vocab = constraints[held[0]][0].vocab_size
     bitmask = xgr.allocate_token_bitmask(len(constraints), vocab)
-    for i in rows:
-        constraint, ahead = constraints[i]
-        constraint.fill(bitmask, i, ahead)
+    rows = [i for i in held if constraints[i][0].fill(bitmask, i, constraints[i][1])]
+    if not rows:                                # every grammar still waits for its start
+        return None
 
     def apply(logits: torch.Tensor) -> None:
         mask = bitmask.to(logits.device, non_blocking=True)

@@ -30,6 +30,7 @@ from services.router.fairness import Ticket
 from services.router.generation import Delta, Generation
 from services.router.output_text import ChoiceText, TextOptions
 from services.router.protocol import APIError, bad_request
+from services.router.reasoning import PARSERS, Thinking
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +172,27 @@ class FrontEnd:
             return await self._off_loop(encode)
         except Exception as exc:                  # a template that rejects the conversation
             raise bad_request(f"cannot apply the chat template: {type(exc).__name__}", param="messages") from None
+
+    def thinking_of(self, prompt_ids: list[int]) -> Thinking | None:
+        """How a chat answer's thinking is told from its content (--reasoning-parser): open
+        from its first token where the prompt ends with the start tag. None: no parser."""
+        if self.reasoning_parser == "none":
+            return None
+        tail = self.tokenizer.decode(prompt_ids[-64:])        # where the template left the block
+        return Thinking.for_prompt(self.reasoning_parser, tail)
+
+    def grammar_start(self, prompt_ids: list[int], structure: tuple[str, str] | None) -> tuple[int, ...]:
+        """Where a structured output's grammar starts (SamplingParams.structure_after): where
+        the prompt leaves a reasoning model's block open, the model thinks first, free, and
+        the grammar holds the answer after the end tag, as vLLM's does beside a reasoning
+        parser; otherwise from the first token (empty)."""
+        thinking = self.thinking_of(prompt_ids) if structure is not None else None
+        return self._thinking_end_ids if thinking is not None and thinking.open_at_start else ()
+
+    @functools.cached_property
+    def _thinking_end_ids(self) -> tuple[int, ...]:
+        """The end tag's tokens (one token, in reasoning models' vocabularies)."""
+        return tuple(self.tokenizer.encode(PARSERS[self.reasoning_parser][1], add_special_tokens=False))
 
     @functools.cached_property
     def _template_arguments(self) -> frozenset[str]:

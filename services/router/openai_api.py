@@ -11,7 +11,6 @@ bodies: a web page can post a form or text/plain to a server on its visitor's ma
 without asking, but not JSON. CORS is off unless origins are allowed."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -23,7 +22,6 @@ from pydantic import BaseModel
 
 from services.common.security import KeyCheck
 from services.common.version import VERSION
-from services.engine.core.sampling import STRUCTURE_KINDS
 from services.router.access import AccessLogMiddleware
 from services.router.choices import Shape, respond, token_names
 from services.router.frontend import FrontEnd, choices
@@ -56,13 +54,15 @@ async def generations(fe: FrontEnd, req: CommonRequest, request_id: str, prompt_
         repetition_penalty=req.repetition_penalty, min_p=req.min_p, logit_bias=req.logit_bias,
         stop_token_ids=req.stop_token_ids or (), logprobs=logprobs, structure=structure,
         prompt_logprobs=prompt_logprobs, allowed_token_ids=req.allowed_token_ids, bad_words=bad_words,
-        cache_salt=fe.cache_salt(req.cache_salt), prompt_param=prompt_param, defaults=fe.sampling_defaults)
+        cache_salt=fe.cache_salt(req.cache_salt), prompt_param=prompt_param, defaults=fe.sampling_defaults,
+        structure_after=fe.grammar_start(prompt_ids, structure))
     return choices(request_id, prompt_ids, params, req.choices)
 
 
 async def chat_generations(fe: FrontEnd, req: ChatCompletionRequest,
-                           request_id: str) -> tuple[list[Generation], ToolPlan | None]:
-    """A chat request's generations and its tool plan (None: no tools)."""
+                           request_id: str) -> tuple[list[Generation], ToolPlan | None, Thinking | None]:
+    """A chat request's generations, its tool plan (None: no tools), and how its answers'
+    thinking is told from their content (None: no --reasoning-parser)."""
     req.check()
     tools = plan_tools(req, fe.supports_tools)
     structure = await structured.resolve(fe, structured.asked(req))
@@ -70,11 +70,11 @@ async def chat_generations(fe: FrontEnd, req: ChatCompletionRequest,
         structure = "json_schema", await fe.check_schema(tools.schema, "tools")
     elif tools is not None and structure is not None and structure[0] == "json_schema":
         structure = structured.with_calls(structure, tools.tools, one_call=req.parallel_tool_calls is False)
-    prompt_ids = await chat_prompt(fe, req, tools)
+    prompt_ids = req.truncate(await chat_prompt(fe, req, tools), fe.max_model_len)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    gens = await generations(fe, req, request_id, req.truncate(prompt_ids, fe.max_model_len), max_tokens,
-                             req.top_logprobs_count(), structure, req.prompt_logprobs)
-    return gens, tools
+    gens = await generations(fe, req, request_id, prompt_ids, max_tokens, req.top_logprobs_count(), structure,
+                             req.prompt_logprobs)
+    return gens, tools, fe.thinking_of(prompt_ids)
 
 
 async def chat_prompt(fe: FrontEnd, req: ChatCompletionRequest, tools: ToolPlan | None) -> list[int]:
@@ -84,18 +84,6 @@ async def chat_prompt(fe: FrontEnd, req: ChatCompletionRequest, tools: ToolPlan 
                                   add_special_tokens=req.add_special_tokens,
                                   continue_final_message=req.continue_final_message,
                                   template_kwargs=req.template_kwargs())
-
-
-def thinking(fe: FrontEnd, req: ChatCompletionRequest, gens: list[Generation]) -> Thinking | None:
-    """How the answers' thinking is told from their content (--reasoning-parser), if it is.
-    An output a grammar holds from its first token (a response format, forced tool calls)
-    is the answer whatever the prompt left open, unless it opens <think> itself."""
-    if fe.reasoning_parser == "none":
-        return None
-    tail = fe.tokenizer.decode(gens[0].prompt_ids[-64:])        # where the template left the block
-    found = Thinking.for_prompt(fe.reasoning_parser, tail)
-    held = any(getattr(gens[0].params, kind) for kind in STRUCTURE_KINDS)
-    return dataclasses.replace(found, open_at_start=False) if held else found
 
 
 def tokenizer_info(fe: FrontEnd) -> dict:
@@ -227,10 +215,10 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
         req = parse(ChatCompletionRequest, body)
         fe.check_model(req.model)
         request_id = new_request_id("chatcmpl")
-        gens, tools = await chat_generations(fe, req, request_id)
+        gens, tools, thinking = await chat_generations(fe, req, request_id)
         shape = Shape(chat=True, tools=tools, n=req.choices, prompt_logprobs=req.prompt_logprobs,
                       names=token_names(fe, req.return_tokens_as_token_ids),
-                      echo=(req.echoed(),) if req.echoed() else (), thinking=thinking(fe, req, gens))
+                      echo=(req.echoed(),) if req.echoed() else (), thinking=thinking)
         return await unless_disconnected(request, respond(fe, req, request_id, [gens], shape, tenant_of(request)))
 
     @app.post("/v1/completions")
@@ -284,12 +272,12 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
         req.check()
         try:
             chat_req = req.to_chat()
-            (gen,), tools = await chat_generations(fe, chat_req, answer_id)
+            (gen,), tools, thinking = await chat_generations(fe, chat_req, answer_id)
             running = fe.start([gen], tenant=tenant_of(request))
         except APIError as exc:
             raise in_own_terms(exc) from None
         writer = writer_of(req, answer_id, fe.served_model_name, tools, gen)
-        writer.thinking = thinking(fe, chat_req, [gen])
+        writer.thinking = thinking
         if req.stream:
             return StreamingResponse(writer.events(running, fe.sse_keepalive), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

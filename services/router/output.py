@@ -15,7 +15,8 @@ class _Choice:
     def __init__(self, tokenizer, gen: Generation, index: int) -> None:
         self.detok = IncrementalDetokenizer(tokenizer, gen.prompt_ids)
         self.stops = StopMatcher(gen.params.stop)
-        self.guard = SchemaGuard(gen.request_id, index, gen.params) if gen.params.json_schema else None
+        after = tokenizer.decode(gen.params.structure_after) if gen.params.structure_after else ""
+        self.guard = SchemaGuard(gen.request_id, index, gen.params, after) if gen.params.json_schema else None
 
 
 class OutputProcessor:

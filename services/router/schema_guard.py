@@ -6,7 +6,9 @@ schema the satisfiability check lets through can still yield output that breaks 
 Such an answer is an error (HTTP 500 `json_schema_violation`, gRPC INTERNAL), never a
 `stop` that claims the schema held. A choice cut by `max_tokens` ("length"), or by a
 stop string or stop token the request named, is not checked: the client asked for the
-cut, and the output is partial by design.
+cut, and the output is partial by design. A reasoning model's grammar holds its answer
+after the end of its thinking (`structure_after`): that answer is what is checked, and
+an output that never ends its thinking has none to check.
 """
 from __future__ import annotations
 
@@ -23,10 +25,11 @@ log = logging.getLogger(__name__)
 class SchemaGuard:
     """One constrained choice's text, checked when the choice ends."""
 
-    def __init__(self, request_id: str, index: int, params: SamplingParams) -> None:
+    def __init__(self, request_id: str, index: int, params: SamplingParams, after: str = "") -> None:
         self.request_id = request_id
         self.index = index
         self.schema = params.json_schema
+        self.after = after                      # the text the answer follows (structure_after's)
         self.stop_token_ids = frozenset(params.stop_token_ids)
         self.parts: list[str] = []
         self.last_token: int | None = None
@@ -38,8 +41,14 @@ class SchemaGuard:
             self.last_token = token_ids[-1]
         if finish != "stop" or stop_string or self.last_token in self.stop_token_ids:
             return
+        text = "".join(self.parts)
+        if self.after:
+            at = text.find(self.after)
+            if at < 0:
+                return
+            text = text[at + len(self.after):]
         # Off the event loop: the schema is the client's, up to 64 KiB.
-        reason = await asyncio.to_thread(output_violation, self.schema, "".join(self.parts))
+        reason = await asyncio.to_thread(output_violation, self.schema, text)
         if reason is None:
             return
         log.warning("request %s: choice %d ended outside its JSON schema: %s", self.request_id, self.index, reason)

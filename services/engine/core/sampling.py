@@ -38,6 +38,10 @@ class SamplingParams:
     regex: str = ""
     grammar: str = ""
     structural_tag: str = ""
+    # Where the constraint starts: after the output has made these tokens in a row (a
+    # reasoning model's end of thinking, as the router's --reasoning-parser sends it);
+    # empty: from the first token.
+    structure_after: tuple[int, ...] = ()
     allowed_token_ids: tuple[int, ...] = ()             # only these may be sampled (empty: any)
     # Token sequences the output may not contain (vLLM's bad_words, tokenized by the
     # router): a sequence's last token is banned wherever the output ends in the rest.
@@ -103,6 +107,9 @@ class SamplingParams:
             raise InvalidSampling("bad_words", f"bad_words takes at most {MAX_BAD_WORDS} non-empty token sequences")
         if len(self.cache_salt) > MAX_CACHE_SALT:
             raise InvalidSampling("cache_salt", f"cache_salt takes at most {MAX_CACHE_SALT} characters")
+        if len(self.structure_after) > MAX_STRUCTURE_AFTER or any(t < 0 for t in self.structure_after):
+            raise InvalidSampling("structure_after", f"structure_after takes at most {MAX_STRUCTURE_AFTER} "
+                                  "token ids >= 0")
         if sum(bool(getattr(self, kind)) for kind in STRUCTURE_KINDS) > 1:
             raise InvalidSampling("structured_outputs", "at most one kind of structured output: "
                                   + ", ".join(STRUCTURE_KINDS))
@@ -119,7 +126,7 @@ class SamplingParams:
     def token_ids_named(self) -> list[int]:
         """Every token id these parameters name, for a vocabulary check."""
         return ([t for t, _ in self.logit_bias] + list(self.stop_token_ids) + list(self.allowed_token_ids)
-                + [t for word in self.bad_words for t in word])
+                + [t for word in self.bad_words for t in word] + list(self.structure_after))
 
 
 @dataclass(frozen=True)
@@ -140,6 +147,7 @@ MAX_LOGIT_BIAS = 1024
 MAX_STOP_TOKEN_IDS = 64
 MAX_ALLOWED_TOKEN_IDS = 1 << 20         # more than any vocabulary: the body limit is the real bound
 MAX_BAD_WORDS = 512                     # sequences, each looked for after every token
+MAX_STRUCTURE_AFTER = 16                # a tag's tokens (reasoning models make </think> one)
 MAX_STOP = 16                           # stop strings: each is looked for after every token
 # What the wire (generate.proto) can carry: top_k is an int32, temperature a float32.
 MAX_TOP_K = 2**31 - 1
