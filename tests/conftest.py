@@ -15,7 +15,7 @@ import pytest
 from services.engine.text.model_store import ensure_default_model
 from services.local_processes import start_private_redis
 from tests import durations
-from tests.processes import ROOT, RunningCluster, spawn_service, start_cluster, stop_cluster, terminate
+from tests.processes import ROOT, RunningCluster, start_cluster, stop_cluster, terminate
 
 
 @pytest.fixture(scope="session")
@@ -90,12 +90,8 @@ def tools_router(cluster):
     renders tools (deploy/chat-templates/chatml-tools.jinja), and sending SSE keep-alives
     after 50 ms of silence."""
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-tools-"))
-    proc, info = spawn_service(tmp, "router", "router", [
-        "--http-port", "0", "--grpc-port", "0", "--log-level", "warning",
-        "--cluster-secret-file", cluster.secret_file, "--local-prefill-max-tokens", "0",
-        "--decode", cluster.worker_addr("decode"), "--prefill", cluster.worker_addr("prefill"),
-        "--chat-template", str(ROOT / "deploy" / "chat-templates" / "chatml-tools.jinja"),
-        "--sse-keepalive-seconds", "0.05"])
+    proc, info = cluster.router(tmp, "--chat-template", str(ROOT / "deploy" / "chat-templates" / "chatml-tools.jinja"),
+                                "--sse-keepalive-seconds", "0.05")
     yield f"http://127.0.0.1:{info['http_port']}"
     terminate(proc)
 

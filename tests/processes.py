@@ -110,6 +110,15 @@ class RunningCluster:
     def wait_idle(self, timeout: float = 30.0) -> worker_pb2.WorkerStats:
         return wait_decode_idle(self.stats, timeout)
 
+    def router(self, tmp: Path, *flags: str) -> tuple[subprocess.Popen, dict]:
+        """A second router over this cluster's workers, with `flags` of its own (a few
+        seconds to start, where a cluster of its own takes the model's load in each of
+        its workers): its process and announcement (`http_port`, `grpc_port`)."""
+        return spawn_service(tmp, "router", "router", [
+            "--http-port", "0", "--grpc-port", "0", "--log-level", "warning",
+            "--cluster-secret-file", self.secret_file, "--local-prefill-max-tokens", "0",
+            "--decode", self.worker_addr("decode"), "--prefill", self.worker_addr("prefill"), *flags])
+
     def pids(self) -> list[int]:
         workers = [w["pid"] for w in self.info["prefills"] + self.info["decodes"]]
         return [self.proc.pid, self.info["router_pid"], *workers] + ([self.info["redis_pid"]]

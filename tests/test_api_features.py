@@ -485,14 +485,11 @@ def test_a_router_fills_the_fields_a_request_leaves_out_from_the_generation_conf
     gets what one that sets them all gets, over HTTP and gRPC; what a request sets wins;
     completions keep OpenAI's default of 16 tokens."""
     from services.rpc import generate_pb2, generate_pb2_grpc
-    from tests.processes import spawn_service, terminate
+    from tests.processes import terminate
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.0, "repetition_penalty": 1.3, "max_new_tokens": 6, "eos_token_id": 2}))
-    proc, info = spawn_service(tmp_path, "router", "router", [
-        "--http-port", "0", "--grpc-port", "0", "--log-level", "warning",
-        "--cluster-secret-file", cluster.secret_file, "--local-prefill-max-tokens", "0",
-        "--decode", cluster.worker_addr("decode"), "--prefill", cluster.worker_addr("prefill"),
-        "--generation-config", str(tmp_path), "--override-generation-config", '{"max_new_tokens": 5}'])
+    proc, info = cluster.router(tmp_path, "--generation-config", str(tmp_path),
+                                "--override-generation-config", '{"max_new_tokens": 5}')
     try:
         http = f"http://127.0.0.1:{info['http_port']}"
         messages = [{"role": "user", "content": "List the days of the week, then the months."}]
@@ -530,7 +527,7 @@ def test_a_reasoning_parser_tells_thinking_from_the_answer_whole_and_streamed(cl
     and a grammar there holds only the answer after </think>."""
     import anthropic
 
-    from tests.processes import spawn_service, terminate
+    from tests.processes import terminate
     # SmolLM2's template, opening the block in the generation prompt when asked to reason
     # (Responses' reasoning.effort, Messages' output_config.effort), as reasoning models' do
     template = tmp_path / "thinking.jinja"
@@ -540,11 +537,7 @@ def test_a_reasoning_parser_tells_thinking_from_the_answer_whole_and_streamed(cl
         "{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
         "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
         "{% if reasoning_effort %}{{ '<think>\\n' }}{% endif %}{% endif %}")
-    proc, info = spawn_service(tmp_path, "router", "router", [
-        "--http-port", "0", "--grpc-port", "0", "--log-level", "warning",
-        "--cluster-secret-file", cluster.secret_file, "--local-prefill-max-tokens", "0",
-        "--decode", cluster.worker_addr("decode"), "--prefill", cluster.worker_addr("prefill"),
-        "--reasoning-parser", "deepseek_r1", "--chat-template", str(template)])
+    proc, info = cluster.router(tmp_path, "--reasoning-parser", "deepseek_r1", "--chat-template", str(template))
     http = f"http://127.0.0.1:{info['http_port']}"
     ask = [{"role": "user", "content": "Name a colour."}]
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from services.router.connections import ClientConnections
-from tests.processes import spawn_service, terminate
+from tests.processes import terminate
 
 HEADER_TIMEOUT = 2.0
 BODY_TIMEOUT = 2.0
@@ -24,12 +24,8 @@ CAP = 4
 @pytest.fixture(scope="module")
 def router(cluster):
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-conns-"))
-    proc, info = spawn_service(tmp, "router", "router", [
-        "--http-port", "0", "--grpc-port", "0", "--log-level", "warning",
-        "--cluster-secret-file", cluster.secret_file, "--local-prefill-max-tokens", "0",
-        "--decode", cluster.worker_addr("decode"), "--prefill", cluster.worker_addr("prefill"),
-        "--header-timeout", str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT),
-        "--max-connections-per-client", str(CAP)])
+    proc, info = cluster.router(tmp, "--header-timeout", str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT),
+                                "--max-connections-per-client", str(CAP))
     yield info["http_port"]
     terminate(proc)
 

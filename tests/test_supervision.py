@@ -19,7 +19,7 @@ from services.common.shm import live_segments
 from services.rpc import generate_pb2, worker_pb2, worker_pb2_grpc
 from tests.processes import pid_alive, start_cluster, stop_cluster
 
-TOKENS = 64                      # long enough to be mid-stream when the worker dies
+TOKENS = 40                      # long enough to be mid-stream when the worker dies
 
 
 def stream(http: str, i: int, out: dict) -> None:

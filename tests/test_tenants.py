@@ -1,5 +1,5 @@
-"""API keys as tenants, through a real cluster (`pdserve up`) with a key file and a small
-dispatch limit: a flood from one key does not hold back another key's request (it is
+"""API keys as tenants, through a real router with a key file and a small dispatch limit,
+over the session cluster's workers: a flood from one key does not hold back another key's request (it is
 dispatched next, not after the flood), per-key concurrency caps and token rates answer
 OpenAI's 429 with `retry-after`, and /metrics counts per tenant by name or hash, never
 by key. The issue's full measurement (500 concurrent) is bench/fairness.py."""
@@ -9,25 +9,27 @@ import asyncio
 import json
 import re
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from tests.processes import start_cluster, stop_cluster
+from tests.processes import terminate
 
 KEYS = {"flood": "sk-flood-0123456789abcdef", "light": "sk-light-0123456789abcdef",
         "capped": "sk-capped-0123456789abcde", "metered": "sk-metered-0123456789abcd"}
 
 
 @pytest.fixture(scope="module")
-def tenants(model_dir, tmp_path_factory):
-    key_file = tmp_path_factory.mktemp("keys") / "api-keys"
+def tenants(cluster, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tenants")
+    key_file = tmp / "api-keys"
     key_file.write_text(f"{KEYS['flood']} name=flood\n{KEYS['light']} name=light\n"
                         f"{KEYS['capped']} max_concurrency=1\n{KEYS['metered']} tokens_per_minute=300\n")
     key_file.chmod(0o600)
-    c = start_cluster("--api-key-file", str(key_file), "--max-running", "2")
-    yield c
-    stop_cluster(c)
+    proc, info = cluster.router(tmp, "--api-key-file", str(key_file), "--max-running", "2")
+    yield SimpleNamespace(http=f"http://127.0.0.1:{info['http_port']}")
+    terminate(proc)
 
 
 def _body(prompt: str, max_tokens: int, **kw) -> dict:
