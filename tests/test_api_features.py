@@ -518,6 +518,46 @@ def test_a_router_fills_the_fields_a_request_leaves_out_from_the_generation_conf
         terminate(proc)
 
 
+def test_a_tool_call_parser_reads_pythonic_calls_whole_and_streamed(cluster, tmp_path):
+    """--tool-call-parser pythonic on a router over the session cluster's workers, through
+    the official client: an answer that is a Python list of calls comes back as
+    tool_calls (finish reason tool_calls), whole and streamed alike; an answer that is
+    not stays content. The model learns the syntax from an earlier turn of the
+    conversation; the template is SmolLM2's, which reads `tools` (a template that never
+    reads them is refused)."""
+    from tests.processes import terminate
+    template = tmp_path / "tools.jinja"
+    template.write_text(
+        "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+        "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}"
+        "{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+        "{% if tools %}{% endif %}")
+    proc, info = cluster.router(tmp_path, "--tool-call-parser", "pythonic", "--chat-template", str(template))
+    client = _client(f"http://127.0.0.1:{info['http_port']}")
+    weather = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    shown = [{"role": "user", "content": "What is the weather in London?"},
+             {"role": "assistant", "content": '[get_weather(city="London")]'}]
+    try:
+        ask = dict(model=MODEL, tools=weather, temperature=0, max_tokens=30,
+                   messages=[*shown, {"role": "user", "content": "What is the weather in Paris?"}])
+        whole = client.chat.completions.create(**ask).choices[0]
+        assert whole.finish_reason == "tool_calls" and whole.message.content is None
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls] == \
+            [("get_weather", {"city": "Paris"})]
+        chunks = list(client.chat.completions.create(**ask, stream=True))
+        calls = [c for chunk in chunks for d in chunk.choices for c in d.delta.tool_calls or ()]
+        assert [(c.function.name, c.function.arguments) for c in calls] == \
+            [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        plain = client.chat.completions.create(**{**ask, "messages": [
+            {"role": "user", "content": "Say hello."}]}).choices[0]
+        assert plain.message.tool_calls is None and plain.message.content and plain.finish_reason != "tool_calls"
+    finally:
+        terminate(proc)
+
+
 def test_a_reasoning_parser_tells_thinking_from_the_answer_whole_and_streamed(cluster, tmp_path):
     """--reasoning-parser deepseek_r1 on a router over the session cluster's workers. The
     model is held by a regex to think, close the block and answer: the text before

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from services.router.tools import CallStream, ToolPlan, parse_calls
+from services.router.tool_syntax import SYNTAXES, split
+from services.router.tools import ToolPlan, parse_calls, plan_tools
 
 TEXT = ('Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
         ' and <tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"CET\\"}"}</tool_call> <tool_call>{oops}'
@@ -36,17 +37,55 @@ def test_whole_outputs_per_mode():
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 11, 1000])
 def test_an_auto_stream_splits_into_the_same_content_and_calls_however_chunked(size):
-    stream = CallStream()
+    stream = SYNTAXES["hermes"].stream()
     content, calls = [], []
     for i in range(0, len(TEXT), size):
-        text, found = stream.feed(TEXT[i:i + size])
+        text, found = split(stream.pieces(TEXT[i:i + size]))
         content.append(text)
         calls += found
-    content.append(stream.close())
+    content.append(split(stream.close())[0])
     whole_content, whole_calls = parse_calls(ToolPlan([], "auto"), TEXT)
     assert _names(calls) == _names(whole_calls) and stream.calls == 2
     assert "".join(content) == "Checking.  and  <tool_call>{oops}</tool_call> bye <tool_"
     assert "".join(content).strip() == whole_content
+
+
+# Outputs of the other --tool-call-parser syntaxes: (text, the calls read from it; none: it is content)
+OTHER_SYNTAXES = [
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                    '{"name": "get_time", "arguments": {"tz": "CET"}}',
+     [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]),
+    ("llama3_json", '\n{"name": "get_weather", "parameters": {"city": "Paris"}}', [("get_weather", {"city": "Paris"})]),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Par', []),          # cut by max_tokens
+    ("llama3_json", '{"city": "Paris"} is my answer', []),
+    ("llama3_json", "The weather is fine.", []),
+    ("pythonic", '[get_weather(city="Paris", days=3, metric=true), clock.get_time(tz="CET", at=[1, {"k": None}])]',
+     [("get_weather", {"city": "Paris", "days": 3, "metric": True}), ("clock.get_time", {"tz": "CET", "at": [1, {"k": None}]})]),
+    ("pythonic", '[get_weather("Paris")]', []),                   # positional: not a call of named arguments
+    ("pythonic", '[get_weather(city=lookup())]', []),             # not a literal
+    ("pythonic", "[1] is the answer", []),
+    ("pythonic", "Paris is sunny [citation].", []),
+]
+
+
+@pytest.mark.parametrize("name, text, expected", OTHER_SYNTAXES)
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_llama3_json_and_pythonic_calls_whole_and_streamed(name, text, expected, size):
+    """An output that is calls (after whitespace and Llama's <|python_tag|>) gives them and
+    no content; any other is content, streamed at once unless it begins as calls would."""
+    syntax = SYNTAXES[name]
+    content, calls = syntax.parse(text)
+    assert _names(calls) == expected and content == (None if expected else text)
+    stream, pieces, early = syntax.stream(), [], []
+    for i in range(0, len(text), size):
+        pieces += stream.pieces(text[i:i + size])
+        early.append(split(pieces)[0])
+    pieces += stream.close()
+    streamed, streamed_calls = split(pieces)
+    assert _names(streamed_calls) == expected and stream.calls == len(expected)
+    assert streamed == ("" if expected else text)
+    if not syntax.begins(text):            # content that cannot be calls goes out before the end
+        assert size >= len(text) or early[-1]
 
 
 @pytest.mark.parametrize("one_text", [True, False], ids=["one_text_item", "a_text_item_between_calls"])
@@ -96,3 +135,20 @@ def test_thinking_goes_first_to_an_item_of_its_own_however_chunked(size):
     assert [s.kind for s in steps if s.kind != "reasoning"] == \
         ["open_reasoning", "close_reasoning", "open_text", "close_text"]      # and the empty answer
     assert "".join(s.delta for s in steps if s.kind == "reasoning") == "still thinking </th"
+
+
+def test_auto_needs_a_parser_and_the_others_do_not():
+    """--no-enable-auto-tool-choice (no parser): "auto", asked for or the default with tools,
+    is a 400 naming tool_choice, as vLLM answers without --enable-auto-tool-choice; the
+    forced choices are served."""
+    from services.router.protocol import APIError, ChatCompletionRequest
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    ask = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    for choice in (None, "auto"):
+        req = ChatCompletionRequest.model_validate({**ask, **({"tool_choice": choice} if choice else {})})
+        with pytest.raises(APIError) as refused:
+            plan_tools(req, True, parser=None)
+        assert refused.value.status == 400 and refused.value.param == "tool_choice"
+        assert plan_tools(req, True, parser="pythonic").syntax is SYNTAXES["pythonic"]
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        assert plan_tools(ChatCompletionRequest.model_validate({**ask, "tool_choice": choice}), True, parser=None)

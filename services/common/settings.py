@@ -300,6 +300,15 @@ class RoutingSettings:
         "none", "a reasoning model's thinking (between <think> and </think>) goes out as a chat message's "
                 "`reasoning` (and `reasoning_content`), apart from its `content`, and a structured output's "
                 "grammar holds only the answer after </think>, as vLLM's parsers of these names do", choices=("none", "deepseek_r1", "qwen3"))
+    tool_call_parser: str = setting(
+        "hermes", "how the model writes tool calls in free text (tool_choice auto), by vLLM's names: hermes, "
+                  "<tool_call>{...}</tool_call> (Qwen, Hermes); llama3_json, an answer of JSON calls (Llama 3.1-3.3); "
+                  "pythonic, an answer of a Python list of calls (Llama 3.2 and 4)",
+        choices=("hermes", "llama3_json", "pythonic"))
+    enable_auto_tool_choice: bool = setting(
+        True, "tool_choice auto (the default when a request has tools): the model may call a tool or answer, "
+              "its calls found by --tool-call-parser. On by default, where vLLM needs this flag; without it "
+              "only required, named and none are served")
     override_generation_config: str | None = setting(
         None, "a JSON object of those fields over the defaults, e.g. '{\"temperature\": 0.5}' (vLLM's flag)",
         metavar="JSON")

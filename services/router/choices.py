@@ -18,7 +18,8 @@ from services.router.generation import Delta, Generation
 from services.router.output_text import TextOptions
 from services.router.protocol import APIError, CommonRequest
 from services.router.reasoning import Thinking, ThinkingStream
-from services.router.tools import CallStream, ToolPlan, new_call, parse_calls
+from services.router.tool_syntax import split
+from services.router.tools import ToolPlan, new_call, parse_calls
 
 
 def sse(obj) -> bytes:
@@ -223,7 +224,8 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
     tools = shape.tools
     held = {i: [] for i in range(len(gens))}       # "required" tool output: known only at its end
     thinking = [ThinkingStream(shape.thinking) for _ in gens] if shape.thinking is not None else None
-    calls = [CallStream() for _ in gens]           # "auto": content streams, calls go out whole
+    # "auto": content streams, calls go out whole
+    calls = [tools.syntax.stream() for _ in gens] if tools is not None and tools.mode == "auto" else []
     offsets = [0] * len(gens)                     # completions: where each choice's text is
     # Output tokens sent so far, per choice: continuous usage counts these (vLLM's role
     # chunk, before the first token, counts none), not those made and still queued.
@@ -276,7 +278,7 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
         if tools.streams_arguments:
             return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
         if tools.mode == "auto":
-            return auto_delta(index, *calls[index].feed(text))
+            return auto_delta(index, *split(calls[index].pieces(text)))
         held[index].append(text)
         return {}
 
@@ -292,8 +294,7 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
         if tools is None or tools.streams_arguments:
             return {}, finish
         if tools.mode == "auto":
-            rest = calls[index].close()
-            return ({"content": rest} if rest else {}), \
+            return auto_delta(index, *split(calls[index].close())), \
                 "tool_calls" if calls[index].calls and finish == "stop" else finish
         text, calls_found = parse_calls(tools, "".join(held[index]))
         if not calls_found:

@@ -65,6 +65,7 @@ class FrontEnd:
     # what a request's absent sampling fields take (router/sampling.py: sampling_defaults)
     sampling_defaults: dict = field(default_factory=dict)
     reasoning_parser: str = "none"             # router/reasoning.py's PARSERS, or none
+    tool_call_parser: str | None = "hermes"    # router/tool_syntax.py's SYNTAXES; None: no tool_choice auto
     _token_text: dict[int, str] = field(init=False, default_factory=dict)
     _running: weakref.WeakSet = field(init=False, default_factory=weakref.WeakSet)
 

@@ -64,11 +64,11 @@ async def chat_generations(fe: FrontEnd, req: ChatCompletionRequest,
     """A chat request's generations, its tool plan (None: no tools), and how its answers'
     thinking is told from their content (None: no --reasoning-parser)."""
     req.check()
-    tools = plan_tools(req, fe.supports_tools)
+    tools = plan_tools(req, fe.supports_tools, fe.tool_call_parser)
     structure = await structured.resolve(fe, structured.asked(req))
     if tools is not None and tools.schema:
         structure = "json_schema", await fe.check_schema(tools.schema, "tools")
-    elif tools is not None and structure is not None and structure[0] == "json_schema":
+    elif tools is not None and tools.hermes and structure is not None and structure[0] == "json_schema":
         structure = structured.with_calls(structure, tools.tools, one_call=req.parallel_tool_calls is False)
     prompt_ids = req.truncate(await chat_prompt(fe, req, tools), fe.max_model_len)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -305,7 +305,7 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
         req.check()
         try:
             chat = req.to_chat()
-            ids = await chat_prompt(fe, chat, plan_tools(chat, fe.supports_tools))
+            ids = await chat_prompt(fe, chat, plan_tools(chat, fe.supports_tools, fe.tool_call_parser))
         except APIError as exc:
             raise in_messages_terms(exc) from None
         return {"input_tokens": len(ids)}

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from services.router.reasoning import Thinking, ThinkingStream
-from services.router.tools import CallStream, ToolPlan, new_call, split_output
+from services.router.tools import ToolPlan, new_call, split_output
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class ItemStream:
         self._text_index: int | None = None
         self.text = ""
         self._held = ""                     # "required" calls: known at the end
-        self._auto = CallStream()
+        self._auto = tools.syntax.stream() if tools is not None and tools.mode == "auto" else None
         self._named: tuple[int, dict] | None = None     # (output index, call) of a named call
         self._arguments = ""
 
@@ -82,15 +82,18 @@ class ItemStream:
         if tools.mode == "named":
             return self._named_arguments(text)
         if tools.mode == "auto":
-            return [s for piece in self._auto.pieces(text)
-                    for s in (self._say(piece) if isinstance(piece, str) else self._whole_call(piece))]
+            return self._pieces(self._auto.pieces(text))
         self._held += text
         return []
+
+    def _pieces(self, pieces: list[str | dict]) -> list[Step]:
+        """The steps of an "auto" stream's text and calls, in order."""
+        return [s for piece in pieces for s in (self._say(piece) if isinstance(piece, str) else self._whole_call(piece))]
 
     def close(self) -> list[Step]:
         tools, steps = self.tools, (self.feed("", final=True) if self._thinking is not None else [])
         if tools is not None and tools.mode == "auto":
-            steps += self._say(self._auto.close())
+            steps += self._pieces(self._auto.close())
         elif tools is not None and tools.mode == "required":
             _, calls = split_output(tools, self._held)
             steps += [s for call in calls for s in self._whole_call(call)]

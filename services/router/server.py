@@ -53,7 +53,8 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     fe = FrontEnd(cluster, admission, tokenizer, served_model_name, max_model_len, settings.max_body_bytes,
                   settings.request_timeout, sse_keepalive=settings.sse_keepalive_seconds,
                   shared_prefix_cache=settings.shared_prefix_cache, sampling_defaults=defaults,
-                  reasoning_parser=settings.reasoning_parser)
+                  reasoning_parser=settings.reasoning_parser,
+                  tool_call_parser=settings.tool_call_parser if settings.enable_auto_tool_choice else None)
 
     keys = KeyCheck(api_keys)
     tls = TLSFiles(settings.tls_cert, settings.tls_key)

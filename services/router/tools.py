@@ -6,26 +6,24 @@ refused instead of answered as if no tools were given. What the model writes bac
   - a named `tool_choice`: the output is that function's arguments, constrained by its
     `parameters` schema (structured output on the decode worker);
   - "required": a JSON array of {"name", "arguments"} calls, constrained likewise;
-  - "auto": free text, in which calls are found the way Hermes-style templates ask for
-    them: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+  - "auto": free text, in which calls are found as the model writes them (the router's
+    --tool-call-parser, tool_syntax.py; Hermes-style by default:
+    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`).
 With a `response_format` as well (an agent with tools and a structured final answer),
 a named or required choice is constrained by its calls, as above, and the format is
 checked but applies to no text; with "auto" the output is either the format or calls
-(structured.py `with_calls`), as OpenAI has it, where vLLM lets the format alone
-constrain it: an agent can call its tools and still answer in its format. A regex,
+(structured.py `with_calls`, Hermes-style calls), as OpenAI has it, where vLLM lets the
+format alone constrain it: an agent can call its tools and still answer in its format
+(with another parser, the format alone constrains it, as in vLLM). A regex,
 grammar or choice beside "auto" constrains the whole output: no call can be written.
 """
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from dataclasses import dataclass
 
-from services.engine.text.tokenizer import held_tail
 from services.router.protocol import ChatCompletionRequest, NamedToolChoice, bad_request, unsupported
-
-_HERMES_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+from services.router.tool_syntax import SYNTAXES, Hermes, new_call
 
 
 @dataclass(frozen=True)
@@ -34,6 +32,11 @@ class ToolPlan:
     mode: str                           # "named", "required" or "auto"
     schema: str = ""                    # what constrains the output ("" for auto)
     name: str = ""                      # the forced function, when named
+    syntax: object = SYNTAXES["hermes"]     # how "auto" output writes its calls (tool_syntax.py)
+
+    @property
+    def hermes(self) -> bool:
+        return isinstance(self.syntax, Hermes)
 
     @property
     def streams_arguments(self) -> bool:
@@ -41,7 +44,10 @@ class ToolPlan:
         return self.mode == "named"
 
 
-def plan_tools(req: ChatCompletionRequest, template_supports_tools: bool) -> ToolPlan | None:
+def plan_tools(req: ChatCompletionRequest, template_supports_tools: bool,
+               parser: str | None = "hermes") -> ToolPlan | None:
+    """How a request's tools are served; `parser`: how "auto" output writes its calls (the
+    router's --tool-call-parser; None: "auto" is not served)."""
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none"):
@@ -67,12 +73,10 @@ def plan_tools(req: ChatCompletionRequest, template_supports_tools: bool) -> Too
         if req.parallel_tool_calls is False:
             schema["maxItems"] = 1
         return ToolPlan(tools, "required", json.dumps(schema))
-    return ToolPlan(tools, "auto")
-
-
-def new_call(name: str, arguments: str) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+    if parser is None:
+        raise unsupported("tool_choice", "tool_choice auto (the default with tools) is off on this server "
+                                         "(--no-enable-auto-tool-choice): ask for required, none or a named function")
+    return ToolPlan(tools, "auto", syntax=SYNTAXES[parser])
 
 
 def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
@@ -84,18 +88,7 @@ def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
         if not calls:                           # cut short by max_tokens inside the first call
             return text, []
         return None, [new_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
-    calls = []
-
-    def take(match: re.Match) -> str:
-        call = _hermes_call(match.group(1))
-        if call is None:                        # not a call after all: it stays text
-            return match.group(0)
-        calls.append(call)
-        return ""
-    content = _HERMES_CALL.sub(take, text)
-    if not calls:
-        return text, []
-    return content.strip() or None, calls
+    return plan.syntax.parse(text)
 
 
 def split_output(plan: ToolPlan | None, text: str) -> tuple[str, list[dict]]:
@@ -122,73 +115,3 @@ def _whole_items(text: str) -> list:
             break
         items.append(item)
     return items
-
-
-def _hermes_call(body: str) -> dict | None:
-    """A call from the JSON inside <tool_call> tags, or None if it is not one."""
-    try:
-        call = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return None
-    arguments = call.get("arguments", {})
-    return new_call(call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments,
-                                                                                         ensure_ascii=False))
-
-
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-
-
-class CallStream:
-    """Splits an `auto` choice's streamed text into content, which goes out as it comes,
-    and Hermes-style calls, each sent whole once its closing tag arrives. Text that may
-    be the start of a tag is held until it is known not to be."""
-
-    def __init__(self) -> None:
-        self._held = ""
-        self._in_call = False
-        self.calls = 0
-
-    def feed(self, text: str) -> tuple[str, list[dict]]:
-        """(content to send, calls completed) after `text`."""
-        pieces = self.pieces(text)
-        return "".join(p for p in pieces if isinstance(p, str)), [p for p in pieces if isinstance(p, dict)]
-
-    def pieces(self, text: str) -> list[str | dict]:
-        """What `text` completes, in order: content (str) and calls (dict)."""
-        self._held += text
-        content: list[str | dict] = []
-        calls = 0
-        while True:
-            if self._in_call:
-                end = self._held.find(CLOSE)
-                if end < 0:
-                    break
-                call = _hermes_call(self._held[:end].strip())
-                if call is not None:
-                    content.append(call)
-                    calls += 1
-                else:                           # not a call after all: it was text
-                    content.append(OPEN + self._held[:end + len(CLOSE)])
-                self._held = self._held[end + len(CLOSE):]
-                self._in_call = False
-                continue
-            start = self._held.find(OPEN)
-            if start >= 0:
-                content.append(self._held[:start])
-                self._held = self._held[start + len(OPEN):]
-                self._in_call = True
-                continue
-            keep = held_tail(self._held, (OPEN,))
-            content.append(self._held[:len(self._held) - keep])
-            self._held = self._held[len(self._held) - keep:]
-            break
-        self.calls += calls
-        return [p for p in content if p != ""]
-
-    def close(self) -> str:
-        """What is left at the end: text, or an unclosed call given back as text."""
-        rest = (OPEN if self._in_call else "") + self._held
-        self._held, self._in_call = "", False
-        return rest

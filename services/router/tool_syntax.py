@@ -1,0 +1,243 @@
+"""How a model writes its tool calls in free text (`tool_choice: auto`), by vLLM's
+--tool-call-parser names:
+
+  hermes       `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` anywhere in the
+               text (Qwen, Hermes, and deploy/chat-templates/chatml-tools.jinja)
+  llama3_json  an output that is JSON calls, `{"name": ..., "parameters": {...}}` (or
+               "arguments"), one or more, split by `;`, after an optional <|python_tag|>
+               (Llama 3.1-3.3, as their templates ask for calls)
+  pythonic     an output that is a Python list of calls with keyword arguments,
+               `[get_weather(city="Paris"), ...]` (Llama 3.2 and 4, ToolACE)
+
+Each gives a whole output's (content, calls), and a stream that splits the text as it
+comes: content goes out at once, and a call goes out whole once it is known to be one.
+Text that could still begin a call is held until the next text says what it is. An
+output that looked like calls but is not (bad JSON, a call of something else) is text.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import re
+import uuid
+
+from services.engine.text.tokenizer import held_tail
+
+
+def new_call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def split(pieces: list[str | dict]) -> tuple[str, list[dict]]:
+    """A stream's pieces as (their text, their calls)."""
+    return "".join(p for p in pieces if isinstance(p, str)), [p for p in pieces if isinstance(p, dict)]
+
+
+def _call(name, arguments) -> dict | None:
+    """An OpenAI call of a parsed name and arguments, or None if they are not a call's."""
+    if not isinstance(name, str) or not name or not isinstance(arguments, (dict, str)):
+        return None
+    return new_call(name, arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
+
+
+class Hermes:
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    _CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+
+    @staticmethod
+    def call(body: str) -> dict | None:
+        """A call from the JSON inside <tool_call> tags, or None if it is not one."""
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError:
+            return None
+        return _call(call.get("name"), call.get("arguments", {})) if isinstance(call, dict) else None
+
+    def parse(self, text: str) -> tuple[str | None, list[dict]]:
+        calls = []
+
+        def take(match: re.Match) -> str:
+            call = self.call(match.group(1))
+            if call is None:                        # not a call after all: it stays text
+                return match.group(0)
+            calls.append(call)
+            return ""
+        content = self._CALL.sub(take, text)
+        if not calls:
+            return text, []
+        return content.strip() or None, calls
+
+    def stream(self) -> "TaggedCalls":
+        return TaggedCalls()
+
+
+class TaggedCalls:
+    """A stream of Hermes-style calls: each is sent whole once its closing tag arrives."""
+
+    def __init__(self) -> None:
+        self._held = ""
+        self._in_call = False
+        self.calls = 0
+
+    def pieces(self, text: str) -> list[str | dict]:
+        """What `text` completes, in order: content (str) and calls (dict)."""
+        self._held += text
+        out: list[str | dict] = []
+        while True:
+            if self._in_call:
+                end = self._held.find(Hermes.CLOSE)
+                if end < 0:
+                    break
+                call = Hermes.call(self._held[:end].strip())
+                if call is not None:
+                    out.append(call)
+                    self.calls += 1
+                else:                           # not a call after all: it was text
+                    out.append(Hermes.OPEN + self._held[:end + len(Hermes.CLOSE)])
+                self._held = self._held[end + len(Hermes.CLOSE):]
+                self._in_call = False
+                continue
+            start = self._held.find(Hermes.OPEN)
+            if start >= 0:
+                out.append(self._held[:start])
+                self._held = self._held[start + len(Hermes.OPEN):]
+                self._in_call = True
+                continue
+            keep = held_tail(self._held, (Hermes.OPEN,))
+            out.append(self._held[:len(self._held) - keep])
+            self._held = self._held[len(self._held) - keep:]
+            break
+        return [p for p in out if p != ""]
+
+    def close(self) -> list[str | dict]:
+        """What is left at the end: text, or an unclosed call given back as text."""
+        rest = (Hermes.OPEN if self._in_call else "") + self._held
+        self._held, self._in_call = "", False
+        return [rest] if rest else []
+
+
+class WholeOutput:
+    """A syntax whose calls are the whole output, told by how it begins (`MARKS`, after
+    leading whitespace): such an output is held to its end and read whole; any other
+    streams as content."""
+    MARKS: tuple[str, ...] = ()
+
+    def begins(self, text: str) -> bool | None:
+        """Whether an output beginning with `text` is calls; None while it cannot tell."""
+        head = text.lstrip()
+        if any(head.startswith(mark) for mark in self.MARKS):
+            return True
+        return None if any(mark.startswith(head) for mark in self.MARKS) else False
+
+    def calls(self, text: str) -> list[dict] | None:
+        raise NotImplementedError
+
+    def parse(self, text: str) -> tuple[str | None, list[dict]]:
+        calls = self.calls(text.strip()) if self.begins(text) else None
+        return (None, calls) if calls else (text, [])
+
+    def stream(self) -> "WholeOutputCalls":
+        return WholeOutputCalls(self)
+
+
+class WholeOutputCalls:
+    def __init__(self, syntax: WholeOutput) -> None:
+        self.syntax = syntax
+        self._text = ""
+        self._calls: bool | None = None
+        self.calls = 0
+
+    def pieces(self, text: str) -> list[str | dict]:
+        if self._calls is False:
+            return [text] if text else []
+        self._text += text
+        self._calls = self.syntax.begins(self._text)
+        if self._calls is False:
+            out, self._text = self._text, ""
+            return [out] if out else []
+        return []
+
+    def close(self) -> list[str | dict]:
+        text, self._text = self._text, ""
+        content, calls = self.syntax.parse(text) if self._calls else (text, [])
+        self.calls += len(calls)
+        return [*([content] if content else []), *calls]
+
+
+class Llama3Json(WholeOutput):
+    TAG = "<|python_tag|>"
+    MARKS = (TAG, "{")
+    _decoder = json.JSONDecoder()
+
+    def calls(self, text: str) -> list[dict] | None:
+        text = text.removeprefix(self.TAG)
+        calls, at = [], 0
+        while at < len(text):
+            while at < len(text) and text[at] in " \t\r\n;":
+                at += 1
+            if at == len(text):
+                break
+            try:
+                obj, at = self._decoder.raw_decode(text, at)
+            except json.JSONDecodeError:
+                return None
+            call = _call(obj.get("name"), obj["arguments"] if "arguments" in obj else obj.get("parameters")) \
+                if isinstance(obj, dict) else None
+            if call is None:
+                return None
+            calls.append(call)
+        return calls or None
+
+
+class Pythonic(WholeOutput):
+    MARKS = ("[",)
+    # what JSON-minded models write for Python's constants
+    _NAMES = {"true": True, "false": False, "null": None}
+
+    def calls(self, text: str) -> list[dict] | None:
+        try:
+            tree = ast.parse(text, mode="eval").body
+        except (SyntaxError, ValueError, RecursionError):
+            return None
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        calls = []
+        for node in tree.elts:
+            if not isinstance(node, ast.Call) or node.args or any(k.arg is None for k in node.keywords):
+                return None
+            try:
+                call = _call(self._name(node.func), {k.arg: self._value(k.value) for k in node.keywords})
+            except (ValueError, TypeError, RecursionError):
+                return None
+            if call is None:
+                return None
+            calls.append(call)
+        return calls
+
+    def _name(self, func: ast.expr) -> str | None:
+        """`f` or a dotted `a.b.f`."""
+        if isinstance(func, ast.Name):
+            return func.id
+        if isinstance(func, ast.Attribute):
+            owner = self._name(func.value)
+            return owner and f"{owner}.{func.attr}"
+        return None
+
+    def _value(self, node: ast.expr):
+        """A literal argument's value (ValueError for anything else: a call, a variable)."""
+        if isinstance(node, ast.Name) and node.id in self._NAMES:
+            return self._NAMES[node.id]
+        if isinstance(node, ast.List):
+            return [self._value(e) for e in node.elts]
+        if isinstance(node, ast.Dict):
+            if any(not isinstance(k, ast.Constant) or not isinstance(k.value, str) for k in node.keys):
+                raise ValueError("a dict's keys must be strings")
+            return {k.value: self._value(v) for k, v in zip(node.keys, node.values)}
+        value = ast.literal_eval(node)
+        if value is not None and not isinstance(value, (str, int, float, bool)):
+            raise ValueError("not a JSON value")
+        return value
+
+
+SYNTAXES = {"hermes": Hermes(), "llama3_json": Llama3Json(), "pythonic": Pythonic()}
