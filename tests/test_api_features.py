@@ -620,13 +620,20 @@ def test_a_reasoning_parser_tells_thinking_from_the_answer_whole_and_streamed(cl
                   "required": ["colour"], "additionalProperties": False}
         held = {**left_open, "max_tokens": 40,
                 "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": colour}}}
-        answered = httpx.post(f"{http}/v1/chat/completions", json=held, timeout=120).json()["choices"][0]
+        body = httpx.post(f"{http}/v1/chat/completions", json=held, timeout=120).json()
+        answered = body["choices"][0]
         thought, content = answered["message"]["reasoning"], answered["message"]["content"]
         assert answered["finish_reason"] == "stop" and thought == "The sky is blue." and list(json.loads(content)) == ["colour"]
-        with httpx.stream("POST", f"{http}/v1/chat/completions", json={**held, "stream": True}, timeout=120) as r:
-            deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines() if line.startswith("data: {")]
+        # usage counts the thinking's tokens, the tags left out, as vLLM does
+        thought_ids = httpx.post(f"{http}/tokenize", json={"prompt": thought, "add_special_tokens": False}).json()
+        assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": thought_ids["count"]}
+        streamed = {**held, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{http}/v1/chat/completions", json=streamed, timeout=120) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
         assert "".join(d.get("reasoning") or "" for d in deltas) == thought
         assert "".join(d.get("content") or "" for d in deltas) == content
+        assert events[-1]["usage"] == body["usage"]
         # the Responses API's reasoning item and the Messages API's thinking block, whole
         # and streamed, through the official clients: the template opened the block
         client = _client(http)
@@ -636,6 +643,7 @@ def test_a_reasoning_parser_tells_thinking_from_the_answer_whole_and_streamed(cl
         assert [item.type for item in whole.output] == ["reasoning", "message"]
         mused = whole.output[0].content[0].text
         assert mused and whole.output[1].content[0].text == ""
+        assert whole.usage.output_tokens_details.reasoning_tokens == whole.usage.output_tokens == 10   # cut thinking
         with client.responses.stream(**kw) as stream:        # cut by max_output_tokens: incomplete
             events = list(stream)
         deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")

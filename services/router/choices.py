@@ -54,8 +54,11 @@ def usage(gens: list[Generation], n: int = 1, completion_tokens: int | None = No
     prompts = [gens[i:i + n] for i in range(0, len(gens), n)]
     p = sum(len(g[0].prompt_ids) for g in prompts)
     c = sum(g.completion_tokens for g in gens) if completion_tokens is None else completion_tokens
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": sum(max(g.cached_tokens for g in gs) for gs in prompts)}}
+    out = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+           "prompt_tokens_details": {"cached_tokens": sum(max(g.cached_tokens for g in gs) for gs in prompts)}}
+    if gens[0].thinking is not None:            # --reasoning-parser: the thinking's share, as vLLM gives it
+        out["completion_tokens_details"] = {"reasoning_tokens": sum(g.thinking.count for g in gens)}
+    return out
 
 
 @dataclass(frozen=True)

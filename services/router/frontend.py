@@ -30,7 +30,7 @@ from services.router.fairness import Ticket
 from services.router.generation import Delta, Generation
 from services.router.output_text import ChoiceText, TextOptions
 from services.router.protocol import APIError, bad_request
-from services.router.reasoning import PARSERS, Thinking
+from services.router.reasoning import PARSERS, Thinking, ThinkingTokens
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class FrontEnd:
     reasoning_parser: str = "none"             # router/reasoning.py's PARSERS, or none
     tool_call_parser: str | None = "hermes"    # router/tool_syntax.py's SYNTAXES; None: no tool_choice auto
     _token_text: dict[int, str] = field(init=False, default_factory=dict)
+    _tags: dict[str, tuple[int, ...]] = field(init=False, default_factory=dict)
     _running: weakref.WeakSet = field(init=False, default_factory=weakref.WeakSet)
 
     def drain(self, seconds: float) -> None:
@@ -190,10 +191,20 @@ class FrontEnd:
         thinking = self.thinking_of(prompt_ids) if structure is not None else None
         return self._thinking_end_ids if thinking is not None and thinking.open_at_start else ()
 
-    @functools.cached_property
+    def thinking_tokens(self, thinking: Thinking) -> ThinkingTokens:
+        """A counter of one choice's thinking tokens (usage's reasoning_tokens)."""
+        return ThinkingTokens(self._tag_ids(thinking.start), self._tag_ids(thinking.end), thinking.open_at_start)
+
+    @property
     def _thinking_end_ids(self) -> tuple[int, ...]:
-        """The end tag's tokens (one token, in reasoning models' vocabularies)."""
-        return tuple(self.tokenizer.encode(PARSERS[self.reasoning_parser][1], add_special_tokens=False))
+        return self._tag_ids(PARSERS[self.reasoning_parser][1])
+
+    def _tag_ids(self, tag: str) -> tuple[int, ...]:
+        """A reasoning tag's tokens (one token, in reasoning models' vocabularies)."""
+        ids = self._tags.get(tag)
+        if ids is None:
+            ids = self._tags[tag] = tuple(self.tokenizer.encode(tag, add_special_tokens=False))
+        return ids
 
     @functools.cached_property
     def _template_arguments(self) -> frozenset[str]:

@@ -43,6 +43,7 @@ class Generation:
     transport_fallback: bool = False
     kv_bytes: int = 0
     completion_tokens: int = 0
+    thinking: object | None = None      # reasoning.ThinkingTokens, with --reasoning-parser (chat)
     cached_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None    # vLLM's: the stop string or stop token id that ended it

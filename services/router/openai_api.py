@@ -74,7 +74,11 @@ async def chat_generations(fe: FrontEnd, req: ChatCompletionRequest,
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     gens = await generations(fe, req, request_id, prompt_ids, max_tokens, req.top_logprobs_count(), structure,
                              req.prompt_logprobs)
-    return gens, tools, fe.thinking_of(prompt_ids)
+    thinking = fe.thinking_of(prompt_ids)
+    if thinking is not None:
+        for gen in gens:
+            gen.thinking = fe.thinking_tokens(thinking)
+    return gens, tools, thinking
 
 
 async def chat_prompt(fe: FrontEnd, req: ChatCompletionRequest, tools: ToolPlan | None) -> list[int]:

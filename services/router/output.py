@@ -46,6 +46,8 @@ class OutputProcessor:
         text, hit, used = self._text(gen, choice, token_ids)
         if used < len(token_ids):               # a stop string inside a delta of several tokens
             token_ids, logprobs = token_ids[:used], logprobs[:used] if logprobs else logprobs
+        if gen.thinking is not None:
+            gen.thinking.feed(token_ids)
         if hit:
             finish = "stop"
             gen.stop_reason = choice.stops.matched

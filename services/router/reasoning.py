@@ -82,3 +82,34 @@ class ThinkingStream:
             self.held = ""
             return reasoning, content
 
+
+class ThinkingTokens:
+    """How many of a choice's output tokens are its thinking, counted as they come: those
+    inside the block, not its tags (vLLM's count_reasoning_tokens, usage's
+    `reasoning_tokens`). A tag is matched as its tokens in a row (one token in reasoning
+    models' vocabularies); the block opens as `Thinking` says: at the start, or where
+    the output begins with the start tag."""
+
+    def __init__(self, start: tuple[int, ...], end: tuple[int, ...], open_at_start: bool) -> None:
+        self.start, self.end = start, end
+        self.state = "reasoning" if open_at_start else "start"
+        self._seen = 0                          # the start tag's tokens the output began with
+        self._tail: tuple[int, ...] = ()        # the last tokens while the block is open
+        self.count = 0
+
+    def feed(self, token_ids: list[int]) -> None:
+        for token in token_ids:
+            if self.state == "start":
+                if token == self.start[self._seen]:
+                    self._seen += 1
+                    self.state = "reasoning" if self._seen == len(self.start) else "start"
+                else:
+                    self.state = "answer"
+            elif self.state == "reasoning":
+                self._tail = (*self._tail, token)[-len(self.end):]
+                if self._tail == self.end:      # its other tokens were counted as they came
+                    self.count -= len(self.end) - 1
+                    self.state = "answer"
+                else:
+                    self.count += 1
+

@@ -313,8 +313,9 @@ class ResponseWriter:
 
     def usage(self) -> dict:
         gen = self.gen
+        thought = gen.thinking.count if gen.thinking is not None else 0
         return {"input_tokens": len(gen.prompt_ids), "input_tokens_details": {"cached_tokens": gen.cached_tokens},
-                "output_tokens": gen.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens": gen.completion_tokens, "output_tokens_details": {"reasoning_tokens": thought},
                 "total_tokens": len(gen.prompt_ids) + gen.completion_tokens}
 
     def _status(self) -> str:
