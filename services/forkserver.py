@@ -22,6 +22,10 @@ driver (no CUDA call: a GPU worker initialises CUDA itself, after the fork):
 both are checked once its imports are done (OpenBLAS, which numpy and scipy bring, is
 told to start no threads of its own). Where either fails, or off Linux, `up` starts each
 worker as a fresh interpreter, as `--no-fork-server` asks.
+
+An `up` that was itself forked from such a server, holding its imports (the tests start
+their clusters from one: tests/fork_launcher.py), forks its server from itself instead of
+starting a fresh interpreter that would import it all again.
 """
 from __future__ import annotations
 
@@ -118,7 +122,7 @@ class ForkedProcess:
 class ForkServer:
     """`up`'s end: start the server, then `spawn` services from it."""
 
-    def __init__(self, proc: subprocess.Popen, sock: socket.socket) -> None:
+    def __init__(self, proc: subprocess.Popen | ForkedProcess, sock: socket.socket) -> None:
         self.proc = proc
         self._sock = sock
         self._lock = threading.Lock()       # one request at a time (the autoscaler spawns too)
@@ -139,6 +143,21 @@ class ForkServer:
         except OSError:
             return None
         ours, theirs = socket.socketpair()
+        if all(name in sys.modules for name in PRELOAD) and len(os.listdir("/proc/self/task")) == 1:
+            # `up` already holds what the workers import (it was itself forked from such a
+            # server: a test's fork launcher's): the server is a fork of it, imports and all.
+            pid = os.fork()
+            if pid == 0:                    # never back into `up`'s code, whatever happens
+                try:
+                    ours.close()
+                    child_setup(None)()
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)   # `up`'s handler is `up`'s
+                    _title([sys.executable, "-m", "services.forkserver", str(theirs.fileno())])
+                    _main(theirs.fileno(), os.getppid())
+                finally:
+                    os._exit(1)
+            theirs.close()
+            return cls(ForkedProcess(pid, [sys.executable, "-m", "services.forkserver"]), ours)
         env = {**os.environ, "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS", "1")}
         proc = subprocess.Popen([sys.executable, "-m", "services.forkserver", str(theirs.fileno())],
                                 pass_fds=[theirs.fileno()], env=env, preexec_fn=child_setup(None))
@@ -278,14 +297,14 @@ def serve(fd: int) -> dict | None:
     return None
 
 
-def _title(argv: list[str]) -> None:
-    """`ps` shows the service's command line, as if it had been started by exec (where
+def _title(command: list[str]) -> None:
+    """`ps` shows the process's command line, as if it had been started by exec (where
     setproctitle is installed; it takes /proc/PID/environ's space for it)."""
     try:
         import setproctitle
     except ImportError:
         return
-    setproctitle.setproctitle(shlex.join([sys.executable, "-m", "services.cli", *argv]))
+    setproctitle.setproctitle(shlex.join(command))
     setproctitle.setthreadtitle(os.path.basename(sys.executable))     # its name in top, as before
 
 
@@ -319,7 +338,7 @@ def run_service(request: dict, parent: int) -> int:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
-    _title(request["argv"])
+    _title([sys.executable, "-m", "services.cli", *request["argv"]])
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = [sys.argv[0], *request["argv"]]
@@ -329,9 +348,13 @@ def run_service(request: dict, parent: int) -> int:
     return importlib.import_module("services.cli").main(request["argv"])
 
 
-if __name__ == "__main__":
-    up = os.getppid()
-    service = serve(int(sys.argv[1]))
+def _main(fd: int, up: int) -> None:
+    """The server's process, to its end: serve `up` over `fd`, or run a service it forked."""
+    service = serve(fd)
     if service is None:
         os._exit(0)                         # nothing to flush, and a whole interpreter to tear down
     exit_now(exit_code(run_service, service, up))     # a service has stopped all it started
+
+
+if __name__ == "__main__":
+    _main(int(sys.argv[1]), os.getppid())

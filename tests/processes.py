@@ -79,7 +79,7 @@ def wait_decode_idle(stats, timeout: float) -> worker_pb2.WorkerStats:
 
 @dataclass
 class RunningCluster:
-    proc: subprocess.Popen
+    proc: "subprocess.Popen | LaunchedWorker"
     info: dict
     log_path: Path
 
@@ -132,20 +132,24 @@ class RunningCluster:
 TRANSPORT = "shm"
 
 
-def start_cluster(*extra: str, dtype: str = "float32", pinned: bool = False) -> RunningCluster:
+def start_cluster(*extra: str, dtype: str = "float32", pinned: bool = False, by_exec: bool = False) -> RunningCluster:
     """`pdserve up` with every prompt sent through a prefill worker (no local prefill for
     short prompts) unless `extra` says otherwise: the tests are about the KV handoff.
     Its workers are pinned to cores only when `pinned`: under `make test` two test
     processes run clusters at once, and every one would pin its decode worker, the
-    busiest, to the same first core."""
+    busiest, to the same first core. `up` is forked from the tests' fork launcher, and
+    forks its own fork server from itself (a second of CPU a cluster, where a fresh
+    server imports for six); `by_exec`: started as a user starts it, a fresh interpreter
+    with no torch that starts a fresh fork server."""
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-test-"))
     announce = tmp / "cluster.json"
     log_path = tmp / "cluster.log"
     transport = [] if "--kv-transport" in extra else ["--kv-transport", TRANSPORT]
-    cmd = [sys.executable, "-m", "services.cli", "up", "--http-port", "0", "--grpc-port", "0", "--dtype", dtype,
-           "--kv-cache-tokens", "16384", "--announce-file", str(announce), "--log-level", "warning",
-           "--local-prefill-max-tokens", "0", "--pin-cpus" if pinned else "--no-pin-cpus", *transport, *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+    argv = ["--http-port", "0", "--grpc-port", "0", "--dtype", dtype, "--kv-cache-tokens", "16384",
+            "--announce-file", str(announce), "--log-level", "warning", "--local-prefill-max-tokens", "0",
+            "--pin-cpus" if pinned else "--no-pin-cpus", *transport, *extra]
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", *argv], cwd=ROOT, stdout=open(log_path, "wb"),
+                            stderr=subprocess.STDOUT) if by_exec else start_service("up", argv, log_path)
     return RunningCluster(proc, wait_announced(proc, announce, log_path, "cluster"), log_path)
 
 
@@ -246,8 +250,9 @@ class LaunchedWorker(ForkedProcess):
 
 def start_service(role: str, argv: list[str], log_path: Path) -> subprocess.Popen | LaunchedWorker:
     """`pdserve <role> argv`: a worker forked by the fork launcher, as `up` forks its
-    own; the router (which loads no torch), or a worker the launcher cannot fork, by exec."""
-    if role in ("prefill", "decode"):
+    own, or `up` (which then forks its own fork server from itself: services/forkserver.py);
+    the router (which loads no torch), or one the launcher cannot fork, by exec."""
+    if role in ("prefill", "decode", "up"):
         answer = fork_launcher().ask(spawn=[role, *argv], env=dict(os.environ), output=str(log_path))
         if "pid" in answer:
             return LaunchedWorker(fork_launcher(), answer["pid"], [role, *argv])

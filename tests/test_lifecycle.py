@@ -149,8 +149,10 @@ def test_up_forks_its_workers_and_stops_every_process_on_ctrl_c_in_the_default_d
     line in `ps`. Each worker keeps to a core of its own where they fit (a host of two
     cores or more), with one torch thread, at `up`'s priority (--lend-decode-cores is
     test_modes'). It serves one request; after SIGINT nothing is left, the fork server
-    included. Every KV transport is offered, as by default (auto)."""
-    c = start_cluster("--kv-transport", "auto", dtype="auto", pinned=True)
+    included. Every KV transport is offered, as by default (auto). `up` is started as a
+    user starts it, and holds no torch (it starts and watches the processes: torch would
+    cost each start a second)."""
+    c = start_cluster("--kv-transport", "auto", dtype="auto", pinned=True, by_exec=True)
     try:
         up, services = c.proc.pid, c.pids()[1:]
         forks = [k for k in child_pids(up) if command_line(k)[1:3] == ["-m", "services.forkserver"]]
@@ -166,6 +168,7 @@ def test_up_forks_its_workers_and_stops_every_process_on_ctrl_c_in_the_default_d
             decode_cores, prefill_cores = os.sched_getaffinity(decode), os.sched_getaffinity(prefill)
             assert len(decode_cores) == len(prefill_cores) == 1 and decode_cores != prefill_cores
         assert "--threads=1" in command_line(prefill)
+        assert "libtorch" not in open(f"/proc/{up}/maps").read() and "libtorch" in open(f"/proc/{decode}/maps").read()
         assert os.getpriority(os.PRIO_PROCESS, decode) == os.getpriority(os.PRIO_PROCESS, prefill) == \
             os.getpriority(os.PRIO_PROCESS, 0)
         r = httpx.post(f"{c.http}/v1/chat/completions", timeout=60, json={"messages": STORY, "max_tokens": 5})

@@ -35,10 +35,10 @@ def test_the_router_imports_no_torch_in_a_fresh_interpreter(model_dir):
     assert json.loads(done.stdout.splitlines()[-1]) == []
 
 
-def test_a_serving_router_and_up_have_no_torch_library_mapped(cluster):
-    """The running router's memory map, after it has served a request with a schema, and
-    `pdserve up`'s (it starts and watches the processes; torch would cost each start a
-    second): no libtorch, while a worker's has it (the check would see it)."""
+def test_a_serving_router_has_no_torch_library_mapped(cluster):
+    """The running router's memory map, after it has served a request with a schema: no
+    libtorch, while a worker's has it (the check would see it). `up`'s own is
+    test_lifecycle's (the tests' clusters fork theirs from a process that holds torch)."""
     r = httpx.post(f"{cluster.http}/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": "Give a number."}], "max_tokens": 8, "temperature": 0,
         "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}}})
@@ -47,7 +47,6 @@ def test_a_serving_router_and_up_have_no_torch_library_mapped(cluster):
     def maps(pid: int) -> str:
         return Path(f"/proc/{pid}/maps").read_text()
     assert "libtorch" not in maps(cluster.info["router_pid"])
-    assert "libtorch" not in maps(cluster.proc.pid)
     assert "libtorch" in maps(cluster.info["decodes"][0]["pid"])
 
 
