@@ -299,7 +299,8 @@ class RoutingSettings:
     reasoning_parser: str = setting(
         "none", "a reasoning model's thinking (between <think> and </think>) goes out as a chat message's "
                 "`reasoning` (and `reasoning_content`), apart from its `content`, and a structured output's "
-                "grammar holds only the answer after </think>, as vLLM's parsers of these names do", choices=("none", "deepseek_r1", "qwen3"))
+                "grammar holds only the answer after </think>, as vLLM's parsers of these names do",
+        choices=("none", "deepseek_r1", "qwen3"))
     tool_call_parser: str = setting(
         "hermes", "how the model writes tool calls in free text (tool_choice auto), by vLLM's names: hermes, "
                   "<tool_call>{...}</tool_call> (Qwen, Hermes); llama3_json, an answer of JSON calls (Llama 3.1-3.3); "

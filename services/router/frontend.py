@@ -30,7 +30,7 @@ from services.router.fairness import Ticket
 from services.router.generation import Delta, Generation
 from services.router.output_text import ChoiceText, TextOptions
 from services.router.protocol import APIError, bad_request
-from services.router.reasoning import PARSERS, Thinking, ThinkingTokens
+from services.router.reasoning import Thinking, ThinkingTokens
 
 log = logging.getLogger(__name__)
 
@@ -189,15 +189,11 @@ class FrontEnd:
         the grammar holds the answer after the end tag, as vLLM's does beside a reasoning
         parser; otherwise from the first token (empty)."""
         thinking = self.thinking_of(prompt_ids) if structure is not None else None
-        return self._thinking_end_ids if thinking is not None and thinking.open_at_start else ()
+        return self._tag_ids(thinking.end) if thinking is not None and thinking.open_at_start else ()
 
     def thinking_tokens(self, thinking: Thinking) -> ThinkingTokens:
         """A counter of one choice's thinking tokens (usage's reasoning_tokens)."""
         return ThinkingTokens(self._tag_ids(thinking.start), self._tag_ids(thinking.end), thinking.open_at_start)
-
-    @property
-    def _thinking_end_ids(self) -> tuple[int, ...]:
-        return self._tag_ids(PARSERS[self.reasoning_parser][1])
 
     def _tag_ids(self, tag: str) -> tuple[int, ...]:
         """A reasoning tag's tokens (one token, in reasoning models' vocabularies)."""
