@@ -65,6 +65,9 @@ OTHER_SYNTAXES = [
     ("pythonic", '[get_weather(city=lookup())]', []),             # not a literal
     ("pythonic", "[1] is the answer", []),
     ("pythonic", "Paris is sunny [citation].", []),
+    # nested past Python's stack: text, not a failed request
+    ("llama3_json", '{"name": "f", "parameters": ' + "[" * 50000 + "]" * 50000 + "}", []),
+    ("pythonic", "[f(x=" + "[" * 50000 + "]" * 50000 + ")]", []),
 ]
 
 

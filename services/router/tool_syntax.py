@@ -50,7 +50,7 @@ class Hermes:
         """A call from the JSON inside <tool_call> tags, or None if it is not one."""
         try:
             call = json.loads(body)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):     # RecursionError: nested past Python's stack
             return None
         return _call(call.get("name"), call.get("arguments", {})) if isinstance(call, dict) else None
 
@@ -180,7 +180,7 @@ class Llama3Json(WholeOutput):
                 break
             try:
                 obj, at = self._decoder.raw_decode(text, at)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 return None
             call = _call(obj.get("name"), obj["arguments"] if "arguments" in obj else obj.get("parameters")) \
                 if isinstance(obj, dict) else None
