@@ -152,7 +152,8 @@ class WholeOutputCalls:
         if self._calls is False:
             return [text] if text else []
         self._text += text
-        self._calls = self.syntax.begins(self._text)
+        if self._calls is None:                 # told once, by how the output begins
+            self._calls = self.syntax.begins(self._text)
         if self._calls is False:
             out, self._text = self._text, ""
             return [out] if out else []
