@@ -65,17 +65,25 @@ OTHER_SYNTAXES = [
     ("pythonic", '[get_weather(city=lookup())]', []),             # not a literal
     ("pythonic", "[1] is the answer", []),
     ("pythonic", "Paris is sunny [citation].", []),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", '
+                '"arguments": {"tz": "CET"}}]', [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time{"tz": "CET"}',
+     [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Par', []),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather"}]', []),
+    ("mistral", "The weather is fine.", []),
     # nested past Python's stack: text, not a failed request
     ("llama3_json", '{"name": "f", "parameters": ' + "[" * 50000 + "]" * 50000 + "}", []),
     ("pythonic", "[f(x=" + "[" * 50000 + "]" * 50000 + ")]", []),
 ]
 
 
-@pytest.mark.parametrize("name, text, expected", OTHER_SYNTAXES)
+@pytest.mark.parametrize("name, text, expected", OTHER_SYNTAXES, ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(OTHER_SYNTAXES)])
 @pytest.mark.parametrize("size", [1, 4, 1000])
-def test_llama3_json_and_pythonic_calls_whole_and_streamed(name, text, expected, size):
-    """An output that is calls (after whitespace and Llama's <|python_tag|>) gives them and
-    no content; any other is content, streamed at once unless it begins as calls would."""
+def test_llama3_json_pythonic_and_mistral_calls_whole_and_streamed(name, text, expected, size):
+    """An output that is calls (after whitespace and Llama's <|python_tag|>, or from
+    Mistral's [TOOL_CALLS]) gives them and no content; any other is content, streamed at
+    once unless it begins as calls would."""
     syntax = SYNTAXES[name]
     content, calls = syntax.parse(text)
     assert _names(calls) == expected and content == (None if expected else text)
@@ -87,8 +95,21 @@ def test_llama3_json_and_pythonic_calls_whole_and_streamed(name, text, expected,
     streamed, streamed_calls = split(pieces)
     assert _names(streamed_calls) == expected and stream.calls == len(expected)
     assert streamed == ("" if expected else text)
-    if not syntax.begins(text):            # content that cannot be calls goes out before the end
-        assert size >= len(text) or early[-1]
+    if not ("[TOOL_CALLS]" in text if name == "mistral" else syntax.begins(text)):
+        assert size >= len(text) or early[-1]       # content that cannot be calls goes out before the end
+
+
+def test_mistral_text_before_the_calls_streams_and_the_calls_take_mistrals_ids():
+    """Text before [TOOL_CALLS] is content, sent as it comes; each call's id is 9 letters
+    and digits, which Mistral's templates check when the tool results come back."""
+    mistral = SYNTAXES["mistral"]
+    text = 'Let me look. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+    content, calls = mistral.parse(text)
+    assert content == "Let me look." and _names(calls) == [("get_weather", {"city": "Paris"})]
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)
+    stream = mistral.stream()
+    assert split(stream.pieces(text[:20])) == ("Let me look. ", []) and stream.pieces(text[20:]) == []
+    assert _names(split(stream.close())[1]) == _names(calls) and stream.calls == 1
 
 
 @pytest.mark.parametrize("one_text", [True, False], ids=["one_text_item", "a_text_item_between_calls"])

@@ -304,8 +304,9 @@ class RoutingSettings:
     tool_call_parser: str = setting(
         "hermes", "how the model writes tool calls in free text (tool_choice auto), by vLLM's names: hermes, "
                   "<tool_call>{...}</tool_call> (Qwen, Hermes); llama3_json, an answer of JSON calls (Llama 3.1-3.3); "
-                  "pythonic, an answer of a Python list of calls (Llama 3.2 and 4)",
-        choices=("hermes", "llama3_json", "pythonic"))
+                  "pythonic, an answer of a Python list of calls (Llama 3.2 and 4); mistral, calls after "
+                  "[TOOL_CALLS] (Mistral)",
+        choices=("hermes", "llama3_json", "pythonic", "mistral"))
     enable_auto_tool_choice: bool = setting(
         True, "tool_choice auto (the default when a request has tools): the model may call a tool or answer, "
               "its calls found by --tool-call-parser. On by default, where vLLM needs this flag; without it "

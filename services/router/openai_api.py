@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from services.common.security import KeyCheck
 from services.common.version import VERSION
 from services.router.access import AccessLogMiddleware
-from services.router.choices import Shape, respond, token_names
+from services.router.choices import Shape, respond, text_options, token_names
 from services.router.frontend import FrontEnd, choices
 from services.router.http_input import (HTTP_CODES, error_response, RequireAPIKey, RequestId, read_json, parse,
                                        unless_disconnected)
@@ -65,6 +65,8 @@ async def chat_generations(fe: FrontEnd, req: ChatCompletionRequest,
     thinking is told from their content (None: no --reasoning-parser)."""
     req.check()
     tools = plan_tools(req, fe.supports_tools, fe.tool_call_parser)
+    if tools is not None and tools.mode == "auto" and tools.syntax.special_tokens:
+        req.skip_special_tokens = False         # the calls' marks are special tokens (Mistral's), as vLLM keeps them
     structure = await structured.resolve(fe, structured.asked(req))
     if tools is not None and tools.schema:
         structure = "json_schema", await fe.check_schema(tools.schema, "tools")
@@ -277,7 +279,7 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
         try:
             chat_req = req.to_chat()
             (gen,), tools, thinking = await chat_generations(fe, chat_req, answer_id)
-            running = fe.start([gen], tenant=tenant_of(request))
+            running = fe.start([gen], tenant=tenant_of(request), text=text_options(chat_req))
         except APIError as exc:
             raise in_own_terms(exc) from None
         writer = writer_of(req, answer_id, fe.served_model_name, tools, gen)

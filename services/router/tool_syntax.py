@@ -8,6 +8,10 @@
                (Llama 3.1-3.3, as their templates ask for calls)
   pythonic     an output that is a Python list of calls with keyword arguments,
                `[get_weather(city="Paris"), ...]` (Llama 3.2 and 4, ToolACE)
+  mistral      text, then calls from Mistral's [TOOL_CALLS] token on: a JSON array of
+               {"name", "arguments"} (its v3 tokenizers), or `name[ARGS]{...}` after each
+               [TOOL_CALLS] (v11 and later); call ids of 9 letters and digits, which
+               Mistral's templates require of the next turn's tool results
 
 Each gives a whole output's (content, calls), and a stream that splits the text as it
 comes: content goes out at once, and a call goes out whole once it is known to be one.
@@ -19,13 +23,15 @@ from __future__ import annotations
 import ast
 import json
 import re
+import secrets
+import string
 import uuid
 
 from services.engine.text.tokenizer import held_tail
 
 
-def new_call(name: str, arguments: str) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+def new_call(name: str, arguments: str, call_id: str = "") -> dict:
+    return {"id": call_id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": arguments}}
 
 
@@ -34,15 +40,17 @@ def split(pieces: list[str | dict]) -> tuple[str, list[dict]]:
     return "".join(p for p in pieces if isinstance(p, str)), [p for p in pieces if isinstance(p, dict)]
 
 
-def _call(name, arguments) -> dict | None:
+def _call(name, arguments, call_id: str = "") -> dict | None:
     """An OpenAI call of a parsed name and arguments, or None if they are not a call's."""
     if not isinstance(name, str) or not name or not isinstance(arguments, (dict, str)):
         return None
-    return new_call(name, arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return new_call(name, text, call_id)
 
 
 class Hermes:
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    special_tokens = False              # whether its marks are special tokens, which the text must keep
     _CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
     @staticmethod
@@ -122,6 +130,7 @@ class WholeOutput:
     leading whitespace): such an output is held to its end and read whole; any other
     streams as content."""
     MARKS: tuple[str, ...] = ()
+    special_tokens = False
 
     def begins(self, text: str) -> bool | None:
         """Whether an output beginning with `text` is calls; None while it cannot tell."""
@@ -241,4 +250,84 @@ class Pythonic(WholeOutput):
         return value
 
 
-SYNTAXES = {"hermes": Hermes(), "llama3_json": Llama3Json(), "pythonic": Pythonic()}
+class Mistral:
+    MARK, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    special_tokens = True
+    _decoder = json.JSONDecoder()
+    _ALNUM = string.ascii_letters + string.digits
+
+    def parse(self, text: str) -> tuple[str | None, list[dict]]:
+        at = text.find(self.MARK)
+        calls = self.calls(text[at:]) if at >= 0 else None
+        return (text[:at].strip() or None, calls) if calls else (text, [])
+
+    def calls(self, text: str) -> list[dict] | None:
+        """The calls of `text`, which begins with the mark; None unless it is calls whole."""
+        calls = []
+        for part in text.split(self.MARK)[1:]:
+            try:
+                found = self._part(part.strip())
+            except (json.JSONDecodeError, RecursionError):
+                return None
+            if not found or None in found:
+                return None
+            calls += found
+        return calls or None
+
+    def _part(self, part: str) -> list[dict | None] | None:
+        """The calls after one mark: a JSON array of them (v3), or one `name[ARGS]{...}`
+        or `name{...}` (v11 and later); None if text follows them."""
+        if part.startswith("["):
+            items, end = self._decoder.raw_decode(part)
+            found = [_call(i.get("name"), i.get("arguments"), self._id()) if isinstance(i, dict) else None
+                     for i in (items if isinstance(items, list) else [None])]
+            return found if not part[end:].strip() else None
+        name, args, body = part.partition(self.ARGS)
+        if not args:
+            brace = part.find("{")
+            name, body = (part[:brace], part[brace:]) if brace > 0 else ("", "")
+        body = body.strip()
+        arguments, end = self._decoder.raw_decode(body)
+        return [_call(name.strip(), arguments, self._id())] if not body[end:].strip() else None
+
+    def _id(self) -> str:
+        return "".join(secrets.choice(self._ALNUM) for _ in range(9))
+
+    def stream(self) -> "MarkedCalls":
+        return MarkedCalls(self)
+
+
+class MarkedCalls:
+    """A stream whose calls follow a mark: text before it goes out as it comes, and from
+    the mark on the text is held and read whole at the end (the calls, or text if it
+    holds none)."""
+
+    def __init__(self, syntax: Mistral) -> None:
+        self.syntax = syntax
+        self._held = ""
+        self._marked = False
+        self.calls = 0
+
+    def pieces(self, text: str) -> list[str | dict]:
+        self._held += text
+        if self._marked:
+            return []
+        at = self._held.find(self.syntax.MARK)
+        if at >= 0:
+            self._marked = True
+            out, self._held = self._held[:at], self._held[at:]
+        else:
+            keep = held_tail(self._held, (self.syntax.MARK,))
+            out, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
+        return [out] if out else []
+
+    def close(self) -> list[str | dict]:
+        held, self._held = self._held, ""
+        calls = self.syntax.calls(held) if self._marked else None
+        if not calls:
+            return [held] if held else []
+        self.calls += len(calls)
+        return calls
+
+
+SYNTAXES = {"hermes": Hermes(), "llama3_json": Llama3Json(), "pythonic": Pythonic(), "mistral": Mistral()}
