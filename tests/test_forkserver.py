@@ -5,19 +5,26 @@ says no."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
 import threading
 
+import pytest
+
 from services.forkserver import ForkServer, _send, _why_not_safe
 from tests.processes import ROOT
 
 DRIVER = """
-import json, os
-from services.forkserver import ForkServer, adopted_orphans
+import importlib, json, os, sys
+from services.forkserver import PRELOAD, ForkServer, ForkedProcess, adopted_orphans
 
+if sys.argv[1] == "preloaded":      # an `up` forked from a server: its own is forked from it
+    for name in PRELOAD:
+        importlib.import_module(name)
 forks = ForkServer.start()
+assert isinstance(forks.proc, ForkedProcess) == (sys.argv[1] == "preloaded")
 ok = forks.spawn(["--version"], dict(os.environ))
 bad = forks.spawn(["decode", "--no-such-flag"], dict(os.environ))
 parents = [int(open(f"/proc/{p.pid}/stat").read().rsplit(")", 1)[1].split()[1]) for p in (ok, bad)]
@@ -29,11 +36,16 @@ print(json.dumps({"up": os.getpid(), "parents": parents, "codes": codes, "orphan
 """
 
 
-def test_workers_fork_as_ups_own_children_and_give_it_their_exit_codes():
+@pytest.mark.parametrize("up", ["fresh", "preloaded"])
+def test_workers_fork_as_ups_own_children_and_give_it_their_exit_codes(up):
     """Two commands forked: each is the driver's (`up`'s) own child, reparented, and its
     exit code comes back as a Popen's would (0 for --version, argparse's 2 for a flag
-    that does not exist), leaving no zombie; the server ends when `up` closes its end."""
-    done = subprocess.run([sys.executable, "-c", DRIVER], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    that does not exist), leaving no zombie; the server ends when `up` closes its end.
+    Whether the server is a fresh interpreter, or a fork of an `up` that holds its
+    imports already (as the tests' clusters are)."""
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}      # as a server's imports run: no thread but its own
+    done = subprocess.run([sys.executable, "-c", DRIVER, up], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.splitlines()[-1])
     assert out["parents"] == [out["up"]] * 2

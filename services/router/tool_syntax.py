@@ -151,6 +151,9 @@ class WholeOutput:
 
 
 class WholeOutputCalls:
+    """A stream of a `WholeOutput` syntax: content as it comes once the output's start
+    says it is not calls; calls, held, at the end."""
+
     def __init__(self, syntax: WholeOutput) -> None:
         self.syntax = syntax
         self._text = ""
