@@ -138,9 +138,9 @@ def start_cluster(*extra: str, dtype: str = "float32", pinned: bool = False, by_
     Its workers are pinned to cores only when `pinned`: under `make test` two test
     processes run clusters at once, and every one would pin its decode worker, the
     busiest, to the same first core. `up` is forked from the tests' fork launcher, and
-    forks its own fork server from itself (a second of CPU a cluster, where a fresh
-    server imports for six); `by_exec`: started as a user starts it, a fresh interpreter
-    with no torch that starts a fresh fork server."""
+    forks its own fork server from itself, imports and all (a fresh server spends ~6 s of
+    CPU importing); `by_exec`: started as a user starts it, a fresh interpreter with no
+    torch that starts a fresh fork server."""
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-test-"))
     announce = tmp / "cluster.json"
     log_path = tmp / "cluster.log"
@@ -235,8 +235,8 @@ def fork_launcher() -> ForkLauncher:
 
 
 class LaunchedWorker(ForkedProcess):
-    """A worker the fork launcher started, handled as `up` handles the workers it forks,
-    but for its exit code: the launcher reaped it, and keeps that."""
+    """A service the fork launcher started (a worker, or `up`), handled as `up` handles
+    the workers it forks, but for its exit code: the launcher reaped it, and keeps that."""
 
     def __init__(self, launcher: ForkLauncher, pid: int, args: list[str]) -> None:
         super().__init__(pid, args)
