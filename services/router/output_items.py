@@ -70,7 +70,7 @@ class ItemStream:
                 steps.append(Step("open_reasoning", self._reasoning_index))
             self.reasoning += reasoning
             steps.append(Step("reasoning", self._reasoning_index, reasoning))
-        if (text or final) and self._reasoning_index is not None and self._thinking is not None:
+        if (text or final) and self._reasoning_index is not None:
             steps.append(Step("close_reasoning", self._reasoning_index, self.reasoning))
             self._thinking = None               # the rest is the answer
         return steps + self._answer(text)
