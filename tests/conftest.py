@@ -24,16 +24,14 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def built_kernels(tmp_path_factory) -> Path:
-    """One folder of built native kernels for the whole run, every xdist worker's (the
-    run's shared temporary folder). A build is named by its source, compiler and CPU and
-    lands by an atomic rename, so sharing it is safe; building them all takes ~8 s of
-    CPU, which each module paid before."""
-    shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = shared.parent
-    (shared / "kernels").mkdir(exist_ok=True)
-    return shared / "kernels"
+def built_kernels() -> Path:
+    """The folder of built native kernels that the test clusters' workers build into
+    and load from (the user's cache), for the tests that build a runner themselves. A
+    build is named by its source, compiler and CPU, and made by one process at a time,
+    so sharing it is safe; building them all takes ~11 s of CPU, paid once a machine."""
+    from services.engine.kernels.native.library import kernel_dir
+    from services.engine.text.model_store import cache_dir
+    return kernel_dir(cache_dir())
 
 
 def kernel_cache_in(folder: Path, built: Path) -> Path:

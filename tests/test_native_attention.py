@@ -115,11 +115,35 @@ def test_kernel_refuses_what_it_cannot_run(kernel):
         kernel.decode(torch.randn(1, 9, 64), cache, table, lens.long(), 0.125)
 
 
-def test_build_is_cached_per_machine_and_source(tmp_path):
-    first = library.build(native.SOURCE, tmp_path)
+def test_a_build_is_made_once_kept_and_waited_for(tmp_path, monkeypatch):
+    """A build is named by its source (and headers, flags, compiler and CPU): asked
+    again, the file built first is loaded; four callers at once (the workers of a fresh
+    machine starting together) compile it once, the others waiting for that build; a
+    changed source builds anew; no temporary file is left."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+    source = tmp_path / "src" / "tiny.c"
+    source.parent.mkdir()
+    source.write_text("int pdserve_tiny(int x) { return x + 1; }\n")
+    out = tmp_path / "kernels"
+    compiled = []
+    compile_now = library._compile
+
+    def slow_compile(*args):
+        compiled.append(args[1])
+        time.sleep(0.3)                   # the other callers arrive while it builds
+        compile_now(*args)
+    monkeypatch.setattr(library, "_compile", slow_compile)
+    with ThreadPoolExecutor(4) as pool:
+        built = set(pool.map(lambda _: library.build(source, out), range(4)))
+    assert len(built) == 1 and compiled == [source]
+    first = built.pop()
     stamp = first.stat().st_mtime_ns
-    assert library.build(native.SOURCE, tmp_path) == first and first.stat().st_mtime_ns == stamp
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]       # no temporary files left
+    assert library.build(source, out) == first and first.stat().st_mtime_ns == stamp and len(compiled) == 1
+    source.write_text("int pdserve_tiny(int x) { return x + 2; }\n")
+    second = library.build(source, out)
+    assert second != first and len(compiled) == 2
+    assert sorted(p.name for p in out.iterdir()) == sorted([first.name, second.name])
 
 
 def test_a_read_only_cache_builds_in_the_temp_directory(tmp_path):

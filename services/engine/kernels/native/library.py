@@ -6,7 +6,9 @@ typed from pdserve_kernels.h (header.py).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -75,7 +77,8 @@ def kernel_dir(cache_root: Path) -> Path:
 
 def build(source: Path, out_dir: Path) -> Path:
     """The shared library built from `source` in `out_dir`, built now unless a build of
-    this source, headers, compiler and CPU is already there."""
+    this source, headers, compiler and CPU is already there (or being made: then once
+    it is)."""
     cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise NativeBuildError("no C compiler (cc, gcc or clang) on PATH")
@@ -88,8 +91,25 @@ def build(source: Path, out_dir: Path) -> Path:
         return target
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
+        held = os.open(out_dir, os.O_RDONLY)
     except OSError as e:
         raise NativeBuildError(f"cannot create {out_dir}: {e}") from e
+    try:
+        # One build at a time in a folder: the workers of a fresh machine start together
+        # and would each compile the same sources (~11 s of CPU); the others wait for it
+        # and load what it built. The lock goes with the process that holds it. Where the
+        # filesystem takes no locks, each builds, as the rename below allows.
+        with contextlib.suppress(OSError):
+            fcntl.flock(held, fcntl.LOCK_EX)
+        if not target.exists():
+            _compile(cc, source, target, key)
+    finally:
+        os.close(held)
+    return target
+
+
+def _compile(cc: str, source: Path, target: Path, key: str) -> None:
+    out_dir = target.parent
     obj, tmp = out_dir / f".{key}.{os.getpid()}.o", out_dir / f".{key}.{os.getpid()}.so"
     try:
         result = _run([cc, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)])
@@ -101,12 +121,11 @@ def build(source: Path, out_dir: Path) -> Path:
                 break
         else:
             raise NativeBuildError(f"linking {source.name} failed: {result.stderr.strip()[-2000:]}")
-        tmp.replace(target)                 # atomic: workers building at once all end with one file
+        tmp.replace(target)                 # atomic: a reader without the lock never sees half a file
     finally:
         obj.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)
     log.info("built %s", target)
-    return target
 
 
 def _cpu_signature() -> str:
