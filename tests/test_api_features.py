@@ -558,31 +558,47 @@ def test_a_tool_call_parser_reads_pythonic_calls_whole_and_streamed(cluster, tmp
         terminate(proc)
 
 
-def test_a_reasoning_parser_tells_thinking_from_the_answer_whole_and_streamed(cluster, tmp_path):
-    """--reasoning-parser deepseek_r1 on a router over the session cluster's workers. The
-    model is held by a regex to think, close the block and answer: the text before
+# SmolLM2's template, opening the block in the generation prompt when asked to reason
+# (Responses' reasoning.effort, Messages' output_config.effort), as reasoning models' do
+THINKING_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if reasoning_effort %}{{ '<think>\\n' }}{% endif %}{% endif %}")
+COLOUR = [{"role": "user", "content": "Name a colour."}]
+# a prompt that leaves the block open, the model shown how to close it
+LEFT_OPEN = dict(messages=[{"role": "system", "content": "Think inside <think></think> tags, then answer. Example: "
+                            "<think>The sky is blue.</think>blue"}, *COLOUR, {"role": "assistant", "content": "<think>"}],
+                 continue_final_message=True, add_generation_prompt=False, temperature=0)
+COLOUR_SCHEMA = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 12}},
+                 "required": ["colour"], "additionalProperties": False}
+HELD = {**LEFT_OPEN, "max_tokens": 40,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": COLOUR_SCHEMA}}}
+
+
+@pytest.fixture(scope="module")
+def reasoning_router(cluster, tmp_path_factory):
+    """A router over the session cluster's workers with --reasoning-parser deepseek_r1
+    and THINKING_TEMPLATE."""
+    from tests.processes import terminate
+    tmp = tmp_path_factory.mktemp("reasoning")
+    (tmp / "thinking.jinja").write_text(THINKING_TEMPLATE)
+    proc, info = cluster.router(tmp, "--reasoning-parser", "deepseek_r1", "--chat-template", str(tmp / "thinking.jinja"))
+    yield f"http://127.0.0.1:{info['http_port']}"
+    terminate(proc)
+
+
+def test_a_reasoning_parser_tells_thinking_from_the_answer_whole_and_streamed(reasoning_router):
+    """The model is held by a regex to think, close the block and answer: the text before
     </think> is `reasoning` (and `reasoning_content`), the rest `content`, whole and
     streamed alike; include_reasoning false leaves the reasoning out; an answer that never
     opens the block is all content; a prompt that leaves <think> open makes it reasoning,
-    and a grammar there holds only the answer after </think>."""
-    import anthropic
-
-    from tests.processes import terminate
-    # SmolLM2's template, opening the block in the generation prompt when asked to reason
-    # (Responses' reasoning.effort, Messages' output_config.effort), as reasoning models' do
-    template = tmp_path / "thinking.jinja"
-    template.write_text(
-        "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-        "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}"
-        "{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
-        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-        "{% if reasoning_effort %}{{ '<think>\\n' }}{% endif %}{% endif %}")
-    proc, info = cluster.router(tmp_path, "--reasoning-parser", "deepseek_r1", "--chat-template", str(template))
-    http = f"http://127.0.0.1:{info['http_port']}"
-    ask = [{"role": "user", "content": "Name a colour."}]
+    and a grammar there holds only the answer after </think>, whose tokens usage counts."""
+    http = reasoning_router
 
     def chat(regex: str, stream: bool = False, **fields):
-        body = {"messages": ask, "temperature": 0, "max_tokens": 40, "stream": stream,
+        body = {"messages": COLOUR, "temperature": 0, "max_tokens": 40, "stream": stream,
                 "structured_outputs": {"regex": regex}, **fields}
         if not stream:
             r = httpx.post(f"{http}/v1/chat/completions", json=body, timeout=120)
@@ -596,65 +612,63 @@ def test_a_reasoning_parser_tells_thinking_from_the_answer_whole_and_streamed(cl
                         for key in parts:
                             parts[key] += c["delta"].get(key) or ""
         return parts
-    try:
-        thought = chat(r"<think>[A-Za-z ]{4,30}</think>[A-Za-z ]{4,30}")
-        assert thought["reasoning"] and thought["content"] and thought["reasoning"] == thought["reasoning_content"]
-        assert "<think>" not in thought["reasoning"] + thought["content"]
-        streamed = chat(r"<think>[A-Za-z ]{4,30}</think>[A-Za-z ]{4,30}", stream=True)
-        assert streamed == {"reasoning": thought["reasoning"], "reasoning_content": thought["reasoning"],
-                            "content": thought["content"]}
-        hidden = chat(r"<think>[A-Za-z ]{4,30}</think>[A-Za-z ]{4,30}", include_reasoning=False)
-        assert "reasoning" not in hidden and hidden["content"] == thought["content"]
-        plain = chat(r"[A-Za-z ]{4,30}")
-        assert plain["reasoning"] is None and plain["content"]
-        # a prompt that leaves the block open: reasoning until </think>, free; a grammar
-        # (here a JSON schema) holds the answer after it, as vLLM's does beside a parser
-        shown = [{"role": "system", "content": "Think inside <think></think> tags, then answer. Example: "
-                  "<think>The sky is blue.</think>blue"}, *ask]
-        left_open = dict(messages=[*shown, {"role": "assistant", "content": "<think>"}],
-                         continue_final_message=True, add_generation_prompt=False, temperature=0)
-        r = httpx.post(f"{http}/v1/chat/completions", timeout=120,
-                       json={**left_open, "max_tokens": 3}).json()["choices"][0]["message"]
-        assert r["reasoning"] and r["content"] is None and "</think>" not in r["reasoning"]
-        colour = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 12}},
-                  "required": ["colour"], "additionalProperties": False}
-        held = {**left_open, "max_tokens": 40,
-                "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": colour}}}
-        body = httpx.post(f"{http}/v1/chat/completions", json=held, timeout=120).json()
-        answered = body["choices"][0]
-        thought, content = answered["message"]["reasoning"], answered["message"]["content"]
-        assert answered["finish_reason"] == "stop" and thought == "The sky is blue." and list(json.loads(content)) == ["colour"]
-        # usage counts the thinking's tokens, the tags left out, as vLLM does
-        thought_ids = httpx.post(f"{http}/tokenize", json={"prompt": thought, "add_special_tokens": False}).json()
-        assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": thought_ids["count"]}
-        streamed = {**held, "stream": True, "stream_options": {"include_usage": True}}
-        with httpx.stream("POST", f"{http}/v1/chat/completions", json=streamed, timeout=120) as r:
-            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-        deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
-        assert "".join(d.get("reasoning") or "" for d in deltas) == thought
-        assert "".join(d.get("content") or "" for d in deltas) == content
-        assert events[-1]["usage"] == body["usage"]
-        # the Responses API's reasoning item and the Messages API's thinking block, whole
-        # and streamed, through the official clients: the template opened the block
-        client = _client(http)
-        kw = dict(model=MODEL, input="Name a colour.", reasoning={"effort": "low"}, max_output_tokens=10,
-                  temperature=0)
-        whole = client.responses.create(**kw)
-        assert [item.type for item in whole.output] == ["reasoning", "message"]
-        mused = whole.output[0].content[0].text
-        assert mused and whole.output[1].content[0].text == ""
-        assert whole.usage.output_tokens_details.reasoning_tokens == whole.usage.output_tokens == 10   # cut thinking
-        with client.responses.stream(**kw) as stream:        # cut by max_output_tokens: incomplete
-            events = list(stream)
-        deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
-        assert deltas == mused and events[-1].type == "response.incomplete"
-        assert events[-1].response.output[0].content[0].text == mused
-        claude = anthropic.Anthropic(base_url=http, api_key="unused", max_retries=0, timeout=120)
-        ask_claude = dict(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": "Name a colour."}],
-                          extra_body={"output_config": {"effort": "low"}, "temperature": 0})
-        message = claude.messages.create(**ask_claude)
-        assert [(b.type, b.thinking) for b in message.content] == [("thinking", mused)]
-        with claude.messages.stream(**ask_claude) as stream:
-            assert [(b.type, b.thinking) for b in stream.get_final_message().content] == [("thinking", mused)]
-    finally:
-        terminate(proc)
+    thought = chat(r"<think>[A-Za-z ]{4,30}</think>[A-Za-z ]{4,30}")
+    assert thought["reasoning"] and thought["content"] and thought["reasoning"] == thought["reasoning_content"]
+    assert "<think>" not in thought["reasoning"] + thought["content"]
+    streamed = chat(r"<think>[A-Za-z ]{4,30}</think>[A-Za-z ]{4,30}", stream=True)
+    assert streamed == {"reasoning": thought["reasoning"], "reasoning_content": thought["reasoning"],
+                        "content": thought["content"]}
+    hidden = chat(r"<think>[A-Za-z ]{4,30}</think>[A-Za-z ]{4,30}", include_reasoning=False)
+    assert "reasoning" not in hidden and hidden["content"] == thought["content"]
+    plain = chat(r"[A-Za-z ]{4,30}")
+    assert plain["reasoning"] is None and plain["content"]
+    # the block left open: reasoning until </think>, free; a grammar (here a JSON
+    # schema) holds the answer after it, as vLLM's does beside a parser
+    r = httpx.post(f"{http}/v1/chat/completions", timeout=120,
+                   json={**LEFT_OPEN, "max_tokens": 3}).json()["choices"][0]["message"]
+    assert r["reasoning"] and r["content"] is None and "</think>" not in r["reasoning"]
+    body = httpx.post(f"{http}/v1/chat/completions", json=HELD, timeout=120).json()
+    answered = body["choices"][0]
+    thought, content = answered["message"]["reasoning"], answered["message"]["content"]
+    assert answered["finish_reason"] == "stop" and thought == "The sky is blue." and list(json.loads(content)) == ["colour"]
+    # usage counts the thinking's tokens, the tags left out, as vLLM does
+    thought_ids = httpx.post(f"{http}/tokenize", json={"prompt": thought, "add_special_tokens": False}).json()
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": thought_ids["count"]}
+
+
+@pytest.mark.slow          # the chat API's reasoning above, by default
+def test_reasoning_streamed_under_a_grammar_and_through_the_responses_and_messages_apis(reasoning_router):
+    """The grammar held answer streamed, with its usage; the Responses API's reasoning
+    item and the Messages API's thinking block, whole and streamed, through the official
+    clients, where the template opened the block."""
+    import anthropic
+    http = reasoning_router
+    body = httpx.post(f"{http}/v1/chat/completions", json=HELD, timeout=120).json()
+    thought, content = body["choices"][0]["message"]["reasoning"], body["choices"][0]["message"]["content"]
+    streamed = {**HELD, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{http}/v1/chat/completions", json=streamed, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    assert "".join(d.get("reasoning") or "" for d in deltas) == thought
+    assert "".join(d.get("content") or "" for d in deltas) == content
+    assert events[-1]["usage"] == body["usage"]
+    client = _client(http)
+    kw = dict(model=MODEL, input="Name a colour.", reasoning={"effort": "low"}, max_output_tokens=10,
+              temperature=0)
+    whole = client.responses.create(**kw)
+    assert [item.type for item in whole.output] == ["reasoning", "message"]
+    mused = whole.output[0].content[0].text
+    assert mused and whole.output[1].content[0].text == ""
+    assert whole.usage.output_tokens_details.reasoning_tokens == whole.usage.output_tokens == 10   # cut thinking
+    with client.responses.stream(**kw) as stream:        # cut by max_output_tokens: incomplete
+        events = list(stream)
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == mused and events[-1].type == "response.incomplete"
+    assert events[-1].response.output[0].content[0].text == mused
+    claude = anthropic.Anthropic(base_url=http, api_key="unused", max_retries=0, timeout=120)
+    ask_claude = dict(model=MODEL, max_tokens=10, messages=COLOUR,
+                      extra_body={"output_config": {"effort": "low"}, "temperature": 0})
+    message = claude.messages.create(**ask_claude)
+    assert [(b.type, b.thinking) for b in message.content] == [("thinking", mused)]
+    with claude.messages.stream(**ask_claude) as stream:
+        assert [(b.type, b.thinking) for b in stream.get_final_message().content] == [("thinking", mused)]

@@ -146,6 +146,7 @@ def test_async_scheduling_with_drafts_keeps_generates_output(runner, model_dir, 
         assert overlapped[0] > 0                                    # and the other steps overlapped
 
 
+@pytest.mark.slow          # rejected drafts' distribution below, by default
 def test_sampled_output_is_what_it_is_without_speculation(runner, model_dir, expected):
     """Seeded sampling draws the same uniform number at each output index with or without
     drafts, and a drafted position keeps its draft only where that draw chose it: the

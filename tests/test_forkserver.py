@@ -36,7 +36,9 @@ print(json.dumps({"up": os.getpid(), "parents": parents, "codes": codes, "orphan
 """
 
 
-@pytest.mark.parametrize("up", ["fresh", "preloaded"])
+# a preloaded server starts every test cluster (tests/processes.py): by default, that
+# path is checked by them
+@pytest.mark.parametrize("up", ["fresh", pytest.param("preloaded", marks=pytest.mark.slow)])
 def test_workers_fork_as_ups_own_children_and_give_it_their_exit_codes(up):
     """Two commands forked: each is the driver's (`up`'s) own child, reparented, and its
     exit code comes back as a Popen's would (0 for --version, argparse's 2 for a flag

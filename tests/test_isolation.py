@@ -74,6 +74,7 @@ def test_grpc_clients_with_the_same_request_id_each_get_their_own_tokens(cluster
     assert s.info.free_blocks == s.info.num_blocks and s.active_handoffs == 0
 
 
+@pytest.mark.slow          # the router names HTTP and gRPC requests alike: gRPC above, by default
 def test_http_clients_with_the_same_x_request_id_each_get_their_own_tokens(cluster, expected):
     results: dict[int, httpx.Response] = {}
 
