@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.text.model_store import ensure_default_model
+from services.engine.text.model_store import DEFAULT_MODEL_NAME, ensure_default_model
 from services.local_processes import start_private_redis
 from tests import durations
 from tests.processes import ROOT, RunningCluster, start_cluster, stop_cluster, terminate
@@ -85,11 +85,11 @@ def cluster(model_dir) -> RunningCluster:
 @pytest.fixture(scope="session")
 def tools_router(cluster):
     """A second router over the session cluster's workers, serving a chat template that
-    renders tools (deploy/chat-templates/chatml-tools.jinja), and sending SSE keep-alives
-    after 50 ms of silence."""
+    renders tools (deploy/chat-templates/chatml-tools.jinja), sending SSE keep-alives
+    after 50 ms of silence, and taking `smol` as another name of the model."""
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-tools-"))
     proc, info = cluster.router(tmp, "--chat-template", str(ROOT / "deploy" / "chat-templates" / "chatml-tools.jinja"),
-                                "--sse-keepalive-seconds", "0.05")
+                                "--sse-keepalive-seconds", "0.05", "--served-model-name", DEFAULT_MODEL_NAME, "smol")
     yield f"http://127.0.0.1:{info['http_port']}"
     terminate(proc)
 

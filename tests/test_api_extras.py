@@ -95,6 +95,19 @@ def test_version_and_models(cluster):
         assert httpx.request(method, f"{cluster.http}{path}", timeout=10).status_code == 200, (method, path)
 
 
+def test_a_model_served_under_two_names(tools_router):
+    """--served-model-name MODEL smol, as vLLM takes it: /v1/models lists both, a request
+    may name either and its answer names the first; any other name is a 404 that lists
+    them."""
+    client = openai.OpenAI(base_url=f"{tools_router}/v1", api_key="unused", max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == [MODEL, "smol"]
+    assert client.models.retrieve("smol").id == "smol"
+    answer = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
+    assert answer.model == MODEL
+    with pytest.raises(openai.NotFoundError, match="Served: `SmolLM2-135M-Instruct`, `smol`"):
+        client.completions.create(model="smol2", prompt="Hi", max_tokens=1)
+
+
 def _post(cluster, path: str, body: dict) -> httpx.Response:
     """JSON with \\u escapes, so a lone surrogate can be sent as JSON allows."""
     return httpx.post(f"{cluster.http}{path}", content=json.dumps(body), timeout=60,

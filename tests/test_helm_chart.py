@@ -932,6 +932,9 @@ def test_served_model_name_and_extra_args_reach_the_command_line(helm):
                "--set-json", 'prefill.env=[{"name":"PDSERVE_BLOCK_SIZE","value":"32"}]')
     for role in SERVICES:                   # workers label their metrics with it
         assert flags(m.container(role))["served-model-name"] == "smol", role
+    named = render(helm, "--set-json", 'model.servedModelName=["smol", "hf/smol"]')
+    assert [a for a in named.container("router")["args"] if a.startswith("--served-model-name")] == [
+        "--served-model-name=smol", "--served-model-name=hf/smol"]
     assert m.container("decode")["args"][-1] == "--max-batch=8"
     assert env_of(m.container("prefill"))["PDSERVE_BLOCK_SIZE"]["value"] == "32"
 
@@ -985,6 +988,7 @@ def test_notes_tell_how_to_reach_the_api(helm, tmp_path):
     assert "port-forward service/pdserve-router 8000:8000" in default
     assert "curl http://127.0.0.1:8000/v1/chat/completions" in default
     assert '"model": "SmolLM2-135M-Instruct"' in default
+    assert '"model": "smol"' in notes("--set-json", 'model.servedModelName=["smol", "hf/smol"]')   # the first
     ingress = notes("--set", "router.ingress.enabled=true", "--set", "router.ingress.hosts[0].host=llm.example",
                     "--set", "router.ingress.hosts[0].paths[0].path=/",
                     "--set", "router.ingress.hosts[0].paths[0].pathType=Prefix")

@@ -207,7 +207,8 @@ def test_http_requests_are_counted_by_route_and_status_and_logged(access_records
     """The middleware sees every request, refused ones too: the status that went out and
     the x-request-id it carried, on the route's own label or `other` for unknown paths."""
     cluster = FakeCluster()
-    fe = SimpleNamespace(cluster=cluster, served_model_name="m", max_model_len=2048, max_body_bytes=1024)
+    fe = SimpleNamespace(cluster=cluster, served_model_name="m", model_names=("m",), max_model_len=2048,
+                         max_body_bytes=1024)
     with TestClient(create_app(fe, cluster.metrics.render)) as client:
         assert client.get("/v1/models", headers={"x-request-id": "given-1"}).status_code == 200
         ready = client.get("/ready")

@@ -72,8 +72,26 @@ def test_a_settings_object_renders_to_the_flags_that_rebuild_it():
                        max_num_batched_tokens=2048, fault_drop_transfers=0.25)
     assert from_args(WorkerSettings, parser.parse_args(["prefill", *to_argv(w)]), role="prefill") == w
     assert "--kv-cache-tokens" not in " ".join(to_argv(w))          # a decode worker's setting
-    r = RouterSettings(decode=["a:1", "b:2"], prefill=["c:3"], aggregated=True, max_pending=7)
+    r = RouterSettings(decode=["a:1", "b:2"], prefill=["c:3"], aggregated=True, max_pending=7,
+                       served_model_name=["smol", "SmolLM2-135M-Instruct"])
     assert from_args(RouterSettings, parser.parse_args(["router", *to_argv(r)])) == r
+
+
+def test_served_model_names_are_given_as_vllm_takes_them():
+    """--served-model-name a b (vLLM's nargs="+"), repeated, or PDSERVE_SERVED_MODEL_NAME=a,b;
+    `up` hands them to its router and workers alike."""
+    from services.common.flags import from_args
+    from services.common.settings import ClusterSettings
+    parser = _parser()
+    for argv in (["--served-model-name", "smol", "hf/smol"], ["--served-model-name", "smol", "--served-model-name",
+                                                              "hf/smol"]):
+        up = from_args(ClusterSettings, parser.parse_args(["up", *argv, "--dtype", "float32"]))
+        assert up.served_model_name == ["smol", "hf/smol"] and up.dtype == "float32", argv
+        assert up.worker("decode").served_model_name == up.router(redis="redis://x").served_model_name == ["smol",
+                                                                                                        "hf/smol"]
+    env_defaults(parser, {"PDSERVE_SERVED_MODEL_NAME": "smol,hf/smol"})
+    assert parser.parse_args(["router"]).served_model_name == ["smol", "hf/smol"]
+    assert from_args(RouterSettings, _parser().parse_args(["router", "--redis", "redis://x"])).served_model_name == []
 
 
 def test_up_hands_its_engine_settings_to_every_worker():

@@ -28,11 +28,13 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 def setting(default: Any = dataclasses.MISSING, help: str = "", *, flags: tuple[str, ...] = (),
             choices: Iterable | None = None, metavar: str | None = None, roles: tuple[str, ...] = (),
-            factory=None):
+            factory=None, several: bool = False):
     """A field that is also a command-line flag. `flags`: its option strings (default
-    --field-name); `roles`: the worker roles it applies to (default all)."""
+    --field-name); `roles`: the worker roles it applies to (default all); `several`: a
+    list that one flag may give several values of (`--name a b`, as vLLM's nargs="+"
+    flags take them), besides repeating the flag."""
     metadata = {"help": help, "flags": flags, "choices": tuple(choices) if choices else None,
-                "metavar": metavar, "roles": roles}
+                "metavar": metavar, "roles": roles, "several": several}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -87,8 +89,10 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls
             if md["metavar"]:
                 kwargs["metavar"] = md["metavar"]
             if is_list:
-                kwargs["action"] = "append"
+                kwargs["action"] = "extend" if md["several"] else "append"
                 kwargs["default"] = None            # argparse appends to a given default
+                if md["several"]:
+                    kwargs["nargs"] = "+"
         parser.add_argument(*_flags(f), **kwargs)
 
 

@@ -209,8 +209,9 @@ class WorkerSettings(EngineSettings):
                                           roles=("prefill",))
     fault_refuse_decodes: int = setting(0, "fault testing: answer this many Decode calls UNAVAILABLE, as a worker "
                                            "lost between a prompt's prefill and its decode", roles=("decode",))
-    served_model_name: str | None = setting(None, "the model_name label of this worker's vLLM-style metrics: the "
-                                                  "router's --served-model-name (default: the model folder's name)")
+    served_model_name: list[str] = setting(help="the model_name label of this worker's vLLM-style metrics: the "
+                                                "first of the router's --served-model-name (default: the model "
+                                                "folder's name)", metavar="NAME", factory=list, several=True)
     announce_file: str | None = setting(None, argparse.SUPPRESS)
 
     def __post_init__(self) -> None:
@@ -270,7 +271,9 @@ class RoutingSettings:
         512, "prompts up to this size may prefill on the decode worker when the cost model says it is "
              "faster, longer ones only while the prefill workers are backed up (0: always use a prefill "
              "worker)")
-    served_model_name: str | None = setting(None, "the model name clients send (default: the model folder's name)")
+    served_model_name: list[str] = setting(help="the model name clients send (default: the model folder's name); "
+                                                "several are aliases of one model, the first named in answers",
+                                           metavar="NAME", factory=list, several=True)
     api_key: list[str] = setting(help="an API key clients must send (Authorization: Bearer KEY); repeat for "
                                       "several. A key given here shows in this process's command line, which "
                                       "any local user can read (ps): prefer --api-key-file, or PDSERVE_API_KEY "

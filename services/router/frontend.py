@@ -64,6 +64,7 @@ class FrontEnd:
     shared_prefix_cache: bool = False
     # what a request's absent sampling fields take (router/sampling.py: sampling_defaults)
     sampling_defaults: dict = field(default_factory=dict)
+    model_aliases: tuple[str, ...] = ()        # the other names clients may send (--served-model-name a b)
     reasoning_parser: str = "none"             # router/reasoning.py's PARSERS, or none
     tool_call_parser: str | None = "hermes"    # router/tool_syntax.py's SYNTAXES; None: no tool_choice auto
     _token_text: dict[int, str] = field(init=False, default_factory=dict)
@@ -124,9 +125,14 @@ class FrontEnd:
             raise bad_request(str(exc), param=param, code="invalid_json_schema") from None
         return schema
 
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.model_aliases)
+
     def check_model(self, model: str | None) -> None:
-        if model and model != self.served_model_name:
-            raise APIError(404, f"The model `{model}` does not exist. Served: `{self.served_model_name}`.",
+        if model and model not in self.model_names:
+            served = ", ".join(f"`{name}`" for name in self.model_names)
+            raise APIError(404, f"The model `{model}` does not exist. Served: {served}.",
                            code="model_not_found", param="model", grpc_code="NOT_FOUND")
 
     def _check_text(self, texts: list[str], param: str) -> None:

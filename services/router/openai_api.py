@@ -199,19 +199,19 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
     async def version():
         return {"version": VERSION}
 
-    def model_card() -> dict:
-        return {"id": fe.served_model_name, "object": "model", "created": started, "owned_by": "pdserve",
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": started, "owned_by": "pdserve",
                 "max_model_len": fe.max_model_len}
 
     @app.get("/v1/models")
     @app.head("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in fe.model_names]}
 
     @app.get("/v1/models/{model:path}")                    # the openai client's models.retrieve()
     async def model(model: str):
         fe.check_model(model)
-        return model_card()
+        return model_card(model)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

@@ -37,7 +37,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     tokenizer = load_tokenizer(model_dir)
     if settings.chat_template:
         tokenizer.chat_template = Path(settings.chat_template).read_text()
-    served_model_name = settings.served_model_name or model_dir.name
+    served_model_name, *aliases = settings.served_model_name or [model_dir.name]
     metrics = RouterMetrics(served_model_name)
     api_keys = read_api_keys(settings.api_key, settings.api_key_file)
     admission = Admission(settings.max_pending, tenant_policies(api_keys), lambda: cluster.capacity(), metrics)
@@ -53,7 +53,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     fe = FrontEnd(cluster, admission, tokenizer, served_model_name, max_model_len, settings.max_body_bytes,
                   settings.request_timeout, sse_keepalive=settings.sse_keepalive_seconds,
                   shared_prefix_cache=settings.shared_prefix_cache, sampling_defaults=defaults,
-                  reasoning_parser=settings.reasoning_parser,
+                  model_aliases=tuple(aliases), reasoning_parser=settings.reasoning_parser,
                   tool_call_parser=settings.tool_call_parser if settings.enable_auto_tool_choice else None)
 
     keys = KeyCheck(api_keys)

@@ -138,7 +138,7 @@ async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]
                          max_model_len=settings.max_model_len, quantization=settings.quantization,
                          cuda_graphs=not (settings.enforce_eager or (ranks is not None and ranks.group.shared)),
                          max_batch=settings.max_batch, group=ranks.group if ranks is not None else None)
-    metrics = WorkerMetrics(settings.role, settings.served_model_name or model_dir.name)
+    metrics = WorkerMetrics(settings.role, (settings.served_model_name or [model_dir.name])[0])
     parts = build(settings, runner, eos_token_ids(model_dir), metrics, ranks)
     if ranks is not None:
         ranks.watch()
