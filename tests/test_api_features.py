@@ -580,12 +580,12 @@ HELD = {**LEFT_OPEN, "max_tokens": 40,
 @pytest.fixture(scope="module")
 def reasoning_router(cluster, tmp_path_factory):
     """A router over the session cluster's workers with --reasoning-parser deepseek_r1
-    and THINKING_TEMPLATE."""
+    and THINKING_TEMPLATE: its HTTP base URL and gRPC port."""
     from tests.processes import terminate
     tmp = tmp_path_factory.mktemp("reasoning")
     (tmp / "thinking.jinja").write_text(THINKING_TEMPLATE)
     proc, info = cluster.router(tmp, "--reasoning-parser", "deepseek_r1", "--chat-template", str(tmp / "thinking.jinja"))
-    yield f"http://127.0.0.1:{info['http_port']}"
+    yield f"http://127.0.0.1:{info['http_port']}", info["grpc_port"]
     terminate(proc)
 
 
@@ -594,8 +594,9 @@ def test_a_reasoning_parser_tells_thinking_from_the_answer_whole_and_streamed(re
     </think> is `reasoning` (and `reasoning_content`), the rest `content`, whole and
     streamed alike; include_reasoning false leaves the reasoning out; an answer that never
     opens the block is all content; a prompt that leaves <think> open makes it reasoning,
-    and a grammar there holds only the answer after </think>, whose tokens usage counts."""
-    http = reasoning_router
+    and a grammar there holds only the answer after </think>, whose tokens usage counts.
+    gRPC's chat tells them apart too."""
+    http, grpc_port = reasoning_router
 
     def chat(regex: str, stream: bool = False, **fields):
         body = {"messages": COLOUR, "temperature": 0, "max_tokens": 40, "stream": stream,
@@ -603,7 +604,7 @@ def test_a_reasoning_parser_tells_thinking_from_the_answer_whole_and_streamed(re
         if not stream:
             r = httpx.post(f"{http}/v1/chat/completions", json=body, timeout=120)
             assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["message"]
+            return {**r.json()["choices"][0]["message"], "usage": r.json()["usage"]}
         parts = {"reasoning": "", "reasoning_content": "", "content": ""}
         with httpx.stream("POST", f"{http}/v1/chat/completions", json=body, timeout=120) as r:
             for line in r.iter_lines():
@@ -622,6 +623,17 @@ def test_a_reasoning_parser_tells_thinking_from_the_answer_whole_and_streamed(re
     assert "reasoning" not in hidden and hidden["content"] == thought["content"]
     plain = chat(r"[A-Za-z ]{4,30}")
     assert plain["reasoning"] is None and plain["content"]
+    # gRPC: the thinking in `reasoning`, the answer in `text`, its tokens counted as HTTP
+    # counts them (none here: the regex writes <think> in other tokens than the tag's)
+    request = generate_pb2.GenerateRequest(
+        chat=generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(**m) for m in COLOUR]),
+        sampling=generate_pb2.SamplingParams(temperature=0, max_tokens=40,
+                                             regex=r"<think>[A-Za-z ]{4,30}</think>[A-Za-z ]{4,30}"))
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+        replies = list(generate_pb2_grpc.GeneratorStub(ch).Generate(request, timeout=120))
+    assert "".join(r.reasoning for r in replies) == thought["reasoning"]
+    assert "".join(r.text for r in replies) == thought["content"]
+    assert replies[-1].usage.reasoning_tokens == thought["usage"]["completion_tokens_details"]["reasoning_tokens"]
     # the block left open: reasoning until </think>, free; a grammar (here a JSON
     # schema) holds the answer after it, as vLLM's does beside a parser
     r = httpx.post(f"{http}/v1/chat/completions", timeout=120,
@@ -642,7 +654,7 @@ def test_reasoning_streamed_under_a_grammar_and_through_the_responses_and_messag
     item and the Messages API's thinking block, whole and streamed, through the official
     clients, where the template opened the block."""
     import anthropic
-    http = reasoning_router
+    http, _ = reasoning_router
     body = httpx.post(f"{http}/v1/chat/completions", json=HELD, timeout=120).json()
     thought, content = body["choices"][0]["message"]["reasoning"], body["choices"][0]["message"]["content"]
     streamed = {**HELD, "stream": True, "stream_options": {"include_usage": True}}
@@ -651,7 +663,8 @@ def test_reasoning_streamed_under_a_grammar_and_through_the_responses_and_messag
     deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
     assert "".join(d.get("reasoning") or "" for d in deltas) == thought
     assert "".join(d.get("content") or "" for d in deltas) == content
-    assert events[-1]["usage"] == body["usage"]
+    counted = lambda usage: {k: v for k, v in usage.items() if k != "prompt_tokens_details"}   # noqa: E731
+    assert counted(events[-1]["usage"]) == counted(body["usage"])      # the second found the first's prompt cached
     client = _client(http)
     kw = dict(model=MODEL, input="Name a colour.", reasoning={"effort": "low"}, max_output_tokens=10,
               temperature=0)

@@ -9,6 +9,7 @@ from services.router.admission import TENANT
 from services.router.frontend import FrontEnd, choices
 from services.router.generation import Generation, new_request_id
 from services.router.protocol import MAX_CHOICES, APIError, bad_request
+from services.router.reasoning import Thinking, ThinkingStream
 from services.router import structured
 from services.router.sampling import resolve_sampling
 from services.rpc import generate_pb2, generate_pb2_grpc
@@ -42,7 +43,10 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
             return await self.fe.tokenize_prompt(list(request.prompt_token_ids.ids))
         raise bad_request("one of prompt, chat or prompt_token_ids is required", param="input")
 
-    async def _generations(self, request: generate_pb2.GenerateRequest, request_id: str) -> list[Generation]:
+    async def _generations(self, request: generate_pb2.GenerateRequest,
+                           request_id: str) -> tuple[list[Generation], Thinking | None]:
+        """The request's choices, and where a chat's thinking is told from its answer
+        (--reasoning-parser; None: no parser, or not a chat)."""
         self.fe.check_model(request.model)
         prompt_ids = await self._prompt(request)
         s = request.sampling
@@ -67,9 +71,12 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
             raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {request.n}", param="n")
         # The router names the request itself: the caller's id is only echoed back.
         gens = choices(request_id, prompt_ids, params, request.n or 1)
+        thinking = self.fe.thinking_of(prompt_ids) if request.WhichOneof("input") == "chat" else None
         for gen in gens:
             gen.client_id = request.request_id
-        return gens
+            if thinking is not None:
+                gen.thinking = self.fe.thinking_tokens(thinking)
+        return gens, thinking
 
     def _tenant(self, context) -> str:
         """The caller's API key's tenant (RequireBearer has let only accepted keys in)."""
@@ -89,22 +96,27 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
             tenant = self._tenant(context)
             TENANT.set(tenant)                  # the tokenizer's turns
             try:
-                gens = await self._generations(request, own)
+                gens, thinking = await self._generations(request, own)
                 running = self.fe.start(gens, context.time_remaining(), tenant)
             except APIError as exc:
                 await context.abort(getattr(grpc.StatusCode, exc.grpc_code), exc.message)
             gen = gens[0]
             scored = gen.params.prompt_logprobs is not None       # sent with choice 0's first message
+            split = [ThinkingStream(thinking) for _ in gens] if thinking is not None else None
             try:
                 async for d in running.deltas():
                     prompt = None
                     if scored and d.index == 0:
                         prompt, scored = [logprob_to_proto(lp) for lp in gen.prompt_logprobs or ()], False
+                    reasoning, text = ("", d.text) if split is None else split[d.index].feed(
+                        d.text, final=bool(d.finish_reason))
+                    thought = gens[d.index].thinking
                     yield generate_pb2.GenerateResponse(
-                        request_id=echoed, text=d.text, token_ids=d.token_ids,
+                        request_id=echoed, text=text, reasoning=reasoning, token_ids=d.token_ids,
                         finish_reason=d.finish_reason or "", index=d.index,
                         usage=generate_pb2.Usage(prompt_tokens=len(gen.prompt_ids),
-                                                 completion_tokens=gens[d.index].completion_tokens),
+                                                 completion_tokens=gens[d.index].completion_tokens,
+                                                 reasoning_tokens=thought.count if thought is not None else 0),
                         logprobs=[logprob_to_proto(lp) for lp in d.logprobs or ()], prompt_logprobs=prompt)
             except APIError as exc:
                 await context.abort(getattr(grpc.StatusCode, exc.grpc_code), exc.message)
