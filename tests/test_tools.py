@@ -24,11 +24,15 @@ def test_whole_outputs_per_mode():
     assert _names(calls) == [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
     assert "<tool_call>{oops}</tool_call>" in content and all(c["id"].startswith("call_") for c in calls)
     assert parse_calls(auto, "just text") == ("just text", [])
+    huge = '<tool_call>{"name": "f", "arguments": {"a": ' + "1" * 5000 + "}}</tool_call>"   # past the digit limit
+    assert parse_calls(auto, huge) == (huge, [])
     named = ToolPlan([], "named", "{}", "f")
     assert _names(parse_calls(named, '{"a": 1}')[1]) == [("f", {"a": 1})]
     required = ToolPlan([], "required", "{}")
     assert _names(parse_calls(required, '[{"name": "g", "arguments": {"x": 2}}]')[1]) == [("g", {"x": 2})]
     assert parse_calls(required, '[{"name": "g", "argu') == ('[{"name": "g", "argu', [])    # cut by max_tokens
+    assert _names(parse_calls(required, '[{"name": "g", "arguments": {}}, {"name": "h", "arguments": {"a": '
+                              + "1" * 5000 + "}}]")[1]) == [("g", {})]
     # cut after whole calls (a model that repeats its call until max_tokens): those are calls
     cut = '[{"name": "g", "arguments": {"x": 2}}, {"name": "h", "arguments": {}}, {"name": "g", "arguments": {"x'
     content, calls = parse_calls(required, cut)
@@ -75,6 +79,12 @@ OTHER_SYNTAXES = [
     # nested past Python's stack: text, not a failed request
     ("llama3_json", '{"name": "f", "parameters": ' + "[" * 50000 + "]" * 50000 + "}", []),
     ("pythonic", "[f(x=" + "[" * 50000 + "]" * 50000 + ")]", []),
+    # an integer past Python's digit limit, and numbers JSON has no name for: text
+    ("llama3_json", '{"name": "f", "parameters": {"a": ' + "1" * 5000 + "}}", []),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"a": ' + "1" * 5000 + "}", []),
+    ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": {"a": ' + "1" * 5000 + "}}]", []),
+    ("llama3_json", '{"name": "f", "parameters": {"a": NaN}}', []),
+    ("pythonic", "[f(a=1e999)]", []),
 ]
 
 

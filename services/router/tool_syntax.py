@@ -44,7 +44,10 @@ def _call(name, arguments, call_id: str = "") -> dict | None:
     """An OpenAI call of a parsed name and arguments, or None if they are not a call's."""
     if not isinstance(name, str) or not name or not isinstance(arguments, (dict, str)):
         return None
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    try:                        # arguments are JSON for any client: no NaN or Infinity
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        return None
     return new_call(name, text, call_id)
 
 
@@ -58,7 +61,9 @@ class Hermes:
         """A call from the JSON inside <tool_call> tags, or None if it is not one."""
         try:
             call = json.loads(body)
-        except (json.JSONDecodeError, RecursionError):     # RecursionError: nested past Python's stack
+        # ValueError: not JSON, or an integer past Python's digit limit; RecursionError:
+        # nested past Python's stack
+        except (ValueError, RecursionError):
             return None
         return _call(call.get("name"), call.get("arguments", {})) if isinstance(call, dict) else None
 
@@ -193,7 +198,7 @@ class Llama3Json(WholeOutput):
                 break
             try:
                 obj, at = self._decoder.raw_decode(text, at)
-            except (json.JSONDecodeError, RecursionError):
+            except (ValueError, RecursionError):
                 return None
             call = _call(obj.get("name"), obj["arguments"] if "arguments" in obj else obj.get("parameters")) \
                 if isinstance(obj, dict) else None
@@ -270,7 +275,7 @@ class Mistral:
         for part in text.split(self.MARK)[1:]:
             try:
                 found = self._part(part.strip())
-            except (json.JSONDecodeError, RecursionError):
+            except (ValueError, RecursionError):
                 return None
             if not found or None in found:
                 return None

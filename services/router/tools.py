@@ -111,7 +111,7 @@ def _whole_items(text: str) -> list:
             at += 1
         try:
             item, at = decoder.raw_decode(text, at)
-        except (json.JSONDecodeError, RecursionError):      # the cut item, or the closing bracket
+        except (ValueError, RecursionError):      # the cut item or the closing bracket (or digits past the limit)
             break
         items.append(item)
     return items
