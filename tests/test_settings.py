@@ -14,6 +14,7 @@ def test_environment_sets_any_flag_default_and_the_command_line_wins():
     assert a.redis == "redis://r:6379/0" and a.kv_cache_tokens == 4096 and a.advertise == "decode-0.svc:7001"
     assert parser.parse_args(["decode", "--kv-cache-tokens", "512"]).kv_cache_tokens == 512
     assert parser.parse_args(["router"]).decode == ["a:1", "b:2"]
+    assert parser.parse_args(["router", "--decode", "c:3", "--decode", "d:4"]).decode == ["c:3", "d:4"]   # not added
 
 
 def test_advertised_address():
@@ -91,6 +92,7 @@ def test_served_model_names_are_given_as_vllm_takes_them():
                                                                                                         "hf/smol"]
     env_defaults(parser, {"PDSERVE_SERVED_MODEL_NAME": "smol,hf/smol"})
     assert parser.parse_args(["router"]).served_model_name == ["smol", "hf/smol"]
+    assert parser.parse_args(["router", "--served-model-name", "cli"]).served_model_name == ["cli"]
     assert from_args(RouterSettings, _parser().parse_args(["router", "--redis", "redis://x"])).served_model_name == []
 
 

@@ -40,6 +40,25 @@ def setting(default: Any = dataclasses.MISSING, help: str = "", *, flags: tuple[
     return field(default=default, metadata=metadata)
 
 
+class _FromTheCommandLine:
+    """A list flag whose values on the command line replace its default (what the
+    environment gave, env_defaults) rather than add to it: the command line wins, as it
+    does for every other flag, and a child started with `to_argv` sees exactly those."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is self.default:
+            setattr(namespace, self.dest, None)
+        super().__call__(parser, namespace, values, option_string)
+
+
+class _Append(_FromTheCommandLine, argparse._AppendAction):
+    pass
+
+
+class _Extend(_FromTheCommandLine, argparse._ExtendAction):
+    pass
+
+
 def env_name(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
 
@@ -89,7 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls
             if md["metavar"]:
                 kwargs["metavar"] = md["metavar"]
             if is_list:
-                kwargs["action"] = "extend" if md["several"] else "append"
+                kwargs["action"] = _Extend if md["several"] else _Append
                 kwargs["default"] = None            # argparse appends to a given default
                 if md["several"]:
                     kwargs["nargs"] = "+"
