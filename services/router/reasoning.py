@@ -85,10 +85,12 @@ class ThinkingStream:
 
 class ThinkingTokens:
     """How many of a choice's output tokens are its thinking, counted as they come: those
-    inside the block, not its tags (vLLM's count_reasoning_tokens, usage's
-    `reasoning_tokens`). A tag is matched as its tokens in a row (one token in reasoning
-    models' vocabularies); the block opens as `Thinking` says: at the start, or where
-    the output begins with the start tag."""
+    inside the block, not its tags (usage's `reasoning_tokens`, as vLLM's
+    count_reasoning_tokens counts them, except that a block the prompt opened is counted
+    too: vLLM counts only after a start tag in the output, 0 for DeepSeek-R1's). A tag is
+    matched as its tokens in a row (one token in reasoning models' vocabularies); the
+    block opens as `Thinking` says: at the start, or where the output begins with the
+    start tag."""
 
     def __init__(self, start: tuple[int, ...], end: tuple[int, ...], open_at_start: bool) -> None:
         self.start, self.end = start, end
