@@ -105,6 +105,89 @@ def test_a_grammar_after_the_end_of_thinking_holds_only_the_answer(grammars):
     held = compiled.constraint(YES_NO, "grammar", after=end)          # the same, answered as asked
     assert all(held.accept(t) for t in [*thought, *end, *answer, tokenizer.eos_token_id]) and held.terminated
 
+
+def test_where_the_prompt_leaves_thinking_to_the_model_its_first_token_may_open_it(grammars):
+    """`structure_opens` as well (the start of thinking, where the prompt neither opened
+    nor closed the block, as a hybrid model's template leaves it): the first token's mask
+    is the grammar's and the opening token; an output that begins with it thinks, free
+    until the end tag, then answers as the grammar says; one that begins otherwise is
+    held from its first token, and may not open a block later. Drafts likewise."""
+    import xgrammar as xgr
+    tokenizer, compiled = grammars
+    end = tuple(tokenizer.encode("</think>", add_special_tokens=False))
+    opens = tuple(tokenizer.encode("<think>", add_special_tokens=False))
+    thought = tokenizer.encode("Let me see.", add_special_tokens=False)
+    answer = tokenizer.encode("no.", add_special_tokens=False)
+    eos = tokenizer.eos_token_id
+    bitmask = xgr.allocate_token_bitmask(1, compiled.vocab_size)
+
+    def allowed() -> list[int]:
+        return [t for t in range(compiled.vocab_size) if int(bitmask[0, t // 32]) >> (t % 32) & 1]
+    thinks = compiled.constraint(YES_NO, "grammar", after=end, opens=opens)
+    assert thinks.fill(bitmask, 0)
+    first = allowed()
+    assert opens[0] in first and answer[0] in first
+    assert all(t == opens[0] or "yes".startswith(w) or "no".startswith(w)
+               for t, w in zip(first, tokenizer.batch_decode([[t] for t in first])))
+    assert thinks.fitting([*opens, *thought, *end, *answer, eos]) == [*opens, *thought, *end, *answer]
+    assert thinks.fitting([*answer, eos]) == answer and thinks.fitting([*thought]) == []
+    assert not thinks.fill(bitmask, 0, (opens[0],)) and thinks.fill(bitmask, 0, (*opens, *thought, *end))
+    assert all(thinks.accept(t) for t in [*opens, *thought]) and not thinks.terminated
+    assert not thinks.fill(bitmask, 0)                                # free while thinking
+    assert all(thinks.accept(t) for t in [*end, *answer, eos]) and thinks.terminated
+    answers = compiled.constraint(YES_NO, "grammar", after=end, opens=opens)
+    assert answers.accept(answer[0]) and answers.fill(bitmask, 0) and opens[0] not in allowed()
+    assert not answers.accept(opens[0]) and answers.terminated       # no block once the answer began
+
+def test_the_router_starts_a_reasoning_models_grammar_where_its_prompt_says(model_dir):
+    """FrontEnd.grammar_start with --reasoning-parser deepseek_r1: a prompt that opens the
+    block waits for its end; one that closed it (a hybrid model told not to think) holds
+    from the first token; one that did neither lets the first token open it, where the
+    start tag is one token (SmolLM2's tokenizer, given the tags as reasoning models'
+    vocabularies have them), and holds from the first token where it is several."""
+    from services.engine.text.tokenizer import load_tokenizer
+    from services.router.frontend import FrontEnd
+    several = load_tokenizer(model_dir)
+    one = load_tokenizer(model_dir)
+    one.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    start, end = one.convert_tokens_to_ids(["<think>", "</think>"])
+    schema = ("json_schema", '{"type": "object"}')
+    for tokenizer, neither in ((one, ((end,), (start,))), (several, ((), ()))):
+        fe = FrontEnd(None, None, tokenizer, "m", 100, 100, reasoning_parser="deepseek_r1")
+        ask = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+        opened, closed = (tokenizer.encode(f"<|im_start|>assistant\n{text}", add_special_tokens=False)
+                          for text in ("<think>\n", "<think>\n\n</think>\n\n"))
+        tag = tuple(tokenizer.encode("</think>", add_special_tokens=False))
+        assert fe.grammar_start(opened, schema) == (tag, ())
+        assert fe.grammar_start(closed, schema) == ((), ())
+        assert fe.grammar_start(ask, schema) == neither
+        assert fe.grammar_start(opened, None) == ((), ())                # no structure: nothing to start
+    assert FrontEnd(None, None, one, "m", 100, 100).grammar_start(ask, schema) == ((), ())    # no parser
+
+
+def test_the_schema_guard_checks_the_answer_the_grammar_held():
+    """Where the output may open its thinking with its first token (structure_opens): one
+    that did is checked after </think> (and has nothing to check if it never got there);
+    one that did not was held whole, and the whole is checked, a </think> inside a
+    string included."""
+    import asyncio
+    from services.engine.core.sampling import SamplingParams
+    from services.router.protocol import APIError
+    from services.router.schema_guard import SchemaGuard
+    params = SamplingParams(max_tokens=16, json_schema='{"type": "object", "required": ["a"]}', structure_after=(9,),
+                            structure_opens=(7,))
+
+    def ends(first: int, text: str) -> None:
+        asyncio.run(SchemaGuard("r", 0, params, "</think>").feed(text, [first, 5], "stop", False))
+    ends(7, '<think>hm</think>{"a": 1}')
+    ends(7, "<think>hm")
+    with pytest.raises(APIError, match="does not match the JSON schema"):
+        ends(7, '<think>hm</think>{"b": 1}')
+    ends(3, '{"a": "</think>"}')
+    with pytest.raises(APIError, match="does not match the JSON schema"):
+        ends(3, '{"b": 1}')
+
+
 def test_a_json_format_beside_auto_tools_allows_the_format_or_the_calls(grammars):
     answer = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
               "additionalProperties": False}

@@ -116,9 +116,11 @@ class Grammars:
                 self._cache.popitem(last=False)
         return grammar
 
-    def constraint(self, text: str, kind: str = "json_schema", after: tuple[int, ...] = ()) -> "Constraint":
+    def constraint(self, text: str, kind: str = "json_schema", after: tuple[int, ...] = (),
+                   opens: tuple[int, ...] = ()) -> "Constraint":
         import xgrammar as xgr
-        return Constraint(xgr.GrammarMatcher(self.compile(text, kind)), self.vocab_size, after)   # it can roll back any number
+        # the matcher can roll back any number of tokens
+        return Constraint(xgr.GrammarMatcher(self.compile(text, kind)), self.vocab_size, after, opens)
 
 
 class Constraint:
@@ -128,22 +130,41 @@ class Constraint:
     With `after` (token ids: a reasoning model's end of thinking, as the router's
     --reasoning-parser sends it), the output is free until it has made those tokens in a
     row, and the grammar holds what follows: the model thinks, then answers in the shape
-    asked for, as vLLM's structured output does beside a reasoning parser."""
+    asked for, as vLLM's structured output does beside a reasoning parser. With `opens`
+    as well (the start of thinking's first token, where the prompt left it to the model
+    whether to think), that wait begins only if the output's first token is that one
+    and the grammar refuses it; otherwise the grammar holds the output from its first
+    token. The first token's mask allows it besides the grammar's."""
 
-    def __init__(self, matcher, vocab_size: int, after: tuple[int, ...] = ()) -> None:
+    def __init__(self, matcher, vocab_size: int, after: tuple[int, ...] = (), opens: tuple[int, ...] = ()) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
         self._stuck = False
         self._after = tuple(after)
         self._recent: tuple[int, ...] = ()         # the output's last tokens while `after` is awaited
-        self._waiting = bool(after)
+        self._opens = opens[0] if after and opens else None     # the output's first token may open a block
+        self._waiting = bool(after) and self._opens is None
 
     def _awaited(self, recent: tuple[int, ...], token: int) -> tuple[tuple[int, ...], bool]:
         """The last tokens after `token`, and whether the grammar is still waiting."""
         recent = (*recent, token)[-len(self._after):]
         return recent, recent != self._after
 
+    def _opened(self, token: int) -> bool | None:
+        """For the output's first token, where it may open a block: True if it does (the
+        matcher refuses it, and stays where it was), False if the matcher took it; None
+        where the matcher has yet to judge it."""
+        if token != self._opens:
+            return None
+        return not self._matcher.accept_token(token)
+
     def accept(self, token_id: int) -> bool:
+        if self._opens is not None:                 # the output's first token
+            opened = self._opened(token_id)
+            self._opens = None
+            if opened is not None:
+                self._waiting = opened
+                return True
         if self._waiting:
             self._recent, self._waiting = self._awaited(self._recent, token_id)
             return True
@@ -163,7 +184,10 @@ class Constraint:
         caller rolls them back), and whether the grammar still waits for its start."""
         recent, waiting, taken, fed = self._recent, self._waiting, 0, 0
         for token in tokens:
-            if waiting:
+            opened = self._opened(token) if taken == 0 and self._opens is not None else None
+            if opened is not None:
+                waiting, fed = opened, fed + (not opened)
+            elif waiting:
                 recent, waiting = self._awaited(recent, token)
             elif self._matcher.is_terminated() or not self._matcher.accept_token(token):
                 break
@@ -181,6 +205,8 @@ class Constraint:
         _, fed, waiting = self._walk(ahead)
         if not waiting:
             self._matcher.fill_next_token_bitmask(bitmask, row)
+            if self._opens is not None and not ahead:
+                _allow(bitmask, row, self._opens)
         if fed:
             self._matcher.rollback(fed)
         return not waiting
@@ -195,6 +221,13 @@ class Constraint:
         if fed:
             self._matcher.rollback(fed)
         return draft[:taken - (ended and fed > 0)]
+
+
+def _allow(bitmask: torch.Tensor, row: int, token: int) -> None:
+    """Set `token`'s bit in an xgrammar bitmask row (int32 words, bit i of word w is
+    token 32w + i)."""
+    word, bit = divmod(token, 32)
+    bitmask[row, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)
 
 
 def fill_masks(constraints: list[tuple[Constraint | None, tuple[int, ...]]]) -> Callable[[torch.Tensor], None] | None:

@@ -189,13 +189,26 @@ class FrontEnd:
         tail = self.tokenizer.decode(prompt_ids[-64:])        # where the template left the block
         return Thinking.for_prompt(self.reasoning_parser, tail)
 
-    def grammar_start(self, prompt_ids: list[int], structure: tuple[str, str] | None) -> tuple[int, ...]:
-        """Where a structured output's grammar starts (SamplingParams.structure_after): where
-        the prompt leaves a reasoning model's block open, the model thinks first, free, and
-        the grammar holds the answer after the end tag, as vLLM's does beside a reasoning
-        parser; otherwise from the first token (empty)."""
+    def grammar_start(self, prompt_ids: list[int],
+                      structure: tuple[str, str] | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Where a structured output's grammar starts (SamplingParams' structure_after and
+        structure_opens), beside a reasoning parser: where the prompt leaves the block
+        open, the model thinks first, free, and the grammar holds the answer after the end
+        tag, as vLLM's does; where the prompt closed it (a hybrid model told not to think),
+        from the first token, as vLLM's does. Where it did neither (a hybrid model's
+        template that leaves thinking to the model), vLLM waits for the end tag whatever
+        the model does; here the model may open the block with its first token, and think
+        until the end tag, or answer at once, held from its first token. That needs a
+        start tag of one token, as reasoning models' vocabularies have: the first of
+        several ("<") is no sign of thinking, and such a prompt's grammar holds from the
+        first token. Without a parser or a structure: from the first token."""
         thinking = self.thinking_of(prompt_ids) if structure is not None else None
-        return self._tag_ids(thinking.end) if thinking is not None and thinking.open_at_start else ()
+        if thinking is None or thinking.closed_in_prompt:
+            return (), ()
+        end, start = self._tag_ids(thinking.end), self._tag_ids(thinking.start)
+        if thinking.open_at_start:
+            return end, ()
+        return (end, start) if len(start) == 1 else ((), ())
 
     def thinking_tokens(self, thinking: Thinking) -> ThinkingTokens:
         """A counter of one choice's thinking tokens (usage's reasoning_tokens)."""

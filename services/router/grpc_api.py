@@ -66,7 +66,7 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
             prompt_logprobs=opt("prompt_logprobs"),
             allowed_token_ids=list(s.allowed_token_ids) or None, bad_words=[list(w.ids) for w in s.bad_words],
             cache_salt=self.fe.cache_salt(s.cache_salt), prompt_param=request.WhichOneof("input"),
-            defaults=self.fe.sampling_defaults, structure_after=self.fe.grammar_start(prompt_ids, structure))
+            defaults=self.fe.sampling_defaults, structure_start=self.fe.grammar_start(prompt_ids, structure))
         if not 0 <= request.n <= MAX_CHOICES:
             raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {request.n}", param="n")
         # The router names the request itself: the caller's id is only echoed back.

@@ -55,7 +55,7 @@ async def generations(fe: FrontEnd, req: CommonRequest, request_id: str, prompt_
         stop_token_ids=req.stop_token_ids or (), logprobs=logprobs, structure=structure,
         prompt_logprobs=prompt_logprobs, allowed_token_ids=req.allowed_token_ids, bad_words=bad_words,
         cache_salt=fe.cache_salt(req.cache_salt), prompt_param=prompt_param, defaults=fe.sampling_defaults,
-        structure_after=fe.grammar_start(prompt_ids, structure))
+        structure_start=fe.grammar_start(prompt_ids, structure))
     return choices(request_id, prompt_ids, params, req.choices)
 
 

@@ -20,15 +20,18 @@ PARSERS = {"deepseek_r1": ("<think>", "</think>"), "qwen3": ("<think>", "</think
 
 @dataclass(frozen=True)
 class Thinking:
-    """A reasoning model's tags, and whether the request's prompt left the block open."""
+    """A reasoning model's tags, and whether the request's prompt left the block open, or
+    closed it (a hybrid model's template told not to think writes an empty block)."""
     start: str
     end: str
     open_at_start: bool = False
+    closed_in_prompt: bool = False
 
     @classmethod
     def for_prompt(cls, parser: str, prompt_text: str) -> Thinking:
         start, end = PARSERS[parser]
-        return cls(start, end, prompt_text.rstrip().endswith(start))
+        tail = prompt_text.rstrip()
+        return cls(start, end, tail.endswith(start), tail.endswith(end))
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole output; None where there is none."""

@@ -79,7 +79,7 @@ def resolve_sampling(*, prompt_len: int, max_model_len: int, vocab_size: int, ma
                      allowed_token_ids: list[int] | None = None,
                      bad_words: list[list[int]] | tuple[tuple[int, ...], ...] = (), cache_salt: str = "",
                      prompt_param: str = "messages", defaults: Mapping[str, float | int] | None = None,
-                     structure_after: tuple[int, ...] = ()) -> SamplingParams:
+                     structure_start: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> SamplingParams:
     """The request's SamplingParams; a field it leaves out (None) takes `defaults`'
     value (sampling_defaults), else OpenAI's."""
     defaults = defaults or {}
@@ -130,6 +130,6 @@ def resolve_sampling(*, prompt_len: int, max_model_len: int, vocab_size: int, ma
             **({structure[0]: structure[1]} if structure else {}),
             prompt_logprobs=prompt_logprobs, allowed_token_ids=tuple(sorted(set(allowed_token_ids or ()))),
             bad_words=tuple(tuple(w) for w in bad_words), cache_salt=cache_salt,
-            structure_after=structure_after)
+            structure_after=structure_start[0], structure_opens=structure_start[1])
     except InvalidSampling as exc:
         raise bad_request(str(exc), param=exc.param) from None

@@ -8,7 +8,9 @@ Such an answer is an error (HTTP 500 `json_schema_violation`, gRPC INTERNAL), ne
 stop string or stop token the request named, is not checked: the client asked for the
 cut, and the output is partial by design. A reasoning model's grammar holds its answer
 after the end of its thinking (`structure_after`): that answer is what is checked, and
-an output that never ends its thinking has none to check.
+an output that never ends its thinking has none to check. Where the output could open
+its thinking with its first token (`structure_opens`) and did not, the grammar held it
+whole, and the whole is checked.
 """
 from __future__ import annotations
 
@@ -30,19 +32,22 @@ class SchemaGuard:
         self.index = index
         self.schema = params.json_schema
         self.after = after                      # the text the answer follows (structure_after's)
+        self.opens = params.structure_opens[:1]     # the first token that would have opened thinking
         self.stop_token_ids = frozenset(params.stop_token_ids)
         self.parts: list[str] = []
+        self.first_token: int | None = None
         self.last_token: int | None = None
 
     async def feed(self, text: str, token_ids: list[int], finish: str | None, stop_string: bool) -> None:
         """Take a delta; at the choice's own end, raise APIError if its text breaks the schema."""
         self.parts.append(text)
         if token_ids:
+            self.first_token = token_ids[0] if self.first_token is None else self.first_token
             self.last_token = token_ids[-1]
         if finish != "stop" or stop_string or self.last_token in self.stop_token_ids:
             return
         text = "".join(self.parts)
-        if self.after:
+        if self.after and (not self.opens or (self.first_token,) == self.opens):     # it thought first
             at = text.find(self.after)
             if at < 0:
                 return

@@ -14,7 +14,7 @@ def sampling_to_proto(p: SamplingParams) -> generate_pb2.SamplingParams:
         stop_token_ids=list(p.stop_token_ids), logprobs=p.logprobs, json_schema=p.json_schema, regex=p.regex,
         grammar=p.grammar, structural_tag=p.structural_tag, prompt_logprobs=p.prompt_logprobs, allowed_token_ids=list(p.allowed_token_ids),
         bad_words=[generate_pb2.TokenIds(ids=w) for w in p.bad_words], cache_salt=p.cache_salt,
-        structure_after=list(p.structure_after))
+        structure_after=list(p.structure_after), structure_opens=list(p.structure_opens))
 
 
 def sampling_from_proto(m: generate_pb2.SamplingParams) -> SamplingParams:
@@ -29,7 +29,8 @@ def sampling_from_proto(m: generate_pb2.SamplingParams) -> SamplingParams:
         grammar=m.grammar, structural_tag=m.structural_tag,
         prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
         allowed_token_ids=tuple(m.allowed_token_ids), bad_words=tuple(tuple(w.ids) for w in m.bad_words),
-        cache_salt=m.cache_salt, structure_after=tuple(m.structure_after))
+        cache_salt=m.cache_salt, structure_after=tuple(m.structure_after),
+        structure_opens=tuple(m.structure_opens))
 
 
 def logprob_to_proto(lp: TokenLogprob) -> generate_pb2.TokenLogprob:

@@ -42,6 +42,11 @@ class SamplingParams:
     # reasoning model's end of thinking, as the router's --reasoning-parser sends it);
     # empty: from the first token.
     structure_after: tuple[int, ...] = ()
+    # With structure_after: the tokens that open the thinking (its start tag), where the
+    # prompt has neither opened nor closed it. An output that begins with the first of
+    # them, where the grammar refuses that token, thinks first; any other is held from
+    # its first token. Empty: the prompt opened the block (or no structure_after).
+    structure_opens: tuple[int, ...] = ()
     allowed_token_ids: tuple[int, ...] = ()             # only these may be sampled (empty: any)
     # Token sequences the output may not contain (vLLM's bad_words, tokenized by the
     # router): a sequence's last token is banned wherever the output ends in the rest.
@@ -107,9 +112,12 @@ class SamplingParams:
             raise InvalidSampling("bad_words", f"bad_words takes at most {MAX_BAD_WORDS} non-empty token sequences")
         if len(self.cache_salt) > MAX_CACHE_SALT:
             raise InvalidSampling("cache_salt", f"cache_salt takes at most {MAX_CACHE_SALT} characters")
-        if len(self.structure_after) > MAX_STRUCTURE_AFTER or any(t < 0 for t in self.structure_after):
-            raise InvalidSampling("structure_after", f"structure_after takes at most {MAX_STRUCTURE_AFTER} "
-                                  "token ids >= 0")
+        for name in ("structure_after", "structure_opens"):
+            ids = getattr(self, name)
+            if len(ids) > MAX_STRUCTURE_AFTER or any(t < 0 for t in ids):
+                raise InvalidSampling(name, f"{name} takes at most {MAX_STRUCTURE_AFTER} token ids >= 0")
+        if self.structure_opens and not self.structure_after:
+            raise InvalidSampling("structure_opens", "structure_opens needs structure_after: where the thinking ends")
         if sum(bool(getattr(self, kind)) for kind in STRUCTURE_KINDS) > 1:
             raise InvalidSampling("structured_outputs", "at most one kind of structured output: "
                                   + ", ".join(STRUCTURE_KINDS))
@@ -126,7 +134,8 @@ class SamplingParams:
     def token_ids_named(self) -> list[int]:
         """Every token id these parameters name, for a vocabulary check."""
         return ([t for t, _ in self.logit_bias] + list(self.stop_token_ids) + list(self.allowed_token_ids)
-                + [t for word in self.bad_words for t in word] + list(self.structure_after))
+                + [t for word in self.bad_words for t in word] + list(self.structure_after)
+                + list(self.structure_opens))
 
 
 @dataclass(frozen=True)
