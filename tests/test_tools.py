@@ -192,15 +192,18 @@ def test_auto_needs_a_parser_and_the_others_do_not():
 def test_thinking_tokens_are_those_inside_the_block_not_its_tags(size):
     """usage's reasoning_tokens, counted token by token as the choice streams: a block
     open from the start or opened by the output's first tokens, here with an end tag of
-    two tokens; an output that never opens the block has none."""
+    two tokens, after whitespace (token 0 here) as the text is read; an output that never
+    opens the block has none."""
     from services.router.reasoning import ThinkingTokens
     start, end = (7,), (8, 9)
     cases = [(False, [7, 1, 2, 3, 8, 9, 4, 5], 3),       # opened by the output
              (True, [1, 2, 8, 9, 3], 2),                 # open from the start (the prompt ends with <think>)
              (False, [1, 7, 2, 8, 9], 0),                # <think> not at the start: all answer
+             (False, [0, 0, 7, 1, 8, 9, 0], 1),          # whitespace before <think>
+             (False, [0, 1, 7, 2, 8, 9], 0),
              (True, [1, 8, 1, 2], 4)]                    # the end tag never whole: all thinking
     for open_at_start, tokens, expected in cases:
-        counter = ThinkingTokens(start, end, open_at_start)
+        counter = ThinkingTokens(start, end, open_at_start, blank=lambda token: token == 0)
         for i in range(0, len(tokens), size):
             counter.feed(tokens[i:i + size])
         assert counter.count == expected, tokens

@@ -11,6 +11,7 @@ writes an empty block into the prompt itself)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from services.engine.text.tokenizer import held_tail
 
@@ -93,10 +94,12 @@ class ThinkingTokens:
     too: vLLM counts only after a start tag in the output, 0 for DeepSeek-R1's). A tag is
     matched as its tokens in a row (one token in reasoning models' vocabularies); the
     block opens as `Thinking` says: at the start, or where the output begins with the
-    start tag."""
+    start tag, after whitespace (`blank`: whether a token is whitespace alone), as
+    ThinkingStream reads the text."""
 
-    def __init__(self, start: tuple[int, ...], end: tuple[int, ...], open_at_start: bool) -> None:
-        self.start, self.end = start, end
+    def __init__(self, start: tuple[int, ...], end: tuple[int, ...], open_at_start: bool,
+                 blank: Callable[[int], bool] = lambda token: False) -> None:
+        self.start, self.end, self.blank = start, end, blank
         self.state = "reasoning" if open_at_start else "start"
         self._seen = 0                          # the start tag's tokens the output began with
         self._tail: tuple[int, ...] = ()        # the last tokens while the block is open
@@ -105,6 +108,8 @@ class ThinkingTokens:
     def feed(self, token_ids: list[int]) -> None:
         for token in token_ids:
             if self.state == "start":
+                if self._seen == 0 and self.blank(token):
+                    continue
                 if token == self.start[self._seen]:
                     self._seen += 1
                     self.state = "reasoning" if self._seen == len(self.start) else "start"
