@@ -5,6 +5,7 @@ a real step) at several row counts:
   onednn bf16   bfloat16 weights packed for oneDNN (pdserve's bf16 path on AMX CPUs)
   native bf16   pdserve's own bfloat16 matmul (services/engine/kernels/native/matmul.c; its bf16
                 path on AVX512-BF16 CPUs without AMX; absent elsewhere)
+  native amx    the same on AMX tiles (CPUs with AMX-BF16 only)
   onednn int8   `--quantization int8`'s layers (services/engine/model/int8.py `Int8Linear`:
                 weights int8 per channel, activations quantized per token by the native
                 kernels, oneDNN's u8 x s8 GEMM, VNNI where the CPU has it, products scaled
@@ -38,7 +39,10 @@ LAYERS = 30
 
 
 def measure(rows: int, kernels, matmul) -> dict:
+    from services.engine.kernels.native import NativeMatmul
     from services.engine.model.int8 import Int8Linear
+    # on an AMX CPU the library's bf16 matmul runs on tiles: vdpbf16ps's path beside it
+    vector = NativeMatmul(matmul.path, tiles=False) if matmul is not None and matmul.amx else matmul
     gen = torch.Generator().manual_seed(0)
     weights = [[torch.randn(n, k, generator=gen).bfloat16() * 0.02 for n, k in SHAPES] for _ in range(LAYERS)]
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in layer] for layer in weights]
@@ -53,10 +57,10 @@ def measure(rows: int, kernels, matmul) -> dict:
             for (_, k), w in zip(SHAPES, layer):
                 torch.ops.mkldnn._linear_pointwise(x[k], w, None, "none", [], "")
 
-    def native_pass():
+    def native_pass(path=vector):
         for layer in native:
             for (n, k), w in zip(SHAPES, layer):
-                matmul.linear(x[k], w, n)
+                path.linear(x[k], w, n)
 
     def int8_pass(layers=int8):
         for layer in layers:
@@ -69,6 +73,8 @@ def measure(rows: int, kernels, matmul) -> dict:
         times = {"onednn_bf16": median_ms(bf16_pass, 15), "onednn_int8": median_ms(int8_pass, 15)}
         if native:
             times["native_bf16"] = median_ms(native_pass, 15)
+        if native and matmul.amx:
+            times["native_amx"] = median_ms(lambda: native_pass(matmul), 15)
         if native_int8:
             times["native_int8"] = median_ms(lambda: int8_pass(native_int8), 15)
     return {"rows": rows, **{f"{name}_ms": ms for name, ms in times.items()},
@@ -134,7 +140,8 @@ def main() -> None:
         kernels = load_layers(cache_dir())
         results = [measure(r, kernels, matmul) for r in rows]
         base = "oneDNN bf16"
-        names = [n for n in ("onednn_bf16", "native_bf16", "onednn_int8", "native_int8") if f"{n}_ms" in results[0]]
+        names = [n for n in ("onednn_bf16", "native_bf16", "native_amx", "onednn_int8", "native_int8")
+                 if f"{n}_ms" in results[0]]
     print(f"one core, {kind} ({'VNNI' if vnni else 'no VNNI'}), {LAYERS} layers of SmolLM2-135M's projections; "
           f"speed-ups against {base}")
     print("| rows | " + " | ".join(n.replace("_", " ") for n in names) + " |")

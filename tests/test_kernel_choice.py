@@ -50,10 +50,12 @@ def test_the_first_measurement_on_a_machine_is_kept(tmp_path):
     assert not first.native and not again.native and len(calls) == 1 and "kept" in again.reason
     other = kernel_choice.choose("auto", True, "decode", _measured(0.5, calls), tmp_path, ((128, 32),))
     assert other.native and len(calls) == 2                 # other shapes: measured
+    tiles = kernel_choice.choose("auto", True, "decode", _measured(0.5, calls), tmp_path, ((64, 32),), "amx")
+    assert tiles.native and len(calls) == 3                 # our matmuls on other instructions: measured
     (kept,) = [p for p in tmp_path.iterdir() if json.loads(p.read_text())["ratio"] == 1.3]
     kept.write_text("{not json")
     assert kernel_choice.choose("auto", True, "decode", _measured(0.5, calls), tmp_path, ((64, 32),)).native
-    assert len(calls) == 3
+    assert len(calls) == 4
 
 
 def test_a_load_that_starts_midway_is_charged_to_neither_path():

@@ -8,24 +8,25 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.model.hardware import cpu_kernels, cpu_kind
+from services.engine.model.hardware import cpu_flags, cpu_kind
 from services.engine.model.kv_cache import KVPoolMemory
 from services.engine.engine import PAUSABLE_ONE_CALL_TOKENS, one_call_tokens
 from services.engine.model.runner import (DECODER_PROMPT_TOKENS, ONE_CALL_PROMPT_TOKENS, ForwardBatch, ModelRunner,
                                           PrefillSegment, as_decode_rows)
 
 BLOCK = 16
-# The engine's own rule (hardware.CpuKernels), not a copy of it.
-needs_bf16 = pytest.mark.skipif(not cpu_kernels().one_call_decoder,
-                                reason=f"the engine builds the one-call decoder where its bf16 matmuls run "
-                                       f"(AVX512-BF16 without AMX); this CPU is {cpu_kind()}")
+# The engine builds the one-call decoder where pdserve's bf16 matmuls run: AVX512-BF16
+# (on AMX tiles where the CPU has them, which are then tested here for real).
+HAS_BF16 = "avx512_bf16" in cpu_flags()
+needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason=f"the one-call decoder runs pdserve's bf16 matmuls "
+                                                     f"(AVX512-BF16); this CPU is {cpu_kind()}")
 
 
 @pytest.fixture(scope="module")
 def runner(model_dir, kernel_cache):
     # ours asked for: a start-up measurement (kernel_choice.py) must not take it away
     return ModelRunner(model_dir, "bfloat16", "cpu", kernel_cache=kernel_cache,
-                       matmul="native" if cpu_kernels().one_call_decoder else "auto")
+                       matmul="native" if HAS_BF16 else "auto")
 
 
 def _step(runner, pool, batch: ForwardBatch, one_call: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -104,7 +104,7 @@ def test_every_name_the_python_side_uses_is_declared():
 
 def test_the_ctypes_declarations_are_the_compilers_view(tmp_path):
     declared = header.read()
-    assert len(declared.functions) == 18 and set(declared.structs) == {"pdserve_kernels", "pdserve_layer",
+    assert len(declared.functions) == 20 and set(declared.structs) == {"pdserve_kernels", "pdserve_layer",
                                                                        "pdserve_model"}
     assert _disagreements(declared, tmp_path) == []
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.kernels import native
+from services.engine.kernels.native import library
 from services.engine.model.backends import CpuBackend
 from services.engine.model.hardware import cpu_flags, cpu_kind
 from services.engine.model.int8 import Int8Linear
@@ -18,6 +19,7 @@ from services.engine.model.runner import ModelRunner
 HAS_BF16 = "avx512_bf16" in cpu_flags()
 HAS_VNNI = "avx512_vnni" in cpu_flags()
 HAS_F32 = {"avx2", "fma"} <= cpu_flags()
+HAS_AMX = "amx_bf16" in cpu_flags()
 needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason=f"needs AVX512-BF16; this CPU is {cpu_kind()}")
 needs_vnni = pytest.mark.skipif(not HAS_VNNI, reason=f"needs AVX512-VNNI; this CPU is {cpu_kind()}")
 needs_f32 = pytest.mark.skipif(not HAS_F32, reason=f"needs AVX2 and FMA; this CPU is {cpu_kind()}")
@@ -109,6 +111,82 @@ def test_refuses_what_it_cannot_run(matmul):
         matmul.linear(torch.randn(2, 64).bfloat16(), packed, 80)
     with pytest.raises(ValueError, match="residual of 3 rows for 2"):
         matmul.linear(torch.randn(2, 64).bfloat16(), packed, 64, residual=torch.randn(3, 64).bfloat16())
+
+
+@pytest.fixture(scope="module")
+def emulated_amx(built_kernels):
+    """The library built with the AMX tile instructions emulated in C, as the SDM defines
+    them (matmul.c, PDSERVE_AMX_EMULATE): the tiling and the epilogues run on any CPU
+    with AVX512-BF16, real tiles only on a CPU that has them."""
+    if not HAS_BF16:
+        pytest.skip(f"the emulated tiles' epilogues need AVX512-BF16; this CPU is {cpu_kind()}")
+    loaded = native.NativeMatmul(library.build(native.MATMUL_SOURCE, built_kernels, ("PDSERVE_AMX_EMULATE",)))
+    assert loaded.amx and loaded.bf16_path == "amx"
+    return loaded
+
+
+def in_order(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """float32 sums as tdpbf16ps makes them: from the bias, each k pair's two products
+    (exact in float32) added in turn, the even element first, each add rounded."""
+    xf, wf = x.float(), w.float()
+    acc = torch.zeros(x.shape[0], w.shape[0]) if b is None else b.float().expand(x.shape[0], -1).clone()
+    for i in range(x.shape[1]):
+        acc = acc + xf[:, i:i + 1] * wf[:, i]
+    return acc
+
+
+@needs_bf16
+@pytest.mark.parametrize("n,k", [(80, 576), (50, 64), (1040, 96), (24, 1536)])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 70])
+def test_amx_tiles_sum_in_the_instructions_order_bit_for_bit(emulated_amx, n, k, rows):
+    """Emulated tiles: every strip shape (up to 16 rows by 4 groups, 32 by 2, a last
+    strip padded), odd group counts and k over several tiles, each output the float32
+    sum tdpbf16ps makes, rounded once to bfloat16; with a residual, that sum plus it."""
+    gen = torch.Generator().manual_seed(n * k + rows)
+    w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16()
+    x = torch.randn(rows, k + 6, generator=gen).bfloat16()[:, 2:2 + k]          # strided rows
+    residual = torch.randn(rows, n, generator=gen).bfloat16()
+    packed, bias = emulated_amx.pack(w, b)
+    sums = in_order(x, w, b)
+    assert torch.equal(emulated_amx.linear(x, packed, n, bias), sums.bfloat16())
+    assert torch.equal(emulated_amx.linear(x, packed, n, bias, residual, threads=2),
+                       (sums + residual.float()).bfloat16())
+    assert torch.equal(emulated_amx.linear(x, packed, n), in_order(x, w, None).bfloat16())
+
+
+@needs_bf16
+def test_amx_tiles_gated_batch_invariant_and_k_off_the_tiles(emulated_amx, matmul):
+    """Emulated tiles: silu(gate) * up; each row's result the same whatever rows share
+    the call; k not a whole number of tiles (here 48) goes to vdpbf16ps's path."""
+    gen = torch.Generator().manual_seed(11)
+    inter, k = 96, 576
+    gate, up = ((torch.randn(inter, k, generator=gen) * 0.05).bfloat16() for _ in range(2))
+    x = torch.randn(40, k, generator=gen).bfloat16()
+    packed, _ = emulated_amx.pack(gate, None, (up, None))
+    out = emulated_amx.linear(x, packed, 2 * inter, gated=True)
+    assert close(out, F.silu(reference(x, gate)) * reference(x, up))
+    assert all(torch.equal(emulated_amx.linear(x[i:i + r], packed, 2 * inter, gated=True), out[i:i + r])
+               for i, r in ((0, 1), (3, 16), (5, 17), (7, 33)))
+    w = (torch.randn(64, 48, generator=gen) * 0.05).bfloat16()
+    packed, _ = emulated_amx.pack(w)
+    vdp = native.NativeMatmul(emulated_amx.path, tiles=False)
+    assert torch.equal(emulated_amx.linear(x[:, :48], packed, 64), vdp.linear(x[:, :48], packed, 64))
+
+
+@pytest.mark.skipif(not HAS_AMX, reason=f"needs AMX tiles; this CPU is {cpu_kind()} (the tiles are tested emulated)")
+def test_on_an_amx_cpu_the_bfloat16_matmuls_run_on_real_tiles(matmul):
+    """The real tiles, where the CPU has them (elsewhere: the emulated tests above): the
+    OS lets the process use them, and they agree with vdpbf16ps's path within float32
+    summation; every bfloat16 test of this module runs on them here too."""
+    assert matmul.amx, "this CPU has AMX-BF16 but the process could not use the tiles (Linux 5.16+ grants them)"
+    gen = torch.Generator().manual_seed(5)
+    w = (torch.randn(1040, 576, generator=gen) * 0.05).bfloat16()
+    x = torch.randn(37, 576, generator=gen).bfloat16()
+    packed, _ = matmul.pack(w)
+    vdp = native.NativeMatmul(matmul.path, tiles=False)
+    tiles, vector = matmul.linear(x, packed, 1040).double(), vdp.linear(x, packed, 1040).double()
+    assert close(tiles, reference(x, w)) and ((tiles - vector).abs() <= vector.abs() * 2 ** -7 + 1e-3).all()
 
 
 @pytest.mark.skipif(HAS_BF16 or HAS_VNNI or HAS_F32, reason="this CPU has AVX512-BF16, AVX512-VNNI or AVX2 with "

@@ -323,9 +323,11 @@ def select(attention: str, device: torch.device, dtype: torch.dtype, quantizatio
             choice = kernel_choice.choose(matmul_kernel, kinds.bf16_matmul, role,
                                           _on_threads(own_threads, _measure(matmul, weights))
                                           if fusion.packs_bf16() else None,
-                                          kernel_cache / CHOICES, tuple(tuple(w.shape) for w in weights or ()))
+                                          kernel_cache / CHOICES, tuple(tuple(w.shape) for w in weights or ()),
+                                          matmul.bf16_path)
             matmul.bf16 = choice.native
-            log.info("bfloat16 matmuls: %s (%s)", "pdserve's" if choice.native else "oneDNN's", choice.reason)
+            log.info("bfloat16 matmuls: %s (%s)", f"pdserve's, on {matmul.bf16_path}" if choice.native else "oneDNN's",
+                     choice.reason)
             if not (matmul.bf16 or matmul.int8 or matmul.f32):
                 matmul = None
     if choice is None and matmul_kernel == "onednn" and dtype == torch.bfloat16:

@@ -57,7 +57,8 @@ class CpuKernels:
     one rule the runner applies and the tests skip by. Where a field is False the engine
     keeps torch's (oneDNN's) path, which was measured faster there or not measured
     against ours."""
-    bf16_matmul: bool       # vdpbf16ps matmuls: AVX512-BF16 without AMX (oneDNN runs AMX tiles there)
+    bf16_matmul: bool       # vdpbf16ps matmuls: AVX512-BF16 without AMX. With AMX, oneDNN's unless a measurement
+    #                         at start finds ours (then on AMX tiles too) faster: not yet measured on such a CPU
     int8_matmul: bool       # vpdpbusd matmuls: AVX512-VNNI without AMX
     f32_matmul: bool        # AVX2 and FMA without AVX-512 (torch's AVX-512 float32 path not measured against it)
     bf16_prefill: bool      # prefill attention in bfloat16: AVX512-BF16 without AMX, where torch's SDPA

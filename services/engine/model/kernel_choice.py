@@ -152,16 +152,17 @@ Measure = Callable[[tuple[int, ...]], list[float]]
 
 
 def choose(requested: str, rule: bool, role: str, measure: Measure | None, remembered: Path | None = None,
-           shapes: tuple = ()) -> KernelChoice:
+           shapes: tuple = (), ours: str = "") -> KernelChoice:
     """`--matmul-kernel requested` for a worker of `role` whose CPU's static rule says
     `rule` (ours, or not); `measure(rows)` gives our time over oneDNN's at each row
     count, or is None where only one path runs. A measurement is kept under the folder
-    `remembered`, by `shapes` (the measured weights') and this machine."""
+    `remembered`, by `shapes` (the measured weights'), `ours` (the instructions our
+    matmuls run on: `NativeMatmul.bf16_path`) and this machine."""
     if requested not in MATMUL_KERNELS:
         raise ValueError(f"matmul kernel must be one of {', '.join(MATMUL_KERNELS)}, not {requested!r}")
     if requested != "auto":
         return KernelChoice(requested == "native", "asked for")
-    return measured(rule, ROWS.get(role, ROWS[""]), "rows", "oneDNN", measure, remembered, ("matmul", shapes))
+    return measured(rule, ROWS.get(role, ROWS[""]), "rows", "oneDNN", measure, remembered, ("matmul", shapes, ours))
 
 
 def choose_prefill_attention(requested: str, rule: bool, role: str, measure: Measure | None,

@@ -75,16 +75,17 @@ def kernel_dir(cache_root: Path) -> Path:
     return out_dir if _writable(out_dir) else Path(tempfile.gettempdir()) / "pdserve-kernels"
 
 
-def build(source: Path, out_dir: Path) -> Path:
+def build(source: Path, out_dir: Path, defines: tuple[str, ...] = ()) -> Path:
     """The shared library built from `source` in `out_dir`, built now unless a build of
-    this source, headers, compiler and CPU is already there (or being made: then once
-    it is)."""
+    this source, headers, flags, compiler and CPU is already there (or being made: then
+    once it is). `defines`: macros the source is compiled with (`-D`)."""
     cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise NativeBuildError("no C compiler (cc, gcc or clang) on PATH")
     version = _run([cc, "--version"]).stdout
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]     # what the source includes
-    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(COMPILE_FLAGS), version,
+    flags = [*COMPILE_FLAGS, *(f"-D{d}" for d in defines)]
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(flags), version,
                                     platform.machine(), _cpu_signature()]).encode()).hexdigest()[:16]
     target = out_dir / f"{source.stem}-{key}.so"
     if target.exists():
@@ -102,17 +103,17 @@ def build(source: Path, out_dir: Path) -> Path:
         with contextlib.suppress(OSError):
             fcntl.flock(held, fcntl.LOCK_EX)
         if not target.exists():
-            _compile(cc, source, target, key)
+            _compile(cc, flags, source, target, key)
     finally:
         os.close(held)
     return target
 
 
-def _compile(cc: str, source: Path, target: Path, key: str) -> None:
+def _compile(cc: str, flags: list[str], source: Path, target: Path, key: str) -> None:
     out_dir = target.parent
     obj, tmp = out_dir / f".{key}.{os.getpid()}.o", out_dir / f".{key}.{os.getpid()}.so"
     try:
-        result = _run([cc, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)])
+        result = _run([cc, *flags, "-c", str(source), "-o", str(obj)])
         if result.returncode:
             raise NativeBuildError(f"{cc} failed on {source.name}: {result.stderr.strip()[-2000:]}")
         for libs in LINK_LIBS:

@@ -1,4 +1,4 @@
-/* pdserve's own matmuls for CPUs without AMX: bfloat16 (AVX512-BF16), y = x W^T (+ bias),
+/* pdserve's own matmuls: bfloat16 (AVX512-BF16, or AMX tiles below), y = x W^T (+ bias),
  * with its epilogue applied as each output tile is written,
  *
  *   plain      y = x W^T + bias (+ residual)             (projections, o + residual, down + residual)
@@ -124,6 +124,34 @@ static inline void store_bf16(uint16_t *p, __m512 v, __mmask16 m) {
 }
 #endif
 
+#ifdef __AVX512BF16__
+/* One row's finished float32 sums (bias included) for groups [g, g + nt), written as the
+ * call says: plain (+ residual), or gated, (gate, up) group pairs. */
+static inline __attribute__((always_inline)) void emit_bf16(const struct call *c, int64_t row, int64_t g,
+                                                            const int nt, const __m512 *sums) {
+    uint16_t *y = (uint16_t *)c->y + row * c->ldy;
+    if (c->gated) {
+        for (int j = 0; j + 1 < nt; j += 2) {
+            const int64_t col = (g + j) / 2 * GROUP;
+            float gate[GROUP], out[GROUP];
+            _mm512_storeu_ps(gate, sums[j]);
+            for (int i = 0; i < GROUP; i++)
+                out[i] = gate[i] / (1.0f + fast_expf(-gate[i]));
+            store_bf16(y + col, _mm512_mul_ps(_mm512_loadu_ps(out), sums[j + 1]), cols_mask(col, c->n / 2));
+        }
+        return;
+    }
+    for (int j = 0; j < nt; j++) {
+        const int64_t col = (g + j) * GROUP;
+        const __mmask16 mask = cols_mask(col, c->n);
+        __m512 v = sums[j];
+        if (c->res)
+            v = _mm512_add_ps(v, load_bf16(c->res + row * c->ldr + col, mask));
+        store_bf16(y + col, v, mask);
+    }
+}
+#endif
+
 /* The next panel's packed weights, contiguous [at, end): the tiles of this one prefetch
  * `rate` lines of it per k step, so the memory stream runs under all of their arithmetic. */
 struct ahead {
@@ -177,34 +205,9 @@ static inline __attribute__((always_inline)) void tile(const struct call *c, con
         }
     }
 #ifdef __AVX512BF16__
-    if (KIND == BF16) {             /* plain (+ residual), or gated: (gate, up) group pairs */
-        uint16_t *y = (uint16_t *)c->y;
-        if (c->gated) {
-            for (int j = 0; j + 1 < NT; j += 2) {
-                int64_t col = (g + j) / 2 * GROUP;
-                __mmask16 mask = cols_mask(col, c->n / 2);
-                for (int m = 0; m < MT; m++) {
-                    float gate[GROUP], out[GROUP];
-                    _mm512_storeu_ps(gate, acc[m][j]);
-                    for (int i = 0; i < GROUP; i++)
-                        out[i] = gate[i] / (1.0f + fast_expf(-gate[i]));
-                    store_bf16(y + (m0 + m) * c->ldy + col, _mm512_mul_ps(_mm512_loadu_ps(out), acc[m][j + 1]),
-                               mask);
-                }
-            }
-            return;
-        }
-        for (int j = 0; j < NT; j++) {
-            int64_t col = (g + j) * GROUP;
-            __mmask16 mask = cols_mask(col, c->n);
-            for (int m = 0; m < MT; m++) {
-                __m512 v = acc[m][j];
-                if (c->res)
-                    v = _mm512_add_ps(v, load_bf16(c->res + (m0 + m) * c->ldr + col, mask));
-                store_bf16(y + (m0 + m) * c->ldy + col, v, mask);
-            }
-        }
-    }
+    if (KIND == BF16)
+        for (int m = 0; m < MT; m++)
+            emit_bf16(c, m0 + m, g, NT, acc[m]);
 #endif
 #ifdef __AVX512VNNI__
     if (KIND == U8S8) {             /* (sum - 128 * column sum) * column scale, as float32 */
@@ -309,6 +312,337 @@ PANELS(u8s8, U8S8)
 static void run(const struct call *c, const enum kind KIND, int64_t rows, int threads) {
     deal(c, KIND == BF16 ? panel_bf16 : panel_u8s8, (c->n + GROUP - 1) / GROUP, PANEL, rows, rows <= 4 ? 4 : 8,
          threads);
+}
+#endif
+
+/* ---- bfloat16 on AMX tiles (CPUs with AMX-BF16: Intel Xeon from Sapphire Rapids) ----
+ *
+ * The same call, epilogues and packed weights as vdpbf16ps's above: a group's 16 k steps
+ * of packed weights, [16][16][2] bf16 (1 KB, contiguous), are one B tile as tdpbf16ps
+ * takes it, and 16 rows of x by 32 k values (64 bytes a row, row stride ldx) one A tile.
+ * Eight tiles of 16 rows by 64 bytes: sums C0-C3 (16 x 16 float32 each), A4 and A5, B6
+ * and B7. Up to 16 rows take 4 groups at a time (C0-C3 = A4 x four B loads, 64 output
+ * columns), more rows strips of 32 by 2 groups (C0 C1 / C2 C3 = A4 / A5 x B6 B7). Sums
+ * start at the bias and run over k in order, tile after tile, whatever the rows (no
+ * split-K); a last strip of fewer than 16 rows is read from a zero-padded copy made once
+ * a call. k not a whole number of tiles (32 values) goes to vdpbf16ps's path.
+ *
+ * Tile state is per thread and oneDNN's kernels configure it too, on the same threads:
+ * each panel loads the configuration and releases the tiles when done. Linux hands AMX
+ * to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM, pdserve_amx_supported).
+ *
+ * PDSERVE_AMX_EMULATE builds the tile instructions in C instead (below), so the tiling
+ * is tested on CPUs without AMX; real tiles are tested only where the CPU has them. */
+#if defined(GROUP) && defined(__AVX512BF16__) && \
+    ((defined(__AMX_TILE__) && defined(__AMX_BF16__)) || defined(PDSERVE_AMX_EMULATE))
+#define TILE_ROWS 16
+#define TILE_STEPS 16       /* k steps (bf16 pairs) per tile: 64 bytes of a row of x */
+#define TILE_BYTES 64
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+_Static_assert(sizeof(struct tile_config) == 64, "ldtilecfg takes 64 bytes");
+
+#ifdef PDSERVE_AMX_EMULATE
+#include <stdlib.h>
+/* The tile instructions as Intel's SDM defines them: tdpbf16ps adds each pair's products
+ * to the float32 sum in turn, the even element first, rounding to nearest even, with
+ * denormal inputs and results flushed to zero. What the hardware faults on aborts: a tile
+ * used unconfigured or released, shapes that disagree. */
+static __thread struct tile_config emu_cfg;
+static __thread int emu_live;
+static __thread uint8_t emu[8][TILE_ROWS][TILE_BYTES];
+
+static void emu_need(int ok) {
+    if (!ok)
+        abort();
+}
+
+static float emu_flush(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (!(u & 0x7f800000u))
+        u &= 0x80000000u;
+    memcpy(&f, &u, sizeof u);
+    return f;
+}
+
+static float emu_bf16(uint16_t v) {
+    const uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return emu_flush(f);
+}
+
+static void emu_config(const struct tile_config *cfg) {
+    emu_need(cfg->palette == 1);
+    emu_cfg = *cfg;
+    emu_live = 1;
+    memset(emu, 0, sizeof emu);
+}
+
+static void emu_release(void) { emu_live = 0; }
+
+static void emu_shape(int t) {
+    emu_need(emu_live && t >= 0 && t < 8 && emu_cfg.rows[t] && emu_cfg.rows[t] <= TILE_ROWS &&
+             emu_cfg.colsb[t] && emu_cfg.colsb[t] <= TILE_BYTES);
+}
+
+static void emu_zero(int t) {
+    emu_shape(t);
+    memset(emu[t], 0, sizeof emu[t]);
+}
+
+static void emu_load(int t, const void *p, int64_t stride) {
+    emu_shape(t);
+    for (int r = 0; r < emu_cfg.rows[t]; r++)
+        memcpy(emu[t][r], (const uint8_t *)p + r * stride, emu_cfg.colsb[t]);
+}
+
+static void emu_store(int t, void *p, int64_t stride) {
+    emu_shape(t);
+    for (int r = 0; r < emu_cfg.rows[t]; r++)
+        memcpy((uint8_t *)p + r * stride, emu[t][r], emu_cfg.colsb[t]);
+}
+
+static __attribute__((optimize("no-fast-math"))) void emu_dpbf16ps(int c, int a, int b) {
+    emu_shape(c), emu_shape(a), emu_shape(b);
+    emu_need(emu_cfg.rows[c] == emu_cfg.rows[a] && emu_cfg.colsb[c] == emu_cfg.colsb[b] &&
+             emu_cfg.colsb[a] / 4 == emu_cfg.rows[b] && c != a && c != b);
+    for (int m = 0; m < emu_cfg.rows[c]; m++) {
+        float sum[TILE_ROWS];
+        uint16_t x[2 * TILE_ROWS], w[2 * TILE_ROWS];
+        memcpy(sum, emu[c][m], sizeof sum);
+        memcpy(x, emu[a][m], sizeof x);
+        for (int k = 0; k < emu_cfg.colsb[a] / 4; k++) {
+            memcpy(w, emu[b][k], sizeof w);
+            for (int n = 0; n < emu_cfg.colsb[c] / 4; n++) {
+                sum[n] = emu_flush(emu_flush(sum[n]) + emu_bf16(x[2 * k]) * emu_bf16(w[2 * n]));
+                sum[n] = emu_flush(sum[n] + emu_bf16(x[2 * k + 1]) * emu_bf16(w[2 * n + 1]));
+            }
+        }
+        memcpy(emu[c][m], sum, sizeof sum);
+    }
+}
+
+#define tile_config(cfg) emu_config(cfg)
+#define tile_release() emu_release()
+#define tile_zero(t) emu_zero(t)
+#define tile_load(t, p, stride) emu_load(t, p, stride)
+#define tile_store(t, p, stride) emu_store(t, p, stride)
+#define tile_dp(c, a, b) emu_dpbf16ps(c, a, b)
+
+int pdserve_amx_supported(void) { return 1; }
+#else
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+#define tile_config(cfg) _tile_loadconfig(cfg)
+#define tile_release() _tile_release()
+#define tile_zero(t) _tile_zero(t)
+#define tile_load(t, p, stride) _tile_loadd(t, p, stride)
+#define tile_store(t, p, stride) _tile_stored(t, p, stride)
+#define tile_dp(c, a, b) _tile_dpbf16ps(c, a, b)
+
+/* Whether this process may use the tiles: Linux 5.16 and later hand them to a process
+ * that asks, once (for all its threads). */
+int pdserve_amx_supported(void) {
+    static int granted = -1;
+    if (granted < 0)
+        granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return granted;
+}
+#endif
+
+static const struct tile_config TILES = {
+    .palette = 1,
+    .colsb = {TILE_BYTES, TILE_BYTES, TILE_BYTES, TILE_BYTES, TILE_BYTES, TILE_BYTES, TILE_BYTES, TILE_BYTES},
+    .rows = {TILE_ROWS, TILE_ROWS, TILE_ROWS, TILE_ROWS, TILE_ROWS, TILE_ROWS, TILE_ROWS, TILE_ROWS},
+};
+
+struct amx_call {
+    struct call c;
+    const uint8_t *tail;    /* rows [tail_from, rows) of x, zero-padded to 16, row stride steps * 4 bytes */
+    int64_t tail_from;      /* -1: every strip is whole */
+};
+
+/* The A tile's source for rows [m, m + 16) and its row stride in bytes. */
+static inline const uint8_t *a_source(const struct amx_call *a, int64_t m, int64_t *stride) {
+    if (m == a->tail_from) {
+        *stride = a->c.steps * STEP;
+        return a->tail;
+    }
+    *stride = a->c.ldx;
+    return a->c.x + m * a->c.ldx;
+}
+
+/* Sums tile `t` (0-3) starts at group g's bias, or zero. */
+static inline void sums_start(const struct call *c, int t, int64_t g) {
+    float bias[TILE_ROWS][GROUP];
+    if (c->bias)
+        for (int r = 0; r < TILE_ROWS; r++)
+            memcpy(bias[r], c->bias + g * GROUP, sizeof bias[r]);
+    switch (t) {
+    case 0: if (c->bias) tile_load(0, bias, TILE_BYTES); else tile_zero(0); break;
+    case 1: if (c->bias) tile_load(1, bias, TILE_BYTES); else tile_zero(1); break;
+    case 2: if (c->bias) tile_load(2, bias, TILE_BYTES); else tile_zero(2); break;
+    default: if (c->bias) tile_load(3, bias, TILE_BYTES); else tile_zero(3); break;
+    }
+}
+
+static inline void sums_store(int t, float out[TILE_ROWS][GROUP]) {
+    switch (t) {
+    case 0: tile_store(0, out, TILE_BYTES); break;
+    case 1: tile_store(1, out, TILE_BYTES); break;
+    case 2: tile_store(2, out, TILE_BYTES); break;
+    default: tile_store(3, out, TILE_BYTES); break;
+    }
+}
+
+/* Rows [m, m + rows) (rows <= 16) by groups [g, g + nt) (nt <= 4): one A tile, the
+ * groups' B tiles loaded in turn into B6 and B7. */
+static void amx_rows16(const struct amx_call *a, int64_t m, int64_t rows, int64_t g, int nt) {
+    const struct call *c = &a->c;
+    const int64_t gsize = c->steps * GROUP * STEP;
+    const uint8_t *w = c->w + g * gsize;
+    int64_t lda;
+    const uint8_t *x = a_source(a, m, &lda);
+    for (int j = 0; j < nt; j++)
+        sums_start(c, j, g + j);
+    for (int64_t s = 0; s < c->steps; s += TILE_STEPS) {
+        const int64_t at = s * GROUP * STEP;
+        tile_load(4, x + s * STEP, lda);
+        tile_load(6, w + at, TILE_BYTES);
+        tile_dp(0, 4, 6);
+        if (nt > 1) {
+            tile_load(7, w + gsize + at, TILE_BYTES);
+            tile_dp(1, 4, 7);
+        }
+        if (nt > 2) {
+            tile_load(6, w + 2 * gsize + at, TILE_BYTES);
+            tile_dp(2, 4, 6);
+        }
+        if (nt > 3) {
+            tile_load(7, w + 3 * gsize + at, TILE_BYTES);
+            tile_dp(3, 4, 7);
+        }
+    }
+    float out[4][TILE_ROWS][GROUP];
+    for (int j = 0; j < nt; j++)
+        sums_store(j, out[j]);
+    for (int64_t r = 0; r < rows; r++) {
+        __m512 sums[4];
+        for (int j = 0; j < nt; j++)
+            sums[j] = _mm512_loadu_ps(out[j][r]);
+        emit_bf16(c, m + r, g, nt, sums);
+    }
+}
+
+/* Rows [m, m + rows) (16 < rows <= 32) by groups [g, g + nt) (nt <= 2): A4 and A5 (rows
+ * 0-15 and 16-31) by B6 and B7, into C0 C1 and C2 C3. */
+static void amx_rows32(const struct amx_call *a, int64_t m, int64_t rows, int64_t g, int nt) {
+    const struct call *c = &a->c;
+    const int64_t gsize = c->steps * GROUP * STEP;
+    const uint8_t *w = c->w + g * gsize;
+    int64_t lda0, lda1;
+    const uint8_t *x0 = a_source(a, m, &lda0), *x1 = a_source(a, m + TILE_ROWS, &lda1);
+    for (int j = 0; j < nt; j++) {
+        sums_start(c, j, g + j);
+        sums_start(c, 2 + j, g + j);
+    }
+    for (int64_t s = 0; s < c->steps; s += TILE_STEPS) {
+        const int64_t at = s * GROUP * STEP;
+        tile_load(4, x0 + s * STEP, lda0);
+        tile_load(5, x1 + s * STEP, lda1);
+        tile_load(6, w + at, TILE_BYTES);
+        tile_dp(0, 4, 6);
+        tile_dp(2, 5, 6);
+        if (nt > 1) {
+            tile_load(7, w + gsize + at, TILE_BYTES);
+            tile_dp(1, 4, 7);
+            tile_dp(3, 5, 7);
+        }
+    }
+    float out[4][TILE_ROWS][GROUP];
+    for (int j = 0; j < nt && j < 2; j++) {
+        sums_store(j, out[j]);
+        sums_store(2 + j, out[2 + j]);
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const int half = r < TILE_ROWS ? 0 : 2;
+        __m512 sums[2];
+        for (int j = 0; j < nt; j++)
+            sums[j] = _mm512_loadu_ps(out[half + j][r % TILE_ROWS]);
+        emit_bf16(c, m + r, g, nt, sums);
+    }
+}
+
+/* deal()'s panel: rows [m0, m0 + mt) (m0 a multiple of 32) by groups [g0, g1), in
+ * strips of up to 32 rows. Group counts stay even, which the gated form needs. */
+static void panel_amx(const void *call, int64_t m0, int64_t mt, int64_t g0, int64_t g1, int64_t n0, int64_t n1) {
+    const struct amx_call *a = call;
+    (void)n0; (void)n1;
+    tile_config(&TILES);
+    for (int64_t m = m0; m < m0 + mt; m += 2 * TILE_ROWS) {
+        const int64_t rows = m0 + mt - m < 2 * TILE_ROWS ? m0 + mt - m : 2 * TILE_ROWS;
+        const int per = rows <= TILE_ROWS ? 4 : 2;
+        for (int64_t g = g0; g < g1; g += per) {
+            const int nt = g1 - g < per ? (int)(g1 - g) : per;
+            if (rows <= TILE_ROWS)
+                amx_rows16(a, m, rows, g, nt);
+            else
+                amx_rows32(a, m, rows, g, nt);
+        }
+    }
+    tile_release();
+}
+
+int pdserve_linear_amx_bf16(const uint16_t *x, int64_t ldx, int64_t rows, const uint16_t *w, int64_t n, int64_t k,
+                            const float *bias, const uint16_t *res, int64_t ldr, uint16_t *y, int64_t ldy, int gated,
+                            int threads) {
+    if (rows < 0 || n <= 0 || k <= 0 || k % 2 || (gated && (n % (2 * GROUP) || res)))
+        return 1;
+    if (!pdserve_amx_supported())
+        return 2;
+    struct amx_call a = {{(const uint8_t *)x, ldx * 2, (const uint8_t *)w, k / 2, n, bias, res, ldr, y, ldy, gated,
+                          NULL, NULL},
+                         NULL, -1};
+    if (a.c.steps % TILE_STEPS) {           /* k not whole tiles */
+        run(&a.c, BF16, rows, threads);
+        return 0;
+    }
+    if (rows == 0)
+        return 0;
+    uint8_t *tail = NULL;
+    if (rows % TILE_ROWS) {
+        const int64_t bytes = a.c.steps * STEP;
+        a.tail_from = rows - rows % TILE_ROWS;
+        tail = calloc(TILE_ROWS, (size_t)bytes);
+        if (tail == NULL)
+            return 3;
+        for (int64_t r = a.tail_from; r < rows; r++)
+            memcpy(tail + (r - a.tail_from) * bytes, a.c.x + r * a.c.ldx, (size_t)bytes);
+        a.tail = tail;
+    }
+    deal(&a, panel_amx, (n + GROUP - 1) / GROUP, PANEL, rows, 2 * TILE_ROWS, threads);
+    free(tail);
+    return 0;
+}
+#else
+int pdserve_amx_supported(void) { return 0; }
+
+int pdserve_linear_amx_bf16(const uint16_t *x, int64_t ldx, int64_t rows, const uint16_t *w, int64_t n, int64_t k,
+                            const float *bias, const uint16_t *res, int64_t ldr, uint16_t *y, int64_t ldy, int gated,
+                            int threads) {
+    (void)x; (void)ldx; (void)rows; (void)w; (void)n; (void)k; (void)bias; (void)res; (void)ldr; (void)y;
+    (void)ldy; (void)gated; (void)threads;
+    return 2;
 }
 #endif
 

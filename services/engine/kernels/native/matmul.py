@@ -12,24 +12,32 @@ from services.engine.kernels.native.library import load
 
 class NativeMatmul:
     """The matmuls of one loaded library (matmul.c). bfloat16 (`bf16`: the CPU has
-    AVX512-BF16) and float32 (`f32`: AVX2 and FMA): weights packed once by `pack`, then
-    `linear` per call, with a residual add or SiLU-and-multiply applied as the output is
-    written. uint8 x int8 (`int8`: the CPU has AVX512-VNNI): `pack_int8`, then
-    `products`, `Int8Linear`'s product."""
+    AVX512-BF16; on AMX tiles, `amx`, where it has them too and the OS lets the process
+    use them, unless `tiles` is False) and float32 (`f32`: AVX2 and FMA): weights packed
+    once by `pack`, then `linear` per call, with a residual add or SiLU-and-multiply
+    applied as the output is written. uint8 x int8 (`int8`: the CPU has AVX512-VNNI):
+    `pack_int8`, then `products`, `Int8Linear`'s product."""
 
     GROUP = 16                              # output columns per packed group (bfloat16, int8)
     GROUPS = {torch.bfloat16: 16, torch.float32: 8}
     PAIRS = {torch.bfloat16: 2, torch.float32: 1}     # k values per packed step
 
-    def __init__(self, library: Path) -> None:
+    def __init__(self, library: Path, tiles: bool = True) -> None:
+        self.path = library
         lib = load(library)
-        self._linear = {torch.bfloat16: lib.function("pdserve_linear_bf16"),
+        self.amx = tiles and bool(lib.function("pdserve_amx_supported")())
+        self._linear = {torch.bfloat16: lib.function("pdserve_linear_amx_bf16" if self.amx else "pdserve_linear_bf16"),
                         torch.float32: lib.function("pdserve_linear_f32")}
         self._u8s8 = lib.function("pdserve_linear_u8s8")
         self.bf16 = bool(lib.function("pdserve_matmul_supported")())
         self.int8 = bool(lib.function("pdserve_int8_supported")())
         self.f32 = bool(lib.function("pdserve_f32_supported")())
         self._lib = lib
+
+    @property
+    def bf16_path(self) -> str:
+        """Which instructions its bfloat16 products run on, for logs and kept choices."""
+        return "amx" if self.amx else "avx512-bf16"
 
     def supports(self, dtype: torch.dtype) -> bool:
         """Whether `linear` runs in `dtype` on this CPU."""

@@ -45,6 +45,12 @@ int pdserve_matmul_supported(void);
 int pdserve_linear_bf16(const uint16_t *x, int64_t ldx, int64_t rows, const uint16_t *w, int64_t n, int64_t k,
                         const float *bias, const uint16_t *res, int64_t ldr, uint16_t *y, int64_t ldy, int gated,
                         int threads);
+/* The same on AMX tiles: `pdserve_amx_supported` says whether this build has them and
+ * the OS lets the process use them (asking once). */
+int pdserve_amx_supported(void);
+int pdserve_linear_amx_bf16(const uint16_t *x, int64_t ldx, int64_t rows, const uint16_t *w, int64_t n, int64_t k,
+                            const float *bias, const uint16_t *res, int64_t ldr, uint16_t *y, int64_t ldy,
+                            int gated, int threads);
 int pdserve_int8_supported(void);
 int pdserve_linear_u8s8(const uint8_t *x, int64_t ldx, int64_t rows, const int8_t *w, int64_t n, int64_t k,
                         const int32_t *comp, const float *scale, float *y, int64_t ldy, int threads);
