@@ -130,7 +130,7 @@ def test_a_build_is_made_once_kept_and_waited_for(tmp_path, monkeypatch):
     compile_now = library._compile
 
     def slow_compile(*args):
-        compiled.append(args[1])
+        compiled.append(args[2])          # (cc, flags, source, target, key)
         time.sleep(0.3)                   # the other callers arrive while it builds
         compile_now(*args)
     monkeypatch.setattr(library, "_compile", slow_compile)
@@ -151,8 +151,10 @@ def test_a_read_only_cache_builds_in_the_temp_directory(tmp_path):
     directory instead (here the cache root is a file, so nothing can be made in it)."""
     blocked = tmp_path / "cache"
     blocked.write_text("")
-    loaded = native.load_attention(blocked)
-    assert loaded.library.parent == Path(tempfile.gettempdir()) / "pdserve-kernels"
+    source = tmp_path / "tiny.c"            # a real kernel would cost a fresh machine ~5 s of CPU here
+    source.write_text("int pdserve_tiny(int x) { return x + 3; }\n")
+    built = library.build(source, library.kernel_dir(blocked))
+    assert built.parent == Path(tempfile.gettempdir()) / "pdserve-kernels" and built.exists()
 
 
 def test_without_a_compiler_auto_falls_back_and_native_refuses(model_dir, tmp_path, monkeypatch, caplog):
