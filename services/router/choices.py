@@ -153,8 +153,7 @@ async def respond(fe: FrontEnd, req: CommonRequest, request_id: str, prompts: li
                   tenant: str) -> Response:
     running = fe.start_prompts(prompts, tenant=tenant, text=text_options(req))
     gens = running.gens
-    base = {"id": request_id, "object": "chat.completion" if shape.chat else "text_completion",
-            "created": int(time.time()), "model": fe.served_model_name}
+    base = base_of(fe, request_id, shape)
     if req.stream:
         return StreamingResponse(stream_events(fe, running, req, base, shape), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -165,9 +164,22 @@ async def respond(fe: FrontEnd, req: CommonRequest, request_id: str, prompts: li
     if shape.echo_only:
         for gen in gens:
             gen.completion_tokens = 0
+    return whole_answer(base, gens, results, req, shape, len(prompts))
+
+
+def base_of(fe: FrontEnd, request_id: str, shape: Shape) -> dict:
+    """What every answer and chunk of a request begins with."""
+    return {"id": request_id, "object": "chat.completion" if shape.chat else "text_completion",
+            "created": int(time.time()), "model": fe.served_model_name}
+
+
+def whole_answer(base: dict, gens: list[Generation], results: list[Collected], req: CommonRequest, shape: Shape,
+                 prompts: int) -> JSONResponse:
+    """The answer not streamed: every choice (`gens` and their `results`, `shape.n` a
+    prompt, of `prompts`) whole, with the usage."""
     choices = [whole_choice(i, gens, result, req, shape) for i, result in enumerate(results)]
     body = {**base, "choices": choices, "usage": usage(gens, shape.n)}
-    if req.return_token_ids and len(prompts) == 1:
+    if req.return_token_ids and prompts == 1:
         body["prompt_token_ids"] = gens[0].prompt_ids
     if shape.chat and shape.prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs(shape.names, gens[0], shape.prompt_logprobs)

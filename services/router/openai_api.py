@@ -33,7 +33,7 @@ from services.router.protocol import (APIError, ChatCompletionRequest, CommonReq
 from services.router.messages import (CountTokensRequest, MessagesRequest, MessageWriter, in_messages_terms,
                                       new_message_id)
 from services.router.responses import ResponsesRequest, ResponseWriter, in_responses_terms, new_response_id
-from services.router import structured
+from services.router import beam_search, structured
 from services.router.reasoning import Thinking
 from services.router.sampling import resolve_sampling
 from services.router.structured import Structure
@@ -225,7 +225,8 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
         shape = Shape(chat=True, tools=tools, n=req.choices, prompt_logprobs=req.prompt_logprobs,
                       names=token_names(fe, req.return_tokens_as_token_ids),
                       echo=(req.echoed(),) if req.echoed() else (), thinking=thinking)
-        return await unless_disconnected(request, respond(fe, req, request_id, [gens], shape, tenant_of(request)))
+        answer = beam_search.respond if req.use_beam_search else respond
+        return await unless_disconnected(request, answer(fe, req, request_id, [gens], shape, tenant_of(request)))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -256,7 +257,8 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
                               fe.tokenizer.decode(truncated, skip_special_tokens=False))
         shape = Shape(chat=False, echo=tuple(echoes), echo_only=echo_only, n=req.choices,
                       prompt_logprobs=req.prompt_logprobs, names=token_names(fe, req.return_tokens_as_token_ids))
-        return await unless_disconnected(request, respond(fe, req, request_id, prompts, shape, tenant_of(request)))
+        answer = beam_search.respond if req.use_beam_search else respond
+        return await unless_disconnected(request, answer(fe, req, request_id, prompts, shape, tenant_of(request)))
 
     @app.post("/invocations")
     async def invocations(request: Request):

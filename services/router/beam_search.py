@@ -1,0 +1,163 @@
+"""Beam search, as vLLM serves it (`use_beam_search: true`, `n` beams, `length_penalty`),
+chat and completions, not streamed.
+
+Like vLLM's (vllm/entrypoints/generate/beam_search), it runs at the front end, over the
+cluster's own requests: each step asks one token of every live beam, the beam's whole
+text as its prompt (the prefix cache holds all but its last block), with the 2n likeliest
+tokens' log probabilities; every beam grows by each of them, and the n best sums go on.
+A beam that would take the end-of-sequence token is set aside as finished, unless
+`ignore_eos`. After `max_tokens` steps (or when no beam is left) the n best of the
+finished and the live ones by `cumulative logprob / length ** length_penalty` (the length
+counting the prompt, without a final EOS) are the choices, best first.
+
+Where it differs: every step expands each beam by its likeliest tokens alone, on the raw
+log probabilities, so the search is deterministic; vLLM also adds each beam's token
+sampled at the request's temperature as one more candidate (the same thing at
+temperature 0).
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass, field
+
+from fastapi.responses import Response
+
+from services.engine.core.sampling import SamplingParams, TokenLogprob
+from services.router.choices import Shape, base_of, whole_answer
+from services.router.frontend import Collected, FrontEnd
+from services.router.generation import Generation
+from services.router.http_input import error_response
+from services.router.protocol import APIError, CommonRequest, bad_request
+from services.router.tools import ToolPlan
+
+
+@dataclass
+class Beam:
+    tokens: list[int]                   # the prompt's and the beam's own
+    cum_logprob: float = 0.0
+    logprobs: list[TokenLogprob] = field(default_factory=list)     # one per token of its own
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+
+    def score(self, eos: int | None, length_penalty: float) -> float:
+        """vLLM's (transformers'): cumulative logprob / length ** length_penalty, the length
+        counting the prompt and not a final EOS; the power bounded, so an absurd penalty
+        orders beams instead of overflowing."""
+        length = max(len(self.tokens) - (eos is not None and self.tokens[-1] == eos), 1)
+        return self.cum_logprob * math.exp(max(min(-length_penalty * math.log(length), 700.0), -700.0))
+
+
+async def search(fe: FrontEnd, template: Generation, width: int, length_penalty: float, include_stop: bool,
+                 tenant: str, top: int | None = None) -> list[Beam]:
+    """The `width` best beams after `template`'s prompt, up to its params' max_tokens
+    (and its ignore_eos; `include_stop`: a finished beam keeps its EOS token); `top`:
+    each token's alternatives to keep for the answer's logprobs (at least 2 x width are
+    computed). Each step's requests are `tenant`'s, admitted as any other; the whole
+    search must end within the router's request timeout."""
+    params, prompt_len = template.params, len(template.prompt_ids)
+    eos = getattr(fe.tokenizer, "eos_token_id", None)
+    step = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=max(2 * width, top or 0),
+                          cache_salt=params.cache_salt)
+    deadline = time.monotonic() + fe.request_timeout
+    live, finished = [Beam(list(template.prompt_ids))], []
+    for n in range(params.max_tokens):
+        gens = [Generation(f"{template.request_id}-step{n}-beam{i}", beam.tokens, step)
+                for i, beam in enumerate(live)]
+        # each beam a prompt of its own (one prompt's choices would share its KV)
+        results = await fe.start_prompts([[g] for g in gens], deadline=max(deadline - time.monotonic(), 0.0),
+                                         tenant=tenant).collect()
+        candidates = []
+        for beam, result in zip(live, results):
+            if not result.logprobs:         # a step of one token, EOS ignored: always one
+                raise APIError(500, "a beam search step came back without its token", type_="internal_error",
+                               grpc_code="INTERNAL")
+            lp = result.logprobs[0]
+            for token, logprob in _alternatives(lp, 2 * width):
+                total = beam.cum_logprob + logprob
+                entry = TokenLogprob(token, logprob, lp.top_ids[:top or 0], lp.top_logprobs[:top or 0])
+                if token == eos and not params.ignore_eos:
+                    kept = [token] if include_stop else []
+                    finished.append(Beam(beam.tokens + kept, total, beam.logprobs + [entry] * len(kept),
+                                         "stop", token))
+                else:
+                    candidates.append(Beam(beam.tokens + [token], total, beam.logprobs + [entry]))
+        live = sorted(candidates, key=lambda b: b.cum_logprob, reverse=True)[:width]
+        if not live:
+            break
+    for beam in live:
+        beam.finish_reason = "length"
+    beams = _best(finished + live, eos, length_penalty, width)
+    for beam in beams:
+        del beam.tokens[:prompt_len]
+    return beams
+
+
+def _alternatives(lp: TokenLogprob, count: int) -> list[tuple[int, float]]:
+    """A step's candidates: its `count` likeliest tokens, and the one taken if not among
+    them."""
+    found = dict(zip(lp.top_ids[:count], lp.top_logprobs[:count]))
+    found.setdefault(lp.token_id, lp.logprob)
+    return [(t, v) for t, v in found.items() if math.isfinite(v)]
+
+
+def _best(beams: list[Beam], eos: int | None, length_penalty: float, width: int) -> list[Beam]:
+    return sorted(beams, key=lambda b: b.score(eos, length_penalty), reverse=True)[:width]
+
+
+def as_choices(fe: FrontEnd, template: Generation, beams: list[Beam], skip_special_tokens: bool,
+               ) -> tuple[list[Generation], list[Collected]]:
+    """The beams as a prompt's choices (generations and their whole results), for the
+    answer the other requests' choices make (choices.whole_choice)."""
+    gens, results = [], []
+    eos = getattr(fe.tokenizer, "eos_token_id", None)
+    for i, beam in enumerate(beams):
+        gen = Generation(f"{template.request_id}-{i}", template.prompt_ids, template.params)
+        gen.finish_reason, gen.stop_reason, gen.completion_tokens = beam.finish_reason, beam.stop_reason, \
+            len(beam.tokens)
+        gen.decision = "beam search"
+        text_ids = beam.tokens[:-1] if beam.tokens and beam.tokens[-1] == eos and beam.finish_reason == "stop" \
+            else beam.tokens
+        text = fe.tokenizer.decode(text_ids, skip_special_tokens=skip_special_tokens)
+        gens.append(gen)
+        results.append(Collected(text, list(beam.tokens), beam.logprobs))
+    return gens, results
+
+
+async def searched(fe: FrontEnd, prompts: list[list[Generation]], req: CommonRequest, tenant: str,
+                   ) -> tuple[list[Generation], list[Collected]]:
+    """Each prompt's beam search (its choices' first generation the template), side by
+    side, as `req` asks it; the choices of all prompts in order."""
+    top = prompts[0][0].params.logprobs
+    found = await asyncio.gather(*(search(fe, gens[0], req.choices, req.length_penalty, req.include_stop_str_in_output,
+                                          tenant, top) for gens in prompts))
+    gens: list[Generation] = []
+    results: list[Collected] = []
+    for prompt, beams in zip(prompts, found):
+        g, r = as_choices(fe, prompt[0], beams, req.skip_special_tokens)
+        gens += g
+        results += r
+    return gens, results
+
+
+def refuse_what_it_cannot(params: SamplingParams, tools: ToolPlan | None = None) -> None:
+    """Beam search does not hold its output to a grammar: a request that asks for one
+    (structured outputs, tools) is refused, where vLLM's would ignore it."""
+    if params.structure is not None:
+        raise bad_request("structured outputs (response_format, structured_outputs, guided_*) are not applied "
+                          "with use_beam_search", param="use_beam_search")
+    if tools is not None:
+        raise bad_request("tools are not parsed with use_beam_search", param="tools")
+
+
+async def respond(fe: FrontEnd, req: CommonRequest, request_id: str, prompts: list[list[Generation]], shape: Shape,
+                  tenant: str) -> Response:
+    """choices.respond's answer, its choices found by beam search (`prompts`: each
+    prompt's generations as the request asked them, n a prompt)."""
+    refuse_what_it_cannot(prompts[0][0].params, shape.tools)
+    try:
+        gens, results = await searched(fe, prompts, req, tenant)
+    except APIError as exc:
+        return error_response(exc)
+    return whole_answer(base_of(fe, request_id, shape), gens, results, req, shape, len(prompts))
