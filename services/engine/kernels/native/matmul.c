@@ -637,12 +637,11 @@ int pdserve_linear_amx_bf16(const uint16_t *x, int64_t ldx, int64_t rows, const 
 #else
 int pdserve_amx_supported(void) { return 0; }
 
+/* No tiles in this build: vdpbf16ps's path, where there is one. */
 int pdserve_linear_amx_bf16(const uint16_t *x, int64_t ldx, int64_t rows, const uint16_t *w, int64_t n, int64_t k,
                             const float *bias, const uint16_t *res, int64_t ldr, uint16_t *y, int64_t ldy, int gated,
                             int threads) {
-    (void)x; (void)ldx; (void)rows; (void)w; (void)n; (void)k; (void)bias; (void)res; (void)ldr; (void)y;
-    (void)ldy; (void)gated; (void)threads;
-    return 2;
+    return pdserve_linear_bf16(x, ldx, rows, w, n, k, bias, res, ldr, y, ldy, gated, threads);
 }
 #endif
 
