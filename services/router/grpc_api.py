@@ -9,8 +9,8 @@ from services.router.admission import TENANT
 from services.router.frontend import FrontEnd, choices
 from services.router.generation import Generation, new_request_id
 from services.router.protocol import MAX_CHOICES, APIError, bad_request
-from services.router.reasoning import Thinking, ThinkingStream
-from services.router import structured
+from services.router.reasoning import Thinking, ThinkingStream, thought_and_answer
+from services.router import beam_search, structured
 from services.router.sampling import resolve_sampling
 from services.rpc import generate_pb2, generate_pb2_grpc
 from services.worker.wire import logprob_to_proto
@@ -78,6 +78,23 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
                 gen.thinking = self.fe.thinking_tokens(thinking)
         return gens, thinking
 
+    async def _beams(self, request: generate_pb2.GenerateRequest, gens: list[Generation], thinking: Thinking | None,
+                     tenant: str, echoed: str) -> list[generate_pb2.GenerateResponse]:
+        """A beam search's choices (use_beam_search: `n` beams), one message each, best
+        first, once all are found."""
+        s = request.sampling
+        found, results = await beam_search.searched(
+            self.fe, [gens], request.n or 1, s.length_penalty if s.HasField("length_penalty") else 1.0, tenant)
+        out = []
+        for i, (gen, result) in enumerate(zip(found, results)):
+            reasoning, text = thought_and_answer(thinking, result.text)
+            out.append(generate_pb2.GenerateResponse(
+                request_id=echoed, text=text, reasoning=reasoning or "", token_ids=result.token_ids,
+                finish_reason=gen.finish_reason or "", index=i,
+                usage=generate_pb2.Usage(prompt_tokens=len(gen.prompt_ids), completion_tokens=gen.completion_tokens),
+                logprobs=[logprob_to_proto(lp) for lp in result.logprobs]))
+        return out
+
     def _tenant(self, context) -> str:
         """The caller's API key's tenant (RequireBearer has let only accepted keys in)."""
         if not self.keys:
@@ -97,6 +114,11 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
             TENANT.set(tenant)                  # the tokenizer's turns
             try:
                 gens, thinking = await self._generations(request, own)
+                if request.sampling.use_beam_search:
+                    for m in await self._beams(request, gens, thinking, tenant, echoed):
+                        yield m
+                    context.set_trailing_metadata((("x-request-id", trailing),))
+                    return
                 running = self.fe.start(gens, context.time_remaining(), tenant)
             except APIError as exc:
                 await context.abort(getattr(grpc.StatusCode, exc.grpc_code), exc.message)

@@ -9,7 +9,6 @@ prompt length live in `resolve_sampling`.
 from __future__ import annotations
 
 import json
-import math
 import re
 from typing import Annotated, Any, Literal
 
@@ -81,7 +80,6 @@ CacheSalt = Annotated[StrictStr, AfterValidator(_salt)]     # vLLM's: none, or a
 _TOKEN_ID = re.compile(r"-?[0-9]{1,20}")            # negative or past the vocabulary: refused by name later
 # Completions' logprobs: OpenAI allows 5; vLLM (and this) as many as chat's top_logprobs.
 MAX_LOGPROBS = MAX_TOP_LOGPROBS
-MAX_BEAMS = MAX_LOGPROBS // 2             # use_beam_search: each step asks 2n alternatives
 
 
 class TextPart(BaseModel):
@@ -329,16 +327,8 @@ class CommonRequest(BaseModel):
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
         if self.best_of not in (None, self.choices):
             raise unsupported("best_of", "best_of other than n is not supported")
-        if self.use_beam_search:
-            if self.stream:
-                raise bad_request("Streaming is not currently supported with beam search", param="stream")
-            if self.choices > MAX_BEAMS:
-                raise bad_request(f"n is the beam width with use_beam_search: at most {MAX_BEAMS} (each step asks "
-                                  f"for 2n alternatives, {MAX_LOGPROBS} at most)", param="n")
-            if self.prompt_logprobs is not None:
-                raise bad_request("beam search computes no prompt logprobs", param="prompt_logprobs")
-            if not math.isfinite(self.length_penalty):
-                raise bad_request("length_penalty must be a finite number", param="length_penalty")
+        if self.use_beam_search and self.stream:
+            raise bad_request("Streaming is not currently supported with beam search", param="stream")
         if self.prompt_logprobs is not None:
             if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
                 raise bad_request(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}", param="prompt_logprobs")

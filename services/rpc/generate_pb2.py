@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0egenerate.proto\x12\npdserve.v1\"\xf6\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x12\n\x05min_p\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12=\n\nlogit_bias\x18\r \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\r\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\t\x88\x01\x01\x12\x13\n\x0bjson_schema\x18\x10 \x01(\t\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\n\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x12 \x03(\r\x12\'\n\tbad_words\x18\x13 \x03(\x0b\x32\x14.pdserve.v1.TokenIds\x12\r\n\x05regex\x18\x14 \x01(\t\x12\x0f\n\x07grammar\x18\x15 \x01(\t\x12\x16\n\x0estructural_tag\x18\x16 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x17 \x03(\t\x12\x12\n\ncache_salt\x18\x18 \x01(\t\x12\x17\n\x0fstructure_after\x18\x19 \x03(\r\x12\x17\n\x0fstructure_opens\x18\x1a \x03(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xe4\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12\x30\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\t\n\x01n\x18\x07 \x01(\rB\x07\n\x05input\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"S\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x03 \x01(\r\"\x81\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\r\n\x05index\x18\x07 \x01(\r\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x11\n\treasoning\x18\t \x01(\t2T\n\tGenerator\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0egenerate.proto\x12\npdserve.v1\"\xbf\x07\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x12\n\x05min_p\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12=\n\nlogit_bias\x18\r \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\r\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\t\x88\x01\x01\x12\x13\n\x0bjson_schema\x18\x10 \x01(\t\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\n\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x12 \x03(\r\x12\'\n\tbad_words\x18\x13 \x03(\x0b\x32\x14.pdserve.v1.TokenIds\x12\r\n\x05regex\x18\x14 \x01(\t\x12\x0f\n\x07grammar\x18\x15 \x01(\t\x12\x16\n\x0estructural_tag\x18\x16 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x17 \x03(\t\x12\x12\n\ncache_salt\x18\x18 \x01(\t\x12\x17\n\x0fstructure_after\x18\x19 \x03(\r\x12\x17\n\x0fstructure_opens\x18\x1a \x03(\r\x12\x17\n\x0fuse_beam_search\x18\x1b \x01(\x08\x12\x1b\n\x0elength_penalty\x18\x1c \x01(\x02H\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x11\n\x0f_length_penalty\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xe4\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12\x30\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\t\n\x01n\x18\x07 \x01(\rB\x07\n\x05input\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"S\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x03 \x01(\r\"\x81\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\r\n\x05index\x18\x07 \x01(\r\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x11\n\treasoning\x18\t \x01(\t2T\n\tGenerator\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,23 +34,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=31
-  _globals['_SAMPLINGPARAMS']._serialized_end=917
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=700
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=748
-  _globals['_TOKENLOGPROB']._serialized_start=919
-  _globals['_TOKENLOGPROB']._serialized_end=1007
-  _globals['_CHATMESSAGE']._serialized_start=1009
-  _globals['_CHATMESSAGE']._serialized_end=1053
-  _globals['_GENERATEREQUEST']._serialized_start=1056
-  _globals['_GENERATEREQUEST']._serialized_end=1284
-  _globals['_CHATMESSAGES']._serialized_start=1286
-  _globals['_CHATMESSAGES']._serialized_end=1343
-  _globals['_TOKENIDS']._serialized_start=1345
-  _globals['_TOKENIDS']._serialized_end=1368
-  _globals['_USAGE']._serialized_start=1370
-  _globals['_USAGE']._serialized_end=1453
-  _globals['_GENERATERESPONSE']._serialized_start=1456
-  _globals['_GENERATERESPONSE']._serialized_end=1713
-  _globals['_GENERATOR']._serialized_start=1715
-  _globals['_GENERATOR']._serialized_end=1799
+  _globals['_SAMPLINGPARAMS']._serialized_end=990
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=754
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=802
+  _globals['_TOKENLOGPROB']._serialized_start=992
+  _globals['_TOKENLOGPROB']._serialized_end=1080
+  _globals['_CHATMESSAGE']._serialized_start=1082
+  _globals['_CHATMESSAGE']._serialized_end=1126
+  _globals['_GENERATEREQUEST']._serialized_start=1129
+  _globals['_GENERATEREQUEST']._serialized_end=1357
+  _globals['_CHATMESSAGES']._serialized_start=1359
+  _globals['_CHATMESSAGES']._serialized_end=1416
+  _globals['_TOKENIDS']._serialized_start=1418
+  _globals['_TOKENIDS']._serialized_end=1441
+  _globals['_USAGE']._serialized_start=1443
+  _globals['_USAGE']._serialized_end=1526
+  _globals['_GENERATERESPONSE']._serialized_start=1529
+  _globals['_GENERATERESPONSE']._serialized_end=1786
+  _globals['_GENERATOR']._serialized_start=1788
+  _globals['_GENERATOR']._serialized_end=1872
 # @@protoc_insertion_point(module_scope)
