@@ -6,6 +6,11 @@ through pdserve's engine and through plain transformers forward calls with a
                                     [--prefill 512] [--threads 1] [--dtype bfloat16]
                                     [--attention auto|native|torch] [--verify 12]
 
+The prefill is also given as a share of the GEMM rate of `--threads` cores in the
+dtype (a prefill-sized linear layer on the CPU's best path, torch's or pdserve's own
+matmul: bench.vllm_serve.gemm_rate), measured in each round: the prompt's matmul FLOPs
+(linear layers, causal attention, the last token's vocabulary projection) over its time.
+
 Decode: every sequence has `--context` tokens of KV already cached (random values: the
 cost does not depend on them); one step feeds one token per sequence. The transformers
 side appends to its DynamicCache as `generate` does, then crops back, so each timed
@@ -26,7 +31,7 @@ from pathlib import Path
 import torch
 
 from services.engine.model.kv_cache import KVPoolMemory
-from services.engine.model.shapes import head_dim
+from services.engine.model.shapes import head_dim, prefill_flops
 
 BLOCK = 16
 
@@ -133,6 +138,9 @@ def main() -> None:
     hf = _hf_model(model_dir, a.dtype)
     batches = [int(b) for b in a.batches.split(",")]
     rows: dict[str, dict] = {}
+    # the prefill against the GEMM rate of this dtype on as many cores, each round's
+    from bench.vllm_serve import gemm_rate
+    rates: list[float] = []
     for _ in range(a.rounds):            # alternate engines so drift hits both alike
         for b in batches:
             r = rows.setdefault(f"decode_b{b}", {"pdserve_ms": [], "transformers_ms": []})
@@ -145,12 +153,21 @@ def main() -> None:
         r = rows.setdefault(f"prefill_{a.prefill}", {"pdserve_ms": [], "transformers_ms": []})
         r["pdserve_ms"].append(pdserve_prefill_ms(runner, a.prefill, max(3, a.repeats // 5)))
         r["transformers_ms"].append(hf_prefill_ms(hf, a.prefill, max(3, a.repeats // 5)))
+        rates.append(gemm_rate(getattr(torch, runner.dtype_name)) * a.threads)
+    flops = prefill_flops(runner.config, a.prefill)
+    shares = [flops / (ms / 1e3) / rate for ms, rate in zip(rows[f"prefill_{a.prefill}"]["pdserve_ms"], rates)]
+    share, rate = statistics.median(shares), statistics.median(rates)
     print(f"{'case':<14} {'pdserve ms':>11} {'transformers ms':>16} {'ratio':>7}")
-    out = {"config": {**vars(a), "cpu": cpu_kind(), "engine": runner.describe()}, "results": {}}
+    out = {"config": {**vars(a), "cpu": cpu_kind(), "engine": runner.describe()}, "results": {},
+           "gemm_gflops": [r / 1e9 for r in rates], "prefill_gemm_share": shares}
     for name, r in rows.items():
         p, h = statistics.median(r["pdserve_ms"]), statistics.median(r["transformers_ms"])
         out["results"][name] = {"pdserve_ms": p, "transformers_ms": h, "ratio": p / h, "rounds": r}
         print(f"{name:<14} {p:>11.2f} {h:>16.2f} {p / h:>7.2f}")
+    print(f"prefill of {a.prefill} tokens: {flops / 1e9:.1f} GFLOP of matmuls, {100 * share:.0f} % of the GEMM "
+          f"rate of {a.threads} core(s) ({rate / 1e9:.0f} GFLOP/s, {runner.dtype_name}, [512, 576] x [576, 1536] on "
+          f"the best path; medians of {a.rounds} rounds, each its own rate: "
+          f"{', '.join(f'{100 * x:.0f} %' for x in shares)})")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))
 

