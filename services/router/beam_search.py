@@ -59,12 +59,12 @@ async def search(fe: FrontEnd, template: Generation, width: int, length_penalty:
     search must end within the router's request timeout."""
     params, prompt_len = template.params, len(template.prompt_ids)
     eos = getattr(fe.tokenizer, "eos_token_id", None)
-    step = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=max(2 * width, top or 0),
-                          cache_salt=params.cache_salt)
+    one_token = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=max(2 * width, top or 0),
+                               cache_salt=params.cache_salt)
     deadline = time.monotonic() + fe.request_timeout
     live, finished = [Beam(list(template.prompt_ids))], []
-    for n in range(params.max_tokens):
-        gens = [Generation(f"{template.request_id}-step{n}-beam{i}", beam.tokens, step)
+    for step in range(params.max_tokens):
+        gens = [Generation(f"{template.request_id}-step{step}-beam{i}", beam.tokens, one_token)
                 for i, beam in enumerate(live)]
         # each beam a prompt of its own (one prompt's choices would share its KV)
         results = await fe.start_prompts([[g] for g in gens], deadline=max(deadline - time.monotonic(), 0.0),
@@ -79,9 +79,8 @@ async def search(fe: FrontEnd, template: Generation, width: int, length_penalty:
                 total = beam.cum_logprob + logprob
                 entry = TokenLogprob(token, logprob, lp.top_ids[:top or 0], lp.top_logprobs[:top or 0])
                 if token == eos and not params.ignore_eos:
-                    kept = [token] if include_stop else []
-                    finished.append(Beam(beam.tokens + kept, total, beam.logprobs + [entry] * len(kept),
-                                         "stop", token))
+                    kept = ([token], [entry]) if include_stop else ([], [])
+                    finished.append(Beam(beam.tokens + kept[0], total, beam.logprobs + kept[1], "stop", token))
                 else:
                     candidates.append(Beam(beam.tokens + [token], total, beam.logprobs + [entry]))
         live = sorted(candidates, key=lambda b: b.cum_logprob, reverse=True)[:width]
