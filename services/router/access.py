@@ -69,6 +69,17 @@ def attach(gen: Generation) -> None:
         exchange.generations.append(gen)
 
 
+@contextmanager
+def unattached() -> Iterator[None]:
+    """Generations started in the block are not the call's own choices (a beam search's
+    steps: its beams are, attached once found)."""
+    token = _current.set(None)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
 class AccessLog:
     def __init__(self, metrics: RouterMetrics) -> None:
         self.metrics = metrics

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from fastapi.responses import Response
 
 from services.engine.core.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
+from services.router.access import attach, unattached
 from services.router.choices import Shape, base_of, whole_answer
 from services.router.frontend import Collected, FrontEnd
 from services.router.generation import Generation
@@ -67,8 +68,10 @@ async def search(fe: FrontEnd, template: Generation, width: int, length_penalty:
         gens = [Generation(f"{template.request_id}-step{step}-beam{i}", beam.tokens, one_token)
                 for i, beam in enumerate(live)]
         # each beam a prompt of its own (one prompt's choices would share its KV)
-        results = await fe.start_prompts([[g] for g in gens], deadline=max(deadline - time.monotonic(), 0.0),
-                                         tenant=tenant).collect()
+        with unattached():
+            running = fe.start_prompts([[g] for g in gens], deadline=max(deadline - time.monotonic(), 0.0),
+                                       tenant=tenant)
+        results = await running.collect()
         candidates = []
         for beam, result in zip(live, results):
             if not result.logprobs:         # a step of one token, EOS ignored: always one
@@ -116,7 +119,8 @@ def as_choices(fe: FrontEnd, template: Generation, beams: list[Beam], skip_speci
         gen = Generation(f"{template.request_id}-{i}", template.prompt_ids, template.params)
         gen.finish_reason, gen.stop_reason, gen.completion_tokens = beam.finish_reason, beam.stop_reason, \
             len(beam.tokens)
-        gen.decision = "beam search"
+        gen.decision = "beam_search"
+        attach(gen)
         text_ids = beam.tokens[:-1] if beam.tokens and beam.tokens[-1] == eos and beam.finish_reason == "stop" \
             else beam.tokens
         text = fe.tokenizer.decode(text_ids, skip_special_tokens=skip_special_tokens)
