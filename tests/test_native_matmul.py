@@ -126,12 +126,18 @@ def emulated_amx(built_kernels):
 
 
 def in_order(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """float32 sums as tdpbf16ps makes them: from the bias, each k pair's two products
-    (exact in float32) added in turn, the even element first, each add rounded."""
+    """float32 sums as the SDM defines tdpbf16ps, tile after tile of 32 k values from the
+    bias: in each, the even products and the odd ones summed apart from zero, in turn
+    (each product exact in float32, each add rounded), then the two added, then that to
+    the sum."""
     xf, wf = x.float(), w.float()
     acc = torch.zeros(x.shape[0], w.shape[0]) if b is None else b.float().expand(x.shape[0], -1).clone()
-    for i in range(x.shape[1]):
-        acc = acc + xf[:, i:i + 1] * wf[:, i]
+    for start in range(0, x.shape[1], 32):
+        even, odd = torch.zeros_like(acc), torch.zeros_like(acc)
+        for i in range(start, start + 32, 2):
+            even = even + xf[:, i:i + 1] * wf[:, i]
+            odd = odd + xf[:, i + 1:i + 2] * wf[:, i + 1]
+        acc = acc + (even + odd)
     return acc
 
 
@@ -141,7 +147,8 @@ def in_order(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.
 def test_amx_tiles_sum_in_the_instructions_order_bit_for_bit(emulated_amx, n, k, rows):
     """Emulated tiles: every strip shape (up to 16 rows by 4 groups, 32 by 2, a last
     strip padded), odd group counts and k over several tiles, each output the float32
-    sum tdpbf16ps makes, rounded once to bfloat16; with a residual, that sum plus it."""
+    sum tdpbf16ps makes (as the SDM defines it), rounded once to bfloat16; with a
+    residual, that sum plus it."""
     gen = torch.Generator().manual_seed(n * k + rows)
     w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16()
@@ -153,6 +160,20 @@ def test_amx_tiles_sum_in_the_instructions_order_bit_for_bit(emulated_amx, n, k,
     assert torch.equal(emulated_amx.linear(x, packed, n, bias, residual, threads=2),
                        (sums + residual.float()).bfloat16())
     assert torch.equal(emulated_amx.linear(x, packed, n), in_order(x, w, None).bfloat16())
+
+
+@needs_bf16
+def test_amx_tiles_sum_even_and_odd_products_apart(emulated_amx):
+    """The SDM's order, where it shows in the output: products 2^24, 1, -2^24 (even,
+    odd, even) sum to 1 with the even and odd products apart, but to 0 added in turn
+    (2^24 + 1 rounds to 2^24), as the intrinsics guide's shorter pseudo-code has it."""
+    x = torch.zeros(1, 32, dtype=torch.bfloat16)
+    x[0, :3] = 1.0
+    w = torch.zeros(16, 32, dtype=torch.bfloat16)
+    w[0, :3] = torch.tensor([2.0 ** 24, 1.0, -2.0 ** 24])
+    packed, _ = emulated_amx.pack(w)
+    assert emulated_amx.linear(x, packed, 16)[0, 0].item() == 1.0
+    assert in_order(x, w, None)[0, 0].item() == 1.0
 
 
 @needs_bf16

@@ -323,9 +323,10 @@ static void run(const struct call *c, const enum kind KIND, int64_t rows, int th
  * Eight tiles of 16 rows by 64 bytes: sums C0-C3 (16 x 16 float32 each), A4 and A5, B6
  * and B7. Up to 16 rows take 4 groups at a time (C0-C3 = A4 x four B loads, 64 output
  * columns), more rows strips of 32 by 2 groups (C0 C1 / C2 C3 = A4 / A5 x B6 B7). Sums
- * start at the bias and run over k in order, tile after tile, whatever the rows (no
- * split-K); a last strip of fewer than 16 rows is read from a zero-padded copy made once
- * a call. k not a whole number of tiles (32 values) goes to vdpbf16ps's path.
+ * start at the bias and run over k tile after tile, in order, whatever the rows (no
+ * split-K: batch-invariant); within a tile in the instruction's own order, so not bit for
+ * bit vdpbf16ps's. A last strip of fewer than 16 rows is read from a zero-padded copy
+ * made once a call. k not a whole number of tiles (32 values) goes to vdpbf16ps's path.
  *
  * Tile state is per thread and oneDNN's kernels configure it too, on the same threads:
  * each panel loads the configuration and releases the tiles when done. Linux hands AMX
@@ -348,10 +349,13 @@ _Static_assert(sizeof(struct tile_config) == 64, "ldtilecfg takes 64 bytes");
 
 #ifdef PDSERVE_AMX_EMULATE
 #include <stdlib.h>
-/* The tile instructions as Intel's SDM defines them: tdpbf16ps adds each pair's products
- * to the float32 sum in turn, the even element first, rounding to nearest even, with
- * denormal inputs and results flushed to zero. What the hardware faults on aborts: a tile
- * used unconfigured or released, shapes that disagree. */
+/* The tile instructions as Intel's SDM defines them: tdpbf16ps sums a row's even products
+ * and its odd products apart, each from zero over the instruction's k pairs in turn, then
+ * adds the two and that to the float32 sum; every add rounds to nearest even, denormal
+ * inputs and results are flushed to zero. (The intrinsics guide's shorter pseudo-code,
+ * adding every product to the sum in turn, is not the SDM's.) What the hardware faults on
+ * aborts: a tile used unconfigured or released, a configuration it refuses, shapes that
+ * disagree, one register named twice. */
 static __thread struct tile_config emu_cfg;
 static __thread int emu_live;
 static __thread uint8_t emu[8][TILE_ROWS][TILE_BYTES];
@@ -378,7 +382,12 @@ static float emu_bf16(uint16_t v) {
 }
 
 static void emu_config(const struct tile_config *cfg) {
-    emu_need(cfg->palette == 1);
+    emu_need(cfg->palette == 1 && cfg->start_row == 0);
+    for (int i = 0; i < 14; i++)
+        emu_need(cfg->reserved[i] == 0);
+    for (int t = 0; t < 16; t++)
+        emu_need(t < 8 ? cfg->rows[t] <= TILE_ROWS && cfg->colsb[t] <= TILE_BYTES && !cfg->colsb[t] == !cfg->rows[t]
+                       : !cfg->rows[t] && !cfg->colsb[t]);
     emu_cfg = *cfg;
     emu_live = 1;
     memset(emu, 0, sizeof emu);
@@ -408,22 +417,28 @@ static void emu_store(int t, void *p, int64_t stride) {
         memcpy((uint8_t *)p + r * stride, emu[t][r], emu_cfg.colsb[t]);
 }
 
-static __attribute__((optimize("no-fast-math"))) void emu_dpbf16ps(int c, int a, int b) {
+/* One rounded add, out of line: the library is built with -ffast-math, and no compiler
+ * may then reorder adds across the call. */
+static __attribute__((noinline)) float emu_add(float a, float b) { return emu_flush(a + b); }
+
+static void emu_dpbf16ps(int c, int a, int b) {
     emu_shape(c), emu_shape(a), emu_shape(b);
     emu_need(emu_cfg.rows[c] == emu_cfg.rows[a] && emu_cfg.colsb[c] == emu_cfg.colsb[b] &&
-             emu_cfg.colsb[a] / 4 == emu_cfg.rows[b] && c != a && c != b);
+             emu_cfg.colsb[a] / 4 == emu_cfg.rows[b] && c != a && c != b && a != b);
     for (int m = 0; m < emu_cfg.rows[c]; m++) {
-        float sum[TILE_ROWS];
+        float sum[TILE_ROWS], even[TILE_ROWS] = {0}, odd[TILE_ROWS] = {0};
         uint16_t x[2 * TILE_ROWS], w[2 * TILE_ROWS];
         memcpy(sum, emu[c][m], sizeof sum);
         memcpy(x, emu[a][m], sizeof x);
         for (int k = 0; k < emu_cfg.colsb[a] / 4; k++) {
             memcpy(w, emu[b][k], sizeof w);
             for (int n = 0; n < emu_cfg.colsb[c] / 4; n++) {
-                sum[n] = emu_flush(emu_flush(sum[n]) + emu_bf16(x[2 * k]) * emu_bf16(w[2 * n]));
-                sum[n] = emu_flush(sum[n] + emu_bf16(x[2 * k + 1]) * emu_bf16(w[2 * n + 1]));
+                even[n] = emu_add(even[n], emu_bf16(x[2 * k]) * emu_bf16(w[2 * n]));       /* products exact */
+                odd[n] = emu_add(odd[n], emu_bf16(x[2 * k + 1]) * emu_bf16(w[2 * n + 1]));
             }
         }
+        for (int n = 0; n < emu_cfg.colsb[c] / 4; n++)
+            sum[n] = emu_add(emu_flush(sum[n]), emu_add(even[n], odd[n]));
         memcpy(emu[c][m], sum, sizeof sum);
     }
 }
@@ -482,17 +497,17 @@ static inline const uint8_t *a_source(const struct amx_call *a, int64_t m, int64
     return a->c.x + m * a->c.ldx;
 }
 
-/* Sums tile `t` (0-3) starts at group g's bias, or zero. */
+/* Sums tile `t` (0-3) starts at group g's bias in every row (one row read 16 times: a
+ * row stride of 0), or zero. The bias is read where the caller keeps it: GCC's tile
+ * loads take their address as a register, not as memory, so a copy made here just
+ * before one would be dropped as a dead store. */
 static inline void sums_start(const struct call *c, int t, int64_t g) {
-    float bias[TILE_ROWS][GROUP];
-    if (c->bias)
-        for (int r = 0; r < TILE_ROWS; r++)
-            memcpy(bias[r], c->bias + g * GROUP, sizeof bias[r]);
+    const float *bias = c->bias ? c->bias + g * GROUP : NULL;
     switch (t) {
-    case 0: if (c->bias) tile_load(0, bias, TILE_BYTES); else tile_zero(0); break;
-    case 1: if (c->bias) tile_load(1, bias, TILE_BYTES); else tile_zero(1); break;
-    case 2: if (c->bias) tile_load(2, bias, TILE_BYTES); else tile_zero(2); break;
-    default: if (c->bias) tile_load(3, bias, TILE_BYTES); else tile_zero(3); break;
+    case 0: if (bias) tile_load(0, bias, 0); else tile_zero(0); break;
+    case 1: if (bias) tile_load(1, bias, 0); else tile_zero(1); break;
+    case 2: if (bias) tile_load(2, bias, 0); else tile_zero(2); break;
+    default: if (bias) tile_load(3, bias, 0); else tile_zero(3); break;
     }
 }
 
