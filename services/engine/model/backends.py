@@ -34,7 +34,7 @@ from services.engine.model.attention import (DecodeGroup, GPUDecode, NativeDecod
                                              decode_attention, length_groups, prefill_attention, write)
 from services.engine.model.cuda_graphs import capture_sizes
 from services.engine.model.device import to_device
-from services.engine.model.hardware import cpu_flags, cpu_kernels, threads_at_most
+from services.engine.model.hardware import cpu_flags, cpu_kernels, has_amx, threads_at_most
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -319,6 +319,9 @@ def select(attention: str, device: torch.device, dtype: torch.dtype, quantizatio
         matmul.f32 = matmul.f32 and f32      # int8 on AVX-512 in float32: the other layers keep torch's
         matmul.int8 = matmul.int8 and kinds.int8_matmul     # loaded for bf16 on AMX: int8 stays oneDNN's
         if dtype == torch.bfloat16 and matmul.bf16:
+            if has_amx(flags) and not matmul.amx:
+                log.warning("this CPU has AMX-BF16, but the process was not granted its tiles (Linux 5.16 and "
+                            "later grant them on request): pdserve's bfloat16 matmuls run on vdpbf16ps")
             weights = None if probe is None else kernel_choice.projections(probe)
             choice = kernel_choice.choose(matmul_kernel, kinds.bf16_matmul, role,
                                           _on_threads(own_threads, _measure(matmul, weights))
