@@ -190,6 +190,10 @@ def test_beam_search_finds_what_vllms_finds_over_transformers_logits(cluster, hf
             client.completions.create(model=MODEL, prompt="x", max_tokens=2,
                                       extra_body={"use_beam_search": True, **extra})
         assert e.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as e:            # echo's scoring form: no token to search
+        client.completions.create(model=MODEL, prompt="x", max_tokens=0, echo=True,
+                                  extra_body={"use_beam_search": True})
+    assert e.value.body["param"] == "max_tokens"
 
 
 def test_grpc_returns_a_logprob_per_token(cluster):

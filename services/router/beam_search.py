@@ -52,27 +52,31 @@ class Beam:
 
 
 async def search(fe: FrontEnd, template: Generation, width: int, length_penalty: float, include_stop: bool,
-                 tenant: str, top: int | None = None) -> list[Beam]:
+                 tenant: str, top: int | None = None, seconds: float | None = None) -> list[Beam]:
     """The `width` best beams after `template`'s prompt, up to its params' max_tokens
     (and its ignore_eos; `include_stop`: a finished beam keeps its EOS token); `top`:
     each token's alternatives to keep for the answer's logprobs (at least 2 x width are
     computed). Each step's requests are `tenant`'s, admitted as any other; the whole
-    search must end within the router's request timeout."""
+    search must end within `seconds` (the router's request timeout at most), else 504."""
     params, prompt_len = template.params, len(template.prompt_ids)
     eos = getattr(fe.tokenizer, "eos_token_id", None)
     one_token = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=max(2 * width, top or 0),
                                cache_salt=params.cache_salt)
-    deadline = time.monotonic() + fe.request_timeout
+    budget = fe.request_timeout if seconds is None else min(seconds, fe.request_timeout)
+    deadline = time.monotonic() + budget
     live, finished = [Beam(list(template.prompt_ids))], []
     for step in range(params.max_tokens):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise APIError(504, f"the beam search did not finish within {budget:g} s", type_="timeout",
+                           code="request_timeout", grpc_code="DEADLINE_EXCEEDED")
         gens = [Generation(f"{template.request_id}-step{step}-beam{i}", beam.tokens, one_token)
                 for i, beam in enumerate(live)]
         # each beam a prompt of its own (one prompt's choices would share its KV)
         with unattached():
-            running = fe.start_prompts([[g] for g in gens], deadline=max(deadline - time.monotonic(), 0.0),
-                                       tenant=tenant)
+            running = fe.start_prompts([[g] for g in gens], deadline=left, tenant=tenant)
         results = await running.collect()
-        candidates = []
+        grown = []                          # (sum, token, beam, its logprob entry): only the best become beams
         for beam, result in zip(live, results):
             if not result.logprobs:         # a step of one token, EOS ignored: always one
                 raise APIError(500, "a beam search step came back without its token", type_="internal_error",
@@ -85,8 +89,12 @@ async def search(fe: FrontEnd, template: Generation, width: int, length_penalty:
                     kept = ([token], [entry]) if include_stop else ([], [])
                     finished.append(Beam(beam.tokens + kept[0], total, beam.logprobs + kept[1], "stop", token))
                 else:
-                    candidates.append(Beam(beam.tokens + [token], total, beam.logprobs + [entry]))
-        live = sorted(candidates, key=lambda b: b.cum_logprob, reverse=True)[:width]
+                    grown.append((total, token, beam, entry))
+        # a finished beam's score is final: only the best `width` of them can be chosen
+        finished = _best(finished, eos, length_penalty, width)
+        grown.sort(key=lambda g: g[0], reverse=True)
+        live = [Beam(beam.tokens + [token], total, beam.logprobs + [entry])
+                for total, token, beam, entry in grown[:width]]
         if not live:
             break
     for beam in live:
@@ -130,15 +138,23 @@ def as_choices(fe: FrontEnd, template: Generation, beams: list[Beam], skip_speci
 
 
 async def searched(fe: FrontEnd, prompts: list[list[Generation]], width: int, length_penalty: float, tenant: str,
-                   include_stop: bool = False, skip_special_tokens: bool = True,
+                   include_stop: bool = False, skip_special_tokens: bool = True, seconds: float | None = None,
                    ) -> tuple[list[Generation], list[Collected]]:
     """Each prompt's beam search of `width` beams (its choices' first generation the
-    template), side by side; the choices of all prompts in order. What beam search
-    cannot do is refused first (refuse_what_it_cannot)."""
+    template), side by side, within `seconds`; the choices of all prompts in order. What
+    beam search cannot do is refused first (refuse_what_it_cannot); one prompt's failure
+    stops the others'."""
     template = prompts[0][0].params
     refuse_what_it_cannot(template, width, length_penalty)
-    found = await asyncio.gather(*(search(fe, gens[0], width, length_penalty, include_stop, tenant,
-                                          template.logprobs) for gens in prompts))
+    searches = [asyncio.ensure_future(search(fe, gens[0], width, length_penalty, include_stop, tenant,
+                                             template.logprobs, seconds)) for gens in prompts]
+    try:
+        found = await asyncio.gather(*searches)
+    except BaseException:
+        for task in searches:
+            task.cancel()
+        await asyncio.gather(*searches, return_exceptions=True)
+        raise
     gens: list[Generation] = []
     results: list[Collected] = []
     for prompt, beams in zip(prompts, found):

@@ -70,11 +70,13 @@ class FrontEnd:
     _token_text: dict[int, str] = field(init=False, default_factory=dict)
     _tags: dict[str, tuple[int, ...]] = field(init=False, default_factory=dict)
     _running: weakref.WeakSet = field(init=False, default_factory=weakref.WeakSet)
+    _drain_by: float | None = field(init=False, default=None)     # the loop time every request ends by, draining
 
     def drain(self, seconds: float) -> None:
         """Shutting down: every request running now ends within `seconds`, finished or
         with a clear 503 (an error event and [DONE] on a stream), never cut off."""
         when = asyncio.get_running_loop().time() + seconds
+        self._drain_by = when                   # and those started from now on (a beam search's next steps)
         for running in list(self._running):
             running.end_by(when)
 
@@ -292,6 +294,8 @@ class FrontEnd:
                       for g in gens] for gens in prompts]
         running = RunningRequest(self.cluster, self.admission, list(zip(tickets, prompts)),
                                  min(deadline or self.request_timeout, self.request_timeout), texts)
+        if self._drain_by is not None:
+            running.end_by(self._drain_by)
         self._running.add(running)
         return running
 

@@ -79,12 +79,13 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
         return gens, thinking
 
     async def _beams(self, request: generate_pb2.GenerateRequest, gens: list[Generation], thinking: Thinking | None,
-                     tenant: str, echoed: str) -> list[generate_pb2.GenerateResponse]:
+                     tenant: str, echoed: str, seconds: float | None) -> list[generate_pb2.GenerateResponse]:
         """A beam search's choices (use_beam_search: `n` beams), one message each, best
-        first, once all are found."""
+        first, once all are found, within `seconds` (the call's deadline)."""
         s = request.sampling
         found, results = await beam_search.searched(
-            self.fe, [gens], request.n or 1, s.length_penalty if s.HasField("length_penalty") else 1.0, tenant)
+            self.fe, [gens], request.n or 1, s.length_penalty if s.HasField("length_penalty") else 1.0, tenant,
+            seconds=seconds)
         out = []
         for i, (gen, result) in enumerate(zip(found, results)):
             reasoning, text = thought_and_answer(thinking, result.text)
@@ -115,7 +116,7 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
             try:
                 gens, thinking = await self._generations(request, own)
                 if request.sampling.use_beam_search:
-                    for m in await self._beams(request, gens, thinking, tenant, echoed):
+                    for m in await self._beams(request, gens, thinking, tenant, echoed, context.time_remaining()):
                         yield m
                     context.set_trailing_metadata((("x-request-id", trailing),))
                     return

@@ -456,6 +456,9 @@ class CompletionRequest(CommonRequest):
 
     def check(self) -> None:
         super().check()
+        if self.use_beam_search and self.max_tokens == 0:
+            raise bad_request("beam search makes at least one token: max_tokens must be at least 1",
+                              param="max_tokens")
         if self.use_beam_search and self.echo and self.logprobs is not None:
             raise bad_request("`echo` with `logprobs` is not supported with beam search because beam search does "
                               "not compute prompt logprobs", param="echo")
