@@ -5,6 +5,8 @@ the real model's decode and prefill logits against oneDNN's (bfloat16) and torch
 (float32); and the refusals. uint8 x int8 against oneDNN's products, bit for bit. The
 bfloat16 kernel needs AVX512-BF16, the int8 one AVX512-VNNI, the float32 one AVX2 and
 FMA: where a CPU has none of them the loader must refuse and the engine keep torch's."""
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -193,6 +195,22 @@ def test_amx_tiles_gated_batch_invariant_and_k_off_the_tiles(emulated_amx, matmu
     packed, _ = emulated_amx.pack(w)
     vdp = native.NativeMatmul(emulated_amx.path, tiles=False)
     assert torch.equal(emulated_amx.linear(x[:, :48], packed, 64), vdp.linear(x[:, :48], packed, 64))
+
+
+@needs_bf16
+def test_tiles_that_disagree_with_vdpbf16ps_are_not_used(emulated_amx, caplog):
+    """A tile kernel first run on a new CPU is checked against vdpbf16ps's at load: one
+    that drops the bias (a stand-in for a fault the emulator cannot show) is refused with
+    an error in the log, and the bfloat16 calls stay on vdpbf16ps; the emulated tiles pass."""
+    vector = native.NativeMatmul(emulated_amx.path, tiles=False)
+    assert not vector.amx and vector.bf16_path == "avx512-bf16"
+
+    def without_bias(x, ldx, rows, w, n, k, bias, *rest):
+        return vector._vector(x, ldx, rows, w, n, k, None, *rest)
+    with caplog.at_level(logging.ERROR):
+        assert not vector._tiles_agree(without_bias)
+    assert vector._linear[torch.bfloat16] is vector._vector and "disagrees" in caplog.text
+    assert emulated_amx.amx                  # its own check at load passed
 
 
 @pytest.mark.skipif(not HAS_AMX, reason=f"needs AMX tiles; this CPU is {cpu_kind()} (the tiles are tested emulated)")

@@ -2,12 +2,15 @@
 call per product."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from services.engine.kernels.native.library import load
+
+log = logging.getLogger(__name__)
 
 
 class NativeMatmul:
@@ -25,14 +28,36 @@ class NativeMatmul:
     def __init__(self, library: Path, tiles: bool = True) -> None:
         self.path = library
         lib = load(library)
-        self.amx = tiles and bool(lib.function("pdserve_amx_supported")())
-        self._linear = {torch.bfloat16: lib.function("pdserve_linear_amx_bf16" if self.amx else "pdserve_linear_bf16"),
-                        torch.float32: lib.function("pdserve_linear_f32")}
+        self._vector = lib.function("pdserve_linear_bf16")
+        self._linear = {torch.bfloat16: self._vector, torch.float32: lib.function("pdserve_linear_f32")}
         self._u8s8 = lib.function("pdserve_linear_u8s8")
         self.bf16 = bool(lib.function("pdserve_matmul_supported")())
         self.int8 = bool(lib.function("pdserve_int8_supported")())
         self.f32 = bool(lib.function("pdserve_f32_supported")())
+        self.amx = False
+        if tiles and self.bf16 and lib.function("pdserve_amx_supported")():
+            self.amx = self._tiles_agree(lib.function("pdserve_linear_amx_bf16"))
         self._lib = lib
+
+    def _tiles_agree(self, tiles) -> bool:
+        """Whether the AMX tiles' products agree with vdpbf16ps's on a small random
+        product (to float32 summation's rounding): then they take the bfloat16 calls. A
+        kernel first run on a new CPU must not serve wrong numbers; where they disagree
+        the worker says so and keeps vdpbf16ps."""
+        gen = torch.Generator().manual_seed(0)
+        w = (torch.randn(96, 128, generator=gen) * 0.05).bfloat16()
+        x = torch.randn(19, 128, generator=gen).bfloat16()          # a whole tile of rows and a padded one
+        bias = torch.randn(96, generator=gen)
+        packed, packed_bias = self.pack(w, bias)
+        want = self.linear(x, packed, 96, packed_bias).float()
+        self._linear[torch.bfloat16] = tiles
+        got = self.linear(x, packed, 96, packed_bias).float()
+        if torch.allclose(got, want, rtol=2 ** -7, atol=1e-2):
+            return True
+        self._linear[torch.bfloat16] = self._vector
+        log.error("pdserve's AMX tile matmul disagrees with its vdpbf16ps one on this CPU (largest difference "
+                  "%.3g): bfloat16 matmuls stay on vdpbf16ps", float((got - want).abs().max()))
+        return False
 
     @property
     def bf16_path(self) -> str:
