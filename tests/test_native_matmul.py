@@ -4,7 +4,9 @@ strided rows and two threads; each row's result the same whatever rows share the
 the real model's decode and prefill logits against oneDNN's (bfloat16) and torch's own
 (float32); and the refusals. uint8 x int8 against oneDNN's products, bit for bit. The
 bfloat16 kernel needs AVX512-BF16, the int8 one AVX512-VNNI, the float32 one AVX2 and
-FMA: where a CPU has none of them the loader must refuse and the engine keep torch's."""
+FMA: where a CPU has none of them the loader must refuse and the engine keep torch's.
+The AMX tile kernel: emulated on any CPU with AVX512-BF16 (the SDM's order, bit for bit),
+on real tiles where the CPU has them; a tile kernel that disagrees is refused at load."""
 import logging
 
 import pytest
