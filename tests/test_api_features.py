@@ -660,8 +660,8 @@ def test_a_reasoning_parser_tells_thinking_from_the_answer_whole_and_streamed(re
     </think> is `reasoning` (and `reasoning_content`), the rest `content`, whole and
     streamed alike; include_reasoning false leaves the reasoning out; an answer that never
     opens the block is all content; a prompt that leaves <think> open makes it reasoning,
-    and a grammar there holds only the answer after </think>, whose tokens usage counts.
-    gRPC's chat tells them apart too."""
+    and a grammar there holds only the answer after </think>, whose tokens usage counts;
+    so are beam search's choices. gRPC's chat tells them apart too."""
     http, grpc_port = reasoning_router
 
     def chat(regex: str, stream: bool = False, **fields):
@@ -705,6 +705,12 @@ def test_a_reasoning_parser_tells_thinking_from_the_answer_whole_and_streamed(re
     r = httpx.post(f"{http}/v1/chat/completions", timeout=120,
                    json={**LEFT_OPEN, "max_tokens": 3}).json()["choices"][0]["message"]
     assert r["reasoning"] and r["content"] is None and "</think>" not in r["reasoning"]
+    # beam search's choices are told apart alike, and usage counts their thinking
+    beams = httpx.post(f"{http}/v1/chat/completions", timeout=120,
+                       json={**LEFT_OPEN, "max_tokens": 3, "n": 2, "use_beam_search": True}).json()
+    assert [c["message"]["content"] for c in beams["choices"]] == [None, None]
+    assert all(c["message"]["reasoning"] for c in beams["choices"])
+    assert beams["usage"]["completion_tokens_details"]["reasoning_tokens"] == beams["usage"]["completion_tokens"] == 6
     body = httpx.post(f"{http}/v1/chat/completions", json=HELD, timeout=120).json()
     answered = body["choices"][0]
     thought, content = answered["message"]["reasoning"], answered["message"]["content"]

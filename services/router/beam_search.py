@@ -31,6 +31,7 @@ from services.router.frontend import Collected, FrontEnd
 from services.router.generation import Generation
 from services.router.http_input import error_response
 from services.router.protocol import APIError, CommonRequest, bad_request
+from services.router.reasoning import Thinking
 
 MAX_BEAMS = MAX_TOP_LOGPROBS // 2       # each step asks 2n alternatives of every beam
 
@@ -118,9 +119,10 @@ def _best(beams: list[Beam], eos: int | None, length_penalty: float, width: int)
 
 
 def as_choices(fe: FrontEnd, template: Generation, beams: list[Beam], skip_special_tokens: bool,
-               ) -> tuple[list[Generation], list[Collected]]:
+               thinking: Thinking | None = None) -> tuple[list[Generation], list[Collected]]:
     """The beams as a prompt's choices (generations and their whole results), for the
-    answer the other requests' choices make (choices.whole_choice)."""
+    answer the other requests' choices make (choices.whole_choice); `thinking`: how a
+    chat's thinking is told (--reasoning-parser), for usage's reasoning tokens."""
     gens, results = [], []
     eos = getattr(fe.tokenizer, "eos_token_id", None)
     for i, beam in enumerate(beams):
@@ -128,6 +130,9 @@ def as_choices(fe: FrontEnd, template: Generation, beams: list[Beam], skip_speci
         gen.finish_reason, gen.stop_reason, gen.completion_tokens = beam.finish_reason, beam.stop_reason, \
             len(beam.tokens)
         gen.decision = "beam_search"
+        if thinking is not None:                # --reasoning-parser: the beam's thinking tokens, for usage
+            gen.thinking = fe.thinking_tokens(thinking)
+            gen.thinking.feed(beam.tokens)
         attach(gen)
         text_ids = beam.tokens[:-1] if beam.tokens and beam.tokens[-1] == eos and beam.finish_reason == "stop" \
             else beam.tokens
@@ -139,7 +144,7 @@ def as_choices(fe: FrontEnd, template: Generation, beams: list[Beam], skip_speci
 
 async def searched(fe: FrontEnd, prompts: list[list[Generation]], width: int, length_penalty: float, tenant: str,
                    include_stop: bool = False, skip_special_tokens: bool = True, seconds: float | None = None,
-                   ) -> tuple[list[Generation], list[Collected]]:
+                   thinking: Thinking | None = None) -> tuple[list[Generation], list[Collected]]:
     """Each prompt's beam search of `width` beams (its choices' first generation the
     template), side by side, within `seconds`; the choices of all prompts in order. What
     beam search cannot do is refused first (refuse_what_it_cannot); one prompt's failure
@@ -158,7 +163,7 @@ async def searched(fe: FrontEnd, prompts: list[list[Generation]], width: int, le
     gens: list[Generation] = []
     results: list[Collected] = []
     for prompt, beams in zip(prompts, found):
-        g, r = as_choices(fe, prompt[0], beams, skip_special_tokens)
+        g, r = as_choices(fe, prompt[0], beams, skip_special_tokens, thinking)
         gens += g
         results += r
     return gens, results
@@ -188,7 +193,8 @@ async def respond(fe: FrontEnd, req: CommonRequest, request_id: str, prompts: li
         raise bad_request("tools are not parsed with use_beam_search", param="tools")
     try:
         gens, results = await searched(fe, prompts, req.choices, req.length_penalty, tenant,
-                                       req.include_stop_str_in_output, req.skip_special_tokens)
+                                       req.include_stop_str_in_output, req.skip_special_tokens,
+                                       thinking=shape.thinking)
     except APIError as exc:
         return error_response(exc)
     return whole_answer(base_of(fe, request_id, shape), gens, results, req, shape, len(prompts))

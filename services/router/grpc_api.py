@@ -85,14 +85,15 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
         s = request.sampling
         found, results = await beam_search.searched(
             self.fe, [gens], request.n or 1, s.length_penalty if s.HasField("length_penalty") else 1.0, tenant,
-            seconds=seconds)
+            seconds=seconds, thinking=thinking)
         out = []
         for i, (gen, result) in enumerate(zip(found, results)):
             reasoning, text = thought_and_answer(thinking, result.text)
             out.append(generate_pb2.GenerateResponse(
                 request_id=echoed, text=text, reasoning=reasoning or "", token_ids=result.token_ids,
                 finish_reason=gen.finish_reason or "", index=i,
-                usage=generate_pb2.Usage(prompt_tokens=len(gen.prompt_ids), completion_tokens=gen.completion_tokens),
+                usage=generate_pb2.Usage(prompt_tokens=len(gen.prompt_ids), completion_tokens=gen.completion_tokens,
+                                         reasoning_tokens=gen.thinking.count if gen.thinking is not None else 0),
                 logprobs=[logprob_to_proto(lp) for lp in result.logprobs]))
         return out
 
