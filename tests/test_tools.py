@@ -37,6 +37,11 @@ def test_whole_outputs_per_mode():
     cut = '[{"name": "g", "arguments": {"x": 2}}, {"name": "h", "arguments": {}}, {"name": "g", "arguments": {"x'
     content, calls = parse_calls(required, cut)
     assert content is None and _names(calls) == [("g", {"x": 2}), ("h", {})]
+    # a number JSON writes but no float holds would come back as Infinity, which is no JSON
+    huge_number = '[{"name": "g", "arguments": {"x": 1e999}}]'
+    assert parse_calls(required, huge_number) == (huge_number, [])
+    content, calls = parse_calls(required, '[{"name": "h", "arguments": {}}, ' + huge_number[1:])
+    assert content is None and _names(calls) == [("h", {})]
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 11, 1000])

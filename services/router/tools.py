@@ -84,10 +84,14 @@ def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
     if plan.mode == "named":
         return None, [new_call(plan.name, text)]
     if plan.mode == "required":
-        calls = _whole_items(text)
-        if not calls:                           # cut short by max_tokens inside the first call
-            return text, []
-        return None, [new_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
+        calls = []
+        for c in _whole_items(text):
+            try:        # arguments are JSON for any client: a number no float holds (1e999) ends them, as a cut
+                calls.append(new_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False, allow_nan=False)))
+            except ValueError:
+                break
+        # none whole: cut short by max_tokens inside the first call
+        return (None, calls) if calls else (text, [])
     return plan.syntax.parse(text)
 
 
