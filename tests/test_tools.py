@@ -212,3 +212,21 @@ def test_thinking_tokens_are_those_inside_the_block_not_its_tags(size):
         for i in range(0, len(tokens), size):
             counter.feed(tokens[i:i + size])
         assert counter.count == expected, tokens
+
+
+def test_continuous_usage_counts_no_more_thinking_than_it_sent():
+    """Streamed with continuous usage, a chunk's usage counts the output tokens sent so
+    far; a choice's thinking, counted as its tokens arrive, may be ahead of those (n > 1:
+    another choice's chunks went first), and is counted no further than them."""
+    from services.engine.core.sampling import SamplingParams
+    from services.router.choices import usage
+    from services.router.generation import Generation
+    from services.router.reasoning import ThinkingTokens
+    gens = [Generation(f"r-{i}", [1, 2, 3], SamplingParams(max_tokens=8), thinking=ThinkingTokens((7,), (8,), True))
+            for i in range(2)]
+    for gen in gens:
+        gen.thinking.feed([1, 2, 3, 4, 8, 5])           # four tokens of thinking, the end tag, an answer
+        gen.completion_tokens = 6
+    assert usage(gens, 2)["completion_tokens_details"] == {"reasoning_tokens": 8}
+    so_far = usage(gens, 2, [6, 2])                      # the second choice's tokens still queued
+    assert so_far["completion_tokens"] == 8 and so_far["completion_tokens_details"] == {"reasoning_tokens": 6}

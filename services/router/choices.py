@@ -48,16 +48,19 @@ def sse_json(obj) -> str:
 SSE_KEEPALIVE = b"\n"
 
 
-def usage(gens: list[Generation], n: int = 1, completion_tokens: int | None = None) -> dict:
+def usage(gens: list[Generation], n: int = 1, sent: list[int] | None = None) -> dict:
     """Summed over the request's prompts (`gens`: n choices per prompt, in order); with
-    `completion_tokens`, that many output tokens (those sent so far), not all made."""
+    `sent`, each choice's output tokens sent so far, not all made (and of its thinking's,
+    no more than those)."""
     prompts = [gens[i:i + n] for i in range(0, len(gens), n)]
     p = sum(len(g[0].prompt_ids) for g in prompts)
-    c = sum(g.completion_tokens for g in gens) if completion_tokens is None else completion_tokens
+    made = [g.completion_tokens for g in gens] if sent is None else sent
+    c = sum(made)
     out = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
            "prompt_tokens_details": {"cached_tokens": sum(max(g.cached_tokens for g in gs) for gs in prompts)}}
     if gens[0].thinking is not None:            # --reasoning-parser: the thinking's share, as vLLM gives it
-        out["completion_tokens_details"] = {"reasoning_tokens": sum(g.thinking.count for g in gens)}
+        out["completion_tokens_details"] = {"reasoning_tokens": sum(min(g.thinking.count, m)
+                                                                    for g, m in zip(gens, made))}
     return out
 
 
@@ -250,7 +253,7 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
         """A chunk's usage field, where the request asked for one."""
         if not with_usage:
             return {}
-        return {"usage": usage(gens, shape.n, sum(sent)) if every_usage else None}
+        return {"usage": usage(gens, shape.n, sent) if every_usage else None}
 
     def chunk(index: int, delta: dict | None = None, text: str = "", finish: str | None = None,
               token_ids: list[int] | None = None, logprobs: list[TokenLogprob] | None = None,
