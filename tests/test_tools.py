@@ -44,6 +44,24 @@ def test_whole_outputs_per_mode():
     assert content is None and _names(calls) == [("h", {})]
 
 
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
+@pytest.mark.parametrize("text", [
+    '<tool_call>{"name": "f", "arguments": {"s": "a</tool_call>b"}}</tool_call> then',    # the tag in a string
+    'x <tool_call>{"name": "f", "arguments": {"s": "a</tool_call> <tool_call>{"name": "g"}</tool_call> y',
+    'x <tool_call>not json</tool_call> <tool_call>{"name": "g", "arguments": {}}</tool_call>',
+    '<tool_call> {"name": "f", "arguments": {}} </tool_call><tool_call>{"name": "f", "arguments": {"s": "}',
+], ids=["tag-in-string", "unclosed-string", "not-json", "cut"])
+def test_a_stream_reads_what_a_whole_output_reads(size, text):
+    """However chunked, a hermes stream gives the calls and the content the whole
+    output's parse gives, where an argument's string holds the closing tag too."""
+    stream = SYNTAXES["hermes"].stream()
+    pieces = [p for i in range(0, len(text), size) for p in stream.pieces(text[i:i + size])] + stream.close()
+    content, calls = split(pieces)
+    whole_content, whole_calls = parse_calls(ToolPlan([], "auto"), text)
+    assert _names(calls) == _names(whole_calls)
+    assert (content.strip() or None) == whole_content
+
+
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 11, 1000])
 def test_an_auto_stream_splits_into_the_same_content_and_calls_however_chunked(size):
     stream = SYNTAXES["hermes"].stream()

@@ -99,7 +99,12 @@ class TaggedCalls:
         out: list[str | dict] = []
         while True:
             if self._in_call:
-                end = self._held.find(Hermes.CLOSE)
+                body = self._held.lstrip()
+                if body and not body.startswith("{"):       # no call's JSON after the tag: it was text
+                    out.append(Hermes.OPEN)
+                    self._in_call = False
+                    continue
+                end = self._close()
                 if end < 0:
                     break
                 call = Hermes.call(self._held[:end].strip())
@@ -122,6 +127,15 @@ class TaggedCalls:
             self._held = self._held[len(self._held) - keep:]
             break
         return [p for p in out if p != ""]
+
+    def _close(self) -> int:
+        """Where the call held ends: the first closing tag right after a `}`, as
+        Hermes.parse's pattern reads a whole output (an argument's string may hold the tag
+        itself); -1 while none has come."""
+        end = self._held.find(Hermes.CLOSE)
+        while end >= 0 and not self._held[:end].rstrip().endswith("}"):
+            end = self._held.find(Hermes.CLOSE, end + 1)
+        return end
 
     def close(self) -> list[str | dict]:
         """What is left at the end: text, or an unclosed call given back as text."""
