@@ -319,7 +319,7 @@ def select(attention: str, device: torch.device, dtype: torch.dtype, quantizatio
         matmul.f32 = matmul.f32 and f32      # int8 on AVX-512 in float32: the other layers keep torch's
         matmul.int8 = matmul.int8 and kinds.int8_matmul     # loaded for bf16 on AMX: int8 stays oneDNN's
         if dtype == torch.bfloat16 and matmul.bf16:
-            if has_amx(flags) and not matmul.amx:
+            if has_amx(flags) and not matmul.tiles_granted:
                 log.warning("this CPU has AMX-BF16, but the process was not granted its tiles (Linux 5.16 and "
                             "later grant them on request): pdserve's bfloat16 matmuls run on vdpbf16ps")
             weights = None if probe is None else kernel_choice.projections(probe)

@@ -34,8 +34,10 @@ class NativeMatmul:
         self.bf16 = bool(lib.function("pdserve_matmul_supported")())
         self.int8 = bool(lib.function("pdserve_int8_supported")())
         self.f32 = bool(lib.function("pdserve_f32_supported")())
+        # the build has AMX tiles and the OS let this process use them
+        self.tiles_granted = bool(lib.function("pdserve_amx_supported")())
         self.amx = False
-        if tiles and self.bf16 and lib.function("pdserve_amx_supported")():
+        if tiles and self.bf16 and self.tiles_granted:
             self.amx = self._tiles_agree(lib.function("pdserve_linear_amx_bf16"))
         self._lib = lib
 
