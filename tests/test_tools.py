@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from services.router.tool_syntax import SYNTAXES, split
+from services.router.tool_syntax import SYNTAXES, Marked, split
 from services.router.tools import ToolPlan, parse_calls, plan_tools
 
 TEXT = ('Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -99,6 +99,15 @@ OTHER_SYNTAXES = [
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Par', []),
     ("mistral", '[TOOL_CALLS] [{"name": "get_weather"}]', []),
     ("mistral", "The weather is fine.", []),
+    ("jamba", '<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", '
+              '"arguments": {"tz": "CET"}}]</tool_calls>', [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]),
+    ("jamba", '<tool_calls>[{"name": "get_weather", "arguments": {"city": "Par', []),      # cut: no end mark
+    ("jamba", "<tool_calls>[]</tool_calls>", []),
+    ("jamba", "The weather is fine.", []),
+    ("phi4_mini_json", 'functools[{"name": "get_weather", "parameters": {"city": "Paris"}}]',
+     [("get_weather", {"city": "Paris"})]),
+    ("phi4_mini_json", 'functools[{"name": "get_weather", "arguments": {"city": "Paris"}}] and more', []),
+    ("phi4_mini_json", "The weather is fine.", []),
     # nested past Python's stack: text, not a failed request
     ("llama3_json", '{"name": "f", "parameters": ' + "[" * 50000 + "]" * 50000 + "}", []),
     ("pythonic", "[f(x=" + "[" * 50000 + "]" * 50000 + ")]", []),
@@ -113,10 +122,11 @@ OTHER_SYNTAXES = [
 
 @pytest.mark.parametrize("name, text, expected", OTHER_SYNTAXES, ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(OTHER_SYNTAXES)])
 @pytest.mark.parametrize("size", [1, 4, 1000])
-def test_llama3_json_pythonic_and_mistral_calls_whole_and_streamed(name, text, expected, size):
+def test_the_other_syntaxes_calls_whole_and_streamed(name, text, expected, size):
     """An output that is calls (after whitespace and Llama's <|python_tag|>, or from
-    Mistral's [TOOL_CALLS]) gives them and no content; any other is content, streamed at
-    once unless it begins as calls would."""
+    Mistral's [TOOL_CALLS], Jamba's <tool_calls> or Phi-4-mini's functools) gives them
+    and no content; any other is content, streamed at once unless it begins as calls
+    would."""
     syntax = SYNTAXES[name]
     content, calls = syntax.parse(text)
     assert _names(calls) == expected and content == (None if expected else text)
@@ -128,8 +138,17 @@ def test_llama3_json_pythonic_and_mistral_calls_whole_and_streamed(name, text, e
     streamed, streamed_calls = split(pieces)
     assert _names(streamed_calls) == expected and stream.calls == len(expected)
     assert streamed == ("" if expected else text)
-    if not ("[TOOL_CALLS]" in text if name == "mistral" else syntax.begins(text)):
+    if not (syntax.MARK in text if isinstance(syntax, Marked) else syntax.begins(text)):
         assert size >= len(text) or early[-1]       # content that cannot be calls goes out before the end
+
+
+def test_jamba_text_before_its_calls_is_content_and_its_marks_are_special_tokens():
+    """Jamba's calls may follow text, as Mistral's do; its marks are special tokens, so
+    a request with tools keeps them in the text (vLLM's parser asks the same)."""
+    jamba = SYNTAXES["jamba"]
+    content, calls = jamba.parse('Let me look. <tool_calls>[{"name": "f", "arguments": {}}]</tool_calls>')
+    assert content == "Let me look." and _names(calls) == [("f", {})] and jamba.special_tokens
+    assert not SYNTAXES["phi4_mini_json"].special_tokens
 
 
 def test_mistral_text_before_the_calls_streams_and_the_calls_take_mistrals_ids():

@@ -308,8 +308,9 @@ class RoutingSettings:
         "hermes", "how the model writes tool calls in free text (tool_choice auto), by vLLM's names: hermes, "
                   "<tool_call>{...}</tool_call> (Qwen, Hermes); llama3_json, an answer of JSON calls (Llama 3.1-3.3); "
                   "pythonic, an answer of a Python list of calls (Llama 3.2 and 4); mistral, calls after "
-                  "[TOOL_CALLS] (Mistral)",
-        choices=("hermes", "llama3_json", "pythonic", "mistral"))
+                  "[TOOL_CALLS] (Mistral); jamba, a JSON list in <tool_calls></tool_calls> (Jamba); "
+                  "phi4_mini_json, a JSON list after functools (Phi-4-mini)",
+        choices=("hermes", "llama3_json", "pythonic", "mistral", "jamba", "phi4_mini_json"))
     enable_auto_tool_choice: bool = setting(
         True, "tool_choice auto (the default when a request has tools): the model may call a tool or answer, "
               "its calls found by --tool-call-parser. On by default, where vLLM needs this flag; without it "

@@ -272,16 +272,56 @@ class Pythonic(WholeOutput):
         return value
 
 
-class Mistral:
-    MARK, ARGS = "[TOOL_CALLS]", "[ARGS]"
-    special_tokens = True
-    _decoder = json.JSONDecoder()
-    _ALNUM = string.ascii_letters + string.digits
+class Marked:
+    """A syntax whose calls follow a mark: the text before it is content, and from the
+    mark on the output is calls whole (`calls`), else all of it is content."""
+    MARK = ""
+    special_tokens = False
 
     def parse(self, text: str) -> tuple[str | None, list[dict]]:
         at = text.find(self.MARK)
         calls = self.calls(text[at:]) if at >= 0 else None
         return (text[:at].strip() or None, calls) if calls else (text, [])
+
+    def calls(self, text: str) -> list[dict] | None:
+        """The calls of `text`, which begins with the mark; None unless it is calls whole."""
+        raise NotImplementedError
+
+    def stream(self) -> "MarkedCalls":
+        return MarkedCalls(self)
+
+
+class MarkedList(Marked):
+    """One JSON array of `{"name", "arguments"}` (or "parameters") calls after a mark,
+    and before an end mark where the syntax has one: Jamba's `<tool_calls>[...]
+    </tool_calls>` (special tokens), Phi-4-mini's `functools[...]`."""
+    _decoder = json.JSONDecoder()
+
+    def __init__(self, mark: str, end: str = "", special_tokens: bool = False) -> None:
+        self.MARK, self.END, self.special_tokens = mark, end, special_tokens
+
+    def calls(self, text: str) -> list[dict] | None:
+        body = text[len(self.MARK):].strip()
+        if self.END:
+            if not body.endswith(self.END):
+                return None
+            body = body[:-len(self.END)].strip()
+        try:
+            items, end = self._decoder.raw_decode(body)
+        except (ValueError, RecursionError):
+            return None
+        if body[end:].strip() or not isinstance(items, list) or not items:
+            return None
+        calls = [_call(i.get("name"), i["arguments"] if "arguments" in i else i.get("parameters"))
+                 if isinstance(i, dict) else None for i in items]
+        return None if None in calls else calls
+
+
+class Mistral(Marked):
+    MARK, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    special_tokens = True
+    _decoder = json.JSONDecoder()
+    _ALNUM = string.ascii_letters + string.digits
 
     def calls(self, text: str) -> list[dict] | None:
         """The calls of `text`, which begins with the mark; None unless it is calls whole."""
@@ -315,16 +355,13 @@ class Mistral:
     def _id(self) -> str:
         return "".join(secrets.choice(self._ALNUM) for _ in range(9))
 
-    def stream(self) -> "MarkedCalls":
-        return MarkedCalls(self)
-
 
 class MarkedCalls:
     """A stream whose calls follow a mark: text before it goes out as it comes, and from
     the mark on the text is held and read whole at the end (the calls, or text if it
     holds none)."""
 
-    def __init__(self, syntax: Mistral) -> None:
+    def __init__(self, syntax: Marked) -> None:
         self.syntax = syntax
         self._held = ""
         self._marked = False
@@ -352,4 +389,6 @@ class MarkedCalls:
         return calls
 
 
-SYNTAXES = {"hermes": Hermes(), "llama3_json": Llama3Json(), "pythonic": Pythonic(), "mistral": Mistral()}
+SYNTAXES = {"hermes": Hermes(), "llama3_json": Llama3Json(), "pythonic": Pythonic(), "mistral": Mistral(),
+            "jamba": MarkedList("<tool_calls>", "</tool_calls>", special_tokens=True),
+            "phi4_mini_json": MarkedList("functools")}
