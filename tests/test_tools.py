@@ -108,6 +108,15 @@ OTHER_SYNTAXES = [
      [("get_weather", {"city": "Paris"})]),
     ("phi4_mini_json", 'functools[{"name": "get_weather", "arguments": {"city": "Paris"}}] and more', []),
     ("phi4_mini_json", "The weather is fine.", []),
+    ("deepseek_v31", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>'
+                     '<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"tz": "CET"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+     [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]),
+    ("deepseek_v31", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Par', []),
+    ("deepseek_v3", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+                    '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', [("get_weather", {"city": "Paris"})]),
+    ("deepseek_v3", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n{"city": "Paris"}'
+                    '<｜tool▁call▁end｜><｜tool▁calls▁end｜>', []),                     # no ```json block
+    ("deepseek_v3", "The weather is fine.", []),
     # nested past Python's stack: text, not a failed request
     ("llama3_json", '{"name": "f", "parameters": ' + "[" * 50000 + "]" * 50000 + "}", []),
     ("pythonic", "[f(x=" + "[" * 50000 + "]" * 50000 + ")]", []),
@@ -124,9 +133,9 @@ OTHER_SYNTAXES = [
 @pytest.mark.parametrize("size", [1, 4, 1000])
 def test_the_other_syntaxes_calls_whole_and_streamed(name, text, expected, size):
     """An output that is calls (after whitespace and Llama's <|python_tag|>, or from
-    Mistral's [TOOL_CALLS], Jamba's <tool_calls> or Phi-4-mini's functools) gives them
-    and no content; any other is content, streamed at once unless it begins as calls
-    would."""
+    Mistral's [TOOL_CALLS], Jamba's <tool_calls>, Phi-4-mini's functools or DeepSeek's
+    tool-call tokens) gives them and no content; any other is content, streamed at once
+    unless it begins as calls would."""
     syntax = SYNTAXES[name]
     content, calls = syntax.parse(text)
     assert _names(calls) == expected and content == (None if expected else text)
@@ -142,13 +151,18 @@ def test_the_other_syntaxes_calls_whole_and_streamed(name, text, expected, size)
         assert size >= len(text) or early[-1]       # content that cannot be calls goes out before the end
 
 
-def test_jamba_text_before_its_calls_is_content_and_its_marks_are_special_tokens():
-    """Jamba's calls may follow text, as Mistral's do; its marks are special tokens, so
-    a request with tools keeps them in the text (vLLM's parser asks the same)."""
+def test_jamba_and_deepseek_text_before_the_calls_is_content_and_their_marks_are_special_tokens():
+    """Jamba's and DeepSeek's calls may follow text, as Mistral's do; their marks are
+    special tokens, so a request with tools keeps them in the text (vLLM's parsers ask
+    the same)."""
     jamba = SYNTAXES["jamba"]
     content, calls = jamba.parse('Let me look. <tool_calls>[{"name": "f", "arguments": {}}]</tool_calls>')
     assert content == "Let me look." and _names(calls) == [("f", {})] and jamba.special_tokens
     assert not SYNTAXES["phi4_mini_json"].special_tokens
+    deepseek = SYNTAXES["deepseek_v31"]
+    content, calls = deepseek.parse("Sure. <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
+                                    "<｜tool▁calls▁end｜>")
+    assert content == "Sure." and _names(calls) == [("f", {})] and deepseek.special_tokens
 
 
 def test_mistral_text_before_the_calls_streams_and_the_calls_take_mistrals_ids():

@@ -317,6 +317,43 @@ class MarkedList(Marked):
         return None if None in calls else calls
 
 
+class DeepSeek(Marked):
+    """DeepSeek's calls, in its special tokens: `<｜tool▁calls▁begin｜>`, then each call
+    `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>` (V3.1), or with V3
+    `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` and the arguments in a ```json block,
+    then `<｜tool▁calls▁end｜>`."""
+    MARK, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    BEGIN, SEP, CALL_END, FENCE = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "\n```json\n"
+    special_tokens = True
+
+    def __init__(self, fenced: bool) -> None:
+        self.fenced = fenced                    # V3's: a type, the name, the arguments in a ```json block
+
+    def calls(self, text: str) -> list[dict] | None:
+        body, calls = text[len(self.MARK):].strip().removesuffix(self.END).strip(), []
+        while body:
+            end = body.find(self.CALL_END)
+            if not body.startswith(self.BEGIN) or end < 0:
+                return None
+            head, sep, arguments = body[len(self.BEGIN):end].partition(self.SEP)
+            body = body[end + len(self.CALL_END):].strip()
+            if self.fenced:
+                name, fence, arguments = arguments.partition(self.FENCE)
+                if head != "function" or not fence or not arguments.endswith("\n```"):
+                    return None
+                arguments = arguments[:-len("\n```")]
+            else:
+                name = head
+            try:
+                call = _call(name.strip(), json.loads(arguments)) if sep else None
+            except (ValueError, RecursionError):
+                return None
+            if call is None:
+                return None
+            calls.append(call)
+        return calls or None
+
+
 class Mistral(Marked):
     MARK, ARGS = "[TOOL_CALLS]", "[ARGS]"
     special_tokens = True
@@ -391,4 +428,5 @@ class MarkedCalls:
 
 SYNTAXES = {"hermes": Hermes(), "llama3_json": Llama3Json(), "pythonic": Pythonic(), "mistral": Mistral(),
             "jamba": MarkedList("<tool_calls>", "</tool_calls>", special_tokens=True),
-            "phi4_mini_json": MarkedList("functools")}
+            "phi4_mini_json": MarkedList("functools"), "deepseek_v3": DeepSeek(fenced=True),
+            "deepseek_v31": DeepSeek(fenced=False)}
