@@ -117,6 +117,15 @@ OTHER_SYNTAXES = [
     ("deepseek_v3", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n{"city": "Paris"}'
                     '<｜tool▁call▁end｜><｜tool▁calls▁end｜>', []),                     # no ```json block
     ("deepseek_v3", "The weather is fine.", []),
+    ("kimi_k2", '<|tool_calls_section_begin|>\n<|tool_call_begin|>functions.get_weather:0\n<|tool_call_argument_begin|>'
+                '{"city": "Tokyo"}<|tool_call_end|>\n<|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>'
+                '{"tz": "JST"}<|tool_call_end|>\n<|tool_calls_section_end|>',
+     [("get_weather", {"city": "Tokyo"}), ("get_time", {"tz": "JST"})]),
+    ("kimi_k2", '<|tool_calls_section_begin|><|tool_call_begin|>get_weather<|tool_call_argument_begin|>{}'
+                '<|tool_call_end|><|tool_calls_section_end|>', []),                  # no call id
+    ("internlm", '<|action_start|><|plugin|>\n{"name": "get_weather", "parameters": {"city": "Paris"}}<|action_end|>',
+     [("get_weather", {"city": "Paris"})]),
+    ("internlm", '<|action_start|><|plugin|>\n{"name": "get_weather", "parameters": {"city": "Par', []),
     # nested past Python's stack: text, not a failed request
     ("llama3_json", '{"name": "f", "parameters": ' + "[" * 50000 + "]" * 50000 + "}", []),
     ("pythonic", "[f(x=" + "[" * 50000 + "]" * 50000 + ")]", []),
@@ -133,9 +142,9 @@ OTHER_SYNTAXES = [
 @pytest.mark.parametrize("size", [1, 4, 1000])
 def test_the_other_syntaxes_calls_whole_and_streamed(name, text, expected, size):
     """An output that is calls (after whitespace and Llama's <|python_tag|>, or from
-    Mistral's [TOOL_CALLS], Jamba's <tool_calls>, Phi-4-mini's functools or DeepSeek's
-    tool-call tokens) gives them and no content; any other is content, streamed at once
-    unless it begins as calls would."""
+    Mistral's [TOOL_CALLS], Jamba's <tool_calls>, Phi-4-mini's functools, InternLM2's
+    plugin action or DeepSeek's and Kimi K2's tool-call tokens) gives them and no
+    content; any other is content, streamed at once unless it begins as calls would."""
     syntax = SYNTAXES[name]
     content, calls = syntax.parse(text)
     assert _names(calls) == expected and content == (None if expected else text)
@@ -163,6 +172,10 @@ def test_jamba_and_deepseek_text_before_the_calls_is_content_and_their_marks_are
     content, calls = deepseek.parse("Sure. <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
                                     "<｜tool▁calls▁end｜>")
     assert content == "Sure." and _names(calls) == [("f", {})] and deepseek.special_tokens
+    # Kimi K2's call id is its own, as the tool results it reads back name it
+    _, calls = SYNTAXES["kimi_k2"].parse("<|tool_calls_section_begin|><|tool_call_begin|>functions.f:3"
+                                         "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>")
+    assert [c["id"] for c in calls] == ["functions.f:3"] and _names(calls) == [("f", {})]
 
 
 def test_mistral_text_before_the_calls_streams_and_the_calls_take_mistrals_ids():

@@ -26,6 +26,7 @@ import re
 import secrets
 import string
 import uuid
+from typing import Callable
 
 from services.engine.text.tokenizer import held_tail
 
@@ -292,13 +293,14 @@ class Marked:
 
 
 class MarkedList(Marked):
-    """One JSON array of `{"name", "arguments"}` (or "parameters") calls after a mark,
-    and before an end mark where the syntax has one: Jamba's `<tool_calls>[...]
-    </tool_calls>` (special tokens), Phi-4-mini's `functools[...]`."""
+    """One JSON array of `{"name", "arguments"}` (or "parameters") calls after a mark
+    (or one such object, where not `array`), and before an end mark where the syntax has
+    one: Jamba's `<tool_calls>[...]</tool_calls>` (special tokens), Phi-4-mini's
+    `functools[...]`, InternLM2's `<|action_start|><|plugin|>{...}<|action_end|>`."""
     _decoder = json.JSONDecoder()
 
-    def __init__(self, mark: str, end: str = "", special_tokens: bool = False) -> None:
-        self.MARK, self.END, self.special_tokens = mark, end, special_tokens
+    def __init__(self, mark: str, end: str = "", special_tokens: bool = False, array: bool = True) -> None:
+        self.MARK, self.END, self.special_tokens, self.array = mark, end, special_tokens, array
 
     def calls(self, text: str) -> list[dict] | None:
         body = text[len(self.MARK):].strip()
@@ -310,6 +312,8 @@ class MarkedList(Marked):
             items, end = self._decoder.raw_decode(body)
         except (ValueError, RecursionError):
             return None
+        if not self.array:
+            items = [items]
         if body[end:].strip() or not isinstance(items, list) or not items:
             return None
         calls = [_call(i.get("name"), i["arguments"] if "arguments" in i else i.get("parameters"))
@@ -317,17 +321,19 @@ class MarkedList(Marked):
         return None if None in calls else calls
 
 
-class DeepSeek(Marked):
-    """DeepSeek's calls, in its special tokens: `<｜tool▁calls▁begin｜>`, then each call
-    `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>` (V3.1), or with V3
-    `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` and the arguments in a ```json block,
-    then `<｜tool▁calls▁end｜>`."""
-    MARK, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
-    BEGIN, SEP, CALL_END, FENCE = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "\n```json\n"
+class SectionCalls(Marked):
+    """Calls in a model's special tokens: a section's mark, then each call as `BEGIN head
+    SEP arguments CALL_END` (the head names the function: `header` reads it), then the
+    section's end. DeepSeek V3.1's head is the name; V3's is `function`, with the name and
+    the arguments (`fenced`) in a ```json block after SEP; Kimi K2's is its call id,
+    `functions.NAME:N`, kept as the call's id."""
     special_tokens = True
 
-    def __init__(self, fenced: bool) -> None:
-        self.fenced = fenced                    # V3's: a type, the name, the arguments in a ```json block
+    def __init__(self, mark: str, end: str, begin: str, sep: str, call_end: str,
+                 header: Callable[[str], tuple[str, str] | None] = lambda head: (head.strip(), ""),
+                 fenced: bool = False) -> None:
+        self.MARK, self.END, self.BEGIN, self.SEP, self.CALL_END = mark, end, begin, sep, call_end
+        self.header, self.fenced = header, fenced
 
     def calls(self, text: str) -> list[dict] | None:
         body, calls = text[len(self.MARK):].strip().removesuffix(self.END).strip(), []
@@ -337,21 +343,34 @@ class DeepSeek(Marked):
                 return None
             head, sep, arguments = body[len(self.BEGIN):end].partition(self.SEP)
             body = body[end + len(self.CALL_END):].strip()
-            if self.fenced:
-                name, fence, arguments = arguments.partition(self.FENCE)
-                if head != "function" or not fence or not arguments.endswith("\n```"):
-                    return None
-                arguments = arguments[:-len("\n```")]
-            else:
-                name = head
+            named = self._fenced(head, arguments) if self.fenced else self.header(head)
+            if not sep or named is None:
+                return None
+            name, call_id = named[:2]
+            arguments = named[2] if self.fenced else arguments
             try:
-                call = _call(name.strip(), json.loads(arguments)) if sep else None
+                call = _call(name, json.loads(arguments), call_id)
             except (ValueError, RecursionError):
                 return None
             if call is None:
                 return None
             calls.append(call)
         return calls or None
+
+    @staticmethod
+    def _fenced(head: str, rest: str) -> tuple[str, str, str] | None:
+        """DeepSeek V3's `function<｜tool▁sep｜>NAME\n```json\n{...}\n````: (name, id, arguments)."""
+        name, fence, arguments = rest.partition("\n```json\n")
+        if head.strip() != "function" or not fence or not arguments.endswith("\n```"):
+            return None
+        return name.strip(), "", arguments[:-len("\n```")]
+
+
+def _kimi_head(head: str) -> tuple[str, str] | None:
+    """Kimi K2's call id, `functions.NAME:N`: its name (the last part before `:N`) and the id."""
+    call_id = head.strip()
+    match = re.fullmatch(r"(.+):\d+", call_id)
+    return (match.group(1).rsplit(".", 1)[-1], call_id) if match else None
 
 
 class Mistral(Marked):
@@ -426,7 +445,14 @@ class MarkedCalls:
         return calls
 
 
+# DeepSeek's section and call marks, its separator, a call's end
+DEEPSEEK = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
+            "<｜tool▁call▁end｜>")
 SYNTAXES = {"hermes": Hermes(), "llama3_json": Llama3Json(), "pythonic": Pythonic(), "mistral": Mistral(),
             "jamba": MarkedList("<tool_calls>", "</tool_calls>", special_tokens=True),
-            "phi4_mini_json": MarkedList("functools"), "deepseek_v3": DeepSeek(fenced=True),
-            "deepseek_v31": DeepSeek(fenced=False)}
+            "phi4_mini_json": MarkedList("functools"),
+            "internlm": MarkedList("<|action_start|><|plugin|>", "<|action_end|>", special_tokens=True, array=False),
+            "deepseek_v3": SectionCalls(*DEEPSEEK, fenced=True), "deepseek_v31": SectionCalls(*DEEPSEEK),
+            "kimi_k2": SectionCalls("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+                                    "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+                                    header=_kimi_head)}
