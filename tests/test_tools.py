@@ -294,3 +294,26 @@ def test_continuous_usage_counts_no_more_thinking_than_it_sent():
     assert usage(gens, 2)["completion_tokens_details"] == {"reasoning_tokens": 8}
     so_far = usage(gens, 2, [6, 2])                      # the second choice's tokens still queued
     assert so_far["completion_tokens"] == 8 and so_far["completion_tokens_details"] == {"reasoning_tokens": 6}
+
+
+QWEN3_CODER = ('Let me check. <tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n'
+               '<parameter=days>\n3\n</parameter>\n</function>\n</tool_call> and <tool_call>\n<function=note>\n'
+               '<parameter=text>\nline one\nline two\n<parameter=tag>\nx</parameter>\n</function>\n</tool_call>'
+               ' <tool_call>{"name": "f"}</tool_call> done')
+
+
+@pytest.mark.parametrize("size", [1, 3, 8, 1000])
+def test_qwen3_coder_xml_calls_whole_and_streamed(size):
+    """Qwen3-Coder's <function=...><parameter=...> calls inside <tool_call> tags, anywhere
+    in the text: each value is its text, a string (one wrapping newline trimmed), as vLLM
+    0.32 reads it; a parameter left unclosed ends where the next begins; a JSON body is
+    no call of this syntax (text). Streamed however chunked, the same calls and content."""
+    syntax = SYNTAXES["qwen3_coder"]
+    content, calls = syntax.parse(QWEN3_CODER)
+    assert _names(calls) == [("get_weather", {"city": "Paris", "days": "3"}),
+                             ("note", {"text": "line one\nline two", "tag": "x"})]
+    assert content == 'Let me check.  and  <tool_call>{"name": "f"}</tool_call> done'
+    stream = syntax.stream()
+    pieces = [p for i in range(0, len(QWEN3_CODER), size) for p in stream.pieces(QWEN3_CODER[i:i + size])]
+    streamed, streamed_calls = split(pieces + stream.close())
+    assert _names(streamed_calls) == _names(calls) and streamed.strip() == content and stream.calls == 2

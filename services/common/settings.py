@@ -306,14 +306,15 @@ class RoutingSettings:
         choices=("none", "deepseek_r1", "qwen3"))
     tool_call_parser: str = setting(
         "hermes", "how the model writes tool calls in free text (tool_choice auto), by vLLM's names: hermes, "
-                  "<tool_call>{...}</tool_call> (Qwen, Hermes); llama3_json, an answer of JSON calls (Llama 3.1-3.3); "
+                  "<tool_call>{...}</tool_call> (Qwen, Hermes); qwen3_coder (or qwen3_xml), "
+                  "<tool_call><function=...><parameter=...> (Qwen3-Coder); llama3_json, an answer of JSON calls (Llama 3.1-3.3); "
                   "pythonic, an answer of a Python list of calls (Llama 3.2 and 4); mistral, calls after "
                   "[TOOL_CALLS] (Mistral); jamba, a JSON list in <tool_calls></tool_calls> (Jamba); "
                   "phi4_mini_json, a JSON list after functools (Phi-4-mini); internlm, a JSON call in "
                   "<|action_start|><|plugin|> (InternLM2); deepseek_v3, deepseek_v31 and kimi_k2, calls in "
                   "those models' tool-call tokens",
-        choices=("hermes", "llama3_json", "pythonic", "mistral", "jamba", "phi4_mini_json", "internlm",
-                 "deepseek_v3", "deepseek_v31", "kimi_k2"))
+        choices=("hermes", "qwen3_coder", "qwen3_xml", "llama3_json", "pythonic", "mistral", "jamba",
+                 "phi4_mini_json", "internlm", "deepseek_v3", "deepseek_v31", "kimi_k2"))
     enable_auto_tool_choice: bool = setting(
         True, "tool_choice auto (the default when a request has tools): the model may call a tool or answer, "
               "its calls found by --tool-call-parser. On by default, where vLLM needs this flag; without it "

@@ -54,6 +54,7 @@ def _call(name, arguments, call_id: str = "") -> dict | None:
 
 class Hermes:
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    BODY_START, BODY_END = "{", "}"     # how a call's body begins and ends inside the tags
     special_tokens = False              # whether its marks are special tokens, which the text must keep
     _CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
@@ -83,13 +84,39 @@ class Hermes:
         return content.strip() or None, calls
 
     def stream(self) -> "TaggedCalls":
-        return TaggedCalls()
+        return TaggedCalls(self)
+
+
+class Qwen3Xml(Hermes):
+    """Qwen3-Coder's calls: `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>
+    ...</function></tool_call>` blocks anywhere in the text. Each value is its text (one
+    wrapping newline trimmed each side), a string, as vLLM 0.32's qwen3_coder reads it; a
+    parameter left unclosed ends where the next begins."""
+    BODY_START, BODY_END = "<function=", "</function>"
+    _CALL = re.compile(r"<tool_call>\s*(<function=.*?</function>)\s*</tool_call>", re.DOTALL)
+    _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*)</function>", re.DOTALL)
+    _PARAMETER = re.compile(r"<\s*parameter\s*=\s*([^>]*)>(.*?)(?:<\s*/\s*parameter\s*>|(?=<\s*parameter\s*=))",
+                            re.DOTALL)
+
+    @classmethod
+    def call(cls, body: str) -> dict | None:
+        found = cls._FUNCTION.fullmatch(body)
+        if found is None:
+            return None
+        arguments = {m.group(1).strip(): cls._trimmed(m.group(2)) for m in cls._PARAMETER.finditer(found.group(2))}
+        return _call(found.group(1).strip(), arguments)
+
+    @staticmethod
+    def _trimmed(value: str) -> str:
+        return value.removeprefix("\n").removesuffix("\n")
 
 
 class TaggedCalls:
-    """A stream of Hermes-style calls: each is sent whole once its closing tag arrives."""
+    """A stream of Hermes-style calls (`syntax`: Hermes's or Qwen3-Coder's): each is sent
+    whole once its closing tag arrives."""
 
-    def __init__(self) -> None:
+    def __init__(self, syntax: Hermes) -> None:
+        self.syntax = syntax
         self._held = ""
         self._in_call = False
         self.calls = 0
@@ -99,48 +126,50 @@ class TaggedCalls:
         self._held += text
         out: list[str | dict] = []
         while True:
+            syntax = self.syntax
             if self._in_call:
                 body = self._held.lstrip()
-                if body and not body.startswith("{"):       # no call's JSON after the tag: it was text
-                    out.append(Hermes.OPEN)
+                if body and not (body.startswith(syntax.BODY_START) or syntax.BODY_START.startswith(body)):
+                    out.append(syntax.OPEN)             # no call's body after the tag: it was text
                     self._in_call = False
                     continue
                 end = self._close()
                 if end < 0:
                     break
-                call = Hermes.call(self._held[:end].strip())
+                call = syntax.call(self._held[:end].strip())
                 if call is not None:
                     out.append(call)
                     self.calls += 1
                 else:                           # not a call after all: it was text
-                    out.append(Hermes.OPEN + self._held[:end + len(Hermes.CLOSE)])
-                self._held = self._held[end + len(Hermes.CLOSE):]
+                    out.append(syntax.OPEN + self._held[:end + len(syntax.CLOSE)])
+                self._held = self._held[end + len(syntax.CLOSE):]
                 self._in_call = False
                 continue
-            start = self._held.find(Hermes.OPEN)
+            start = self._held.find(syntax.OPEN)
             if start >= 0:
                 out.append(self._held[:start])
-                self._held = self._held[start + len(Hermes.OPEN):]
+                self._held = self._held[start + len(syntax.OPEN):]
                 self._in_call = True
                 continue
-            keep = held_tail(self._held, (Hermes.OPEN,))
+            keep = held_tail(self._held, (syntax.OPEN,))
             out.append(self._held[:len(self._held) - keep])
             self._held = self._held[len(self._held) - keep:]
             break
         return [p for p in out if p != ""]
 
     def _close(self) -> int:
-        """Where the call held ends: the first closing tag right after a `}`, as
-        Hermes.parse's pattern reads a whole output (an argument's string may hold the tag
+        """Where the call held ends: the first closing tag right after the body's end (a
+        `}`), as the syntax's pattern reads a whole output (an argument may hold the tag
         itself); -1 while none has come."""
-        end = self._held.find(Hermes.CLOSE)
-        while end >= 0 and not self._held[:end].rstrip().endswith("}"):
-            end = self._held.find(Hermes.CLOSE, end + 1)
+        syntax = self.syntax
+        end = self._held.find(syntax.CLOSE)
+        while end >= 0 and not self._held[:end].rstrip().endswith(syntax.BODY_END):
+            end = self._held.find(syntax.CLOSE, end + 1)
         return end
 
     def close(self) -> list[str | dict]:
         """What is left at the end: text, or an unclosed call given back as text."""
-        rest = (Hermes.OPEN if self._in_call else "") + self._held
+        rest = (self.syntax.OPEN if self._in_call else "") + self._held
         self._held, self._in_call = "", False
         return [rest] if rest else []
 
@@ -448,7 +477,7 @@ class MarkedCalls:
 # DeepSeek's section and call marks, its separator, a call's end
 DEEPSEEK = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
             "<｜tool▁call▁end｜>")
-SYNTAXES = {"hermes": Hermes(), "llama3_json": Llama3Json(), "pythonic": Pythonic(), "mistral": Mistral(),
+SYNTAXES = {"hermes": Hermes(), "qwen3_coder": Qwen3Xml(), "qwen3_xml": Qwen3Xml(), "llama3_json": Llama3Json(), "pythonic": Pythonic(), "mistral": Mistral(),
             "jamba": MarkedList("<tool_calls>", "</tool_calls>", special_tokens=True),
             "phi4_mini_json": MarkedList("functools"),
             "internlm": MarkedList("<|action_start|><|plugin|>", "<|action_end|>", special_tokens=True, array=False),
