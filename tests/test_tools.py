@@ -317,3 +317,12 @@ def test_qwen3_coder_xml_calls_whole_and_streamed(size):
     pieces = [p for i in range(0, len(QWEN3_CODER), size) for p in stream.pieces(QWEN3_CODER[i:i + size])]
     streamed, streamed_calls = split(pieces + stream.close())
     assert _names(streamed_calls) == _names(calls) and streamed.strip() == content and stream.calls == 2
+
+
+def test_only_hermes_calls_are_joined_to_a_response_format_grammar():
+    """With tools (auto) beside a response_format, the router joins hermes' JSON calls to
+    the format's grammar; Qwen3-Coder's XML calls share hermes' tags but not its JSON, so
+    its plan is not taken for hermes'."""
+    from services.router.tools import ToolPlan
+    assert ToolPlan([], "auto", syntax=SYNTAXES["hermes"]).hermes
+    assert not ToolPlan([], "auto", syntax=SYNTAXES["qwen3_coder"]).hermes

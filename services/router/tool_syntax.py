@@ -52,22 +52,17 @@ def _call(name, arguments, call_id: str = "") -> dict | None:
     return new_call(name, text, call_id)
 
 
-class Hermes:
+class Tagged:
+    """Calls in `<tool_call>` tags anywhere in the text, the rest content: `call` reads a
+    body that begins with BODY_START and ends with BODY_END (`_CALL` finds them)."""
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
-    BODY_START, BODY_END = "{", "}"     # how a call's body begins and ends inside the tags
+    BODY_START, BODY_END = "", ""
     special_tokens = False              # whether its marks are special tokens, which the text must keep
-    _CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+    _CALL: re.Pattern
 
-    @staticmethod
-    def call(body: str) -> dict | None:
-        """A call from the JSON inside <tool_call> tags, or None if it is not one."""
-        try:
-            call = json.loads(body)
-        # ValueError: not JSON, or an integer past Python's digit limit; RecursionError:
-        # nested past Python's stack
-        except (ValueError, RecursionError):
-            return None
-        return _call(call.get("name"), call.get("arguments", {})) if isinstance(call, dict) else None
+    @classmethod
+    def call(cls, body: str) -> dict | None:
+        raise NotImplementedError
 
     def parse(self, text: str) -> tuple[str | None, list[dict]]:
         calls = []
@@ -87,7 +82,24 @@ class Hermes:
         return TaggedCalls(self)
 
 
-class Qwen3Xml(Hermes):
+class Hermes(Tagged):
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5/3, Hermes)."""
+    BODY_START, BODY_END = "{", "}"
+    _CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+
+    @classmethod
+    def call(cls, body: str) -> dict | None:
+        """A call from the JSON inside <tool_call> tags, or None if it is not one."""
+        try:
+            call = json.loads(body)
+        # ValueError: not JSON, or an integer past Python's digit limit; RecursionError:
+        # nested past Python's stack
+        except (ValueError, RecursionError):
+            return None
+        return _call(call.get("name"), call.get("arguments", {})) if isinstance(call, dict) else None
+
+
+class Qwen3Xml(Tagged):
     """Qwen3-Coder's calls: `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>
     ...</function></tool_call>` blocks anywhere in the text. Each value is its text (one
     wrapping newline trimmed each side), a string, as vLLM 0.32's qwen3_coder reads it; a
@@ -112,10 +124,10 @@ class Qwen3Xml(Hermes):
 
 
 class TaggedCalls:
-    """A stream of Hermes-style calls (`syntax`: Hermes's or Qwen3-Coder's): each is sent
-    whole once its closing tag arrives."""
+    """A stream of a `Tagged` syntax's calls: each is sent whole once its closing tag
+    arrives."""
 
-    def __init__(self, syntax: Hermes) -> None:
+    def __init__(self, syntax: Tagged) -> None:
         self.syntax = syntax
         self._held = ""
         self._in_call = False
