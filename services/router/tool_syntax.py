@@ -382,13 +382,12 @@ class SectionCalls(Marked):
             end = body.find(self.CALL_END)
             if not body.startswith(self.BEGIN) or end < 0:
                 return None
-            head, sep, arguments = body[len(self.BEGIN):end].partition(self.SEP)
+            head, sep, rest = body[len(self.BEGIN):end].partition(self.SEP)
             body = body[end + len(self.CALL_END):].strip()
-            named = self._fenced(head, arguments) if self.fenced else self.header(head)
+            named = self._fenced(head, rest) if self.fenced else self._headed(head, rest)
             if not sep or named is None:
                 return None
-            name, call_id = named[:2]
-            arguments = named[2] if self.fenced else arguments
+            name, call_id, arguments = named
             try:
                 call = _call(name, json.loads(arguments), call_id)
             except (ValueError, RecursionError):
@@ -397,6 +396,11 @@ class SectionCalls(Marked):
                 return None
             calls.append(call)
         return calls or None
+
+    def _headed(self, head: str, rest: str) -> tuple[str, str, str] | None:
+        """(name, id, arguments) where the head names the call and the arguments follow SEP."""
+        named = self.header(head)
+        return None if named is None else (*named, rest)
 
     @staticmethod
     def _fenced(head: str, rest: str) -> tuple[str, str, str] | None:
