@@ -19,6 +19,12 @@ _ROLES = {"system", "developer", "user", "assistant", "tool"}
 GENERATE = "/pdserve.v1.Generator/Generate"
 
 
+def _usage(gen: Generation) -> generate_pb2.Usage:
+    """A choice's usage so far: its prompt's tokens, its output's, and of those its thinking."""
+    return generate_pb2.Usage(prompt_tokens=len(gen.prompt_ids), completion_tokens=gen.completion_tokens,
+                              reasoning_tokens=gen.thinking.count if gen.thinking is not None else 0)
+
+
 class GeneratorService(generate_pb2_grpc.GeneratorServicer):
     def __init__(self, fe: FrontEnd, keys: KeyCheck | None = None) -> None:
         self.fe = fe
@@ -91,9 +97,7 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
             reasoning, text = thought_and_answer(thinking, result.text)
             out.append(generate_pb2.GenerateResponse(
                 request_id=echoed, text=text, reasoning=reasoning or "", token_ids=result.token_ids,
-                finish_reason=gen.finish_reason or "", index=i,
-                usage=generate_pb2.Usage(prompt_tokens=len(gen.prompt_ids), completion_tokens=gen.completion_tokens,
-                                         reasoning_tokens=gen.thinking.count if gen.thinking is not None else 0),
+                finish_reason=gen.finish_reason or "", index=i, usage=_usage(gen),
                 logprobs=[logprob_to_proto(lp) for lp in result.logprobs]))
         return out
 
@@ -134,13 +138,9 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
                         prompt, scored = [logprob_to_proto(lp) for lp in gen.prompt_logprobs or ()], False
                     reasoning, text = ("", d.text) if split is None else split[d.index].feed(
                         d.text, final=bool(d.finish_reason))
-                    thought = gens[d.index].thinking
                     yield generate_pb2.GenerateResponse(
                         request_id=echoed, text=text, reasoning=reasoning, token_ids=d.token_ids,
-                        finish_reason=d.finish_reason or "", index=d.index,
-                        usage=generate_pb2.Usage(prompt_tokens=len(gen.prompt_ids),
-                                                 completion_tokens=gens[d.index].completion_tokens,
-                                                 reasoning_tokens=thought.count if thought is not None else 0),
+                        finish_reason=d.finish_reason or "", index=d.index, usage=_usage(gens[d.index]),
                         logprobs=[logprob_to_proto(lp) for lp in d.logprobs or ()], prompt_logprobs=prompt)
             except APIError as exc:
                 await context.abort(getattr(grpc.StatusCode, exc.grpc_code), exc.message)
