@@ -66,7 +66,7 @@ def prepare(params: SamplingParams, vocab_size: int, grammars: Grammars, taken: 
     if params.structure is None:
         return None
     kind, text = params.structure
-    constraint = grammars.constraint(text, kind, params.structure_after, params.structure_opens[:1])
+    constraint = grammars.constraint(text, kind, params.structure_after, params.structure_opens)
     for token in taken:
         if not constraint.accept(token):
             raise ValueError(f"token {token} does not fit the request's {kind}")
