@@ -10,6 +10,7 @@ import logging
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -278,3 +279,34 @@ def test_json_log_format_covers_every_record_of_the_process():
                                                             ("a.b", "boom")]
     assert all(r["service"] == "decode" for r in lines)
     assert lines[1]["status"] == "200" and "ZeroDivisionError" in lines[2]["exception"]
+
+
+def test_sigusr1_writes_every_threads_stack_and_the_process_runs_on():
+    """`kill -USR1` on a service: each thread's stack on stderr (a hang names its place),
+    and the process goes on to its own end."""
+    code = ("import os, signal, threading, time\n"
+            "from services.common.lifecycle import setup_logging\n"
+            "setup_logging('info', 'router')\n"
+            "there = threading.Event()\n"
+            "def parked():\n    there.set()\n    time.sleep(30)\n"
+            "threading.Thread(target=parked, daemon=True).start()\n"
+            "there.wait()\n"
+            "os.kill(os.getpid(), signal.SIGUSR1)\n"
+            "print('ran on')\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == "ran on\n", out.stderr
+    assert "Current thread" in out.stderr and 'in parked' in out.stderr, out.stderr
+
+
+def test_a_stuck_stop_exits_with_every_threads_stack():
+    """A stop past its bound (lifecycle.exit_if_stuck): the stacks on stderr, the stuck
+    one named, and exit status 1 at once, not a hang until the supervisor's SIGKILL."""
+    code = ("import time\n"
+            "from services.common.lifecycle import exit_if_stuck\n"
+            "def stuck():\n    time.sleep(60)\n"
+            "exit_if_stuck(0.5)\n"
+            "stuck()\n")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and time.monotonic() - t0 < 30, out
+    assert "Timeout (0:00:00.500000)!" in out.stderr and "in stuck" in out.stderr, out.stderr

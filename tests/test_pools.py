@@ -402,6 +402,23 @@ def test_requests_waiting_on_a_frozen_decode_worker_go_elsewhere_once_it_leaves(
     wait_pools_idle(pools, ("decode-0", "decode-1"))
 
 
+def exit_code(proc: subprocess.Popen, log: Path, timeout: float = 30.0) -> int:
+    """`proc`'s exit code once it exits, with its log beside it when that is not 0; if it
+    is still running after `timeout`, fails with its log and every thread's stack
+    (SIGUSR1: services/common/lifecycle.py)."""
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(1)
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"still running {timeout} s after SIGTERM:\n{log.read_text()[-12000:]}")
+    if code != 0:
+        print(f"exit code {code}; its log:\n{log.read_text()[-12000:]}")
+    return code
+
+
 def test_a_stopping_router_ends_its_streams_with_an_error_not_a_cut(pools):
     """SIGTERM to a router: a stream still running when its --drain-timeout (1 s here)
     is up ends with an error event and [DONE], never with the connection cut mid-body
@@ -426,6 +443,6 @@ def test_a_stopping_router_ends_its_streams_with_an_error_not_a_cut(pools):
     assert '"text"' in first and rest[-1] == "data: [DONE]", rest[-3:]
     assert "shutting down" in rest[-2] and '"error"' in rest[-2], rest[-2]
     assert took < 5, took
-    assert pools.procs.pop(name).wait(timeout=30) == 0
+    assert exit_code(pools.procs.pop(name), pools.tmp / f"{name}.log") == 0
     assert "Traceback" not in (pools.tmp / f"{name}.log").read_text()
     wait_pools_idle(pools, ("decode-0", "decode-1"))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
 import logging
 import os
@@ -20,6 +21,9 @@ def setup_logging(level: str, role: str, fmt: str = "text") -> None:
     logging.basicConfig(level=level.upper(), handlers=[handler])
     for noisy in ("httpx", "uvicorn.access"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # `kill -USR1 <pid>`: every thread's stack on stderr, the service running on (a
+    # process that hangs says where, with no debugger at hand in its pod)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 class JsonFormatter(logging.Formatter):
@@ -58,6 +62,13 @@ def stop_event_on_signals(loop: asyncio.AbstractEventLoop) -> asyncio.Event:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     return stop
+
+
+def exit_if_stuck(seconds: float) -> None:
+    """A stop that has begun ends within `seconds`: if the process is still here then,
+    every thread's stack goes to stderr (headed "Timeout (h:mm:ss)!") and it exits with
+    status 1, rather than hanging on until its supervisor's SIGKILL says nothing."""
+    faulthandler.dump_traceback_later(seconds, exit=True)
 
 
 def set_torch_threads(threads: int) -> None:

@@ -5,12 +5,13 @@ import asyncio
 import json
 import logging
 import socket
+import time
 from pathlib import Path
 
 import uvicorn
 
 from services.common.grpc_server import ServiceHost
-from services.common.lifecycle import announce, settle_garbage_collector, stop_event_on_signals
+from services.common.lifecycle import announce, exit_if_stuck, settle_garbage_collector, stop_event_on_signals
 from services.common.metrics import RouterMetrics
 from services.common.security import KeyCheck, RequireBearer, TLSFiles, read_api_keys
 from services.common.settings import RouterSettings
@@ -23,6 +24,7 @@ from services.router.grpc_api import GeneratorService
 from services.router.frontend import FrontEnd
 from services.router.openai_api import create_app
 from services.router.sampling import sampling_defaults
+from services.router.workers import CLEANUP_SECONDS
 from services.rpc import generate_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -101,10 +103,35 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     try:
         await asyncio.wait([asyncio.create_task(stop.wait()), http_task], return_when=asyncio.FIRST_COMPLETED)
     finally:
+        # each part below is bounded; past all of them together the stop is stuck
+        exit_if_stuck(2 * grace + CLEANUP_SECONDS + STOP_MARGIN)
         await host.set_status(False)
         fe.drain(settings.drain_timeout)
         http.should_exit = True
+        phases = StopClock()
         await host.server.stop(grace)
+        phases.done("gRPC")
         await http_task
+        phases.done("HTTP")
         await cluster.stop()
-        log.info("router stopped")
+        phases.done("workers' channels")
+        phases.report(grace)
+
+
+class StopClock:
+    """How long each part of a stop took: said at info level, and as a warning when the
+    stop ran past the time it is given (so a slow exit names its part)."""
+
+    def __init__(self) -> None:
+        self.start = self.mark = time.monotonic()
+        self.parts: list[str] = []
+
+    def done(self, part: str) -> None:
+        now = time.monotonic()
+        self.parts.append(f"{part} {now - self.mark:.2f} s")
+        self.mark = now
+
+    def report(self, allowed: float) -> None:
+        took = self.mark - self.start
+        log.log(logging.WARNING if took > allowed else logging.INFO,
+                "router stopped in %.2f s (%s)", took, ", ".join(self.parts))

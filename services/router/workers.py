@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 # How long a worker's control calls (Info, Release; Reserve gets five times this) may take.
 INFO_TIMEOUT = 2.0
 REFRESH_SECONDS = 1.0
+# Seconds a stop waits for the calls still running in the background (releases).
+CLEANUP_SECONDS = 10.0
 # Prefix keys the router itself just sent to a worker count as held there until the
 # worker's own summary has had time to include them.
 RECENT_KEYS_SECONDS = 5.0
@@ -194,7 +196,7 @@ class WorkerSet:
         if self._refresher:
             self._refresher.cancel()
         if self._cleanups:
-            await asyncio.wait(self._cleanups, timeout=10)
+            await asyncio.wait(self._cleanups, timeout=CLEANUP_SECONDS)
         for w in self.decode + self.prefill:
             if w.chan is not None:
                 await w.chan.close()

@@ -17,8 +17,8 @@ import grpc
 
 from services.common.budgets import MIXED_PREFILL_CPU, MIXED_PREFILL_GPU, token_budget
 from services.common.grpc_server import ServiceHost
-from services.common.lifecycle import (announce, keep_freed_memory, set_torch_threads, settle_garbage_collector,
-                                       stop_event_on_signals)
+from services.common.lifecycle import (announce, exit_if_stuck, keep_freed_memory, set_torch_threads,
+                                       settle_garbage_collector, stop_event_on_signals)
 from services.common.metrics import WorkerMetrics
 from services.common.registry import Heartbeat, RedisRegistry
 from services.common.security import ClusterSecret, KeyCheck, RequireBearer
@@ -35,6 +35,8 @@ from services.worker.wire import ERROR_CODE_KEY, check_tokens
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_SECONDS = 5.0
+# What a stop may take past its parts' own bounds before it counts as stuck.
+STOP_SLACK_SECONDS = 15.0
 
 
 def scheduler_config(settings: WorkerSettings, device: str = "cpu", context_cost: float = 0.0) -> SchedulerConfig:
@@ -176,6 +178,8 @@ async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]
     try:
         await stop.wait()
     finally:
+        # the drain, the gRPC grace, the engine thread's join (10 s) and the ranks' (10 s)
+        exit_if_stuck(settings.drain_timeout + SHUTDOWN_GRACE_SECONDS + 20 + STOP_SLACK_SECONDS)
         if heartbeat is not None:
             await heartbeat.stop()
         await host.set_status(False)
