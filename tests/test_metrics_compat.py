@@ -299,14 +299,17 @@ def test_sigusr1_writes_every_threads_stack_and_the_process_runs_on():
 
 
 def test_a_stuck_stop_exits_with_every_threads_stack():
-    """A stop past its bound (lifecycle.exit_if_stuck): the stacks on stderr, the stuck
-    one named, and exit status 1 at once, not a hang until the supervisor's SIGKILL."""
+    """A stop past its bound (lifecycle.stop_within): the stacks on stderr, the stuck one
+    named, and exit status 1 at once, not a hang until the supervisor's SIGKILL; a stop
+    within it, in a process that goes on (a Ray actor's service), leaves no watch behind."""
     code = ("import time\n"
-            "from services.common.lifecycle import exit_if_stuck\n"
+            "from services.common.lifecycle import stop_within\n"
             "def stuck():\n    time.sleep(60)\n"
-            "exit_if_stuck(0.5)\n"
-            "stuck()\n")
+            "with stop_within(0.5, process_ends=False):\n    pass\n"
+            "time.sleep(1)\n"
+            "print('went on')\n"
+            "with stop_within(0.5, process_ends=True):\n    stuck()\n")
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 1 and time.monotonic() - t0 < 30, out
+    assert out.returncode == 1 and out.stdout == "went on\n" and time.monotonic() - t0 < 30, out
     assert "Timeout (0:00:00.500000)!" in out.stderr and "in stuck" in out.stderr, out.stderr

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import json
 import logging
@@ -10,6 +11,7 @@ import signal
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Iterator
 
 
 def setup_logging(level: str, role: str, fmt: str = "text") -> None:
@@ -23,7 +25,21 @@ def setup_logging(level: str, role: str, fmt: str = "text") -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # `kill -USR1 <pid>`: every thread's stack on stderr, the service running on (a
     # process that hangs says where, with no debugger at hand in its pod)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    stderr = _stderr_file()
+    if stderr is not None:
+        faulthandler.register(signal.SIGUSR1, file=stderr, all_threads=True)
+
+
+def _stderr_file():
+    """A stderr with a file descriptor, which faulthandler writes to (the process's own
+    where sys.stderr is not one: a test's capture); None where neither is."""
+    for stream in (sys.stderr, sys.__stderr__):
+        try:
+            stream.fileno()
+        except (AttributeError, OSError, ValueError):
+            continue
+        return stream
+    return None
 
 
 class JsonFormatter(logging.Formatter):
@@ -64,11 +80,22 @@ def stop_event_on_signals(loop: asyncio.AbstractEventLoop) -> asyncio.Event:
     return stop
 
 
-def exit_if_stuck(seconds: float) -> None:
-    """A stop that has begun ends within `seconds`: if the process is still here then,
-    every thread's stack goes to stderr (headed "Timeout (h:mm:ss)!") and it exits with
-    status 1, rather than hanging on until its supervisor's SIGKILL says nothing."""
-    faulthandler.dump_traceback_later(seconds, exit=True)
+@contextlib.contextmanager
+def stop_within(seconds: float, process_ends: bool) -> Iterator[None]:
+    """The stop inside ends within `seconds`: if not, every thread's stack goes to stderr
+    (headed "Timeout (h:mm:ss)!") and the process exits with status 1, rather than hang
+    until its supervisor's SIGKILL says nothing. With `process_ends` (the service is the
+    process) the watch goes on through the process's own end; without (a service inside
+    another process: a Ray actor's) it ends with the block. One a process: faulthandler
+    keeps one such timer."""
+    stderr = _stderr_file()
+    if stderr is not None:
+        faulthandler.dump_traceback_later(seconds, exit=True, file=stderr)
+    try:
+        yield
+    finally:
+        if not process_ends and stderr is not None:
+            faulthandler.cancel_dump_traceback_later()
 
 
 def set_torch_threads(threads: int) -> None:

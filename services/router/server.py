@@ -11,7 +11,7 @@ from pathlib import Path
 import uvicorn
 
 from services.common.grpc_server import ServiceHost
-from services.common.lifecycle import announce, exit_if_stuck, settle_garbage_collector, stop_event_on_signals
+from services.common.lifecycle import announce, settle_garbage_collector, stop_event_on_signals, stop_within
 from services.common.metrics import RouterMetrics
 from services.common.security import KeyCheck, RequireBearer, TLSFiles, read_api_keys
 from services.common.settings import RouterSettings
@@ -86,7 +86,10 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
                                                 settings.max_connections_per_client),
                             ws="none")
     http = uvicorn.Server(config)
-    http.install_signal_handlers = lambda: None       # signals are handled below
+    # uvicorn's own handlers replace the loop's while it serves and raise the signal again
+    # once it has stopped; the loop is told of it either way (its wakeup fd), so `stop`
+    # is set at once
+    process_ends = stop is None
     if stop is None:
         stop = stop_event_on_signals(asyncio.get_running_loop())
 
@@ -104,18 +107,18 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         await asyncio.wait([asyncio.create_task(stop.wait()), http_task], return_when=asyncio.FIRST_COMPLETED)
     finally:
         # each part below is bounded; past all of them together the stop is stuck
-        exit_if_stuck(2 * grace + CLEANUP_SECONDS + STOP_MARGIN)
-        await host.set_status(False)
-        fe.drain(settings.drain_timeout)
-        http.should_exit = True
-        phases = StopClock()
-        await host.server.stop(grace)
-        phases.done("gRPC")
-        await http_task
-        phases.done("HTTP")
-        await cluster.stop()
-        phases.done("workers' channels")
-        phases.report(grace)
+        with stop_within(2 * grace + CLEANUP_SECONDS + STOP_MARGIN, process_ends):
+            await host.set_status(False)
+            fe.drain(settings.drain_timeout)
+            http.should_exit = True
+            phases = StopClock()
+            await host.server.stop(grace)
+            phases.done("gRPC")
+            await http_task
+            phases.done("HTTP")
+            await cluster.stop()
+            phases.done("workers' channels")
+            phases.report(grace)
 
 
 class StopClock:

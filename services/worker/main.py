@@ -17,8 +17,8 @@ import grpc
 
 from services.common.budgets import MIXED_PREFILL_CPU, MIXED_PREFILL_GPU, token_budget
 from services.common.grpc_server import ServiceHost
-from services.common.lifecycle import (announce, exit_if_stuck, keep_freed_memory, set_torch_threads,
-                                       settle_garbage_collector, stop_event_on_signals)
+from services.common.lifecycle import (announce, keep_freed_memory, set_torch_threads, settle_garbage_collector,
+                                       stop_event_on_signals, stop_within)
 from services.common.metrics import WorkerMetrics
 from services.common.registry import Heartbeat, RedisRegistry
 from services.common.security import ClusterSecret, KeyCheck, RequireBearer
@@ -150,6 +150,7 @@ async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]
     parts.register(host.server)
     port = host.bind(settings.host, settings.grpc_port, settings.tls.server_credentials())
     metrics_port = metrics.serve(settings.host, settings.metrics_port)
+    process_ends = stop is None                 # given no stop, the service is the process
     if stop is None:
         stop = stop_event_on_signals(asyncio.get_running_loop())
     await host.server.start()
@@ -179,14 +180,14 @@ async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]
         await stop.wait()
     finally:
         # the drain, the gRPC grace, the engine thread's join (10 s) and the ranks' (10 s)
-        exit_if_stuck(settings.drain_timeout + SHUTDOWN_GRACE_SECONDS + 20 + STOP_SLACK_SECONDS)
-        if heartbeat is not None:
-            await heartbeat.stop()
-        await host.set_status(False)
-        parts.servicer.draining = True
-        await _drain(parts.engine, settings.drain_timeout)
-        await host.server.stop(SHUTDOWN_GRACE_SECONDS)
-        parts.stop()
-        if ranks is not None:
-            ranks.stop()
-        log.info("%s worker stopped", settings.role)
+        with stop_within(settings.drain_timeout + SHUTDOWN_GRACE_SECONDS + 20 + STOP_SLACK_SECONDS, process_ends):
+            if heartbeat is not None:
+                await heartbeat.stop()
+            await host.set_status(False)
+            parts.servicer.draining = True
+            await _drain(parts.engine, settings.drain_timeout)
+            await host.server.stop(SHUTDOWN_GRACE_SECONDS)
+            parts.stop()
+            if ranks is not None:
+                ranks.stop()
+            log.info("%s worker stopped", settings.role)
