@@ -326,3 +326,48 @@ def test_only_hermes_calls_are_joined_to_a_response_format_grammar():
     from services.router.tools import ToolPlan
     assert ToolPlan([], "auto", syntax=SYNTAXES["hermes"]).hermes
     assert not ToolPlan([], "auto", syntax=SYNTAXES["qwen3_coder"]).hermes
+
+
+# (syntax, an output, its calls, its content)
+TAGGED = [
+    ("glm45", 'Checking. <tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n'
+              '<arg_key>days</arg_key><arg_value>3</arg_value>\n</tool_call> and <tool_call>get_time</tool_call>'
+              ' <tool_call>two words</tool_call> <tool_call>f<arg_key>a</arg_key> junk</tool_call> done',
+     [("get_weather", {"city": "Paris", "days": "3"}), ("get_time", {})],
+     "Checking.  and  <tool_call>two words</tool_call> <tool_call>f<arg_key>a</arg_key> junk</tool_call> done"),
+    ("minimax_m2", 'Sure. <minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">\nParis\n'
+                   '</parameter>\n<parameter name=\'days\'>3</parameter>\n</invoke>\n<invoke name=get_time>'
+                   '</invoke>\n</minimax:tool_call> then <minimax:tool_call><invoke name="f">x</invoke> y'
+                   '</minimax:tool_call> end',
+     [("get_weather", {"city": "Paris", "days": "3"}), ("get_time", {})],
+     'Sure.  then <minimax:tool_call><invoke name="f">x</invoke> y</minimax:tool_call> end'),
+    ("longcat", 'Hi <longcat_tool_call>{"name": "f", "arguments": {"a": 1}}</longcat_tool_call>'
+                ' <tool_call>{"name": "g", "arguments": {}}</tool_call>',
+     [("f", {"a": 1})], 'Hi  <tool_call>{"name": "g", "arguments": {}}</tool_call>'),
+    ("qwen3_json", '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>', [("f", {"a": 1})], None),
+]
+
+
+@pytest.mark.parametrize("size", [1, 3, 8, 1000])
+@pytest.mark.parametrize("name, text, expected, content", TAGGED, ids=[t[0] for t in TAGGED])
+def test_glm_minimax_and_longcat_tagged_calls_whole_and_streamed(name, text, expected, content, size):
+    """GLM-4.5/4.7's <arg_key>/<arg_value> calls (a name alone where it has no arguments;
+    a body that is not a name and pairs alone is text), MiniMax-M2's <invoke> calls, one or
+    more a section, names quoted or not, and LongCat's hermes calls in tags of its own (a
+    hermes tag is text to it): values are strings, as vLLM 0.32 reads them. Streamed
+    however chunked, the same calls and content."""
+    syntax = SYNTAXES[name]
+    whole_content, calls = syntax.parse(text)
+    assert _names(calls) == expected and whole_content == content
+    stream = syntax.stream()
+    pieces = [p for i in range(0, len(text), size) for p in stream.pieces(text[i:i + size])]
+    streamed, streamed_calls = split(pieces + stream.close())
+    assert _names(streamed_calls) == expected and (streamed.strip() or None) == content
+    assert stream.calls == len(expected) and syntax.special_tokens
+
+
+def test_every_tool_call_parser_the_router_takes_has_a_syntax():
+    import dataclasses
+    from services.common.settings import RouterSettings
+    (choices,) = [f.metadata["choices"] for f in dataclasses.fields(RouterSettings) if f.name == "tool_call_parser"]
+    assert set(choices) == set(SYNTAXES)

@@ -305,16 +305,21 @@ class RoutingSettings:
                 "grammar holds only the answer after </think>, as vLLM's parsers of these names do",
         choices=("none", "deepseek_r1", "qwen3"))
     tool_call_parser: str = setting(
-        "hermes", "how the model writes tool calls in free text (tool_choice auto), by vLLM's names: hermes, "
-                  "<tool_call>{...}</tool_call> (Qwen, Hermes); qwen3_coder (or qwen3_xml), "
-                  "<tool_call><function=...><parameter=...> (Qwen3-Coder); llama3_json, an answer of JSON calls (Llama 3.1-3.3); "
+        "hermes", "how the model writes tool calls in free text (tool_choice auto), by vLLM's names: hermes "
+                  "(or qwen3_json), <tool_call>{...}</tool_call> (Qwen, Hermes); longcat, the same in "
+                  "<longcat_tool_call> tags (LongCat-Flash); qwen3_coder (or qwen3_xml), "
+                  "<tool_call><function=...><parameter=...> (Qwen3-Coder); glm45 (or glm47), "
+                  "<tool_call>NAME<arg_key>...</arg_key><arg_value>...</arg_value> (GLM-4.5 to 4.7); minimax_m2, "
+                  "<minimax:tool_call><invoke name=...><parameter name=...> (MiniMax-M2); llama3_json (or "
+                  "llama4_json), an answer of JSON calls (Llama 3.1-3.3); "
                   "pythonic, an answer of a Python list of calls (Llama 3.2 and 4); mistral, calls after "
                   "[TOOL_CALLS] (Mistral); jamba, a JSON list in <tool_calls></tool_calls> (Jamba); "
                   "phi4_mini_json, a JSON list after functools (Phi-4-mini); internlm, a JSON call in "
                   "<|action_start|><|plugin|> (InternLM2); deepseek_v3, deepseek_v31 and kimi_k2, calls in "
                   "those models' tool-call tokens",
-        choices=("hermes", "qwen3_coder", "qwen3_xml", "llama3_json", "pythonic", "mistral", "jamba",
-                 "phi4_mini_json", "internlm", "deepseek_v3", "deepseek_v31", "kimi_k2"))
+        choices=("hermes", "qwen3_json", "longcat", "qwen3_coder", "qwen3_xml", "glm45", "glm47", "minimax_m2",
+                 "llama3_json", "llama4_json", "pythonic", "mistral", "jamba", "phi4_mini_json", "internlm",
+                 "deepseek_v3", "deepseek_v31", "kimi_k2"))
     enable_auto_tool_choice: bool = setting(
         True, "tool_choice auto (the default when a request has tools): the model may call a tool or answer, "
               "its calls found by --tool-call-parser. On by default, where vLLM needs this flag; without it "

@@ -13,7 +13,7 @@
                [TOOL_CALLS] (v11 and later); call ids of 9 letters and digits, which
                Mistral's templates require of the next turn's tool results
 
-Each gives a whole output's (content, calls), and a stream that splits the text as it
+and the others of SYNTAXES (below), each in docs/api.md. Each gives a whole output's (content, calls), and a stream that splits the text as it
 comes: content goes out at once, and a call goes out whole once it is known to be one.
 Text that could still begin a call is held until the next text says what it is. An
 output that looked like calls but is not (bad JSON, a call of something else) is text.
@@ -53,25 +53,26 @@ def _call(name, arguments, call_id: str = "") -> dict | None:
 
 
 class Tagged:
-    """Calls in `<tool_call>` tags anywhere in the text, the rest content: `call` reads a
-    body that begins with BODY_START and ends with BODY_END (`_CALL` finds them)."""
+    """Calls in OPEN ... CLOSE tags anywhere in the text, the rest content: `calls` reads a
+    body that begins with BODY_START and ends with BODY_END (`_CALL` finds them). The
+    text keeps special tokens (some models' tags are), as vLLM's parsers keep them."""
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     BODY_START, BODY_END = "", ""
-    special_tokens = False              # whether its marks are special tokens, which the text must keep
+    special_tokens = True
     _CALL: re.Pattern
 
-    @classmethod
-    def call(cls, body: str) -> dict | None:
+    def calls(self, body: str) -> list[dict] | None:
+        """The calls of one tagged body, or None if it is not calls."""
         raise NotImplementedError
 
     def parse(self, text: str) -> tuple[str | None, list[dict]]:
         calls = []
 
         def take(match: re.Match) -> str:
-            call = self.call(match.group(1))
-            if call is None:                        # not a call after all: it stays text
+            found = self.calls(match.group(1))
+            if found is None:                       # not a call after all: it stays text
                 return match.group(0)
-            calls.append(call)
+            calls.extend(found)
             return ""
         content = self._CALL.sub(take, text)
         if not calls:
@@ -87,16 +88,21 @@ class Hermes(Tagged):
     BODY_START, BODY_END = "{", "}"
     _CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
-    @classmethod
-    def call(cls, body: str) -> dict | None:
-        """A call from the JSON inside <tool_call> tags, or None if it is not one."""
+    def calls(self, body: str) -> list[dict] | None:
+        """The call of the JSON inside the tags, or None if it is not one."""
         try:
             call = json.loads(body)
         # ValueError: not JSON, or an integer past Python's digit limit; RecursionError:
         # nested past Python's stack
         except (ValueError, RecursionError):
             return None
-        return _call(call.get("name"), call.get("arguments", {})) if isinstance(call, dict) else None
+        return _one(_call(call.get("name"), call.get("arguments", {})) if isinstance(call, dict) else None)
+
+
+class LongCat(Hermes):
+    """Hermes' calls in `<longcat_tool_call>` tags (LongCat-Flash)."""
+    OPEN, CLOSE = "<longcat_tool_call>", "</longcat_tool_call>"
+    _CALL = re.compile(r"<longcat_tool_call>\s*(\{.*?\})\s*</longcat_tool_call>", re.DOTALL)
 
 
 class Qwen3Xml(Tagged):
@@ -110,17 +116,68 @@ class Qwen3Xml(Tagged):
     _PARAMETER = re.compile(r"<\s*parameter\s*=\s*([^>]*)>(.*?)(?:<\s*/\s*parameter\s*>|(?=<\s*parameter\s*=))",
                             re.DOTALL)
 
-    @classmethod
-    def call(cls, body: str) -> dict | None:
-        found = cls._FUNCTION.fullmatch(body)
+    def calls(self, body: str) -> list[dict] | None:
+        found = self._FUNCTION.fullmatch(body)
         if found is None:
             return None
-        arguments = {m.group(1).strip(): cls._trimmed(m.group(2)) for m in cls._PARAMETER.finditer(found.group(2))}
-        return _call(found.group(1).strip(), arguments)
+        arguments = {m.group(1).strip(): _trimmed(m.group(2)) for m in self._PARAMETER.finditer(found.group(2))}
+        return _one(_call(found.group(1).strip(), arguments))
 
-    @staticmethod
-    def _trimmed(value: str) -> str:
-        return value.removeprefix("\n").removesuffix("\n")
+
+class Glm45(Tagged):
+    """GLM-4.5's and 4.7's calls: `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE
+    </arg_value>...</tool_call>` anywhere in the text, a name alone where there are no
+    arguments. Each value is its text, a string, as vLLM 0.32's glm45 reads it; the body
+    must be a name and pairs alone (whitespace between), or it is text."""
+    _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+    _HEAD = re.compile(r"\s*([^\s<>]+)\s*(.*)", re.DOTALL)
+    _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*", re.DOTALL)
+
+    def calls(self, body: str) -> list[dict] | None:
+        head = self._HEAD.fullmatch(body)
+        if head is None:
+            return None
+        name, rest = head.groups()
+        pairs = list(self._PAIR.finditer(rest))
+        if "".join(m.group(0) for m in pairs) != rest:      # something besides the pairs
+            return None
+        return _one(_call(name, {m.group(1).strip(): m.group(2) for m in pairs}))
+
+
+class MiniMaxM2(Tagged):
+    """MiniMax-M2's calls: `<minimax:tool_call>`, one or more `<invoke name="NAME">
+    <parameter name="KEY">VALUE</parameter>...</invoke>`, `</minimax:tool_call>`, anywhere
+    in the text. Each value is its text, a string (one wrapping newline trimmed each
+    side), as vLLM 0.32's minimax_m2 reads it; names may be quoted "", '' or not at all."""
+    OPEN, CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
+    BODY_START, BODY_END = "<invoke", "</invoke>"
+    _CALL = re.compile(r"<minimax:tool_call>\s*(<invoke.*?</invoke>)\s*</minimax:tool_call>", re.DOTALL)
+    _NAME = r"""(?:"([^"]*)"|'([^']*)'|([^>\s"']+))"""
+    _INVOKE = re.compile(r"<invoke\s+name\s*=\s*" + _NAME + r"\s*>(.*?)</invoke>\s*", re.DOTALL)
+    _PARAMETER = re.compile(r"<\s*parameter\s+name\s*=\s*" + _NAME + r"\s*>(.*?)"
+                            r"(?:<\s*/\s*parameter\s*>|(?=<\s*parameter\s+name\s*=))", re.DOTALL)
+
+    def calls(self, body: str) -> list[dict] | None:
+        invokes = list(self._INVOKE.finditer(body))
+        if not invokes or "".join(m.group(0) for m in invokes).strip() != body.strip():
+            return None
+        calls = [_call(_quoted(m), {_quoted(p).strip(): _trimmed(p.group(4))
+                                    for p in self._PARAMETER.finditer(m.group(4))}) for m in invokes]
+        return None if None in calls else calls
+
+
+def _quoted(match: re.Match) -> str:
+    """A name written "quoted", 'quoted' or bare (MiniMax-M2's): its text."""
+    return next(g for g in match.groups()[:3] if g is not None)
+
+
+def _trimmed(value: str) -> str:
+    """An XML-style value's text: one wrapping newline trimmed each side."""
+    return value.removeprefix("\n").removesuffix("\n")
+
+
+def _one(call: dict | None) -> list[dict] | None:
+    return None if call is None else [call]
 
 
 class TaggedCalls:
@@ -148,10 +205,10 @@ class TaggedCalls:
                 end = self._close()
                 if end < 0:
                     break
-                call = syntax.call(self._held[:end].strip())
-                if call is not None:
-                    out.append(call)
-                    self.calls += 1
+                found = syntax.calls(self._held[:end].strip())
+                if found is not None:
+                    out += found
+                    self.calls += len(found)
                 else:                           # not a call after all: it was text
                     out.append(syntax.OPEN + self._held[:end + len(syntax.CLOSE)])
                 self._held = self._held[end + len(syntax.CLOSE):]
@@ -493,7 +550,10 @@ class MarkedCalls:
 # DeepSeek's section and call marks, its separator, a call's end
 DEEPSEEK = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
             "<｜tool▁call▁end｜>")
-SYNTAXES = {"hermes": Hermes(), "qwen3_coder": Qwen3Xml(), "qwen3_xml": Qwen3Xml(), "llama3_json": Llama3Json(), "pythonic": Pythonic(), "mistral": Mistral(),
+SYNTAXES = {"hermes": Hermes(), "qwen3_json": Hermes(), "longcat": LongCat(),
+            "qwen3_coder": Qwen3Xml(), "qwen3_xml": Qwen3Xml(), "glm45": Glm45(), "glm47": Glm45(),
+            "minimax_m2": MiniMaxM2(),
+            "llama3_json": Llama3Json(), "llama4_json": Llama3Json(), "pythonic": Pythonic(), "mistral": Mistral(),
             "jamba": MarkedList("<tool_calls>", "</tool_calls>", special_tokens=True),
             "phi4_mini_json": MarkedList("functools"),
             "internlm": MarkedList("<|action_start|><|plugin|>", "<|action_end|>", special_tokens=True, array=False),

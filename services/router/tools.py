@@ -36,7 +36,8 @@ class ToolPlan:
 
     @property
     def hermes(self) -> bool:
-        return isinstance(self.syntax, Hermes)
+        """Whether "auto" calls are hermes' own, in <tool_call> tags (not LongCat's, in tags of its own)."""
+        return type(self.syntax) is Hermes
 
     @property
     def streams_arguments(self) -> bool:
