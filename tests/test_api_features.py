@@ -475,6 +475,32 @@ def test_a_response_format_beside_tools(tools_router):
     jsonschema.validate(json.loads(called.arguments), WEATHER["function"]["parameters"])
 
 
+def test_a_strict_tool_holds_auto_calls_to_its_schema(tools_router):
+    """tool_choice auto with a tool marked strict: what the model writes as a call is a
+    call of that tool, its arguments valid (the grammar's own cases:
+    test_structured_output), one only with parallel_tool_calls false, and the stream
+    gives the calls and text the whole answer gives."""
+    client = _client(tools_router)
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    kw = dict(model=MODEL, messages=ASK, tools=[strict], max_tokens=80, temperature=0, parallel_tool_calls=False)
+    with ThreadPoolExecutor(2) as pool:
+        whole = pool.submit(client.chat.completions.create, **kw)
+        chunks = pool.submit(lambda: list(client.chat.completions.create(**kw, stream=True)))
+        whole, chunks = whole.result().choices[0], chunks.result()
+    calls = whole.message.tool_calls or []
+    assert len(calls) <= 1 and (whole.finish_reason == "tool_calls") == bool(calls), whole
+    for call in calls:
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    streamed = {}
+    for tc in (tc for d in deltas for tc in d.tool_calls or []):
+        streamed.setdefault(tc.index, [tc.function.name, ""])[1] += tc.function.arguments or ""
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == \
+        [(name, json.loads(arguments)) for name, arguments in streamed.values()]
+    assert "".join(d.content or "" for d in deltas).strip() == (whole.message.content or "")
+
+
 @pytest.mark.slow          # the forced call above, by default
 def test_required_and_auto_tool_choice(tools_router):
     client = _client(tools_router)

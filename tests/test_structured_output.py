@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from services.engine.structured import MAX_CHARS, Grammars, SchemaError
-from services.router.structured import choice_grammar, first_form, with_calls
+from services.router.structured import calls_in_text, choice_grammar, first_form, with_calls
 from services.rpc import generate_pb2, generate_pb2_grpc
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -194,13 +194,44 @@ def test_a_json_format_beside_auto_tools_allows_the_format_or_the_calls(grammars
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    kind, text = with_calls(("json_schema", json.dumps(answer)), tools)
+    kind, text = with_calls(("json_schema", json.dumps(answer)), tools, HERMES_TAGS)
     assert _allows(grammars, text, kind, '{"city": "Paris"}') and _allows(grammars, text, kind, call)
     assert _allows(grammars, text, kind, call + "\n" + call)
     assert not _allows(grammars, text, kind, '{"town": "Paris"}') and not _allows(grammars, text, kind, "Paris")
     assert not _allows(grammars, text, kind, call.replace("get_weather", "get_time"))
-    kind, one = with_calls(("json_schema", json.dumps(answer)), tools, one_call=True)
+    kind, one = with_calls(("json_schema", json.dumps(answer)), tools, HERMES_TAGS, one_call=True)
     assert _allows(grammars, one, kind, call) and not _allows(grammars, one, kind, call + "\n" + call)
+
+
+HERMES_TAGS = ("<tool_call>", "</tool_call>")
+
+
+def test_strict_auto_calls_are_free_text_and_calls_of_the_tools(grammars):
+    """tool_choice auto with a strict tool (OpenAI's `strict`): text is free; from a
+    call's tag on, the call names one of the tools, a strict tool's arguments follow its
+    parameters and another's are any JSON object; text may follow a call, unless one call
+    was asked (parallel_tool_calls false). --tool-strict-level parameter holds them all."""
+    weather = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+        "additionalProperties": False}}}
+    clock = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}}
+    kind, text = calls_in_text([weather, clock], HERMES_TAGS)
+
+    def call(name: str, arguments: str, nl: str = "\n") -> str:
+        return f'<tool_call>{nl}{{"name": "{name}", "arguments": {arguments}}}{nl}</tool_call>'
+    assert _allows(grammars, text, kind, "Let me see. " + call("get_weather", '{"city": "Paris"}') + " Done.")
+    assert _allows(grammars, text, kind, "No call at all.")
+    assert _allows(grammars, text, kind, call("get_time", '{"zone": 1}', nl=""))      # not strict: any object
+    assert not _allows(grammars, text, kind, call("get_weather", '{"town": "Paris"}'))
+    assert not _allows(grammars, text, kind, call("get_date", "{}"))
+    assert not _allows(grammars, text, kind, call("get_time", '"utc"'))
+    kind, every = calls_in_text([weather, clock], HERMES_TAGS, every_tool_strict=True)
+    assert not _allows(grammars, every, kind, call("get_time", '{"zone": 1}'))
+    kind, one = calls_in_text([weather, clock], HERMES_TAGS, one_call=True)
+    two = call("get_weather", '{"city": "Paris"}') + call("get_time", '{"tz": "CET"}')
+    assert _allows(grammars, one, kind, "Sure. " + call("get_weather", '{"city": "Paris"}'))
+    assert not _allows(grammars, one, kind, two) and _allows(grammars, text, kind, two)
 
 
 @pytest.mark.parametrize("kind, text, code", [

@@ -319,13 +319,15 @@ def test_qwen3_coder_xml_calls_whole_and_streamed(size):
     assert _names(streamed_calls) == _names(calls) and streamed.strip() == content and stream.calls == 2
 
 
-def test_only_hermes_calls_are_joined_to_a_response_format_grammar():
-    """With tools (auto) beside a response_format, the router joins hermes' JSON calls to
-    the format's grammar; Qwen3-Coder's XML calls share hermes' tags but not its JSON, so
-    its plan is not taken for hermes'."""
+def test_only_json_calls_in_tags_are_joined_to_a_grammar():
+    """With tools (auto) beside a response_format, or strict, the router holds calls
+    written as JSON in tags (hermes' and, in its own tags, LongCat's) by a grammar;
+    Qwen3-Coder's XML calls share hermes' tags but not its JSON, so its plan has none."""
     from services.router.tools import ToolPlan
-    assert ToolPlan([], "auto", syntax=SYNTAXES["hermes"]).hermes
-    assert not ToolPlan([], "auto", syntax=SYNTAXES["qwen3_coder"]).hermes
+    assert ToolPlan([], "auto", syntax=SYNTAXES["hermes"]).json_calls == ("<tool_call>", "</tool_call>")
+    assert ToolPlan([], "auto", syntax=SYNTAXES["longcat"]).json_calls == ("<longcat_tool_call>",
+                                                                          "</longcat_tool_call>")
+    assert ToolPlan([], "auto", syntax=SYNTAXES["qwen3_coder"]).json_calls is None
 
 
 # (syntax, an output, its calls, its content)
@@ -371,3 +373,20 @@ def test_every_tool_call_parser_the_router_takes_has_a_syntax():
     from services.common.settings import RouterSettings
     (choices,) = [f.metadata["choices"] for f in dataclasses.fields(RouterSettings) if f.name == "tool_call_parser"]
     assert set(choices) == set(SYNTAXES)
+
+
+def test_a_strict_level_needs_calls_a_grammar_can_hold():
+    """--tool-strict-level function or parameter holds every auto call by a grammar: the
+    router refuses to start with it where the parser's calls are not JSON in tags, or
+    auto is off; a tool's own strict then changes nothing (strict_calls says when)."""
+    from services.router.tools import ToolPlan, check_strict_level
+    check_strict_level("parameter", "longcat")
+    check_strict_level("auto", "qwen3_coder")
+    for parser in ("qwen3_coder", "glm45", None):
+        with pytest.raises(ValueError, match="hermes, qwen3_json, longcat"):
+            check_strict_level("function", parser)
+    strict = {"type": "function", "function": {"name": "f", "strict": True}}
+    loose = {"type": "function", "function": {"name": "g"}}
+    assert ToolPlan([loose, strict], "auto").strict_calls("auto")
+    assert not ToolPlan([loose], "auto").strict_calls("auto") and ToolPlan([loose], "auto").strict_calls("function")
+    assert not ToolPlan([strict], "required", "{}").strict_calls("parameter")

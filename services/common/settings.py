@@ -320,6 +320,13 @@ class RoutingSettings:
         choices=("hermes", "qwen3_json", "longcat", "qwen3_coder", "qwen3_xml", "glm45", "glm47", "minimax_m2",
                  "llama3_json", "llama4_json", "pythonic", "mistral", "jamba", "phi4_mini_json", "internlm",
                  "deepseek_v3", "deepseek_v31", "kimi_k2"))
+    tool_strict_level: str = setting(
+        "auto", "which tool_choice auto calls a grammar holds (vLLM's flag): auto, those of a request with a "
+                "tool marked strict (OpenAI's `strict`; its arguments held to its parameters, the others' to a JSON "
+                "object); function, every request's (the call's name one of its tools', its arguments JSON); "
+                "parameter, every request's, each tool taken as strict. Needs a parser whose calls are JSON in "
+                "tags (hermes, qwen3_json, longcat); with the others a tool's strict changes nothing",
+        choices=("auto", "function", "parameter"))
     enable_auto_tool_choice: bool = setting(
         True, "tool_choice auto (the default when a request has tools): the model may call a tool or answer, "
               "its calls found by --tool-call-parser. On by default, where vLLM needs this flag; without it "

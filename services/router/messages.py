@@ -128,8 +128,8 @@ class Message(BaseModel):
 class Tool(BaseModel):
     """A custom tool. Anthropic's own tools (web search and code execution, run on its
     servers; bash, text editor and computer use, which it defines for its clients) are
-    refused by their type. The options for how Anthropic loads and streams tools change
-    nothing here."""
+    refused by their type. `strict` holds the tool's calls to its schema (tools.py); the
+    options for how Anthropic loads and streams tools change nothing here."""
     model_config = STRICT
     type: Literal["custom"] | None = None
     name: FunctionName
@@ -266,7 +266,8 @@ class MessagesRequest(BaseModel):
         if self.tools:
             out["tools"] = [{"type": "function", "function": {
                 "name": t.name, "parameters": t.input_schema,
-                **({"description": t.description} if t.description is not None else {})}} for t in self.tools]
+                **{k: v for k, v in (("description", t.description), ("strict", t.strict)) if v is not None}}}
+                for t in self.tools]
         choice = self.tool_choice
         if choice is not None:
             out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or \

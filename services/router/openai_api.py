@@ -68,10 +68,14 @@ async def chat_generations(fe: FrontEnd, req: ChatCompletionRequest,
     if tools is not None and tools.mode == "auto" and tools.syntax.special_tokens:
         req.skip_special_tokens = False         # the calls' marks are special tokens (Mistral's), as vLLM keeps them
     structure = await structured.resolve(fe, structured.asked(req))
+    one_call = req.parallel_tool_calls is False
     if tools is not None and tools.schema:
         structure = "json_schema", await fe.check_schema(tools.schema, "tools")
-    elif tools is not None and tools.hermes and structure is not None and structure[0] == "json_schema":
-        structure = structured.with_calls(structure, tools.tools, one_call=req.parallel_tool_calls is False)
+    elif tools is not None and tools.json_calls and structure is not None and structure[0] == "json_schema":
+        structure = structured.with_calls(structure, tools.tools, tools.json_calls, one_call=one_call)
+    elif tools is not None and tools.json_calls and structure is None and tools.strict_calls(fe.tool_strict_level):
+        structure = structured.calls_in_text(tools.tools, tools.json_calls, fe.tool_strict_level == "parameter",
+                                             one_call)
     prompt_ids = req.truncate(await chat_prompt(fe, req, tools), fe.max_model_len)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     gens = await generations(fe, req, request_id, prompt_ids, max_tokens, req.top_logprobs_count(), structure,

@@ -24,6 +24,7 @@ from services.router.grpc_api import GeneratorService
 from services.router.frontend import FrontEnd
 from services.router.openai_api import create_app
 from services.router.sampling import sampling_defaults
+from services.router.tools import check_strict_level
 from services.router.workers import CLEANUP_SECONDS
 from services.rpc import generate_pb2_grpc
 
@@ -45,6 +46,8 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     admission = Admission(settings.max_pending, tenant_policies(api_keys), lambda: cluster.capacity(), metrics)
     # before any worker is asked: a value no request could take stops the router here
     defaults = sampling_defaults(model_dir, settings.generation_config, settings.generation_overrides)
+    check_strict_level(settings.tool_strict_level,
+                       settings.tool_call_parser if settings.enable_auto_tool_choice else None)
     if defaults:
         log.warning("a request that leaves them out takes these sampling defaults, the model's generation config "
                     "with --override-generation-config: %s (--generation-config vllm: OpenAI's)",
@@ -56,7 +59,8 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
                   settings.request_timeout, sse_keepalive=settings.sse_keepalive_seconds,
                   shared_prefix_cache=settings.shared_prefix_cache, sampling_defaults=defaults,
                   model_aliases=tuple(aliases), reasoning_parser=settings.reasoning_parser,
-                  tool_call_parser=settings.tool_call_parser if settings.enable_auto_tool_choice else None)
+                  tool_call_parser=settings.tool_call_parser if settings.enable_auto_tool_choice else None,
+                  tool_strict_level=settings.tool_strict_level)
 
     keys = KeyCheck(api_keys)
     tls = TLSFiles(settings.tls_cert, settings.tls_key)

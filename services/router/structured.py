@@ -128,18 +128,43 @@ def choice_grammar(choices: list[str], param: str) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
 
 
-def with_calls(structure: Structure, tools: list[dict], one_call: bool = False) -> Structure:
-    """The JSON `structure` or Hermes-style calls of `tools` (chatml-tools.jinja's
-    `<tool_call>` tags, which tools.py parses), one or more (one with `one_call`), as one
-    structural tag."""
+def with_calls(structure: Structure, tools: list[dict], tags: tuple[str, str], one_call: bool = False) -> Structure:
+    """The JSON `structure` or calls of `tools` in `tags` (JSON in tags, as hermes writes
+    them: chatml-tools.jinja's `<tool_call>`), one or more (one with `one_call`), as one
+    structural tag. Every call's arguments are held to its tool's parameters."""
     kind, schema = structure
-    calls = [{"type": "tag", "begin": "<tool_call>\n", "end": "\n</tool_call>", "content": {
-        "type": "json_schema", "json_schema": {
-            "type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                             "arguments": t["function"].get("parameters") or {"type": "object"}},
-            "required": ["name", "arguments"]}}} for t in tools]
+    calls = call_tags(tools, tags, every_tool_strict=True)
     either = {"type": "or", "elements": [
         {"type": "json_schema", "json_schema": json.loads(schema)},
-        {"type": "or", "elements": calls} if one_call else
-        {"type": "tags_with_separator", "tags": calls, "separator": "\n", "at_least_one": True}]}
+        {"type": "tags_with_separator", "tags": calls, "separator": "\n", "at_least_one": True,
+         **({"stop_after_first": True} if one_call else {})}]}
     return "structural_tag", json.dumps({"type": "structural_tag", "format": either})
+
+
+def calls_in_text(tools: list[dict], tags: tuple[str, str], every_tool_strict: bool = False,
+                  one_call: bool = False) -> Structure:
+    """Free text in which a call, from its opening tag on, is a call of one of `tools`
+    (tool_choice auto with strict tools, or --tool-strict-level): its name one of theirs,
+    its arguments a JSON object, held to the tool's parameters where the tool is strict
+    (or `every_tool_strict`). After `one_call`, the output ends with the call."""
+    found = {"type": "triggered_tags", "triggers": [tags[0]], "tags": call_tags(tools, tags, every_tool_strict),
+             **({"stop_after_first": True} if one_call else {})}
+    return "structural_tag", json.dumps({"type": "structural_tag", "format": found})
+
+
+def call_tags(tools: list[dict], tags: tuple[str, str], every_tool_strict: bool) -> list[dict]:
+    """xgrammar tags of hermes-style calls of `tools`: `OPEN{"name": "NAME", "arguments":
+    {...}}CLOSE`, a newline inside each tag or none (as vLLM's hermes tags have it). A
+    tool's name is letters, digits and `_.:-` (protocol.FunctionName): no JSON escapes."""
+    opened, closed = tags
+    return [{"type": "tag", "begin": f'{opened}{nl}{{"name": "{t["function"]["name"]}", "arguments": ',
+             "content": {"type": "json_schema", "json_schema": _arguments(t["function"], every_tool_strict)},
+             "end": f"}}{nl}{closed}"} for t in tools for nl in ("\n", "")]
+
+
+def _arguments(function: dict, strict: bool) -> dict:
+    """What a call's arguments are held to: the tool's parameters where it is strict, any
+    JSON object where not."""
+    if strict or function.get("strict") is True:
+        return function.get("parameters") or {"type": "object"}
+    return {"type": "object"}

@@ -12,10 +12,13 @@ refused instead of answered as if no tools were given. What the model writes bac
 With a `response_format` as well (an agent with tools and a structured final answer),
 a named or required choice is constrained by its calls, as above, and the format is
 checked but applies to no text; with "auto" the output is either the format or calls
-(structured.py `with_calls`, Hermes-style calls), as OpenAI has it, where vLLM lets the
+(structured.py `with_calls`, calls as JSON in tags), as OpenAI has it, where vLLM lets the
 format alone constrain it: an agent can call its tools and still answer in its format
 (with another parser, the format alone constrains it, as in vLLM). A regex,
 grammar or choice beside "auto" constrains the whole output: no call can be written.
+With neither, "auto" calls are held by a grammar where a tool is `strict` (OpenAI's), or
+the router's --tool-strict-level says so (vLLM's): text is free, and from a call's tag
+on it is a call of one of the tools (structured.py `calls_in_text`).
 """
 from __future__ import annotations
 
@@ -35,9 +38,16 @@ class ToolPlan:
     syntax: object = SYNTAXES["hermes"]     # how "auto" output writes its calls (tool_syntax.py)
 
     @property
-    def hermes(self) -> bool:
-        """Whether "auto" calls are hermes' own, in <tool_call> tags (not LongCat's, in tags of its own)."""
-        return type(self.syntax) is Hermes
+    def json_calls(self) -> tuple[str, str] | None:
+        """The tags of "auto" calls that are JSON in tags, as hermes writes them (hermes,
+        qwen3_json, longcat), which a grammar can hold; None for the other syntaxes."""
+        return json_call_tags(self.syntax)
+
+    def strict_calls(self, level: str) -> bool:
+        """Whether "auto" calls are held by a grammar: where a tool asks it (OpenAI's
+        `strict`), or --tool-strict-level (`level`) is function or parameter."""
+        return self.mode == "auto" and (level != "auto" or any(t["function"].get("strict") is True
+                                                                for t in self.tools))
 
     @property
     def streams_arguments(self) -> bool:
@@ -78,6 +88,18 @@ def plan_tools(req: ChatCompletionRequest, template_supports_tools: bool,
         raise unsupported("tool_choice", "tool_choice auto (the default with tools) is off on this server "
                                          "(--no-enable-auto-tool-choice): ask for required, none or a named function")
     return ToolPlan(tools, "auto", syntax=SYNTAXES[parser])
+
+
+def json_call_tags(syntax) -> tuple[str, str] | None:
+    return (syntax.OPEN, syntax.CLOSE) if isinstance(syntax, Hermes) else None
+
+
+def check_strict_level(level: str, parser: str | None) -> None:
+    """--tool-strict-level function or parameter holds every "auto" call by a grammar,
+    which needs calls that are JSON in tags."""
+    if level != "auto" and (parser is None or json_call_tags(SYNTAXES[parser]) is None):
+        raise ValueError(f"--tool-strict-level {level} needs tool_choice auto with a --tool-call-parser whose "
+                         f"calls are JSON in tags: {', '.join(n for n, s in SYNTAXES.items() if json_call_tags(s))}")
 
 
 def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
