@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.command == "router":
             from services.router.server import serve
             asyncio.run(serve(from_args(RouterSettings, a)))
-            return 0
+            exit_now(0)         # stopped all it started: no interpreter teardown (lifecycle.py)
         from services.worker.main import run_worker
         settings = from_args(WorkerSettings, a, role=a.command)
         if a.command == "decode":

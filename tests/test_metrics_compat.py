@@ -313,3 +313,32 @@ def test_a_stuck_stop_exits_with_every_threads_stack():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and out.stdout == "went on\n" and time.monotonic() - t0 < 30, out
     assert "Timeout (0:00:00.500000)!" in out.stderr and "in stuck" in out.stderr, out.stderr
+
+
+def test_a_stop_leaves_what_will_not_end_and_names_it(caplog):
+    """lifecycle.cancel_and_wait and within: a task that swallows its cancellation, or a
+    part that runs past its bound, is waited for no longer than the bound and logged by
+    name (with its stack), and the stop goes on."""
+    import asyncio
+    from services.common.lifecycle import cancel_and_wait, within
+
+    async def stubborn():
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:              # swallowed once: a cleanup that carries on
+            await asyncio.sleep(30)
+
+    async def main():
+        task = asyncio.create_task(stubborn(), name="stubborn")
+        await asyncio.sleep(0)
+        t0 = time.monotonic()
+        await cancel_and_wait([task], 0.2, "a test's stop")
+        assert not task.done() and time.monotonic() - t0 < 5
+        assert await within(asyncio.sleep(0), 1, "a quick part")
+        assert not await within(asyncio.sleep(30), 0.1, "a slow part")
+        task.cancel()                               # the second cancel ends it
+    with caplog.at_level(logging.WARNING, logger="services.common.lifecycle"):
+        asyncio.run(main())
+    said = caplog.text
+    assert "a test's stop: stubborn still running 0.2 s after it was cancelled" in said and "in stubborn" in said
+    assert "a slow part: still running after 0.1 s" in said and "quick part" not in said

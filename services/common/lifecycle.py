@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import faulthandler
+import io
 import json
 import logging
 import os
@@ -11,7 +12,9 @@ import signal
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterator
+from typing import Awaitable, Iterable, Iterator
+
+log = logging.getLogger(__name__)
 
 
 def setup_logging(level: str, role: str, fmt: str = "text") -> None:
@@ -98,6 +101,36 @@ def stop_within(seconds: float, process_ends: bool) -> Iterator[None]:
             faulthandler.cancel_dump_traceback_later()
 
 
+async def within(awaited: Awaitable, seconds: float, what: str) -> bool:
+    """Waits up to `seconds` for `awaited` (a coroutine or task); whether it ended. One
+    still running is left as it is, and said by name: the stop goes on without it."""
+    task = asyncio.ensure_future(awaited)
+    await asyncio.wait([task], timeout=seconds)
+    if not task.done():
+        log.warning("%s: still running after %.1f s; going on without it", what, seconds)
+        return False
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("%s failed: %r", what, task.exception())
+    return True
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task], seconds: float, what: str) -> None:
+    """Cancels `tasks` and waits up to `seconds` for them to end. One still running then
+    (it swallowed its cancellation, or waits on what cancelling cannot end) is left, and
+    logged with its stack: a stop never waits on it unbounded."""
+    running = [t for t in tasks if not t.done()]
+    for task in running:
+        task.cancel()
+    if not running:
+        return
+    _, left = await asyncio.wait(running, timeout=seconds)
+    for task in left:
+        stack = io.StringIO()
+        task.print_stack(file=stack)
+        log.warning("%s: %s still running %.1f s after it was cancelled\n%s", what, task.get_name(), seconds,
+                    stack.getvalue())
+
+
 def set_torch_threads(threads: int) -> None:
     import torch
     if threads > 0:
@@ -149,9 +182,11 @@ def settle_garbage_collector() -> None:
 
 def exit_now(code: int) -> None:
     """End the process with `code` at once, its output flushed, without tearing down the
-    interpreter: for a worker that has stopped everything it started. Tearing down one
-    that holds torch and Triton takes most of a second more, and has Triton's bindings
-    report hundreds of objects they never freed (nanobind's leak list) on every stop."""
+    interpreter: for a service that has stopped everything it started. Tearing down a
+    worker that holds torch and Triton takes most of a second more, and has Triton's
+    bindings report hundreds of objects they never freed (nanobind's leak list) on every
+    stop; a router's teardown would join its tokenizer threads and wait on gRPC's own
+    shutdown, neither bounded."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -11,7 +11,8 @@ from pathlib import Path
 import uvicorn
 
 from services.common.grpc_server import ServiceHost
-from services.common.lifecycle import announce, settle_garbage_collector, stop_event_on_signals, stop_within
+from services.common.lifecycle import (announce, cancel_and_wait, settle_garbage_collector, stop_event_on_signals,
+                                       stop_within, within)
 from services.common.metrics import RouterMetrics
 from services.common.security import KeyCheck, RequireBearer, TLSFiles, read_api_keys
 from services.common.settings import RouterSettings
@@ -111,17 +112,23 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         await asyncio.wait([asyncio.create_task(stop.wait()), http_task], return_when=asyncio.FIRST_COMPLETED)
     finally:
         # each part below is bounded; past all of them together the stop is stuck
-        with stop_within(2 * grace + CLEANUP_SECONDS + STOP_MARGIN, process_ends):
+        with stop_within(2 * grace + CLEANUP_SECONDS + 6 * STOP_MARGIN, process_ends):
             await host.set_status(False)
             fe.drain(settings.drain_timeout)
             http.should_exit = True
             phases = StopClock()
-            await host.server.stop(grace)
+            await within(host.server.stop(grace), grace + STOP_MARGIN, "the gRPC server's stop")
             phases.done("gRPC")
-            await http_task
+            if not await within(http_task, grace + STOP_MARGIN, "the HTTP server's stop"):
+                http.force_exit = True                  # its wait for connections ends at once
+                await within(http_task, STOP_MARGIN, "the HTTP server's forced stop")
             phases.done("HTTP")
             await cluster.stop()
             phases.done("workers' channels")
+            # what is left (requests parked on their clients' queues, background calls)
+            # ends here, bounded, not in asyncio.run's unbounded cancel of every task
+            await cancel_and_wait(asyncio.all_tasks() - {asyncio.current_task()}, STOP_MARGIN, "router stop")
+            phases.done("what was left")
             phases.report(grace)
 
 

@@ -22,8 +22,9 @@ from typing import Coroutine
 import grpc
 
 from services.common.grpc_server import channel
+from services.common.lifecycle import cancel_and_wait
 from services.common.metrics import RouterMetrics
-from services.common.registry import RedisRegistry
+from services.common.registry import CLOSE_TIMEOUT, RedisRegistry
 from services.common.security import ClusterSecret, call_interceptors
 from services.common.settings import RouterSettings
 from services.engine.core.prefix_cache import cached_prefix_blocks
@@ -193,10 +194,11 @@ class WorkerSet:
         w.stub = stub(w.chan)
 
     async def stop(self) -> None:
-        if self._refresher:
-            self._refresher.cancel()
+        if self._refresher:             # it ends its joins listener (a Redis close, bounded) as it goes
+            await cancel_and_wait([self._refresher], 3 * CLOSE_TIMEOUT, "the worker refresh")
         if self._cleanups:
             await asyncio.wait(self._cleanups, timeout=CLEANUP_SECONDS)
+            await cancel_and_wait(self._cleanups, CLOSE_TIMEOUT, "calls to workers still running at the stop")
         for w in self.decode + self.prefill:
             if w.chan is not None:
                 await w.chan.close()
@@ -229,7 +231,7 @@ class WorkerSet:
                     log.exception("worker refresh failed")
         finally:
             if listener:
-                listener.cancel()
+                await cancel_and_wait([listener], 2 * CLOSE_TIMEOUT, "the registry's joins listener")
 
     async def _listen_for_joins(self, joined: asyncio.Event) -> None:
         while True:
