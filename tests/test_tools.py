@@ -390,3 +390,19 @@ def test_a_strict_level_needs_calls_a_grammar_can_hold():
     assert ToolPlan([loose, strict], "auto").strict_calls("auto")
     assert not ToolPlan([loose], "auto").strict_calls("auto") and ToolPlan([loose], "auto").strict_calls("function")
     assert not ToolPlan([strict], "required", "{}").strict_calls("parameter")
+
+
+@pytest.mark.parametrize("size", [1, 7, 1000])
+def test_one_call_asked_gives_the_first_call_whole_and_streamed(size):
+    """parallel_tool_calls false under "auto": the first call only, whole and streamed
+    however chunked (for hermes a grammar also ends the output after it:
+    test_structured_output), with the text around the calls kept as content."""
+    plan = ToolPlan([{"type": "function", "function": {"name": "get_weather"}}], "auto", one_call=True)
+    content, calls = parse_calls(plan, TEXT)
+    assert _names(calls) == [("get_weather", {"city": "Paris"})]
+    assert plan.strict_calls("auto") and not ToolPlan([], "auto").strict_calls("auto")
+    stream = plan.stream()
+    pieces = [p for i in range(0, len(TEXT), size) for p in stream.pieces(TEXT[i:i + size])] + stream.close()
+    streamed, streamed_calls = split(pieces)
+    assert _names(streamed_calls) == _names(calls) and stream.calls == 1
+    assert streamed.strip() == content

@@ -243,7 +243,7 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
     held = {i: [] for i in range(len(gens))}       # "required" tool output: known only at its end
     thinking = [ThinkingStream(shape.thinking) for _ in gens] if shape.thinking is not None else None
     # "auto": content streams, calls go out whole
-    calls = [tools.syntax.stream() for _ in gens] if tools is not None and tools.mode == "auto" else []
+    calls = [tools.stream() for _ in gens] if tools is not None and tools.mode == "auto" else []
     offsets = [0] * len(gens)                     # completions: where each choice's text is
     # Output tokens sent so far, per choice: continuous usage counts these (vLLM's role
     # chunk, before the first token, counts none), not those made and still queued.

@@ -51,7 +51,7 @@ class ItemStream:
         self._text_index: int | None = None
         self.text = ""
         self._held = ""                     # "required" calls: known at the end
-        self._auto = tools.syntax.stream() if tools is not None and tools.mode == "auto" else None
+        self._auto = tools.stream() if tools is not None and tools.mode == "auto" else None
         self._named: tuple[int, dict] | None = None     # (output index, call) of a named call
         self._arguments = ""
 

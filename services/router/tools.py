@@ -36,6 +36,7 @@ class ToolPlan:
     schema: str = ""                    # what constrains the output ("" for auto)
     name: str = ""                      # the forced function, when named
     syntax: object = SYNTAXES["hermes"]     # how "auto" output writes its calls (tool_syntax.py)
+    one_call: bool = False              # parallel_tool_calls false: "auto" gives its first call only
 
     @property
     def json_calls(self) -> tuple[str, str] | None:
@@ -45,14 +46,46 @@ class ToolPlan:
 
     def strict_calls(self, level: str) -> bool:
         """Whether "auto" calls are held by a grammar: where a tool asks it (OpenAI's
-        `strict`), or --tool-strict-level (`level`) is function or parameter."""
-        return self.mode == "auto" and (level != "auto" or any(t["function"].get("strict") is True
-                                                                for t in self.tools))
+        `strict`), one call only is asked (the grammar ends the output after it), or
+        --tool-strict-level (`level`) is function or parameter."""
+        return self.mode == "auto" and (level != "auto" or self.one_call or any(
+            t["function"].get("strict") is True for t in self.tools))
+
+    def stream(self):
+        """A stream of an "auto" output's content and calls (tool_syntax.py), its first
+        call only where one is asked (where no grammar ended the output after it)."""
+        calls = self.syntax.stream()
+        return FirstCall(calls) if self.one_call else calls
 
     @property
     def streams_arguments(self) -> bool:
         """Named calls stream their arguments as they come; the others are known at the end."""
         return self.mode == "named"
+
+
+class FirstCall:
+    """An "auto" stream that passes on its first call and drops the others, as
+    parse_calls drops them from a whole output (parallel_tool_calls false)."""
+
+    def __init__(self, calls) -> None:
+        self._calls = calls
+        self.calls = 0
+
+    def pieces(self, text: str) -> list[str | dict]:
+        return self._first(self._calls.pieces(text))
+
+    def close(self) -> list[str | dict]:
+        return self._first(self._calls.close())
+
+    def _first(self, pieces: list[str | dict]) -> list[str | dict]:
+        out = []
+        for piece in pieces:
+            if isinstance(piece, dict):
+                if self.calls:
+                    continue
+                self.calls += 1
+            out.append(piece)
+        return out
 
 
 def plan_tools(req: ChatCompletionRequest, template_supports_tools: bool,
@@ -87,7 +120,7 @@ def plan_tools(req: ChatCompletionRequest, template_supports_tools: bool,
     if parser is None:
         raise unsupported("tool_choice", "tool_choice auto (the default with tools) is off on this server "
                                          "(--no-enable-auto-tool-choice): ask for required, none or a named function")
-    return ToolPlan(tools, "auto", syntax=SYNTAXES[parser])
+    return ToolPlan(tools, "auto", syntax=SYNTAXES[parser], one_call=req.parallel_tool_calls is False)
 
 
 def json_call_tags(syntax) -> tuple[str, str] | None:
@@ -115,7 +148,8 @@ def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
                 break
         # none whole: cut short by max_tokens inside the first call
         return (None, calls) if calls else (text, [])
-    return plan.syntax.parse(text)
+    content, calls = plan.syntax.parse(text)
+    return content, calls[:1] if plan.one_call else calls
 
 
 def split_output(plan: ToolPlan | None, text: str) -> tuple[str, list[dict]]:
