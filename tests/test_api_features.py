@@ -479,7 +479,8 @@ def test_a_strict_tool_holds_auto_calls_to_its_schema(tools_router):
     """tool_choice auto with a tool marked strict: what the model writes as a call is a
     call of that tool, its arguments valid (the grammar's own cases:
     test_structured_output), one only with parallel_tool_calls false, and the stream
-    gives the calls and text the whole answer gives."""
+    gives the calls and text the whole answer gives, a call's arguments as they come
+    (its first delta names it)."""
     client = _client(tools_router)
     strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
     kw = dict(model=MODEL, messages=ASK, tools=[strict], max_tokens=80, temperature=0, parallel_tool_calls=False)
@@ -493,9 +494,11 @@ def test_a_strict_tool_holds_auto_calls_to_its_schema(tools_router):
         assert call.function.name == "get_weather"
         jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
     deltas = [c.choices[0].delta for c in chunks if c.choices]
-    streamed = {}
-    for tc in (tc for d in deltas for tc in d.tool_calls or []):
+    streamed, parts = {}, [tc for d in deltas for tc in d.tool_calls or []]
+    for tc in parts:
         streamed.setdefault(tc.index, [tc.function.name, ""])[1] += tc.function.arguments or ""
+    if calls:
+        assert parts[0].id and parts[0].function.name == "get_weather" and len(parts) > 2, parts
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == \
         [(name, json.loads(arguments)) for name, arguments in streamed.values()]
     assert "".join(d.content or "" for d in deltas).strip() == (whole.message.content or "")

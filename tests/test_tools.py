@@ -406,3 +406,54 @@ def test_one_call_asked_gives_the_first_call_whole_and_streamed(size):
     streamed, streamed_calls = split(pieces)
     assert _names(streamed_calls) == _names(calls) and stream.calls == 1
     assert streamed.strip() == content
+
+
+HELD = ('Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}ris</tool_call>\\"", "days": [1, {"n": 2}]}}\n'
+        '</tool_call> and <tool_call>{"name": "get_time", "arguments": {}}</tool_call> done')
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 1000])
+def test_calls_a_grammar_holds_stream_their_arguments_as_they_come(size):
+    """Calls a grammar holds (a strict tool, one call asked, a format beside the tools):
+    each opens with its name as soon as the name is written, then its arguments stream
+    as they come, braces, quotes and the closing tag inside strings included; a whole
+    output gives the same calls and content, and a call cut by max_tokens ends with what
+    it had, both ways."""
+    from services.router.tool_syntax import CallPart
+    plan = ToolPlan([], "auto", held=True)
+    for text, names in ((HELD, ["get_weather", "get_time"]), (HELD[:70], ["get_weather"])):
+        content, calls = parse_calls(plan, text)
+        assert [c["function"]["name"] for c in calls] == names
+        stream, pieces = plan.stream(), []
+        for i in range(0, len(text), size):
+            got = stream.pieces(text[i:i + size])
+            pieces += got
+            if size < 5 and any(isinstance(p, CallPart) and p.kind == "open" for p in got):
+                assert not any(isinstance(p, CallPart) and p.kind == "close" for p in got)   # open before whole
+        pieces += stream.close()
+        parts = [p for p in pieces if isinstance(p, CallPart)]
+        assert [(p.kind, p.index) for p in parts if p.kind != "arguments"] == \
+            [(kind, k) for k in range(len(names)) for kind in ("open", "close")]
+        for k, call in enumerate(calls):
+            assert "".join(p.text for p in parts if p.kind == "arguments" and p.index == k) == \
+                call["function"]["arguments"] == [p for p in parts if p.kind == "close"][k].call["function"]["arguments"]
+        assert "".join(p for p in pieces if isinstance(p, str)).strip() == content
+    assert json.loads(parse_calls(plan, HELD)[1][0]["function"]["arguments"]) == \
+        {"city": 'Pa}ris</tool_call>"', "days": [1, {"n": 2}]}
+    assert parse_calls(plan, HELD[:70])[1][0]["function"]["arguments"] == HELD[:70].split('"arguments": ')[1]
+    assert parse_calls(plan, "Just text <tool_call>\n{\"na") == ("Just text <tool_call>\n{\"na", [])
+
+
+def test_output_items_of_calls_a_grammar_holds():
+    """Responses' and Messages' items of such a stream: the call's item opens with its
+    name, its arguments follow as deltas, and it closes with all of them."""
+    from services.router.output_items import ItemStream
+    items = ItemStream(ToolPlan([], "auto", held=True), one_text=False)
+    steps = [s for i in range(0, len(HELD), 4) for s in items.feed(HELD[i:i + 4])] + items.close()
+    kinds = [(s.kind, s.index) for s in steps if s.kind not in ("text", "arguments")]
+    assert kinds == [("open_text", 0), ("close_text", 0), ("open_call", 1), ("close_call", 1), ("open_text", 2),
+                     ("close_text", 2), ("open_call", 3), ("close_call", 3), ("open_text", 4), ("close_text", 4)]
+    for index in (1, 3):
+        (closed,) = [s for s in steps if s.kind == "close_call" and s.index == index]
+        assert "".join(s.delta for s in steps if s.kind == "arguments" and s.index == index) == closed.delta
+    assert json.loads([s for s in steps if s.kind == "close_call"][0].delta)["days"] == [1, {"n": 2}]

@@ -296,15 +296,31 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
         if tools.streams_arguments:
             return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
         if tools.mode == "auto":
-            return auto_delta(index, *split(calls[index].pieces(text)))
+            return auto_delta(index, calls[index].pieces(text))
         held[index].append(text)
         return {}
 
-    def auto_delta(index: int, text: str, found: list[dict]) -> dict:
+    def auto_delta(index: int, pieces: list) -> dict:
+        """A delta of an "auto" stream's pieces: its text as content, each whole call (the
+        calls counted so far end with them), and each call's parts as they come (an
+        opening with the name, then its arguments), one entry a call."""
+        text, found = split(pieces)
         delta: dict = {"content": text} if text else {}
-        if found:
-            first = calls[index].calls - len(found)
-            delta["tool_calls"] = [{"index": first + k, **call} for k, call in enumerate(found)]
+        first = calls[index].calls - len(found)
+        entries: dict[int, dict] = {}
+        for piece in pieces:
+            if isinstance(piece, str):
+                continue
+            if isinstance(piece, dict):
+                entries[first] = {"index": first, **piece}
+                first += 1
+            elif piece.kind == "open":
+                entries[piece.index] = {"index": piece.index, **piece.call}
+            elif piece.kind == "arguments":
+                entry = entries.setdefault(piece.index, {"index": piece.index, "function": {"arguments": ""}})
+                entry["function"] = {**entry["function"], "arguments": entry["function"]["arguments"] + piece.text}
+        if entries:
+            delta["tool_calls"] = list(entries.values())
         return delta
 
     def closing(index: int, finish: str) -> tuple[dict, str]:
@@ -312,7 +328,7 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
         if tools is None or tools.streams_arguments:
             return {}, finish
         if tools.mode == "auto":
-            return auto_delta(index, *split(calls[index].close())), \
+            return auto_delta(index, calls[index].close()), \
                 "tool_calls" if calls[index].calls and finish == "stop" else finish
         text, calls_found = parse_calls(tools, "".join(held[index]))
         if not calls_found:

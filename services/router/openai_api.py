@@ -11,6 +11,7 @@ bodies: a web page can post a form or text/plain to a server on its visitor's ma
 without asking, but not JSON. CORS is off unless origins are allowed."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -73,9 +74,11 @@ async def chat_generations(fe: FrontEnd, req: ChatCompletionRequest,
         structure = "json_schema", await fe.check_schema(tools.schema, "tools")
     elif tools is not None and tools.json_calls and structure is not None and structure[0] == "json_schema":
         structure = structured.with_calls(structure, tools.tools, tools.json_calls, one_call=one_call)
+        tools = dataclasses.replace(tools, held=True)
     elif tools is not None and tools.json_calls and structure is None and tools.strict_calls(fe.tool_strict_level):
         structure = structured.calls_in_text(tools.tools, tools.json_calls, fe.tool_strict_level == "parameter",
                                              one_call)
+        tools = dataclasses.replace(tools, held=True)
     prompt_ids = req.truncate(await chat_prompt(fe, req, tools), fe.max_model_len)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     gens = await generations(fe, req, request_id, prompt_ids, max_tokens, req.top_logprobs_count(), structure,

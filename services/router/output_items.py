@@ -53,6 +53,7 @@ class ItemStream:
         self._held = ""                     # "required" calls: known at the end
         self._auto = tools.stream() if tools is not None and tools.mode == "auto" else None
         self._named: tuple[int, dict] | None = None     # (output index, call) of a named call
+        self._held_calls: dict[int, int] = {}   # a call whose parts stream (tool_syntax.CallPart): its output index
         self._arguments = ""
 
     def _next_index(self) -> int:
@@ -86,9 +87,23 @@ class ItemStream:
         self._held += text
         return []
 
-    def _pieces(self, pieces: list[str | dict]) -> list[Step]:
-        """The steps of an "auto" stream's text and calls, in order."""
-        return [s for piece in pieces for s in (self._say(piece) if isinstance(piece, str) else self._whole_call(piece))]
+    def _pieces(self, pieces: list) -> list[Step]:
+        """The steps of an "auto" stream's text, whole calls and calls' parts, in order."""
+        steps = []
+        for piece in pieces:
+            if isinstance(piece, str):
+                steps += self._say(piece)
+            elif isinstance(piece, dict):
+                steps += self._whole_call(piece)
+            elif piece.kind == "open":
+                index, opened = self._open_call(piece.call)
+                self._held_calls[piece.index] = index
+                steps += opened
+            else:
+                index = self._held_calls[piece.index]
+                steps.append(Step("arguments", index, piece.text, piece.call) if piece.kind == "arguments" else
+                             Step("close_call", index, piece.call["function"]["arguments"], piece.call))
+        return steps
 
     def close(self) -> list[Step]:
         tools, steps = self.tools, (self.feed("", final=True) if self._thinking is not None else [])

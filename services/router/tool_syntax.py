@@ -26,6 +26,7 @@ import re
 import secrets
 import string
 import uuid
+from dataclasses import dataclass
 from typing import Callable
 
 from services.engine.text.tokenizer import held_tail
@@ -241,6 +242,155 @@ class TaggedCalls:
         rest = (self.syntax.OPEN if self._in_call else "") + self._held
         self._held, self._in_call = "", False
         return [rest] if rest else []
+
+
+@dataclass(frozen=True)
+class CallPart:
+    """A piece of a call whose arguments stream as they are written (HeldCalls): `kind`
+    "open" (the call as new_call makes it, its arguments ""), "arguments" (more of them,
+    `text`) or "close" (the call with all its arguments). `index`: the call's place among
+    the stream's calls."""
+    kind: str
+    index: int
+    call: dict
+    text: str = ""
+
+
+class HeldCalls:
+    """A stream of calls written as JSON in tags (a `Hermes` syntax's) that a grammar
+    holds from their tag on to `OPEN{"name": "NAME", "arguments": VALUE}CLOSE`, a newline
+    inside each tag or none (structured.call_tags): a call opens once its name is
+    written and its arguments stream as they come, as vLLM streams them. Only a cut
+    (max_tokens) ends one short, with the arguments written so far. A whole output is
+    read the same way (`parse`), so both give the same calls and content."""
+    _HEAD = re.compile(r'\n?\{"name": "([^"\\]*)", "arguments": ')
+    _HEAD_LONGEST = 200                 # past this, text after a tag that is no head is text
+
+    def __init__(self, syntax: Tagged) -> None:
+        self.syntax = syntax
+        self._held = ""
+        self._state = "text"            # text, head, arguments or end (of the call, after its arguments)
+        self._call: dict | None = None
+        self._arguments = ""
+        self._value = JsonValueEnd()
+        self.calls = 0
+
+    @classmethod
+    def parse(cls, syntax: Tagged, text: str) -> tuple[str | None, list[dict]]:
+        stream = cls(syntax)
+        pieces = stream.pieces(text) + stream.close()
+        content = "".join(p for p in pieces if isinstance(p, str))
+        calls = [p.call for p in pieces if isinstance(p, CallPart) and p.kind == "close"]
+        return (content.strip() or None, calls) if calls else (content, [])
+
+    def pieces(self, text: str) -> list[str | CallPart]:
+        self._held += text
+        out: list[str | CallPart] = []
+        opened, closed = self.syntax.OPEN, self.syntax.CLOSE
+        while True:
+            if self._state == "text":
+                start = self._held.find(opened)
+                if start < 0:
+                    keep = held_tail(self._held, (opened,))
+                    out.append(self._held[:len(self._held) - keep])
+                    self._held = self._held[len(self._held) - keep:]
+                    break
+                out.append(self._held[:start])
+                self._held, self._state = self._held[start + len(opened):], "head"
+            elif self._state == "head":
+                head = self._HEAD.match(self._held)
+                if head is None:
+                    if '"arguments": ' not in self._held and len(self._held) < self._HEAD_LONGEST:
+                        break                   # more is to come
+                    out.append(opened)          # no grammar held this one: it is text
+                    self._state = "text"
+                    continue
+                self._call, self._arguments, self._value = new_call(head.group(1), ""), "", JsonValueEnd()
+                out.append(CallPart("open", self.calls, self._call))
+                self.calls += 1
+                self._held, self._state = self._held[head.end():], "arguments"
+            elif self._state == "arguments":
+                taken = self._value.feed(self._held)
+                if taken:
+                    self._arguments += self._held[:taken]
+                    out.append(CallPart("arguments", self.calls - 1, self._call, self._held[:taken]))
+                    self._held = self._held[taken:]
+                if not self._value.ended:
+                    break
+                self._state = "end"
+            else:                               # "}", a newline or none, the closing tag
+                ending = self._held.lstrip("}\n")
+                if closed.startswith(ending) and len(ending) < len(closed):
+                    break
+                if ending.startswith(closed):
+                    self._held = ending[len(closed):]
+                out.append(self._closed())
+        return [p for p in out if p != ""]
+
+    def _closed(self) -> CallPart:
+        call = {**self._call, "function": {**self._call["function"], "arguments": self._arguments}}
+        self._state, self._call = "text", None
+        return CallPart("close", self.calls - 1, call)
+
+    def close(self) -> list[str | CallPart]:
+        """What is left at the end: text, the tag of a call that never began, or the end
+        of a call cut short."""
+        out: list[str | CallPart] = []
+        if self._state == "head":
+            out.append(self.syntax.OPEN + self._held)
+        elif self._state in ("arguments", "end"):
+            out.append(self._closed())
+        elif self._held:
+            out.append(self._held)
+        self._held, self._state = "", "text"
+        return out
+
+
+class JsonValueEnd:
+    """Finds where one JSON value ends as its text comes: an object, an array or a
+    string at its closing mark, another value (a number, true, false, null) before the
+    first character that is not its own."""
+
+    def __init__(self) -> None:
+        self.ended = False
+        self._depth = 0
+        self._started = False
+        self._string = False
+        self._escaped = False
+        self._scalar = False
+
+    def feed(self, text: str) -> int:
+        """How many of `text`'s characters belong to the value (all of them, or up to
+        its end)."""
+        for at, ch in enumerate(text):
+            if self.ended:
+                return at
+            if not self._started:
+                if ch in " \t\r\n":
+                    continue
+                self._started = True
+                self._scalar = ch not in "{[\""
+            if self._scalar:
+                if ch in ",}] \t\r\n":
+                    self.ended = True
+                    return at
+                continue
+            if self._string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._string = False
+                    self.ended = self._depth == 0
+            elif ch == '"':
+                self._string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                self.ended = self._depth == 0
+        return len(text)
 
 
 class WholeOutput:

@@ -26,7 +26,7 @@ import json
 from dataclasses import dataclass
 
 from services.router.protocol import ChatCompletionRequest, NamedToolChoice, bad_request, unsupported
-from services.router.tool_syntax import SYNTAXES, Hermes, new_call
+from services.router.tool_syntax import SYNTAXES, HeldCalls, Hermes, new_call
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class ToolPlan:
     name: str = ""                      # the forced function, when named
     syntax: object = SYNTAXES["hermes"]     # how "auto" output writes its calls (tool_syntax.py)
     one_call: bool = False              # parallel_tool_calls false: "auto" gives its first call only
+    held: bool = False                  # a grammar holds "auto" calls: their arguments stream as they come
 
     @property
     def json_calls(self) -> tuple[str, str] | None:
@@ -52,9 +53,10 @@ class ToolPlan:
             t["function"].get("strict") is True for t in self.tools))
 
     def stream(self):
-        """A stream of an "auto" output's content and calls (tool_syntax.py), its first
+        """A stream of an "auto" output's content and calls (tool_syntax.py): whole calls,
+        or, where a grammar holds them, the parts of each as it is written; the first
         call only where one is asked (where no grammar ended the output after it)."""
-        calls = self.syntax.stream()
+        calls = HeldCalls(self.syntax) if self.held else self.syntax.stream()
         return FirstCall(calls) if self.one_call else calls
 
     @property
@@ -148,7 +150,7 @@ def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
                 break
         # none whole: cut short by max_tokens inside the first call
         return (None, calls) if calls else (text, [])
-    content, calls = plan.syntax.parse(text)
+    content, calls = HeldCalls.parse(plan.syntax, text) if plan.held else plan.syntax.parse(text)
     return content, calls[:1] if plan.one_call else calls
 
 
