@@ -257,22 +257,29 @@ def test_auto_needs_a_parser_and_the_others_do_not():
         assert plan_tools(ChatCompletionRequest.model_validate({**ask, "tool_choice": choice}), True, parser=None)
 
 
+# token ids as texts: a tag one token (7, 8 and 9) or several (10-14 spell <think> and
+# </think> as a tokenizer without them may)
+TEXTS = {0: " ", 1: "a", 2: "b", 3: "c", 4: "d", 5: "e", 7: "<think>", 8: "</", 9: "think>",
+         10: "<", 11: "think", 12: ">", 13: "\n</", 14: "thi", 15: "nk>\n\n"}
+
+
 @pytest.mark.parametrize("size", [1, 2, 100])
 def test_thinking_tokens_are_those_inside_the_block_not_its_tags(size):
     """usage's reasoning_tokens, counted token by token as the choice streams: a block
-    open from the start or opened by the output's first tokens, here with an end tag of
-    two tokens, after whitespace (token 0 here) as the text is read; an output that never
-    opens the block has none."""
+    open from the start or opened by the output's first tokens, after whitespace as the
+    text is read, its tags found in the tokens' text however they are split (a token
+    holding part of a tag is the tag's); an output that never opens the block has none."""
     from services.router.reasoning import ThinkingTokens
-    start, end = (7,), (8, 9)
     cases = [(False, [7, 1, 2, 3, 8, 9, 4, 5], 3),       # opened by the output
              (True, [1, 2, 8, 9, 3], 2),                 # open from the start (the prompt ends with <think>)
              (False, [1, 7, 2, 8, 9], 0),                # <think> not at the start: all answer
              (False, [0, 0, 7, 1, 8, 9, 0], 1),          # whitespace before <think>
              (False, [0, 1, 7, 2, 8, 9], 0),
-             (True, [1, 8, 1, 2], 4)]                    # the end tag never whole: all thinking
+             (True, [1, 8, 1, 2], 4),                    # the end tag never whole: all thinking
+             (False, [10, 11, 12, 1, 2, 13, 14, 15, 3], 2),     # tags of several tokens, split otherwise
+             (False, [10, 1], 0)]                        # "<a": no tag
     for open_at_start, tokens, expected in cases:
-        counter = ThinkingTokens(start, end, open_at_start, blank=lambda token: token == 0)
+        counter = ThinkingTokens("<think>", "</think>", open_at_start, TEXTS.__getitem__)
         for i in range(0, len(tokens), size):
             counter.feed(tokens[i:i + size])
         assert counter.count == expected, tokens
@@ -286,10 +293,11 @@ def test_continuous_usage_counts_no_more_thinking_than_it_sent():
     from services.router.choices import usage
     from services.router.generation import Generation
     from services.router.reasoning import ThinkingTokens
-    gens = [Generation(f"r-{i}", [1, 2, 3], SamplingParams(max_tokens=8), thinking=ThinkingTokens((7,), (8,), True))
+    gens = [Generation(f"r-{i}", [1, 2, 3], SamplingParams(max_tokens=8),
+                       thinking=ThinkingTokens("<think>", "</think>", True, {**TEXTS, 6: "</think>"}.__getitem__))
             for i in range(2)]
     for gen in gens:
-        gen.thinking.feed([1, 2, 3, 4, 8, 5])           # four tokens of thinking, the end tag, an answer
+        gen.thinking.feed([1, 2, 3, 4, 6, 5])           # four tokens of thinking, the end tag, an answer
         gen.completion_tokens = 6
     assert usage(gens, 2)["completion_tokens_details"] == {"reasoning_tokens": 8}
     so_far = usage(gens, 2, [6, 2])                      # the second choice's tokens still queued

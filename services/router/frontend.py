@@ -215,8 +215,7 @@ class FrontEnd:
 
     def thinking_tokens(self, thinking: Thinking) -> ThinkingTokens:
         """A counter of one choice's thinking tokens (usage's reasoning_tokens)."""
-        return ThinkingTokens(self._tag_ids(thinking.start), self._tag_ids(thinking.end), thinking.open_at_start,
-                              blank=lambda token: not self.token_text(token).strip())
+        return ThinkingTokens(thinking.start, thinking.end, thinking.open_at_start, self.token_text)
 
     def _tag_ids(self, tag: str) -> tuple[int, ...]:
         """A reasoning tag's tokens (one token, in reasoning models' vocabularies)."""

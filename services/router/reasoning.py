@@ -91,35 +91,40 @@ class ThinkingTokens:
     """How many of a choice's output tokens are its thinking, counted as they come: those
     inside the block, not its tags (usage's `reasoning_tokens`, as vLLM's
     count_reasoning_tokens counts them, except that a block the prompt opened is counted
-    too: vLLM counts only after a start tag in the output, 0 for DeepSeek-R1's). A tag is
-    matched as its tokens in a row (one token in reasoning models' vocabularies); the
-    block opens as `Thinking` says: at the start, or where the output begins with the
-    start tag, after whitespace (`blank`: whether a token is whitespace alone), as
-    ThinkingStream reads the text."""
+    too: vLLM counts only after a start tag in the output, 0 for DeepSeek-R1's). Tags
+    are matched in the tokens' text (`text_of`), however the output spelled them: one
+    token in reasoning models' vocabularies, several in others', not always as the
+    tokenizer would split the tag alone. The block opens as `Thinking` says: at the start,
+    or where the output begins with the start tag after whitespace, as ThinkingStream
+    reads the text; a token that holds part of a tag counts as the tag's."""
 
-    def __init__(self, start: tuple[int, ...], end: tuple[int, ...], open_at_start: bool,
-                 blank: Callable[[int], bool] = lambda token: False) -> None:
-        self.start, self.end, self.blank = start, end, blank
+    def __init__(self, start: str, end: str, open_at_start: bool, text_of: Callable[[int], str]) -> None:
+        self.start, self.end, self.text_of = start, end, text_of
         self.state = "reasoning" if open_at_start else "start"
-        self._seen = 0                          # the start tag's tokens the output began with
-        self._tail: tuple[int, ...] = ()        # the last tokens while the block is open
+        self._text = ""                         # before the block: the output so far, after whitespace
+        self._tail: list[str] = []              # in the block: the last tokens' texts the end tag may span
         self.count = 0
 
     def feed(self, token_ids: list[int]) -> None:
         for token in token_ids:
             if self.state == "start":
-                if self._seen == 0 and self.blank(token):
-                    continue
-                if token == self.start[self._seen]:
-                    self._seen += 1
-                    self.state = "reasoning" if self._seen == len(self.start) else "start"
-                else:
+                self._text = (self._text + self.text_of(token)).lstrip()
+                if self._text.startswith(self.start):
+                    self.state = "reasoning"    # what follows the tag in its last token is not counted
+                elif not self.start.startswith(self._text):
                     self.state = "answer"
             elif self.state == "reasoning":
-                self._tail = (*self._tail, token)[-len(self.end):]
-                if self._tail == self.end:      # its other tokens were counted as they came
-                    self.count -= len(self.end) - 1
+                self.count += 1
+                self._tail.append(self.text_of(token))
+                # a tag first whole now ends in this token: keep what it may span
+                while len(self._tail) > 1 and sum(map(len, self._tail[1:])) >= len(self.end) + len(self._tail[-1]) - 1:
+                    self._tail.pop(0)
+                text = "".join(self._tail)
+                at = text.find(self.end)
+                if at >= 0:                     # the tokens the tag spans were counted as they came
+                    after, spanned = len(text) - at, 0
+                    while after > 0:
+                        after -= len(self._tail[-1 - spanned])
+                        spanned += 1
+                    self.count -= spanned
                     self.state = "answer"
-                else:
-                    self.count += 1
-
