@@ -212,7 +212,8 @@ def test_output_items_of_an_auto_stream(one_text):
     else:
         assert opened == [(0, "open_text"), (1, "open_call"), (2, "open_text"), (3, "open_call"), (4, "open_text")]
         assert [index for index, _ in closed] == [0, 1, 2, 3, 4]        # each ends before the next begins
-        assert texts == {0: "Checking. ", 2: " and ", 4: " <tool_call>{oops}</tool_call> bye <tool_"}
+        # whitespace goes with the text after it: none is a block alone, none ends the answer
+        assert texts == {0: "Checking.", 2: "  and", 4: "  <tool_call>{oops}</tool_call> bye <tool_"}
 
 
 @pytest.mark.parametrize("size", [1, 3, 8, 1000])
@@ -465,3 +466,31 @@ def test_output_items_of_calls_a_grammar_holds():
         (closed,) = [s for s in steps if s.kind == "close_call" and s.index == index]
         assert "".join(s.delta for s in steps if s.kind == "arguments" and s.index == index) == closed.delta
     assert json.loads([s for s in steps if s.kind == "close_call"][0].delta)["days"] == [1, {"n": 2}]
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["whole_calls", "held_calls"])
+@pytest.mark.parametrize("text, expected", [
+    (CALL % "Paris" + "\n" + CALL % "Rome", None),
+    ("Sure. " + CALL % "Paris" + "\n" + CALL % "Rome" + "\n\n", "Sure."),
+    ("\n" + CALL % "Paris" + "\n Then more.  ", "Then more."),
+    ("  Just text.\n", "Just text.")])
+def test_an_auto_answers_content_is_the_same_streamed_and_whole(text, expected, held):
+    """The content of an "auto" answer with calls is the text outside them without the
+    whitespace at its ends, streamed however chunked as whole: the newlines between calls
+    are no content, streamed or not (a stream sent them, where the whole answer had
+    none); Responses' and Messages' items alike get no text item of whitespace alone."""
+    from services.router.output_items import ItemStream
+    plan = ToolPlan([], "auto", held=held)
+    content, calls = parse_calls(plan, text)
+    for size in (1, 3, 1000):
+        stream = plan.stream()
+        pieces = [p for i in range(0, len(text), size) for p in stream.pieces(text[i:i + size])] + stream.close()
+        streamed = "".join(p for p in pieces if isinstance(p, str))
+        assert streamed == (content or ""), (size, streamed, content)
+        items = ItemStream(plan, one_text=False)
+        steps = [s for i in range(0, len(text), size) for s in items.feed(text[i:i + size])] + items.close()
+        assert all(s.delta.strip() for s in steps if s.kind == "close_text")
+    assert content == expected and len(calls) == text.count("<tool_call>")

@@ -261,8 +261,7 @@ class HeldCalls:
     holds from their tag on to `OPEN{"name": "NAME", "arguments": VALUE}CLOSE`, a newline
     inside each tag or none (structured.call_tags): a call opens once its name is
     written and its arguments stream as they come, as vLLM streams them. Only a cut
-    (max_tokens) ends one short, with the arguments written so far. A whole output is
-    read the same way (`parse`), so both give the same calls and content."""
+    (max_tokens) ends one short, with the arguments written so far."""
     _HEAD = re.compile(r'\n?\{"name": "([^"\\]*)", "arguments": ')
     _HEAD_LONGEST = 200                 # past this, text after a tag that is no head is text
 
@@ -274,14 +273,6 @@ class HeldCalls:
         self._arguments = ""
         self._value = JsonValueEnd()
         self.calls = 0
-
-    @classmethod
-    def parse(cls, syntax: Tagged, text: str) -> tuple[str | None, list[dict]]:
-        stream = cls(syntax)
-        pieces = stream.pieces(text) + stream.close()
-        content = "".join(p for p in pieces if isinstance(p, str))
-        calls = [p.call for p in pieces if isinstance(p, CallPart) and p.kind == "close"]
-        return (content.strip() or None, calls) if calls else (content, [])
 
     def pieces(self, text: str) -> list[str | CallPart]:
         self._held += text

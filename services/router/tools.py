@@ -26,7 +26,7 @@ import json
 from dataclasses import dataclass
 
 from services.router.protocol import ChatCompletionRequest, NamedToolChoice, bad_request, unsupported
-from services.router.tool_syntax import SYNTAXES, HeldCalls, Hermes, new_call
+from services.router.tool_syntax import SYNTAXES, CallPart, HeldCalls, Hermes, new_call
 
 
 @dataclass(frozen=True)
@@ -52,12 +52,14 @@ class ToolPlan:
         return self.mode == "auto" and (level != "auto" or self.one_call or any(
             t["function"].get("strict") is True for t in self.tools))
 
-    def stream(self):
+    def stream(self) -> "TrimmedContent":
         """A stream of an "auto" output's content and calls (tool_syntax.py): whole calls,
         or, where a grammar holds them, the parts of each as it is written; the first
-        call only where one is asked (where no grammar ended the output after it)."""
+        call only where one is asked (where no grammar ended the output after it); the
+        content without whitespace at its ends. parse_calls reads a whole output through
+        it, so an answer streamed and whole has the same content and calls."""
         calls = HeldCalls(self.syntax) if self.held else self.syntax.stream()
-        return FirstCall(calls) if self.one_call else calls
+        return TrimmedContent(FirstCall(calls) if self.one_call else calls)
 
     @property
     def streams_arguments(self) -> bool:
@@ -87,6 +89,44 @@ class FirstCall:
                     continue
                 self.calls += 1
             out.append(piece)
+        return out
+
+
+class TrimmedContent:
+    """An "auto" stream whose content is the text outside its calls without the
+    whitespace at its two ends (the newlines around and between calls, above all): its
+    leading whitespace is dropped, and whitespace is held until more text follows it."""
+
+    def __init__(self, calls) -> None:
+        self._calls = calls
+        self._begun = False
+        self._held = ""
+
+    @property
+    def calls(self) -> int:
+        return self._calls.calls
+
+    def pieces(self, text: str) -> list:
+        return self._trimmed(self._calls.pieces(text))
+
+    def close(self) -> list:
+        return self._trimmed(self._calls.close())       # whitespace still held is the end's
+
+    def _trimmed(self, pieces: list) -> list:
+        out = []
+        for piece in pieces:
+            if not isinstance(piece, str):
+                out.append(piece)
+                continue
+            if not self._begun:
+                piece = piece.lstrip()
+                self._begun = bool(piece)
+            body = piece.rstrip()
+            if body:
+                out.append(self._held + body)
+                self._held = piece[len(body):]
+            else:
+                self._held += piece
         return out
 
 
@@ -150,8 +190,12 @@ def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
                 break
         # none whole: cut short by max_tokens inside the first call
         return (None, calls) if calls else (text, [])
-    content, calls = HeldCalls.parse(plan.syntax, text) if plan.held else plan.syntax.parse(text)
-    return content, calls[:1] if plan.one_call else calls
+    stream = plan.stream()
+    pieces = stream.pieces(text) + stream.close()
+    content = "".join(p for p in pieces if isinstance(p, str))
+    calls = [p if isinstance(p, dict) else p.call for p in pieces
+             if isinstance(p, dict) or isinstance(p, CallPart) and p.kind == "close"]
+    return (content or None, calls) if calls else (content, [])
 
 
 def split_output(plan: ToolPlan | None, text: str) -> tuple[str, list[dict]]:
