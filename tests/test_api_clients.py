@@ -603,6 +603,8 @@ def test_responses_refuse_by_name_what_they_cannot_do(cluster, body, param):
     r = _post(cluster.http, "/v1/responses", {"model": MODEL, "input": "hi", **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"].startswith(param), r.text
+    if param == "max_output_tokens":                        # the message names this API's field too
+        assert r.json()["error"]["message"].startswith("max_output_tokens must be"), r.text
     assert _post(cluster.http, "/v1/responses", {"input": "hi", "store": False, "max_output_tokens": 1}) \
         .status_code == 200
 

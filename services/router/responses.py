@@ -260,9 +260,13 @@ class ResponsesRequest(BaseModel):
 
 
 def in_responses_terms(exc: APIError) -> APIError:
-    """An error of the chat path, naming this API's fields."""
+    """An error of the chat path, naming this API's fields, in its message too where it
+    begins with the field."""
     if exc.param in _PARAMS:
-        exc.param = _PARAMS[exc.param]
+        name = _PARAMS[exc.param]
+        if exc.message.startswith(f"{exc.param} "):
+            exc.message = name + exc.message[len(exc.param):]
+        exc.param = name
     return exc
 
 
