@@ -13,10 +13,12 @@
                [TOOL_CALLS] (v11 and later); call ids of 9 letters and digits, which
                Mistral's templates require of the next turn's tool results
 
-and the others of SYNTAXES (below), each in docs/api.md. Each gives a whole output's (content, calls), and a stream that splits the text as it
-comes: content goes out at once, and a call goes out whole once it is known to be one.
-Text that could still begin a call is held until the next text says what it is. An
-output that looked like calls but is not (bad JSON, a call of something else) is text.
+and the others of SYNTAXES (below), each in docs/api.md. Each gives a whole output's
+(content, calls), and a stream that splits the text as it comes: content goes out at
+once, and a call goes out whole once it is known to be one. Text that could still begin
+a call is held until the next text says what it is. An output that looked like calls but
+is not (bad JSON, a call of something else) is text. Calls a grammar holds (HeldCalls)
+are known to be calls from their tag on, and stream in parts as they are written.
 """
 from __future__ import annotations
 
@@ -215,16 +217,10 @@ class TaggedCalls:
                 self._held = self._held[end + len(syntax.CLOSE):]
                 self._in_call = False
                 continue
-            start = self._held.find(syntax.OPEN)
-            if start >= 0:
-                out.append(self._held[:start])
-                self._held = self._held[start + len(syntax.OPEN):]
-                self._in_call = True
-                continue
-            keep = held_tail(self._held, (syntax.OPEN,))
-            out.append(self._held[:len(self._held) - keep])
-            self._held = self._held[len(self._held) - keep:]
-            break
+            text, self._held, self._in_call = _until_tag(self._held, syntax.OPEN)
+            out.append(text)
+            if not self._in_call:
+                break
         return [p for p in out if p != ""]
 
     def _close(self) -> int:
@@ -242,6 +238,16 @@ class TaggedCalls:
         rest = (self.syntax.OPEN if self._in_call else "") + self._held
         self._held, self._in_call = "", False
         return [rest] if rest else []
+
+
+def _until_tag(held: str, tag: str) -> tuple[str, str, bool]:
+    """`held` split at `tag`: (the text before it, what follows it, True); with no tag
+    whole in it, (the text that cannot begin one, the tail that may, False)."""
+    start = held.find(tag)
+    if start >= 0:
+        return held[:start], held[start + len(tag):], True
+    keep = len(held) - held_tail(held, (tag,))
+    return held[:keep], held[keep:], False
 
 
 @dataclass(frozen=True)
@@ -280,14 +286,11 @@ class HeldCalls:
         opened, closed = self.syntax.OPEN, self.syntax.CLOSE
         while True:
             if self._state == "text":
-                start = self._held.find(opened)
-                if start < 0:
-                    keep = held_tail(self._held, (opened,))
-                    out.append(self._held[:len(self._held) - keep])
-                    self._held = self._held[len(self._held) - keep:]
+                text, self._held, found = _until_tag(self._held, opened)
+                out.append(text)
+                if not found:
                     break
-                out.append(self._held[:start])
-                self._held, self._state = self._held[start + len(opened):], "head"
+                self._state = "head"
             elif self._state == "head":
                 head = self._HEAD.match(self._held)
                 if head is None:
