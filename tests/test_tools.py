@@ -387,7 +387,7 @@ def test_every_tool_call_parser_the_router_takes_has_a_syntax():
 def test_a_strict_level_needs_calls_a_grammar_can_hold():
     """--tool-strict-level function or parameter holds every auto call by a grammar: the
     router refuses to start with it where the parser's calls are not JSON in tags, or
-    auto is off; a tool's own strict then changes nothing (strict_calls says when)."""
+    auto is off; a tool's own strict then changes nothing (grammar_for_calls says when)."""
     from services.router.tools import ToolPlan, check_strict_level
     check_strict_level("parameter", "longcat")
     check_strict_level("auto", "qwen3_coder")
@@ -396,9 +396,9 @@ def test_a_strict_level_needs_calls_a_grammar_can_hold():
             check_strict_level("function", parser)
     strict = {"type": "function", "function": {"name": "f", "strict": True}}
     loose = {"type": "function", "function": {"name": "g"}}
-    assert ToolPlan([loose, strict], "auto").strict_calls("auto")
-    assert not ToolPlan([loose], "auto").strict_calls("auto") and ToolPlan([loose], "auto").strict_calls("function")
-    assert not ToolPlan([strict], "required", "{}").strict_calls("parameter")
+    assert ToolPlan([loose, strict], "auto").grammar_for_calls("auto")
+    assert not ToolPlan([loose], "auto").grammar_for_calls("auto") and ToolPlan([loose], "auto").grammar_for_calls("function")
+    assert not ToolPlan([strict], "required", "{}").grammar_for_calls("parameter")
 
 
 @pytest.mark.parametrize("size", [1, 7, 1000])
@@ -409,7 +409,7 @@ def test_one_call_asked_gives_the_first_call_whole_and_streamed(size):
     plan = ToolPlan([{"type": "function", "function": {"name": "get_weather"}}], "auto", one_call=True)
     content, calls = parse_calls(plan, TEXT)
     assert _names(calls) == [("get_weather", {"city": "Paris"})]
-    assert plan.strict_calls("auto") and not ToolPlan([], "auto").strict_calls("auto")
+    assert plan.grammar_for_calls("auto") and not ToolPlan([], "auto").grammar_for_calls("auto")
     stream = plan.stream()
     pieces = [p for i in range(0, len(TEXT), size) for p in stream.pieces(TEXT[i:i + size])] + stream.close()
     streamed, streamed_calls = split(pieces)

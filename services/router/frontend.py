@@ -67,7 +67,7 @@ class FrontEnd:
     model_aliases: tuple[str, ...] = ()        # the other names clients may send (--served-model-name a b)
     reasoning_parser: str = "none"             # router/reasoning.py's PARSERS, or none
     tool_call_parser: str | None = "hermes"    # router/tool_syntax.py's SYNTAXES; None: no tool_choice auto
-    tool_strict_level: str = "auto"            # which "auto" calls a grammar holds (tools.py ToolPlan.strict_calls)
+    tool_strict_level: str = "auto"            # which "auto" calls a grammar holds (tools.py ToolPlan.grammar_for_calls)
     _token_text: dict[int, str] = field(init=False, default_factory=dict)
     _tags: dict[str, tuple[int, ...]] = field(init=False, default_factory=dict)
     _running: weakref.WeakSet = field(init=False, default_factory=weakref.WeakSet)

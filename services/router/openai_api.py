@@ -75,7 +75,7 @@ async def chat_generations(fe: FrontEnd, req: ChatCompletionRequest,
     elif tools is not None and tools.json_calls and structure is not None and structure[0] == "json_schema":
         structure = structured.with_calls(structure, tools.tools, tools.json_calls, one_call=one_call)
         tools = dataclasses.replace(tools, held=True)
-    elif tools is not None and tools.json_calls and structure is None and tools.strict_calls(fe.tool_strict_level):
+    elif tools is not None and tools.json_calls and structure is None and tools.grammar_for_calls(fe.tool_strict_level):
         structure = structured.calls_in_text(tools.tools, tools.json_calls, fe.tool_strict_level == "parameter",
                                              one_call)
         tools = dataclasses.replace(tools, held=True)

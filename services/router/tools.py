@@ -16,9 +16,10 @@ checked but applies to no text; with "auto" the output is either the format or c
 format alone constrain it: an agent can call its tools and still answer in its format
 (with another parser, the format alone constrains it, as in vLLM). A regex,
 grammar or choice beside "auto" constrains the whole output: no call can be written.
-With neither, "auto" calls are held by a grammar where a tool is `strict` (OpenAI's), or
-the router's --tool-strict-level says so (vLLM's): text is free, and from a call's tag
-on it is a call of one of the tools (structured.py `calls_in_text`).
+With neither, "auto" calls are held by a grammar where a tool is `strict` (OpenAI's),
+parallel_tool_calls is false, or the router's --tool-strict-level says so (vLLM's): text
+is free, and from a call's tag on it is a call of one of the tools (structured.py
+`calls_in_text`), streamed in parts as it is written.
 """
 from __future__ import annotations
 
@@ -45,8 +46,8 @@ class ToolPlan:
         qwen3_json, longcat), which a grammar can hold; None for the other syntaxes."""
         return json_call_tags(self.syntax)
 
-    def strict_calls(self, level: str) -> bool:
-        """Whether "auto" calls are held by a grammar: where a tool asks it (OpenAI's
+    def grammar_for_calls(self, level: str) -> bool:
+        """Whether a grammar is to hold "auto" calls: where a tool asks it (OpenAI's
         `strict`), one call only is asked (the grammar ends the output after it), or
         --tool-strict-level (`level`) is function or parameter."""
         return self.mode == "auto" and (level != "auto" or self.one_call or any(
@@ -68,8 +69,8 @@ class ToolPlan:
 
 
 class FirstCall:
-    """An "auto" stream that passes on its first call and drops the others, as
-    parse_calls drops them from a whole output (parallel_tool_calls false)."""
+    """An "auto" stream that passes on its first whole call and drops the others
+    (parallel_tool_calls false, where no grammar ends the output after the first)."""
 
     def __init__(self, calls) -> None:
         self._calls = calls
