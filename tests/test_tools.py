@@ -261,7 +261,7 @@ def test_auto_needs_a_parser_and_the_others_do_not():
 # token ids as texts: a tag one token (7, 8 and 9) or several (10-14 spell <think> and
 # </think> as a tokenizer without them may)
 TEXTS = {0: " ", 1: "a", 2: "b", 3: "c", 4: "d", 5: "e", 7: "<think>", 8: "</", 9: "think>",
-         10: "<", 11: "think", 12: ">", 13: "\n</", 14: "thi", 15: "nk>\n\n"}
+         10: "<", 11: "think", 12: ">", 13: "\n</", 14: "thi", 15: "nk>\n\n", 16: "></", 17: "<think></think>"}
 
 
 @pytest.mark.parametrize("size", [1, 2, 100])
@@ -278,7 +278,9 @@ def test_thinking_tokens_are_those_inside_the_block_not_its_tags(size):
              (False, [0, 1, 7, 2, 8, 9], 0),
              (True, [1, 8, 1, 2], 4),                    # the end tag never whole: all thinking
              (False, [10, 11, 12, 1, 2, 13, 14, 15, 3], 2),     # tags of several tokens, split otherwise
-             (False, [10, 1], 0)]                        # "<a": no tag
+             (False, [10, 1], 0),                        # "<a": no tag
+             (False, [10, 11, 16, 11, 12, 1], 0),        # "<think></think>a", "></" one token (SmolLM2's)
+             (False, [17, 1], 0)]                        # both tags in one token
     for open_at_start, tokens, expected in cases:
         counter = ThinkingTokens("<think>", "</think>", open_at_start, TEXTS.__getitem__)
         for i in range(0, len(tokens), size):
@@ -494,3 +496,15 @@ def test_an_auto_answers_content_is_the_same_streamed_and_whole(text, expected, 
         steps = [s for i in range(0, len(text), size) for s in items.feed(text[i:i + size])] + items.close()
         assert all(s.delta.strip() for s in steps if s.kind == "close_text")
     assert content == expected and len(calls) == text.count("<tool_call>")
+
+
+def test_one_call_asked_of_held_calls_is_counted_as_a_call():
+    """parallel_tool_calls false with calls a grammar holds: the stream counts its call,
+    so a streamed chat answer ends with finish reason tool_calls as the whole one does;
+    were a second call written, its parts would be dropped."""
+    from services.router.tool_syntax import CallPart
+    plan = ToolPlan([], "auto", one_call=True, held=True)
+    stream = plan.stream()
+    pieces = stream.pieces(HELD) + stream.close()
+    assert stream.calls == 1 and {p.index for p in pieces if isinstance(p, CallPart)} == {0}
+    assert [c["function"]["name"] for c in parse_calls(plan, HELD)[1]] == ["get_weather"]

@@ -102,7 +102,8 @@ class ThinkingTokens:
         self.start, self.end, self.text_of = start, end, text_of
         self.state = "reasoning" if open_at_start else "start"
         self._text = ""                         # before the block: the output so far, after whitespace
-        self._tail: list[str] = []              # in the block: the last tokens' texts the end tag may span
+        # in the block: the last tokens' texts the end tag may span, and whether each was counted
+        self._tail: list[tuple[str, bool]] = []
         self.count = 0
 
     def feed(self, token_ids: list[int]) -> None:
@@ -110,21 +111,31 @@ class ThinkingTokens:
             if self.state == "start":
                 self._text = (self._text + self.text_of(token)).lstrip()
                 if self._text.startswith(self.start):
-                    self.state = "reasoning"    # what follows the tag in its last token is not counted
+                    # the token is the tag's, and so is what follows the tag in it ("></")
+                    self.state = "reasoning"
+                    self._tail = [(self._text[len(self.start):], False)]
+                    self._find_end()
                 elif not self.start.startswith(self._text):
                     self.state = "answer"
             elif self.state == "reasoning":
                 self.count += 1
-                self._tail.append(self.text_of(token))
-                # a tag first whole now ends in this token: keep what it may span
-                while len(self._tail) > 1 and sum(map(len, self._tail[1:])) >= len(self.end) + len(self._tail[-1]) - 1:
-                    self._tail.pop(0)
-                text = "".join(self._tail)
-                at = text.find(self.end)
-                if at >= 0:                     # the tokens the tag spans were counted as they came
-                    after, spanned = len(text) - at, 0
-                    while after > 0:
-                        after -= len(self._tail[-1 - spanned])
-                        spanned += 1
-                    self.count -= spanned
-                    self.state = "answer"
+                self._tail.append((self.text_of(token), True))
+                self._find_end()
+
+    def _find_end(self) -> None:
+        """Ends the block where its end tag is whole; the tokens it spans were counted as
+        they came, and are taken back."""
+        tail = self._tail
+        while len(tail) > 1 and sum(len(t) for t, _ in tail[1:]) >= len(self.end) + len(tail[-1][0]) - 1:
+            tail.pop(0)                         # a tag first whole now ends in the last token
+        text = "".join(t for t, _ in tail)
+        at = text.find(self.end)
+        if at < 0:
+            return
+        after = len(text) - at
+        for piece, counted in reversed(tail):
+            if after <= 0:
+                break
+            after -= len(piece)
+            self.count -= counted
+        self.state = "answer"

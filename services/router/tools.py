@@ -69,26 +69,30 @@ class ToolPlan:
 
 
 class FirstCall:
-    """An "auto" stream that passes on its first whole call and drops the others
-    (parallel_tool_calls false, where no grammar ends the output after the first)."""
+    """An "auto" stream that passes on its first call and drops the others
+    (parallel_tool_calls false; where a grammar holds the calls it ends the output after
+    the first anyway): the first whole call, or the parts of the first held one."""
 
     def __init__(self, calls) -> None:
         self._calls = calls
-        self.calls = 0
+        self._passed = False
 
-    def pieces(self, text: str) -> list[str | dict]:
+    @property
+    def calls(self) -> int:
+        return min(self._calls.calls, 1)
+
+    def pieces(self, text: str) -> list:
         return self._first(self._calls.pieces(text))
 
-    def close(self) -> list[str | dict]:
+    def close(self) -> list:
         return self._first(self._calls.close())
 
-    def _first(self, pieces: list[str | dict]) -> list[str | dict]:
+    def _first(self, pieces: list) -> list:
         out = []
         for piece in pieces:
-            if isinstance(piece, dict):
-                if self.calls:
-                    continue
-                self.calls += 1
+            if isinstance(piece, CallPart) and piece.index > 0 or isinstance(piece, dict) and self._passed:
+                continue
+            self._passed |= isinstance(piece, dict)
             out.append(piece)
         return out
 
