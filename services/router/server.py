@@ -26,7 +26,7 @@ from services.router.frontend import FrontEnd
 from services.router.openai_api import create_app
 from services.router.sampling import sampling_defaults
 from services.router.tools import check_strict_level
-from services.router.workers import CLEANUP_SECONDS
+from services.router.workers import STOP_SECONDS as WORKERS_STOP_SECONDS
 from services.rpc import generate_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     process_ends = stop is None
     if stop is None:
         stop = stop_event_on_signals(asyncio.get_running_loop())
+    outside = asyncio.all_tasks()           # the loop's tasks not the router's, which its stop leaves
 
     await host.server.start()
     await host.set_status(True)
@@ -111,8 +112,9 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     try:
         await asyncio.wait([asyncio.create_task(stop.wait()), http_task], return_when=asyncio.FIRST_COMPLETED)
     finally:
-        # each part below is bounded; past all of them together the stop is stuck
-        with stop_within(2 * grace + CLEANUP_SECONDS + 6 * STOP_MARGIN, process_ends):
+        # each part below is bounded; past all of them together (and a margin) the stop is stuck
+        bound = 2 * (grace + STOP_MARGIN) + STOP_MARGIN + WORKERS_STOP_SECONDS + 2 * STOP_MARGIN
+        with stop_within(bound, process_ends):
             await host.set_status(False)
             fe.drain(settings.drain_timeout)
             http.should_exit = True
@@ -127,9 +129,12 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
             phases.done("workers' channels")
             # what is left (requests parked on their clients' queues, background calls)
             # ends here, bounded, not in asyncio.run's unbounded cancel of every task
-            await cancel_and_wait(asyncio.all_tasks() - {asyncio.current_task()}, STOP_MARGIN, "router stop")
+            await cancel_and_wait(asyncio.all_tasks() - outside - {asyncio.current_task()}, STOP_MARGIN,
+                                  "router stop")
             phases.done("what was left")
             phases.report(grace)
+    if http_task.done() and not http_task.cancelled() and http_task.exception() is not None:
+        raise http_task.exception()         # the HTTP server failed: the router fails with it
 
 
 class StopClock:

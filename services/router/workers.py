@@ -41,6 +41,9 @@ INFO_TIMEOUT = 2.0
 REFRESH_SECONDS = 1.0
 # Seconds a stop waits for the calls still running in the background (releases).
 CLEANUP_SECONDS = 10.0
+# The most WorkerSet.stop takes: the refresh's end (its joins listener's Redis close
+# within), the background calls and then their cancel, the registry's close.
+STOP_SECONDS = 3 * CLOSE_TIMEOUT + CLEANUP_SECONDS + CLOSE_TIMEOUT + CLOSE_TIMEOUT
 # Prefix keys the router itself just sent to a worker count as held there until the
 # worker's own summary has had time to include them.
 RECENT_KEYS_SECONDS = 5.0

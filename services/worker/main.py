@@ -179,8 +179,10 @@ async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]
     try:
         await stop.wait()
     finally:
-        # the drain, the gRPC grace, the engine thread's join (10 s) and the ranks' (10 s)
-        with stop_within(settings.drain_timeout + SHUTDOWN_GRACE_SECONDS + 20 + STOP_SLACK_SECONDS, process_ends):
+        # the drain, the gRPC grace, the engine thread's join (10 s), the ranks' (10 s each,
+        # one after another)
+        joins = 10 * settings.tensor_parallel_size
+        with stop_within(settings.drain_timeout + SHUTDOWN_GRACE_SECONDS + joins + STOP_SLACK_SECONDS, process_ends):
             if heartbeat is not None:
                 await heartbeat.stop()
             await host.set_status(False)
