@@ -508,3 +508,36 @@ def test_one_call_asked_of_held_calls_is_counted_as_a_call():
     pieces = stream.pieces(HELD) + stream.close()
     assert stream.calls == 1 and {p.index for p in pieces if isinstance(p, CallPart)} == {0}
     assert [c["function"]["name"] for c in parse_calls(plan, HELD)[1]] == ["get_weather"]
+
+
+def test_values_written_as_text_take_their_schemas_types():
+    """tool_values, as vLLM's parser engine types a text value: the first type the schema
+    allows that the text reads as (null, integer, number, boolean, object, array, string);
+    one no type fits, or a property the tool does not describe, stays text."""
+    from services.router.tool_values import typed_arguments
+    parameters = {"type": "object", "properties": {
+        "days": {"type": "integer"}, "ratio": {"type": "number"}, "on": {"type": "boolean"},
+        "tags": {"type": "array"}, "opts": {"type": "object"}, "code": {"type": "string"},
+        "maybe": {"type": ["integer", "null"]}, "unit": {"enum": ["c", "f"]}, "mixed": {"anyOf": [
+            {"type": "integer"}, {"type": "string"}]}, "huge": {"type": "number"}}}
+    got = typed_arguments({"days": " 3\n", "ratio": "2.50", "on": "True", "tags": '["a", 1]', "opts": '{"k": null}',
+                           "code": "007", "maybe": "null", "unit": "c", "mixed": "x1", "huge": "1e999",
+                           "loose": "5", "bad": "notanint"}, parameters)
+    assert got == {"days": 3, "ratio": 2.5, "on": True, "tags": ["a", 1], "opts": {"k": None}, "code": "007",
+                   "maybe": None, "unit": "c", "mixed": "x1", "huge": "1e999", "loose": "5", "bad": "notanint"}
+    assert typed_arguments({"days": "x"}, {"properties": {"days": {"type": "integer"}}}) == {"days": "x"}
+    assert typed_arguments({"a": "1"}, None) == {"a": "1"}
+
+
+def test_a_text_valued_syntaxs_calls_are_typed_by_the_tools_whole_and_streamed():
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}}}}},
+             {"type": "function", "function": {"name": "note", "parameters": {"type": "object", "properties": {
+                 "text": {"type": "string"}}}}}]
+    plan = ToolPlan(tools, "auto", syntax=SYNTAXES["qwen3_coder"])
+    _, calls = parse_calls(plan, QWEN3_CODER)
+    assert _names(calls) == [("get_weather", {"city": "Paris", "days": 3}),
+                             ("note", {"text": "line one\nline two", "tag": "x"})]
+    stream = plan.stream()
+    pieces = [p for i in range(0, len(QWEN3_CODER), 5) for p in stream.pieces(QWEN3_CODER[i:i + 5])] + stream.close()
+    assert _names(split(pieces)[1]) == _names(calls)

@@ -111,8 +111,9 @@ class LongCat(Hermes):
 class Qwen3Xml(Tagged):
     """Qwen3-Coder's calls: `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>
     ...</function></tool_call>` blocks anywhere in the text. Each value is its text (one
-    wrapping newline trimmed each side), a string, as vLLM 0.32's qwen3_coder reads it; a
-    parameter left unclosed ends where the next begins."""
+    wrapping newline trimmed each side), typed as the tool's parameters say, as vLLM
+    0.32's qwen3_coder reads it; a parameter left unclosed ends where the next begins."""
+    string_values = True                # every value written as text (tools.TypedValues types them)
     BODY_START, BODY_END = "<function=", "</function>"
     _CALL = re.compile(r"<tool_call>\s*(<function=.*?</function>)\s*</tool_call>", re.DOTALL)
     _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*)</function>", re.DOTALL)
@@ -130,8 +131,10 @@ class Qwen3Xml(Tagged):
 class Glm45(Tagged):
     """GLM-4.5's and 4.7's calls: `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE
     </arg_value>...</tool_call>` anywhere in the text, a name alone where there are no
-    arguments. Each value is its text, a string, as vLLM 0.32's glm45 reads it; the body
-    must be a name and pairs alone (whitespace between), or it is text."""
+    arguments. Each value is its text, typed as the tool's parameters say, as vLLM 0.32's
+    glm45 reads it; the body must be a name and pairs alone (whitespace between), or it
+    is text."""
+    string_values = True                # every value written as text (tools.TypedValues types them)
     _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
     _HEAD = re.compile(r"\s*([^\s<>]+)\s*(.*)", re.DOTALL)
     _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*", re.DOTALL)
@@ -150,8 +153,10 @@ class Glm45(Tagged):
 class MiniMaxM2(Tagged):
     """MiniMax-M2's calls: `<minimax:tool_call>`, one or more `<invoke name="NAME">
     <parameter name="KEY">VALUE</parameter>...</invoke>`, `</minimax:tool_call>`, anywhere
-    in the text. Each value is its text, a string (one wrapping newline trimmed each
-    side), as vLLM 0.32's minimax_m2 reads it; names may be quoted "", '' or not at all."""
+    in the text. Each value is its text (one wrapping newline trimmed each side), typed as
+    the tool's parameters say, as vLLM 0.32's minimax_m2 reads it; names may be quoted "",
+    '' or not at all."""
+    string_values = True                # every value written as text (tools.TypedValues types them)
     OPEN, CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
     BODY_START, BODY_END = "<invoke", "</invoke>"
     _CALL = re.compile(r"<minimax:tool_call>\s*(<invoke.*?</invoke>)\s*</minimax:tool_call>", re.DOTALL)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from services.router.protocol import ChatCompletionRequest, NamedToolChoice, bad_request, unsupported
 from services.router.tool_syntax import SYNTAXES, CallPart, HeldCalls, Hermes, new_call
+from services.router.tool_values import typed_arguments
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ class ToolPlan:
         content without whitespace at its ends. parse_calls reads a whole output through
         it, so an answer streamed and whole has the same content and calls."""
         calls = HeldCalls(self.syntax) if self.held else self.syntax.stream()
+        if getattr(self.syntax, "string_values", False):
+            calls = TypedValues(calls, self.tools)
         return TrimmedContent(FirstCall(calls) if self.one_call else calls)
 
     @property
@@ -95,6 +98,32 @@ class FirstCall:
             self._passed |= isinstance(piece, dict)
             out.append(piece)
         return out
+
+
+class TypedValues:
+    """An "auto" stream of a syntax that writes every value as text: each call's values
+    read as its tool's parameters type them (tool_values.py), as vLLM's parsers read them."""
+
+    def __init__(self, calls, tools: list[dict]) -> None:
+        self._calls = calls
+        self._parameters = {t["function"]["name"]: t["function"].get("parameters") for t in tools}
+
+    @property
+    def calls(self) -> int:
+        return self._calls.calls
+
+    def pieces(self, text: str) -> list:
+        return [self._typed(p) for p in self._calls.pieces(text)]
+
+    def close(self) -> list:
+        return [self._typed(p) for p in self._calls.close()]
+
+    def _typed(self, piece):
+        if not isinstance(piece, dict):
+            return piece
+        function = piece["function"]
+        arguments = typed_arguments(json.loads(function["arguments"]), self._parameters.get(function["name"]))
+        return {**piece, "function": {**function, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
 class TrimmedContent:
