@@ -69,15 +69,14 @@ async def chat_generations(fe: FrontEnd, req: ChatCompletionRequest,
     if tools is not None and tools.mode == "auto" and tools.syntax.special_tokens:
         req.skip_special_tokens = False         # the calls' marks are special tokens (Mistral's), as vLLM keeps them
     structure = await structured.resolve(fe, structured.asked(req))
-    one_call = req.parallel_tool_calls is False
     if tools is not None and tools.schema:
         structure = "json_schema", await fe.check_schema(tools.schema, "tools")
     elif tools is not None and tools.json_calls and structure is not None and structure[0] == "json_schema":
-        structure = structured.with_calls(structure, tools.tools, tools.json_calls, one_call=one_call)
+        structure = structured.with_calls(structure, tools.tools, tools.json_calls, one_call=tools.one_call)
         tools = dataclasses.replace(tools, held=True)
     elif tools is not None and tools.json_calls and structure is None and tools.grammar_for_calls(fe.tool_strict_level):
         structure = structured.calls_in_text(tools.tools, tools.json_calls, fe.tool_strict_level == "parameter",
-                                             one_call)
+                                             tools.one_call)
         tools = dataclasses.replace(tools, held=True)
     prompt_ids = req.truncate(await chat_prompt(fe, req, tools), fe.max_model_len)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -57,8 +57,10 @@ def _call(name, arguments, call_id: str = "") -> dict | None:
 
 class Tagged:
     """Calls in OPEN ... CLOSE tags anywhere in the text, the rest content: `calls` reads a
-    body that begins with BODY_START and ends with BODY_END (`_CALL` finds them). The
-    text keeps special tokens (some models' tags are), as vLLM's parsers keep them."""
+    body that begins with BODY_START and ends with BODY_END. The text keeps special tokens
+    (some models' tags are), as vLLM's parsers keep them. The router reads a whole output
+    through the stream (tools.parse_calls); `parse`, which finds the bodies by `_CALL`
+    on the whole text, is the reading of a whole output that tests hold the stream to."""
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     BODY_START, BODY_END = "", ""
     special_tokens = True
