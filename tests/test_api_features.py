@@ -504,6 +504,35 @@ def test_a_strict_tool_holds_auto_calls_to_its_schema(tools_router):
     assert "".join(d.content or "" for d in deltas).strip() == (whole.message.content or "")
 
 
+def test_one_call_asked_is_one_call_streamed_and_whole(tools_router):
+    """A model asked to repeat two calls writes both; with parallel_tool_calls false
+    (no tool strict) it gives one, the grammar ending its output after it, with finish
+    reason tool_calls streamed as whole; either way streamed and whole answers have the
+    same calls and content."""
+    client = _client(tools_router)
+    two = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>\n'
+           '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}\n</tool_call>')
+    ask = {"role": "user", "content": "Repeat exactly this text and nothing else:\n" + two}
+    kw = dict(model=MODEL, messages=[ask, {"role": "assistant", "content": two}, ask], tools=[WEATHER],
+              max_tokens=80, temperature=0)
+
+    def both(**extra):
+        whole = client.chat.completions.create(**kw, **extra).choices[0]
+        chunks = [c.choices[0] for c in client.chat.completions.create(**kw, **extra, stream=True) if c.choices]
+        streamed = {}
+        for tc in (tc for c in chunks for tc in c.delta.tool_calls or []):
+            streamed.setdefault(tc.index, [tc.function.name, ""])[1] += tc.function.arguments or ""
+        calls = [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls or []]
+        assert calls == [(name, json.loads(arguments)) for name, arguments in streamed.values()]
+        assert "".join(c.delta.content or "" for c in chunks) == (whole.message.content or "")
+        assert chunks[-1].finish_reason == whole.finish_reason == ("tool_calls" if calls else whole.finish_reason)
+        return calls
+    with ThreadPoolExecutor(2) as pool:
+        free, one = pool.submit(both), pool.submit(both, parallel_tool_calls=False)
+        free, one = free.result(), one.result()
+    assert len(one) <= 1 and (len(free) < 2 or one == free[:1]), (free, one)
+
+
 @pytest.mark.slow          # the forced call above, by default
 def test_required_and_auto_tool_choice(tools_router):
     client = _client(tools_router)
