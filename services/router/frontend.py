@@ -17,6 +17,7 @@ import logging
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, TypeVar
 
@@ -395,25 +396,28 @@ class RunningRequest:
         try:
             await self.admission.wait(ticket)               # the router's queue, in fair order
             gen.priority = ticket.priority
-            async for delta in cluster.generate(gens):
-                now = time.monotonic()
-                if not last:
-                    self.admission.first_token(ticket)
-                    metrics.first_token(now - gen.started)
-                    if gen.decision == "remote":       # prefilled by the prefill pool
-                        cluster.latency.observe_ttft(gen.prefill_epoch, now - gen.started)
-                previous = last.get(delta.index)
-                if previous is None:
-                    gens[delta.index].first_token_at = now
-                else:
-                    metrics.token_gap(now - previous)
-                    if delta.token_ids:                      # a closing chunk without tokens is no gap
-                        cluster.latency.observe_itl(gen.decode_epoch, now - previous)
-                last[delta.index] = now
-                if texts is not None or offset:             # the request's own text, its own numbering
-                    text = texts[delta.index].feed(delta.token_ids, delta.finish_reason) if texts else delta.text
-                    delta = dataclasses.replace(delta, text=text, index=delta.index + offset)
-                await self.queue.put(delta)
+            # closed as the task ends, cancelled or not: its workers' calls end with it, not
+            # when the garbage collector finds the generator
+            async with aclosing(cluster.generate(gens)) as stream:
+                async for delta in stream:
+                    now = time.monotonic()
+                    if not last:
+                        self.admission.first_token(ticket)
+                        metrics.first_token(now - gen.started)
+                        if gen.decision == "remote":       # prefilled by the prefill pool
+                            cluster.latency.observe_ttft(gen.prefill_epoch, now - gen.started)
+                    previous = last.get(delta.index)
+                    if previous is None:
+                        gens[delta.index].first_token_at = now
+                    else:
+                        metrics.token_gap(now - previous)
+                        if delta.token_ids:                      # a closing chunk without tokens is no gap
+                            cluster.latency.observe_itl(gen.decode_epoch, now - previous)
+                    last[delta.index] = now
+                    if texts is not None or offset:             # the request's own text, its own numbering
+                        text = texts[delta.index].feed(delta.token_ids, delta.finish_reason) if texts else delta.text
+                        delta = dataclasses.replace(delta, text=text, index=delta.index + offset)
+                    await self.queue.put(delta)
             ended = gen.finish_reason
             await self.queue.put(None)
         except APIError as exc:
