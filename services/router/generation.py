@@ -48,6 +48,7 @@ class Generation:
     finish_reason: str | None = None
     stop_reason: str | int | None = None    # vLLM's: the stop string or stop token id that ended it
     prompt_logprobs: list[TokenLogprob] | None = None    # prompt tokens 1.., when asked for
+    structure_param: str | None = None  # the field that asked for its structure: a worker's error in it names it
     started: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     _keys: tuple[int, list[int]] | None = field(default=None, repr=False)

@@ -32,6 +32,7 @@ from services.engine.core.sampling import TokenLogprob
 from services.router.generation import Generation, Tokens
 from services.router.policy import CostModel
 from services.router.protocol import APIError
+from services.router.structured import STRUCTURE_CODES
 from services.router.workers import INFO_TIMEOUT, Worker, WorkerSet
 from services.rpc import worker_pb2
 from services.worker.wire import ERROR_CODE_KEY, logprob_from_proto, sampling_to_proto
@@ -214,7 +215,7 @@ class Handoff:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 0.2)
                     continue
-                raise worker_error(decode, exc) from None
+                raise worker_error(decode, exc, self.gen) from None
 
     def _start_prefill(self, prefill: Worker) -> asyncio.Future:
         gen = self.gen
@@ -240,7 +241,7 @@ class Handoff:
             resp = await asyncio.shield(call)
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in LOCAL_FALLBACK_CODES:
-                raise worker_error(prefill, exc) from None     # _attempt releases the handle
+                raise worker_error(prefill, exc, self.gen) from None     # _attempt releases the handle
             if exc.code() is grpc.StatusCode.UNAVAILABLE:
                 prefill.suspend()
             await self._release(decode, self._handle, f"prefill failed: {exc.code().name}")
@@ -291,7 +292,7 @@ class Handoff:
             raise APIError(502, "decode worker closed the stream early", type_="server_error",
                            grpc_code="UNAVAILABLE")
         except grpc.aio.AioRpcError as exc:
-            raise worker_error(decode, exc) from None
+            raise worker_error(decode, exc, self.gen) from None
         finally:
             call.cancel()                     # no-op when finished; frees the blocks otherwise
 
@@ -344,9 +345,10 @@ async def unless_unreachable(worker: Worker, answer: Awaitable[T]) -> T:
                        grpc_code="UNAVAILABLE") from None
 
 
-def worker_error(worker: Worker, exc: grpc.aio.AioRpcError) -> APIError:
+def worker_error(worker: Worker, exc: grpc.aio.AioRpcError, gen: Generation) -> APIError:
     """The caller's error for a failed worker call. It names the worker by id; its address
-    and gRPC's connection details (which carry addresses) go to the log only."""
+    and gRPC's connection details (which carry addresses) go to the log only. A structure
+    the worker could not compile is named by the field that asked for it."""
     code = exc.code()
     log.warning("%s worker %s (%s): %s: %s", worker.role, worker.address, worker.name, code.name, exc.details())
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
@@ -356,7 +358,9 @@ def worker_error(worker: Worker, exc: grpc.aio.AioRpcError) -> APIError:
         return APIError(504, f"{worker.label} timed out", type_="timeout", grpc_code="DEADLINE_EXCEEDED")
     if code is grpc.StatusCode.INVALID_ARGUMENT:
         codes = [v for k, v in exc.trailing_metadata() or () if k == ERROR_CODE_KEY]
-        return APIError(400, exc.details() or "invalid request", code=codes[0] if codes else None)
+        code_ = codes[0] if codes else None
+        return APIError(400, exc.details() or "invalid request", code=code_,
+                        param=gen.structure_param if code_ in STRUCTURE_CODES else None)
     if code is grpc.StatusCode.UNAUTHENTICATED:
         return APIError(502, f"{worker.label} refused the router's credential (is --cluster-secret-file the same "
                              "on both?)", type_="server_error", grpc_code="INTERNAL")

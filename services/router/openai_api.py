@@ -44,8 +44,10 @@ log = logging.getLogger(__name__)
 
 async def generations(fe: FrontEnd, req: CommonRequest, request_id: str, prompt_ids: list[int],
                       max_tokens: int | None, logprobs: int | None, structure: Structure | None,
-                      prompt_logprobs: int | None = None, prompt_param: str = "messages") -> list[Generation]:
-    """One prompt's generations, one per choice (`n`)."""
+                      prompt_logprobs: int | None = None, prompt_param: str = "messages",
+                      structure_param: str | None = None) -> list[Generation]:
+    """One prompt's generations, one per choice (`n`); `structure_param`: the field that
+    asked for `structure`."""
     bad_words = await fe.tokenize_bad_words(req.bad_words) if req.bad_words else ()
     params = resolve_sampling(
         prompt_len=len(prompt_ids), max_model_len=fe.max_model_len, vocab_size=fe.vocab_size,
@@ -57,7 +59,10 @@ async def generations(fe: FrontEnd, req: CommonRequest, request_id: str, prompt_
         prompt_logprobs=prompt_logprobs, allowed_token_ids=req.allowed_token_ids, bad_words=bad_words,
         cache_salt=fe.cache_salt(req.cache_salt), prompt_param=prompt_param, defaults=fe.sampling_defaults,
         structure_start=fe.grammar_start(prompt_ids, structure))
-    return choices(request_id, prompt_ids, params, req.choices)
+    gens = choices(request_id, prompt_ids, params, req.choices)
+    for gen in gens:
+        gen.structure_param = structure_param
+    return gens
 
 
 async def chat_generations(fe: FrontEnd, req: ChatCompletionRequest,
@@ -68,20 +73,21 @@ async def chat_generations(fe: FrontEnd, req: ChatCompletionRequest,
     tools = plan_tools(req, fe.supports_tools, fe.tool_call_parser)
     if tools is not None and tools.mode == "auto" and tools.syntax.special_tokens:
         req.skip_special_tokens = False         # the calls' marks are special tokens (Mistral's), as vLLM keeps them
-    structure = await structured.resolve(fe, structured.asked(req))
+    asked = structured.asked(req)
+    structure, structure_param = await structured.resolve(fe, asked), asked[0][0] if asked else None
     if tools is not None and tools.schema:
-        structure = "json_schema", await fe.check_schema(tools.schema, "tools")
+        structure, structure_param = ("json_schema", await fe.check_schema(tools.schema, "tools")), "tools"
     elif tools is not None and tools.json_calls and structure is not None and structure[0] == "json_schema":
         structure = structured.with_calls(structure, tools.tools, tools.json_calls, one_call=tools.one_call)
         tools = dataclasses.replace(tools, held=True)
     elif tools is not None and tools.json_calls and structure is None and tools.grammar_for_calls(fe.tool_strict_level):
         structure = structured.calls_in_text(tools.tools, tools.json_calls, fe.tool_strict_level == "parameter",
                                              tools.one_call)
-        tools = dataclasses.replace(tools, held=True)
+        tools, structure_param = dataclasses.replace(tools, held=True), "tools"
     prompt_ids = req.truncate(await chat_prompt(fe, req, tools), fe.max_model_len)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     gens = await generations(fe, req, request_id, prompt_ids, max_tokens, req.top_logprobs_count(), structure,
-                             req.prompt_logprobs)
+                             req.prompt_logprobs, structure_param=structure_param)
     thinking = fe.thinking_of(prompt_ids)
     if thinking is not None:
         for gen in gens:
@@ -248,7 +254,8 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
         echo_only = req.echo and req.max_tokens == 0
         scored = [k for k in (logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
         request_id = new_request_id("cmpl")
-        structure = await structured.resolve(fe, structured.asked(req))
+        asked = structured.asked(req)
+        structure = await structured.resolve(fe, asked)
         many = len(req.prompts) > 1
         prompts, echoes = [], []
         for p, prompt in enumerate(req.prompts):
@@ -257,7 +264,8 @@ def create_app(fe: FrontEnd, render_metrics, keys: KeyCheck | None = None, prote
             truncated = req.truncate(ids, fe.max_model_len)
             prompts.append(await generations(fe, req, f"{request_id}-{p}" if many else request_id, truncated,
                                              1 if echo_only else req.max_tokens, logprobs, structure,
-                                             prompt_logprobs=max(scored, default=None), prompt_param=param))
+                                             prompt_logprobs=max(scored, default=None), prompt_param=param,
+                                             structure_param=asked[0][0] if asked else None))
             if req.echo:
                 echoes.append(prompt if isinstance(prompt, str) and truncated is ids else
                               fe.tokenizer.decode(truncated, skip_special_tokens=False))

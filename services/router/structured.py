@@ -26,6 +26,8 @@ from services.router.protocol import CommonRequest, bad_request
 
 # A constraint the workers compile: (kind, text), kind one of sampling.STRUCTURE_KINDS.
 Structure = tuple[str, str]
+# The codes of a worker's refusal of a constraint it cannot compile (engine/structured.py).
+STRUCTURE_CODES = frozenset({"invalid_json_schema", "invalid_regex", "invalid_grammar", "invalid_structural_tag"})
 
 
 def asked(req: CommonRequest) -> list[tuple[str, str, object]]:
