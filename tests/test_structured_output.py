@@ -18,6 +18,7 @@ import pytest
 
 from services.engine.structured import MAX_CHARS, Grammars, SchemaError
 from services.router.structured import calls_in_text, choice_grammar, first_form, with_calls
+from services.router.tool_syntax import SYNTAXES
 from services.rpc import generate_pb2, generate_pb2_grpc
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -194,16 +195,16 @@ def test_a_json_format_beside_auto_tools_allows_the_format_or_the_calls(grammars
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    kind, text = with_calls(("json_schema", json.dumps(answer)), tools, HERMES_TAGS)
+    kind, text = with_calls(("json_schema", json.dumps(answer)), tools, HERMES)
     assert _allows(grammars, text, kind, '{"city": "Paris"}') and _allows(grammars, text, kind, call)
     assert _allows(grammars, text, kind, call + "\n" + call)
     assert not _allows(grammars, text, kind, '{"town": "Paris"}') and not _allows(grammars, text, kind, "Paris")
     assert not _allows(grammars, text, kind, call.replace("get_weather", "get_time"))
-    kind, one = with_calls(("json_schema", json.dumps(answer)), tools, HERMES_TAGS, one_call=True)
+    kind, one = with_calls(("json_schema", json.dumps(answer)), tools, HERMES, one_call=True)
     assert _allows(grammars, one, kind, call) and not _allows(grammars, one, kind, call + "\n" + call)
 
 
-HERMES_TAGS = ("<tool_call>", "</tool_call>")
+HERMES = SYNTAXES["hermes"]
 
 
 def test_strict_auto_calls_are_free_text_and_calls_of_the_tools(grammars):
@@ -216,7 +217,7 @@ def test_strict_auto_calls_are_free_text_and_calls_of_the_tools(grammars):
         "additionalProperties": False}}}
     clock = {"type": "function", "function": {"name": "get_time", "parameters": {
         "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}}
-    kind, text = calls_in_text([weather, clock], HERMES_TAGS)
+    kind, text = calls_in_text([weather, clock], HERMES)
 
     def call(name: str, arguments: str, nl: str = "\n") -> str:
         return f'<tool_call>{nl}{{"name": "{name}", "arguments": {arguments}}}{nl}</tool_call>'
@@ -226,12 +227,37 @@ def test_strict_auto_calls_are_free_text_and_calls_of_the_tools(grammars):
     assert not _allows(grammars, text, kind, call("get_weather", '{"town": "Paris"}'))
     assert not _allows(grammars, text, kind, call("get_date", "{}"))
     assert not _allows(grammars, text, kind, call("get_time", '"utc"'))
-    kind, every = calls_in_text([weather, clock], HERMES_TAGS, every_tool_strict=True)
+    kind, every = calls_in_text([weather, clock], HERMES, every_tool_strict=True)
     assert not _allows(grammars, every, kind, call("get_time", '{"zone": 1}'))
-    kind, one = calls_in_text([weather, clock], HERMES_TAGS, one_call=True)
+    kind, one = calls_in_text([weather, clock], HERMES, one_call=True)
     two = call("get_weather", '{"city": "Paris"}') + call("get_time", '{"tz": "CET"}')
     assert _allows(grammars, one, kind, "Sure. " + call("get_weather", '{"city": "Paris"}'))
     assert not _allows(grammars, one, kind, two) and _allows(grammars, text, kind, two)
+
+
+@pytest.mark.parametrize("parser, call", [
+    ("qwen3_coder", "<tool_call>\n<function={name}>\n<parameter=city>\n{city}\n</parameter>\n<parameter=days>\n{days}"
+                    "\n</parameter>\n</function>\n</tool_call>"),
+    ("glm45", "<tool_call>{name}<arg_key>city</arg_key><arg_value>{city}</arg_value><arg_key>days</arg_key>"
+              "<arg_value>{days}</arg_value></tool_call>")])
+def test_xml_calls_a_grammar_holds_are_calls_of_the_tools_typed_by_them(grammars, parser, call):
+    """Qwen3-Coder's and GLM's calls, held as xgrammar's qwen_xml and glm_xml styles hold
+    them: free text, then a call of one of the tools whose values fit a strict tool's
+    parameters; what the router then reads back is those values, typed by the schema."""
+    from services.router.tools import ToolPlan, parse_calls
+    weather = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city", "days"]}}}
+    syntax = SYNTAXES[parser]
+    kind, text = calls_in_text([weather], syntax)
+    good = call.format(name="get_weather", city="Paris", days=3)
+    assert _allows(grammars, text, kind, "Let me see. " + good)
+    assert not _allows(grammars, text, kind, call.format(name="get_weather", city="Paris", days="soon"))
+    assert not _allows(grammars, text, kind, call.format(name="get_time", city="Paris", days=3))
+    kind, one = calls_in_text([weather], syntax, one_call=True)
+    assert _allows(grammars, one, kind, good) and not _allows(grammars, one, kind, good + good)
+    assert parse_calls(ToolPlan([weather], "auto", syntax=syntax), "Let me see. " + good)[1][0]["function"] == {
+        "name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}
 
 
 @pytest.mark.parametrize("kind, text, code", [

@@ -330,15 +330,15 @@ def test_qwen3_coder_xml_calls_whole_and_streamed(size):
     assert _names(streamed_calls) == _names(calls) and streamed.strip() == content and stream.calls == 2
 
 
-def test_only_json_calls_in_tags_are_joined_to_a_grammar():
-    """With tools (auto) beside a response_format, or strict, the router holds calls
-    written as JSON in tags (hermes' and, in its own tags, LongCat's) by a grammar;
-    Qwen3-Coder's XML calls share hermes' tags but not its JSON, so its plan has none."""
+def test_which_syntaxes_calls_a_grammar_holds_and_which_stream_in_parts():
+    """A grammar can hold "auto" calls where the syntax has its tags (hermes', LongCat's
+    in tags of its own, Qwen3-Coder's and GLM's XML); only JSON calls stream in parts once
+    held. MiniMax-M2's sections have none here."""
     from services.router.tools import ToolPlan
-    assert ToolPlan([], "auto", syntax=SYNTAXES["hermes"]).json_calls == ("<tool_call>", "</tool_call>")
-    assert ToolPlan([], "auto", syntax=SYNTAXES["longcat"]).json_calls == ("<longcat_tool_call>",
-                                                                          "</longcat_tool_call>")
-    assert ToolPlan([], "auto", syntax=SYNTAXES["qwen3_coder"]).json_calls is None
+    plans = {name: ToolPlan([], "auto", syntax=SYNTAXES[name]) for name in SYNTAXES}
+    assert {n for n, p in plans.items() if p.grammar_calls} == {"hermes", "qwen3_json", "longcat", "qwen3_coder",
+                                                                  "qwen3_xml", "glm45", "glm47"}
+    assert {n for n, p in plans.items() if p.json_calls} == {"hermes", "qwen3_json", "longcat"}
 
 
 # (syntax, an output, its calls, its content)
@@ -388,13 +388,14 @@ def test_every_tool_call_parser_the_router_takes_has_a_syntax():
 
 def test_a_strict_level_needs_calls_a_grammar_can_hold():
     """--tool-strict-level function or parameter holds every auto call by a grammar: the
-    router refuses to start with it where the parser's calls are not JSON in tags, or
-    auto is off; a tool's own strict then changes nothing (grammar_for_calls says when)."""
+    router refuses to start with it where no grammar can hold the parser's calls, or auto
+    is off; a tool's own strict then changes nothing (grammar_for_calls says when)."""
     from services.router.tools import ToolPlan, check_strict_level
     check_strict_level("parameter", "longcat")
-    check_strict_level("auto", "qwen3_coder")
-    for parser in ("qwen3_coder", "glm45", None):
-        with pytest.raises(ValueError, match="hermes, qwen3_json, longcat"):
+    check_strict_level("function", "qwen3_coder")
+    check_strict_level("auto", "minimax_m2")
+    for parser in ("minimax_m2", "pythonic", None):
+        with pytest.raises(ValueError, match="hermes, qwen3_json, longcat, qwen3_coder"):
             check_strict_level("function", parser)
     strict = {"type": "function", "function": {"name": "f", "strict": True}}
     loose = {"type": "function", "function": {"name": "g"}}

@@ -324,8 +324,9 @@ class RoutingSettings:
         "auto", "which tool_choice auto calls a grammar holds (vLLM's flag): auto, those of a request with a "
                 "tool marked strict (OpenAI's `strict`; its arguments held to its parameters, the others' to a JSON "
                 "object); function, every request's (the call's name one of its tools', its arguments JSON); "
-                "parameter, every request's, each tool taken as strict. Needs a parser whose calls are JSON in "
-                "tags (hermes, qwen3_json, longcat); with the others a tool's strict changes nothing",
+                "parameter, every request's, each tool taken as strict. Needs a parser whose calls a grammar "
+                "can hold (hermes, qwen3_json, longcat, qwen3_coder, qwen3_xml, glm45, glm47); with the others a "
+                "tool's strict changes nothing",
         choices=("auto", "function", "parameter"))
     enable_auto_tool_choice: bool = setting(
         True, "tool_choice auto (the default when a request has tools): the model may call a tool or answer, "

@@ -77,13 +77,13 @@ async def chat_generations(fe: FrontEnd, req: ChatCompletionRequest,
     structure, structure_param = await structured.resolve(fe, asked), asked[0][0] if asked else None
     if tools is not None and tools.schema:
         structure, structure_param = ("json_schema", await fe.check_schema(tools.schema, "tools")), "tools"
-    elif tools is not None and tools.json_calls and structure is not None and structure[0] == "json_schema":
-        structure = structured.with_calls(structure, tools.tools, tools.json_calls, one_call=tools.one_call)
-        tools = dataclasses.replace(tools, held=True)
-    elif tools is not None and tools.json_calls and structure is None and tools.grammar_for_calls(fe.tool_strict_level):
-        structure = structured.calls_in_text(tools.tools, tools.json_calls, fe.tool_strict_level == "parameter",
+    elif tools is not None and tools.grammar_calls and structure is not None and structure[0] == "json_schema":
+        structure = structured.with_calls(structure, tools.tools, tools.syntax, one_call=tools.one_call)
+        tools = dataclasses.replace(tools, held=tools.json_calls)
+    elif tools is not None and tools.grammar_calls and structure is None and tools.grammar_for_calls(fe.tool_strict_level):
+        structure = structured.calls_in_text(tools.tools, tools.syntax, fe.tool_strict_level == "parameter",
                                              tools.one_call)
-        tools, structure_param = dataclasses.replace(tools, held=True), "tools"
+        tools, structure_param = dataclasses.replace(tools, held=tools.json_calls), "tools"
     prompt_ids = req.truncate(await chat_prompt(fe, req, tools), fe.max_model_len)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     gens = await generations(fe, req, request_id, prompt_ids, max_tokens, req.top_logprobs_count(), structure,

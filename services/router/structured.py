@@ -130,38 +130,34 @@ def choice_grammar(choices: list[str], param: str) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
 
 
-def with_calls(structure: Structure, tools: list[dict], tags: tuple[str, str], one_call: bool = False) -> Structure:
-    """The JSON `structure` or calls of `tools` in `tags` (JSON in tags, as hermes writes
-    them: chatml-tools.jinja's `<tool_call>`), one or more (one with `one_call`), as one
-    structural tag. Every call's arguments are held to its tool's parameters."""
+def with_calls(structure: Structure, tools: list[dict], syntax, one_call: bool = False) -> Structure:
+    """The JSON `structure` or calls of `tools` as `syntax` writes them (its grammar_tags:
+    chatml-tools.jinja's `<tool_call>` JSON for hermes), one or more (one with
+    `one_call`), as one structural tag. Every call's arguments are held to its tool's
+    parameters."""
     kind, schema = structure
-    calls = call_tags(tools, tags, every_tool_strict=True)
     either = {"type": "or", "elements": [
         {"type": "json_schema", "json_schema": json.loads(schema)},
-        {"type": "tags_with_separator", "tags": calls, "separator": "\n", "at_least_one": True,
-         **({"stop_after_first": True} if one_call else {})}]}
+        {"type": "tags_with_separator", "tags": call_tags(tools, syntax, every_tool_strict=True), "separator": "\n",
+         "at_least_one": True, **({"stop_after_first": True} if one_call else {})}]}
     return "structural_tag", json.dumps({"type": "structural_tag", "format": either})
 
 
-def calls_in_text(tools: list[dict], tags: tuple[str, str], every_tool_strict: bool = False,
-                  one_call: bool = False) -> Structure:
-    """Free text in which a call, from its opening tag on, is a call of one of `tools`
-    (tool_choice auto with strict tools, or --tool-strict-level): its name one of theirs,
-    its arguments a JSON object, held to the tool's parameters where the tool is strict
-    (or `every_tool_strict`). After `one_call`, the output ends with the call."""
-    found = {"type": "triggered_tags", "triggers": [tags[0]], "tags": call_tags(tools, tags, every_tool_strict),
+def calls_in_text(tools: list[dict], syntax, every_tool_strict: bool = False, one_call: bool = False) -> Structure:
+    """Free text in which a call, from `syntax`'s opening tag on, is a call of one of
+    `tools` (tool_choice auto with strict tools, one call asked, or --tool-strict-level):
+    its name one of theirs, its arguments held to the tool's parameters where the tool is
+    strict (or `every_tool_strict`), any object where not. After `one_call`, the output
+    ends with the call."""
+    found = {"type": "triggered_tags", "triggers": [syntax.OPEN], "tags": call_tags(tools, syntax, every_tool_strict),
              **({"stop_after_first": True} if one_call else {})}
     return "structural_tag", json.dumps({"type": "structural_tag", "format": found})
 
 
-def call_tags(tools: list[dict], tags: tuple[str, str], every_tool_strict: bool) -> list[dict]:
-    """xgrammar tags of hermes-style calls of `tools`: `OPEN{"name": "NAME", "arguments":
-    {...}}CLOSE`, a newline inside each tag or none (as vLLM's hermes tags have it). A
-    tool's name is letters, digits and `_.:-` (protocol.FunctionName): no JSON escapes."""
-    opened, closed = tags
-    return [{"type": "tag", "begin": f'{opened}{nl}{{"name": "{t["function"]["name"]}", "arguments": ',
-             "content": {"type": "json_schema", "json_schema": _arguments(t["function"], every_tool_strict)},
-             "end": f"}}{nl}{closed}"} for t in tools for nl in ("\n", "")]
+def call_tags(tools: list[dict], syntax, every_tool_strict: bool) -> list[dict]:
+    """The xgrammar tags of a call of each of `tools`, as `syntax` writes calls."""
+    return [tag for t in tools
+            for tag in syntax.grammar_tags(t["function"]["name"], _arguments(t["function"], every_tool_strict))]
 
 
 def _arguments(function: dict, strict: bool) -> dict:

@@ -65,6 +65,9 @@ class Tagged:
     BODY_START, BODY_END = "", ""
     special_tokens = True
     _CALL: re.Pattern
+    # grammar_tags(name, arguments schema): the xgrammar tags of a call, where a grammar
+    # can hold this syntax's calls (structured.calls_in_text); None where not
+    grammar_tags = None
 
     def calls(self, body: str) -> list[dict] | None:
         """The calls of one tagged body, or None if it is not calls."""
@@ -103,6 +106,14 @@ class Hermes(Tagged):
             return None
         return _one(_call(call.get("name"), call.get("arguments", {})) if isinstance(call, dict) else None)
 
+    def grammar_tags(self, name: str, arguments: dict) -> list[dict]:
+        """`OPEN{"name": "NAME", "arguments": {...}}CLOSE`, a newline inside the tags or
+        none, as vLLM's hermes tags have it. A tool's name is letters, digits and `_.:-`
+        (protocol.FunctionName): no JSON escapes."""
+        return [{"type": "tag", "begin": f'{self.OPEN}{nl}{{"name": "{name}", "arguments": ',
+                 "content": {"type": "json_schema", "json_schema": arguments}, "end": f"}}{nl}{self.CLOSE}"}
+                for nl in ("\n", "")]
+
 
 class LongCat(Hermes):
     """Hermes' calls in `<longcat_tool_call>` tags (LongCat-Flash)."""
@@ -129,6 +140,13 @@ class Qwen3Xml(Tagged):
         arguments = {m.group(1).strip(): _trimmed(m.group(2)) for m in self._PARAMETER.finditer(found.group(2))}
         return _one(_call(found.group(1).strip(), arguments))
 
+    def grammar_tags(self, name: str, arguments: dict) -> list[dict]:
+        """`<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>...`, as
+        xgrammar's qwen_3_coder tags have it."""
+        return [{"type": "tag", "begin": f"<tool_call>\n<function={name}>\n",
+                 "content": {"type": "json_schema", "json_schema": arguments, "style": "qwen_xml"},
+                 "end": "\n</function>\n</tool_call>"}]
+
 
 class Glm45(Tagged):
     """GLM-4.5's and 4.7's calls: `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE
@@ -150,6 +168,13 @@ class Glm45(Tagged):
         if "".join(m.group(0) for m in pairs) != rest:      # something besides the pairs
             return None
         return _one(_call(name, {m.group(1).strip(): m.group(2) for m in pairs}))
+
+    def grammar_tags(self, name: str, arguments: dict) -> list[dict]:
+        """`<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...`, as
+        xgrammar's glm_4_7 tags have it."""
+        return [{"type": "tag", "begin": f"<tool_call>{name}",
+                 "content": {"type": "json_schema", "json_schema": arguments, "style": "glm_xml"},
+                 "end": "</tool_call>"}]
 
 
 class MiniMaxM2(Tagged):
@@ -272,7 +297,7 @@ class CallPart:
 class HeldCalls:
     """A stream of calls written as JSON in tags (a `Hermes` syntax's) that a grammar
     holds from their tag on to `OPEN{"name": "NAME", "arguments": VALUE}CLOSE`, a newline
-    inside each tag or none (structured.call_tags): a call opens once its name is
+    inside each tag or none (Hermes.grammar_tags): a call opens once its name is
     written and its arguments stream as they come, as vLLM streams them. Only a cut
     (max_tokens) ends one short, with the arguments written so far."""
     _HEAD = re.compile(r'\n?\{"name": "([^"\\]*)", "arguments": ')

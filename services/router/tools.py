@@ -12,14 +12,14 @@ refused instead of answered as if no tools were given. What the model writes bac
 With a `response_format` as well (an agent with tools and a structured final answer),
 a named or required choice is constrained by its calls, as above, and the format is
 checked but applies to no text; with "auto" the output is either the format or calls
-(structured.py `with_calls`, calls as JSON in tags), as OpenAI has it, where vLLM lets the
-format alone constrain it: an agent can call its tools and still answer in its format
-(with another parser, the format alone constrains it, as in vLLM). A regex,
+(structured.py `with_calls`, with a syntax whose calls a grammar can hold), as OpenAI has
+it, where vLLM lets the format alone constrain it: an agent can call its tools and still
+answer in its format (with another parser, the format alone constrains it, as in vLLM). A regex,
 grammar or choice beside "auto" constrains the whole output: no call can be written.
 With neither, "auto" calls are held by a grammar where a tool is `strict` (OpenAI's),
 parallel_tool_calls is false, or the router's --tool-strict-level says so (vLLM's): text
 is free, and from a call's tag on it is a call of one of the tools (structured.py
-`calls_in_text`), streamed in parts as it is written.
+`calls_in_text`), streamed in parts as it is written where it is JSON.
 """
 from __future__ import annotations
 
@@ -42,10 +42,16 @@ class ToolPlan:
     held: bool = False                  # a grammar holds "auto" calls: their arguments stream as they come
 
     @property
-    def json_calls(self) -> tuple[str, str] | None:
-        """The tags of "auto" calls that are JSON in tags, as hermes writes them (hermes,
-        qwen3_json, longcat), which a grammar can hold; None for the other syntaxes."""
-        return json_call_tags(self.syntax)
+    def grammar_calls(self) -> bool:
+        """Whether a grammar can hold "auto" calls as the syntax writes them (its
+        grammar_tags: hermes', qwen3_json's, longcat's, qwen3_coder's, glm45's)."""
+        return getattr(self.syntax, "grammar_tags", None) is not None
+
+    @property
+    def json_calls(self) -> bool:
+        """Whether "auto" calls are JSON in tags, as hermes writes them, whose parts can
+        stream as they come once a grammar holds them (tool_syntax.HeldCalls)."""
+        return isinstance(self.syntax, Hermes)
 
     def grammar_for_calls(self, level: str) -> bool:
         """Whether a grammar is to hold "auto" calls: where a tool asks it (OpenAI's
@@ -199,16 +205,13 @@ def plan_tools(req: ChatCompletionRequest, template_supports_tools: bool,
     return ToolPlan(tools, "auto", syntax=SYNTAXES[parser], one_call=req.parallel_tool_calls is False)
 
 
-def json_call_tags(syntax) -> tuple[str, str] | None:
-    return (syntax.OPEN, syntax.CLOSE) if isinstance(syntax, Hermes) else None
-
-
 def check_strict_level(level: str, parser: str | None) -> None:
     """--tool-strict-level function or parameter holds every "auto" call by a grammar,
-    which needs calls that are JSON in tags."""
-    if level != "auto" and (parser is None or json_call_tags(SYNTAXES[parser]) is None):
+    which needs a syntax whose calls a grammar can hold."""
+    held = [name for name, syntax in SYNTAXES.items() if ToolPlan([], "auto", syntax=syntax).grammar_calls]
+    if level != "auto" and parser not in held:
         raise ValueError(f"--tool-strict-level {level} needs tool_choice auto with a --tool-call-parser whose "
-                         f"calls are JSON in tags: {', '.join(n for n, s in SYNTAXES.items() if json_call_tags(s))}")
+                         f"calls a grammar can hold: {', '.join(held)}")
 
 
 def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
