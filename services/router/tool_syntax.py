@@ -143,9 +143,7 @@ class Qwen3Xml(Tagged):
     def grammar_tags(self, name: str, arguments: dict) -> list[dict]:
         """`<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>...`, as
         xgrammar's qwen_3_coder tags have it."""
-        return [{"type": "tag", "begin": f"<tool_call>\n<function={name}>\n",
-                 "content": {"type": "json_schema", "json_schema": arguments, "style": "qwen_xml"},
-                 "end": "\n</function>\n</tool_call>"}]
+        return [_styled_tag(f"<tool_call>\n<function={name}>\n", arguments, "qwen_xml", "\n</function>\n</tool_call>")]
 
 
 class Glm45(Tagged):
@@ -172,9 +170,7 @@ class Glm45(Tagged):
     def grammar_tags(self, name: str, arguments: dict) -> list[dict]:
         """`<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...`, as
         xgrammar's glm_4_7 tags have it."""
-        return [{"type": "tag", "begin": f"<tool_call>{name}",
-                 "content": {"type": "json_schema", "json_schema": arguments, "style": "glm_xml"},
-                 "end": "</tool_call>"}]
+        return [_styled_tag(f"<tool_call>{name}", arguments, "glm_xml", "</tool_call>")]
 
 
 class MiniMaxM2(Tagged):
@@ -199,6 +195,13 @@ class MiniMaxM2(Tagged):
         calls = [_call(_quoted(m), {_quoted(p).strip(): _trimmed(p.group(4))
                                     for p in self._PARAMETER.finditer(m.group(4))}) for m in invokes]
         return None if None in calls else calls
+
+
+def _styled_tag(begin: str, arguments: dict, style: str, end: str) -> dict:
+    """An xgrammar tag of a call whose arguments, held to the JSON schema `arguments`, are
+    written in one of xgrammar's styles (qwen_xml, glm_xml: its XML of them)."""
+    return {"type": "tag", "begin": begin, "content": {"type": "json_schema", "json_schema": arguments, "style": style},
+            "end": end}
 
 
 def _quoted(match: re.Match) -> str:
