@@ -708,13 +708,8 @@ class MarkedCalls:
         self._held += text
         if self._marked:
             return []
-        at = self._held.find(self.syntax.MARK)
-        if at >= 0:
-            self._marked = True
-            out, self._held = self._held[:at], self._held[at:]
-        else:
-            keep = held_tail(self._held, (self.syntax.MARK,))
-            out, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
+        out, rest, self._marked = _until_tag(self._held, self.syntax.MARK)
+        self._held = self.syntax.MARK + rest if self._marked else rest     # the calls are read from the mark on
         return [out] if out else []
 
     def close(self) -> list[str | dict]:

@@ -45,7 +45,7 @@ class ToolPlan:
     def grammar_calls(self) -> bool:
         """Whether a grammar can hold "auto" calls as the syntax writes them (its
         grammar_tags: hermes', qwen3_json's, longcat's, qwen3_coder's, glm45's)."""
-        return getattr(self.syntax, "grammar_tags", None) is not None
+        return grammar_holds(self.syntax)
 
     @property
     def json_calls(self) -> bool:
@@ -205,10 +205,15 @@ def plan_tools(req: ChatCompletionRequest, template_supports_tools: bool,
     return ToolPlan(tools, "auto", syntax=SYNTAXES[parser], one_call=req.parallel_tool_calls is False)
 
 
+def grammar_holds(syntax) -> bool:
+    """Whether a grammar can hold the calls `syntax` writes (it gives their tags)."""
+    return getattr(syntax, "grammar_tags", None) is not None
+
+
 def check_strict_level(level: str, parser: str | None) -> None:
     """--tool-strict-level function or parameter holds every "auto" call by a grammar,
     which needs a syntax whose calls a grammar can hold."""
-    held = [name for name, syntax in SYNTAXES.items() if ToolPlan([], "auto", syntax=syntax).grammar_calls]
+    held = [name for name, syntax in SYNTAXES.items() if grammar_holds(syntax)]
     if level != "auto" and parser not in held:
         raise ValueError(f"--tool-strict-level {level} needs tool_choice auto with a --tool-call-parser whose "
                          f"calls a grammar can hold: {', '.join(held)}")
