@@ -545,7 +545,7 @@ def test_responses_function_tools(tools_router):
         jsonschema.validate(json.loads(call.arguments), params)
         (streamed,) = [o for o in final.output if o.type == "function_call"]
         assert streamed.arguments == deltas == call.arguments
-    # Required calls cut short before the first is whole: no call, and not their syntax as text.
+    # Required calls cut short before the first began: no call, and not their syntax as text.
     cut = client.responses.create(model=MODEL, input=ASK, tools=[WEATHER], tool_choice="required",
                                   max_output_tokens=3, temperature=0)
     assert cut.status == "incomplete" and cut.output_text == "" and not [

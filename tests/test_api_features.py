@@ -411,29 +411,41 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 
 def test_a_forced_tool_call_returns_valid_arguments(tools_router):
+    """A named and a "required" call, streamed and whole: arguments that meet the tool's
+    schema, streamed in parts as they are written (vLLM's way for both), the same both ways."""
     client = _client(tools_router)
     params = WEATHER["function"]["parameters"]
     forced = {"type": "function", "function": {"name": "get_weather"}}
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=60, temperature=0, parallel_tool_calls=False)
 
-    def streamed() -> tuple[str, set[str]]:
-        arguments, names = "", set()
-        for chunk in client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=60,
-                                                    temperature=0, stream=True, tool_choice=forced):
+    def streamed(choice) -> tuple[str, set[str], int, str]:
+        arguments, names, deltas, finish = "", set(), 0, ""
+        for chunk in client.chat.completions.create(**kw, stream=True, tool_choice=choice):
             for c in chunk.choices:
+                finish = c.finish_reason or finish
                 for d in c.delta.tool_calls or ():
+                    assert d.index == 0
                     names.add(d.function.name) if d.function.name else None
                     arguments += d.function.arguments or ""
-        return arguments, names
-    with ThreadPoolExecutor(2) as pool:             # whole and streamed at once
-        whole = pool.submit(client.chat.completions.create, model=MODEL, messages=ASK, tools=[WEATHER, TIME],
-                            max_tokens=60, temperature=0, tool_choice=forced)
-        arguments, names = pool.submit(streamed).result()
-        r = whole.result()
+                    deltas += bool(d.function.arguments)
+        return arguments, names, deltas, finish
+    with ThreadPoolExecutor(4) as pool:             # whole and streamed at once
+        whole = pool.submit(client.chat.completions.create, **{**kw, "tools": [WEATHER, TIME]}, tool_choice=forced)
+        required = pool.submit(client.chat.completions.create, **kw, tool_choice="required")
+        named_stream, required_stream = pool.submit(streamed, forced), pool.submit(streamed, "required")
+        (arguments, names, _, _), r = named_stream.result(), whole.result()
+        required, required_stream = required.result(), required_stream.result()
     call = r.choices[0].message.tool_calls[0]
     assert call.function.name == "get_weather" and call.id.startswith("call_")
     jsonschema.validate(json.loads(call.function.arguments), params)
     assert names == {"get_weather"}
     jsonschema.validate(json.loads(arguments), params)
+    (whole_call,) = required.choices[0].message.tool_calls
+    assert required.choices[0].finish_reason == "tool_calls" and required.choices[0].message.content is None
+    jsonschema.validate(json.loads(whole_call.function.arguments), params)
+    arguments, names, deltas, finish = required_stream
+    assert (arguments, names, finish) == (whole_call.function.arguments, {"get_weather"}, "tool_calls")
+    assert deltas > 2, "the arguments came in one piece, not as they were written"
     # A conversation that carries the call and its result renders and answers.
     follow = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, tools=[WEATHER], messages=[
         *ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},

@@ -18,6 +18,10 @@ def _names(calls):
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
 
+def _arguments(calls):
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
 def test_whole_outputs_per_mode():
     auto = ToolPlan([], "auto")
     content, calls = parse_calls(auto, TEXT)
@@ -30,18 +34,18 @@ def test_whole_outputs_per_mode():
     assert _names(parse_calls(named, '{"a": 1}')[1]) == [("f", {"a": 1})]
     required = ToolPlan([], "required", "{}")
     assert _names(parse_calls(required, '[{"name": "g", "arguments": {"x": 2}}]')[1]) == [("g", {"x": 2})]
-    assert parse_calls(required, '[{"name": "g", "argu') == ('[{"name": "g", "argu', [])    # cut by max_tokens
-    assert _names(parse_calls(required, '[{"name": "g", "arguments": {}}, {"name": "h", "arguments": {"a": '
-                              + "1" * 5000 + "}}]")[1]) == [("g", {})]
-    # cut after whole calls (a model that repeats its call until max_tokens): those are calls
+    # cut by max_tokens before a call began: its syntax, as text
+    assert parse_calls(required, '[{"name": "g", "argu') == ('[{"name": "g", "argu', [])
+    many_digits = '{"a": ' + "1" * 5000 + "}"
+    assert _arguments(parse_calls(required, f'[{{"name": "g", "arguments": {{}}}}, {{"name": "h", "arguments": '
+                                            f'{many_digits}}}]')[1]) == [("g", "{}"), ("h", many_digits)]
+    # cut inside a call: the arguments written so far, as a stream has sent them
     cut = '[{"name": "g", "arguments": {"x": 2}}, {"name": "h", "arguments": {}}, {"name": "g", "arguments": {"x'
     content, calls = parse_calls(required, cut)
-    assert content is None and _names(calls) == [("g", {"x": 2}), ("h", {})]
-    # a number JSON writes but no float holds would come back as Infinity, which is no JSON
-    huge_number = '[{"name": "g", "arguments": {"x": 1e999}}]'
-    assert parse_calls(required, huge_number) == (huge_number, [])
-    content, calls = parse_calls(required, '[{"name": "h", "arguments": {}}, ' + huge_number[1:])
-    assert content is None and _names(calls) == [("h", {})]
+    assert content is None and _arguments(calls) == [("g", '{"x": 2}'), ("h", "{}"), ("g", '{"x')]
+    # the arguments are the text the model wrote, whitespace and all
+    spaced = '[ {"name":"g" , "arguments" :{ "s":"a}]\\"{" } } ,\n{"name": "h", "arguments": {"x": 1e999}}] '
+    assert _arguments(parse_calls(required, spaced)[1]) == [("g", '{ "s":"a}]\\"{" }'), ("h", '{"x": 1e999}')]
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
@@ -470,6 +474,47 @@ def test_output_items_of_calls_a_grammar_holds():
         assert "".join(s.delta for s in steps if s.kind == "arguments" and s.index == index) == closed.delta
     assert json.loads([s for s in steps if s.kind == "close_call"][0].delta)["days"] == [1, {"n": 2}]
 
+
+
+REQUIRED = ('[ {"name": "get_weather", "arguments": {"city": "Pa}]ris\\"{", "days": [1, {"n": 2}]}},\n'
+            '{"arguments": {}, "name": "get_time"}, {"name": "get_weather", "arguments": {"city": "Ro')
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 1000])
+def test_required_calls_stream_their_arguments_as_they_come(size):
+    """A "required" output's calls, as vLLM streams them: each opens once its name is
+    whole and its arguments have begun, its arguments stream as the model writes them
+    (brackets and quotes inside strings are theirs), a call cut by max_tokens ends with
+    what it had, and a whole output gives the same calls; cut before any call began, it
+    is text (chat's content), and Responses' and Messages' items get no text of it."""
+    from services.router.output_items import ItemStream
+    from services.router.tool_syntax import CallPart
+    plan = ToolPlan([], "required", "{}")
+    content, calls = parse_calls(plan, REQUIRED)
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_weather", "get_time", "get_weather"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": 'Pa}]ris"{', "days": [1, {"n": 2}]}
+    assert calls[2]["function"]["arguments"] == '{"city": "Ro'
+    stream, pieces = plan.stream(), []
+    for i in range(0, len(REQUIRED), size):
+        got = stream.pieces(REQUIRED[i:i + size])
+        pieces += got
+        if size < 5 and any(isinstance(p, CallPart) and p.kind == "open" and p.index == 0 for p in got):
+            assert not any(isinstance(p, CallPart) and p.kind == "close" for p in got)   # open before whole
+    pieces += stream.close()
+    assert [(p.kind, p.index) for p in pieces if p.kind != "arguments"] == \
+        [(kind, k) for k in range(3) for kind in ("open", "close")]
+    for k, call in enumerate(calls):
+        assert "".join(p.text for p in pieces if p.kind == "arguments" and p.index == k) == \
+            call["function"]["arguments"] == [p for p in pieces if p.kind == "close"][k].call["function"]["arguments"]
+    items = ItemStream(plan, one_text=False)
+    steps = [s for i in range(0, len(REQUIRED), size) for s in items.feed(REQUIRED[i:i + size])] + items.close()
+    assert [s.kind for s in steps if s.kind != "arguments"] == ["open_call", "close_call"] * 3
+    cut = '[{"name": "get_wea'
+    assert parse_calls(plan, cut) == (cut, [])
+    stream = plan.stream()
+    assert [p for i in range(0, len(cut), size) for p in stream.pieces(cut[i:i + size])] + stream.close() == [cut]
+    items = ItemStream(plan, empty_text=True)
+    assert [s.kind for s in items.feed(cut) + items.close()] == ["open_text", "close_text"]
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'
 

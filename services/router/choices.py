@@ -240,10 +240,9 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
     with_usage = bool(options and options.include_usage)
     every_usage = bool(with_usage and options.continuous_usage_stats)
     tools = shape.tools
-    held = {i: [] for i in range(len(gens))}       # "required" tool output: known only at its end
     thinking = [ThinkingStream(shape.thinking) for _ in gens] if shape.thinking is not None else None
-    # "auto": content streams, calls go out whole
-    calls = [tools.stream() for _ in gens] if tools is not None and tools.mode == "auto" else []
+    # "auto" and "required": content streams, calls go out whole or in parts (ToolPlan.stream)
+    calls = [tools.stream() for _ in gens] if tools is not None and not tools.streams_arguments else []
     offsets = [0] * len(gens)                     # completions: where each choice's text is
     # Output tokens sent so far, per choice: continuous usage counts these (vLLM's role
     # chunk, before the first token, counts none), not those made and still queued.
@@ -295,13 +294,10 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
             return {"content": text} if text or d.token_ids else {}
         if tools.streams_arguments:
             return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
-        if tools.mode == "auto":
-            return auto_delta(index, calls[index].pieces(text))
-        held[index].append(text)
-        return {}
+        return calls_delta(index, calls[index].pieces(text))
 
-    def auto_delta(index: int, pieces: list) -> dict:
-        """A delta of an "auto" stream's pieces: its text as content, each whole call (the
+    def calls_delta(index: int, pieces: list) -> dict:
+        """A delta of a calls stream's pieces: its text as content, each whole call (the
         calls counted so far end with them), and each call's parts as they come (an
         opening with the name, then its arguments), one entry a call."""
         text, found = split(pieces)
@@ -324,19 +320,12 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
         return delta
 
     def closing(index: int, finish: str) -> tuple[dict, str]:
-        """A choice's last delta: for tool calls known only at the end, the calls."""
+        """A choice's last delta: what its calls stream held to the end (a call still
+        open, text that might have begun one)."""
         if tools is None or tools.streams_arguments:
             return {}, finish
-        if tools.mode == "auto":
-            return auto_delta(index, calls[index].close()), \
-                "tool_calls" if calls[index].calls and finish == "stop" else finish
-        text, calls_found = parse_calls(tools, "".join(held[index]))
-        if not calls_found:
-            return ({"content": text} if text else {}), finish
-        delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls_found)]}
-        if text:
-            delta["content"] = text
-        return delta, "tool_calls" if finish == "stop" else finish
+        return calls_delta(index, calls[index].close()), \
+            "tool_calls" if calls[index].calls and finish == "stop" else finish
 
     started = set()
     single = len(gens) == shape.n                  # one prompt: its ids go in a chunk of their own

@@ -1,16 +1,17 @@
 """One streamed answer as output items, for the APIs that stream items rather than chat
 deltas (OpenAI's Responses, Anthropic's Messages): a reasoning model's thinking
 (--reasoning-parser) goes first, to a reasoning item of its own; text goes to one text
-item, opened when the first text comes; each tool call is an item of its own. A named call's
-arguments stream as they come; "required" calls are known at the end, "auto" ones each
-once its closing tag arrives (tools.py). Each API writes the steps below as its events."""
+item, opened when the first text comes; each tool call is an item of its own. A named or
+"required" call's arguments stream as they come, as do those of an "auto" call a grammar
+holds; any other "auto" call is known once its closing tag arrives (tools.py). Each API
+writes the steps below as its events."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import AsyncIterator
 
 from services.router.reasoning import Thinking, ThinkingStream
-from services.router.tools import ToolPlan, new_call, split_output
+from services.router.tools import ToolPlan, new_call
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class ItemStream:
     With `one_text`, all the text is one item, wherever the calls fall (Responses);
     without, a call ends the text item open and text after it begins another, so items
     never overlap (Messages' content blocks). "required" calls cut short before the first
-    was whole leave no text (tools.split_output)."""
+    call began leave no text (tools.split_output)."""
 
     def __init__(self, tools: ToolPlan | None, empty_text: bool = False, one_text: bool = True,
                  thinking: Thinking | None = None) -> None:
@@ -50,8 +51,8 @@ class ItemStream:
         self._items = 0
         self._text_index: int | None = None
         self.text = ""
-        self._held = ""                     # "required" calls: known at the end
-        self._auto = tools.stream() if tools is not None and tools.mode == "auto" else None
+        # "auto" and "required": text and calls, whole or in parts (ToolPlan.stream)
+        self._calls = tools.stream() if tools is not None and not tools.streams_arguments else None
         self._named: tuple[int, dict] | None = None     # (output index, call) of a named call
         self._held_calls: dict[int, int] = {}   # a call whose parts stream (tool_syntax.CallPart): its output index
         self._arguments = ""
@@ -80,19 +81,18 @@ class ItemStream:
         tools = self.tools
         if tools is None:
             return self._say(text)
-        if tools.mode == "named":
+        if tools.streams_arguments:
             return self._named_arguments(text)
-        if tools.mode == "auto":
-            return self._pieces(self._auto.pieces(text))
-        self._held += text
-        return []
+        return self._pieces(self._calls.pieces(text))
 
     def _pieces(self, pieces: list) -> list[Step]:
-        """The steps of an "auto" stream's text, whole calls and calls' parts, in order."""
+        """The steps of a calls stream's text, whole calls and calls' parts, in order. A
+        "required" output's only text is one cut before its first call: its syntax, no
+        text (tools.split_output)."""
         steps = []
         for piece in pieces:
             if isinstance(piece, str):
-                steps += self._say(piece)
+                steps += self._say(piece) if self.tools.mode == "auto" else []
             elif isinstance(piece, dict):
                 steps += self._whole_call(piece)
             elif piece.kind == "open":
@@ -107,11 +107,8 @@ class ItemStream:
 
     def close(self) -> list[Step]:
         tools, steps = self.tools, (self.feed("", final=True) if self._thinking is not None else [])
-        if tools is not None and tools.mode == "auto":
-            steps += self._pieces(self._auto.close())
-        elif tools is not None and tools.mode == "required":
-            _, calls = split_output(tools, self._held)
-            steps += [s for call in calls for s in self._whole_call(call)]
+        if self._calls is not None:
+            steps += self._pieces(self._calls.close())
         elif self._named is not None:
             index, call = self._named
             steps.append(Step("close_call", index, self._arguments, call))

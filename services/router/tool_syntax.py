@@ -422,6 +422,125 @@ class JsonValueEnd:
         return len(text)
 
 
+
+class RequiredCalls:
+    """The calls of a `tool_choice: "required"` output as they are written: a JSON array of
+    {"name": NAME, "arguments": VALUE} objects (the schema tools.plan_tools gives its
+    grammar). A call opens once its name is whole and its arguments have begun, and its
+    arguments stream as they come, the text the model wrote, as vLLM streams them. Only a
+    cut (max_tokens) ends one short, with the arguments written so far; an output cut
+    before any call opened is text, given at its close. Text after the array is none."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._text = ""                 # all of it, for an output cut before any call
+        self._state = "start"           # start, items, key, colon, value, string, arguments, skip, after, end
+        self._string = ""               # a key or name being read, from its opening quote
+        self._escaped = False
+        self._key = ""
+        self._name: str | None = None
+        self._arguments: str | None = None      # None: not begun
+        self._value = JsonValueEnd()
+        self._call: dict | None = None
+
+    def pieces(self, text: str) -> list[CallPart]:
+        self._text += text
+        out: list[CallPart] = []
+        at = 0
+        while at < len(text):
+            ch, state = text[at], self._state
+            if state == "end":
+                break
+            if state == "arguments":
+                taken = self._value.feed(text[at:])
+                self._arguments += text[at:at + taken]
+                at += taken
+                out += self._open_or_more(text[at - taken:at])
+                if self._value.ended:
+                    self._state = "after"
+                continue
+            if state == "skip":                  # a value of another key: no part of a call
+                at += self._value.feed(text[at:])
+                self._state = "after" if self._value.ended else "skip"
+                continue
+            at += 1
+            if state == "string":
+                self._string += ch
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._ended_string()
+            elif ch in " \t\r\n":
+                continue
+            elif state == "start":
+                self._state = "items" if ch == "[" else "end"
+            elif state == "items":
+                if ch == "{":
+                    self._state, self._name, self._arguments, self._call = "key", None, None, None
+                elif ch == "]":
+                    self._state = "end"
+            elif state == "key" and ch == '"':
+                self._state, self._string, self._key = "string", ch, ""
+            elif state == "key" and ch == "}" or state == "after" and ch == "}":
+                out += self._ended_call()
+            elif state == "colon" and ch == ":":
+                self._state = "value"
+            elif state == "value":
+                if self._key == "name" and ch == '"':
+                    self._state, self._string = "string", ch
+                else:
+                    self._value = JsonValueEnd()
+                    self._state = "arguments" if self._key == "arguments" else "skip"
+                    if self._state == "arguments":
+                        self._arguments = ""
+                    at -= 1                     # the value's first character is its own
+            elif state == "after" and ch == ",":
+                self._state = "key"
+        return out
+
+    def _ended_string(self) -> None:
+        """A key, or the call's name, is read whole."""
+        text, self._string = self._string, ""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if self._key == "name":
+            self._name, self._key, self._state = value if isinstance(value, str) else None, "", "after"
+        else:
+            self._key, self._state = value if isinstance(value, str) else "", "colon"
+
+    def _open_or_more(self, text: str) -> list[CallPart]:
+        """The parts that `text`, more of the call's arguments, makes known."""
+        if self._name is None:
+            return []                   # held until the name is known
+        if self._call is None:
+            self._call = new_call(self._name, "")
+            self.calls += 1
+            opened = CallPart("open", self.calls - 1, self._call)
+            return [opened, CallPart("arguments", self.calls - 1, self._call, self._arguments)] \
+                if self._arguments else [opened]
+        return [CallPart("arguments", self.calls - 1, self._call, text)] if text else []
+
+    def _ended_call(self) -> list[CallPart]:
+        self._state = "items"
+        out = self._open_or_more("") if self._call is None and self._arguments is not None else []
+        if self._call is None:
+            return out
+        call = {**self._call, "function": {**self._call["function"], "arguments": self._arguments}}
+        self._call = None
+        return out + [CallPart("close", self.calls - 1, call)]
+
+    def close(self) -> list[str | CallPart]:
+        """What is left at the end: the end of a call cut short, or, where no call began,
+        the whole output as text."""
+        if self._call is not None:
+            return self._ended_call()
+        return [] if self.calls else [self._text] if self._text else []
+
+
 class WholeOutput:
     """A syntax whose calls are the whole output, told by how it begins (`MARKS`, after
     leading whitespace): such an output is held to its end and read whole; any other

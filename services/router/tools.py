@@ -5,7 +5,8 @@ a template that never reads them cannot show them to the model, so such a reques
 refused instead of answered as if no tools were given. What the model writes back:
   - a named `tool_choice`: the output is that function's arguments, constrained by its
     `parameters` schema (structured output on the decode worker);
-  - "required": a JSON array of {"name", "arguments"} calls, constrained likewise;
+  - "required": a JSON array of {"name", "arguments"} calls, constrained likewise, each
+    call's arguments streamed as they come (tool_syntax.RequiredCalls);
   - "auto": free text, in which calls are found as the model writes them (the router's
     --tool-call-parser, tool_syntax.py; Hermes-style by default:
     `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`).
@@ -27,7 +28,7 @@ import json
 from dataclasses import dataclass
 
 from services.router.protocol import ChatCompletionRequest, NamedToolChoice, bad_request, unsupported
-from services.router.tool_syntax import SYNTAXES, CallPart, HeldCalls, Hermes, new_call
+from services.router.tool_syntax import SYNTAXES, CallPart, HeldCalls, Hermes, RequiredCalls, new_call
 from services.router.tool_values import typed_arguments
 
 
@@ -60,12 +61,15 @@ class ToolPlan:
         return self.mode == "auto" and (level != "auto" or self.one_call or any(
             t["function"].get("strict") is True for t in self.tools))
 
-    def stream(self) -> "TrimmedContent":
-        """A stream of an "auto" output's content and calls (tool_syntax.py): whole calls,
-        or, where a grammar holds them, the parts of each as it is written; the first
-        call only where one is asked (where no grammar ended the output after it); the
-        content without whitespace at its ends. parse_calls reads a whole output through
-        it, so an answer streamed and whole has the same content and calls."""
+    def stream(self) -> "TrimmedContent | RequiredCalls":
+        """A stream of an "auto" or "required" output's content and calls (tool_syntax.py):
+        whole calls, or, where a grammar holds them, the parts of each as it is written;
+        for "auto", the first call only where one is asked (where no grammar ended the
+        output after it), and the content without whitespace at its ends. parse_calls
+        reads a whole output through it, so an answer streamed and whole has the same
+        content and calls."""
+        if self.mode == "required":
+            return RequiredCalls()
         calls = HeldCalls(self.syntax) if self.held else self.syntax.stream()
         if getattr(self.syntax, "string_values", False):
             calls = TypedValues(calls, self.tools)
@@ -73,7 +77,8 @@ class ToolPlan:
 
     @property
     def streams_arguments(self) -> bool:
-        """Named calls stream their arguments as they come; the others are known at the end."""
+        """A named call's output is its arguments, streamed as they come; the other modes'
+        calls come through stream()."""
         return self.mode == "named"
 
 
@@ -223,15 +228,6 @@ def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
     """(content, tool calls) of a whole output."""
     if plan.mode == "named":
         return None, [new_call(plan.name, text)]
-    if plan.mode == "required":
-        calls = []
-        for c in _whole_items(text):
-            try:        # arguments are JSON for any client: a number no float holds (1e999) ends them, as a cut
-                calls.append(new_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False, allow_nan=False)))
-            except ValueError:
-                break
-        # none whole: cut short by max_tokens inside the first call
-        return (None, calls) if calls else (text, [])
     stream = plan.stream()
     pieces = stream.pieces(text) + stream.close()
     content = "".join(p for p in pieces if isinstance(p, str))
@@ -243,24 +239,9 @@ def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
 def split_output(plan: ToolPlan | None, text: str) -> tuple[str, list[dict]]:
     """(text, calls) of a whole output, for the APIs whose answers are items (Responses,
     Messages): a forced choice's output is its calls only, and a forced output cut short
-    before its first call was whole is no text either (it is the tools' own syntax)."""
+    before its first call began is no text either (it is the tools' own syntax)."""
     if plan is None:
         return text, []
     content, calls = parse_calls(plan, text)
     return ((content or "") if plan.mode == "auto" else ""), calls
 
-
-def _whole_items(text: str) -> list:
-    """The items of a JSON array that are whole: all of them, or, when `max_tokens` cut
-    the array short, those before the cut (the calls made before it are calls)."""
-    decoder, items = json.JSONDecoder(), []
-    at = text.find("[") + 1
-    while at > 0:
-        while at < len(text) and text[at] in " \t\r\n,":
-            at += 1
-        try:
-            item, at = decoder.raw_decode(text, at)
-        except (ValueError, RecursionError):      # the cut item or the closing bracket (or digits past the limit)
-            break
-        items.append(item)
-    return items
