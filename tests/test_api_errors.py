@@ -211,6 +211,8 @@ HOSTILE = {
     "token_id_of_5000_digits": ("/detokenize", b'{"tokens": [1, ' + b"9" * 5000 + b"]}", "tokens.1", "5000 digits"),
     "top_k_past_int32": ("/v1/chat/completions", {"messages": MSG, "top_k": 2**31}, "top_k", "2147483647"),
     "top_k_past_int64": ("/v1/completions", {"prompt": "hi", "top_k": 2**64}, "top_k", "2147483647"),
+    "seed_past_64_bits": ("/v1/chat/completions", {"messages": MSG, "seed": 2**64}, "seed", "64-bit"),
+    "seed_below_int64": ("/v1/completions", {"prompt": "hi", "seed": -2**63 - 1}, "seed", "64-bit"),
     "temperature_past_float32": ("/v1/chat/completions", {"messages": MSG, "temperature": 1e300}, "temperature",
                                  "1e+300"),
     "stop_lone_surrogate": ("/v1/chat/completions", _raw_chat(r'"stop": "\ud800"'), "stop", "U+D800"),

@@ -117,6 +117,8 @@ def resolve_sampling(*, prompt_len: int, max_model_len: int, vocab_size: int, ma
             raise bad_request(f"allowed_token_ids must be in [0, {vocab_size})", param="allowed_token_ids")
     if any(not 0 <= t < vocab_size for word in bad_words for t in word):
         raise bad_request(f"bad_words token ids must be in [0, {vocab_size})", param="bad_words")
+    if seed is not None and not -(1 << 63) <= seed < 1 << 64:    # past 64 bits two seeds would be one
+        raise bad_request("seed must be a 64-bit integer, signed or not", param="seed")
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if temperature is None else float(temperature),
