@@ -308,6 +308,26 @@ def run(s: Scheduler, sampled):
     return plan, s.resolve(rows, sampled(rows))
 
 
+def test_a_replay_weighs_drafts_against_recorded_answers():
+    """bench.spec_replay: answers that copy their prompts with a few changes, four at a
+    time. Off, one token a row; suffix drafts win on the cost line, the oracle (every
+    draft cut where it fails) at least as much, and a draft is never kept past the
+    recorded answer."""
+    from bench.spec_replay import replay
+    rng = random.Random(0)
+    answers = []
+    for _ in range(8):
+        prompt = [rng.randrange(3, 500) for _ in range(200)]
+        output = [t if rng.random() > 0.03 else rng.randrange(3, 500) for t in prompt[:150]]
+        answers.append({"prompt_ids": prompt, "output_ids": output})
+    off = replay(answers, 4, None, 16.0, 1.4)
+    assert off.tokens == off.rows == 8 * 149          # the first token of each comes with its prefill
+    suffix = replay(answers, 4, SpeculativeConfig(method="suffix"), 16.0, 1.4)
+    oracle = replay(answers, 4, SpeculativeConfig(method="suffix"), 16.0, 1.4, oracle=True)
+    assert suffix.tokens == oracle.tokens == off.tokens and suffix.accepted <= suffix.drafted
+    speed = [r.tokens / r.seconds for r in (off, suffix, oracle)]
+    assert speed[1] > 1.5 * speed[0] and speed[2] >= speed[1]
+
 def test_drafts_are_kept_up_to_the_first_disagreement_and_the_rest_rolled_back():
     s = speculating([20, 21, 22, 23])
     a = seq("a", range(10, 16), max_tokens=50)             # 6 prompt tokens: 2 blocks of 4
