@@ -487,6 +487,44 @@ def test_a_response_format_beside_tools(tools_router):
     jsonschema.validate(json.loads(called.arguments), WEATHER["function"]["parameters"])
 
 
+def test_calls_beside_a_format_cut_short_leave_no_tag_as_text(tools_router):
+    """An agent's request (the Agents SDK's: a strict tool and an output_type) cut by
+    max_tokens after a call, as the next call begins: once a call is made only calls
+    may follow, so the beginning of the next one's tag is no content (it was `<`), and
+    the whole answer is what its stream says, on chat and Messages."""
+    client = _client(tools_router)
+    person = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    lookup = {"type": "function", "function": {"name": "lookup", "description": "Look up a person.", "strict": True,
+              "parameters": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"],
+                             "additionalProperties": False}}}
+    kw = dict(model=MODEL, temperature=0, tools=[lookup], messages=[
+        {"role": "system", "content": "Use tools then answer."}, {"role": "user", "content": "Who is Alice?"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "final_output", "strict": True,
+                                                                "schema": person}})
+    for max_tokens in (40, 120):
+        whole = client.chat.completions.create(**kw, max_tokens=max_tokens).choices[0]
+        content, names = "", []
+        for chunk in client.chat.completions.create(**kw, max_tokens=max_tokens, stream=True):
+            for c in chunk.choices:
+                content += c.delta.content or ""
+                names += [d.function.name for d in c.delta.tool_calls or () if d.function.name]
+        calls = [c.function.name for c in whole.message.tool_calls or ()]
+        assert names == calls and content == (whole.message.content or ""), (max_tokens, content, whole)
+        tag = "<tool_call>"
+        assert not calls or not any(content.rstrip().endswith(tag[:k]) for k in range(1, len(tag) + 1)), content
+    body = {"model": MODEL, "max_tokens": 40, "temperature": 0, "system": "Use tools then answer.",
+            "messages": [{"role": "user", "content": "Who is Alice?"}], "output_config": {"format": {
+                "type": "json_schema", "schema": person}},
+            "tools": [{"name": "lookup", "description": "Look up a person.", "strict": True,
+                       "input_schema": lookup["function"]["parameters"]}]}
+    whole = httpx.post(f"{tools_router}/v1/messages", json=body, timeout=60).json()
+    events = [json.loads(line[6:]) for line in httpx.post(f"{tools_router}/v1/messages", json={**body, "stream": True},
+                                                          timeout=60).text.splitlines() if line.startswith("data: ")]
+    starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+    assert [b["type"] for b in whole["content"]] == starts, (whole, starts)
+    assert all(b["text"].strip() not in ("<", "<tool_") for b in whole["content"] if b["type"] == "text")
+
 def test_a_strict_tool_holds_auto_calls_to_its_schema(tools_router):
     """tool_choice auto with a tool marked strict: what the model writes as a call is a
     call of that tool, its arguments valid (the grammar's own cases:

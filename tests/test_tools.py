@@ -476,6 +476,39 @@ def test_output_items_of_calls_a_grammar_holds():
 
 
 
+@pytest.mark.parametrize("tail", ["<", "<tool_", "<tool_call>", '<tool_call>\n{"na'])
+def test_a_held_call_cut_after_another_leaves_no_text(tail):
+    """A grammar lets only a call begin with its tag: cut by max_tokens after a call, the
+    next call's beginning is no text (it was `<` as content), streamed or whole; before
+    any call the same tail is text (a format's answer may hold it)."""
+    plan = ToolPlan([], "auto", held=True)
+    text = 'Sure. <tool_call>{"name": "f", "arguments": {}}</tool_call>\n' + tail
+    for size in (1, 3, 1000):
+        stream = plan.stream()
+        pieces = [p for i in range(0, len(text), size) for p in stream.pieces(text[i:i + size])] + stream.close()
+        assert "".join(p for p in pieces if isinstance(p, str)) == "Sure."
+    assert parse_calls(plan, text)[0] == "Sure." and len(parse_calls(plan, text)[1]) == 1
+    assert parse_calls(plan, "Sure. " + tail) == ("Sure. " + tail, [])
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_whole_items_are_the_streams_items_in_its_order(size):
+    """Responses' and Messages' whole answers are built from the items a stream of the
+    same output makes: text after a call comes after it (Messages: a block of its own),
+    and a call cut short is the stream's too."""
+    from services.router.output_items import ItemStream, whole_items
+    text = 'I will look. <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call> Then more. <tool_call>{"name": "g"'
+    for kw in (dict(one_text=False), dict(empty_text=True)):
+        for held in (False, True):
+            plan = ToolPlan([], "auto", held=held)
+            items = ItemStream(plan, **kw)
+            steps = [s for i in range(0, len(text), size) for s in items.feed(text[i:i + size])] + items.close()
+            streamed = sorted((s for s in steps if s.kind.startswith("close_")), key=lambda s: s.index)
+            whole = whole_items(ItemStream(plan, **kw), text)
+            assert [(s.kind, s.index, s.delta) for s in whole] == [(s.kind, s.index, s.delta) for s in streamed]
+            blocks = ["close_text", "close_call", "close_text"] if "one_text" in kw else ["close_text", "close_call"]
+            assert [s.kind for s in whole] == blocks        # Responses: all the text one item, first
+
 REQUIRED = ('[ {"name": "get_weather", "arguments": {"city": "Pa}]ris\\"{", "days": [1, {"n": 2}]}},\n'
             '{"arguments": {}, "name": "get_time"}, {"name": "get_weather", "arguments": {"city": "Ro')
 

@@ -25,11 +25,11 @@ from services.router.choices import sse_json
 from services.router.frontend import Collected, RunningRequest
 from services.router.generation import Generation
 from services.router.http_input import anthropic_error, parse
-from services.router.output_items import ItemStream, Step, steps_of
+from services.router.output_items import ItemStream, Step, steps_of, whole_items
 from services.router.protocol import (STRICT, APIError, ChatCompletionRequest, ContextLengthError, FunctionName,
                                       Number, Unimplemented, bad_request, text_parts_only)
-from services.router.reasoning import Thinking, thought_and_answer
-from services.router.tools import ToolPlan, split_output
+from services.router.reasoning import Thinking
+from services.router.tools import ToolPlan
 
 # The chat request's fields as this API names them, for errors raised on the chat path.
 _PARAMS = {"stop": "stop_sequences", "response_format": "output_config.format",
@@ -381,15 +381,15 @@ class MessageWriter:
         return "end_turn", None
 
     def whole(self, result: Collected) -> dict:
-        reasoning, text = thought_and_answer(self.thinking, result.text)
-        text, calls = split_output(self.tools, text)
-        content = [{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning is not None else []
-        content += [{"type": "text", "text": text}] if text else []
-        for call in calls:
-            arguments = _input(call["function"]["arguments"])
-            if arguments is not None:           # else cut short by max_tokens: no call was made
-                content.append({"type": "tool_use", "id": _tool_use_id(call), "name": call["function"]["name"],
-                                "input": arguments})
+        content = []
+        for step in whole_items(ItemStream(self.tools, one_text=False, thinking=self.thinking), result.text):
+            if step.kind == "close_reasoning":
+                content.append({"type": "thinking", "thinking": step.delta, "signature": ""})
+            elif step.kind == "close_text":
+                content.append({"type": "text", "text": step.delta})
+            elif (arguments := _input(step.delta)) is not None:     # else cut short by max_tokens: no call made
+                content.append({"type": "tool_use", "id": _tool_use_id(step.call),
+                                "name": step.call["function"]["name"], "input": arguments})
         return self.message(content, done=True)
 
     # ---- streamed ----
@@ -398,16 +398,19 @@ class MessageWriter:
         return f"event: {type_}\ndata: {sse_json({'type': type_, **fields})}\n\n".encode()
 
     async def events(self, running: RunningRequest, keepalive: float) -> AsyncIterator[bytes]:
-        """message_start goes out with the first content (or the first keep-alive before it):
-        the prompt's cached tokens are known by then, and its usage is the final one's."""
+        """message_start goes out with the first token (or the first keep-alive before it),
+        whatever it makes: the prompt's cached tokens are known by then, and its usage is
+        the final one's."""
         stream = _EventStream(self)
         started = False
         try:
             items = ItemStream(self.tools, one_text=False, thinking=self.thinking)
-            async for step in steps_of(running.deltas(keepalive), items):
+            async for step in steps_of(running.deltas(keepalive), items, begin=True):
                 if not started:
                     started = True
                     yield self.event("message_start", message=self.message([], done=False))
+                if step is not None and step.kind == "begin":
+                    continue
                 if step is None:
                     yield self.event("ping")
                     continue

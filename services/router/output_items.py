@@ -25,7 +25,8 @@ class Step:
       close_call (call, text)   it ends, with all its arguments
       open_reasoning            the reasoning item `index` begins
       reasoning (delta)         more of its text
-      close_reasoning (text)    it ends, with all its text"""
+      close_reasoning (text)    it ends, with all its text
+      begin                     the first token came (steps_of's `begin`; no item)"""
     kind: str
     index: int
     delta: str = ""
@@ -37,8 +38,8 @@ class ItemStream:
     with no text and no call still has one (empty) text item, as the Responses API has.
     With `one_text`, all the text is one item, wherever the calls fall (Responses);
     without, a call ends the text item open and text after it begins another, so items
-    never overlap (Messages' content blocks). "required" calls cut short before the first
-    call began leave no text (tools.split_output)."""
+    never overlap (Messages' content blocks). A forced choice's output is its calls
+    only: "required" calls cut short before the first began leave no text (their syntax)."""
 
     def __init__(self, tools: ToolPlan | None, empty_text: bool = False, one_text: bool = True,
                  thinking: Thinking | None = None) -> None:
@@ -88,7 +89,7 @@ class ItemStream:
     def _pieces(self, pieces: list) -> list[Step]:
         """The steps of a calls stream's text, whole calls and calls' parts, in order. A
         "required" output's only text is one cut before its first call: its syntax, no
-        text (tools.split_output)."""
+        text."""
         steps = []
         for piece in pieces:
             if isinstance(piece, str):
@@ -155,15 +156,26 @@ class ItemStream:
         return steps + [Step("arguments", index, arguments, call), Step("close_call", index, arguments, call)]
 
 
-async def steps_of(deltas: AsyncIterator, items: ItemStream) -> AsyncIterator[Step | None]:
+async def steps_of(deltas: AsyncIterator, items: ItemStream, begin: bool = False) -> AsyncIterator[Step | None]:
     """The steps of one choice's streamed deltas (RunningRequest.deltas), through `items`;
-    None where the stream sends a keep-alive."""
+    None where the stream sends a keep-alive; with `begin`, a "begin" step as the first
+    token comes, whether or not it makes a step of its own (a call's name not yet whole)."""
     async for d in deltas:
         if d is None:
             yield None
             continue
+        if begin:
+            begin = False
+            yield Step("begin", -1)
         for step in items.feed(d.text):
             yield step
         if d.finish_reason:
             for step in items.close():
                 yield step
+
+
+def whole_items(items: ItemStream, text: str) -> list[Step]:
+    """A whole output's items, as the steps that end them in a stream of it, in output
+    order: an answer whole has the items its stream has, in the same order."""
+    return sorted((s for s in items.feed(text) + items.close() if s.kind.startswith("close_")),
+                  key=lambda s: s.index)

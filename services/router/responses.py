@@ -25,9 +25,9 @@ from services.router.http_input import parse
 from services.router.protocol import (STRICT, APIError, CacheSalt, ChatCompletionRequest, FunctionName, Number,
                                       ReasoningEffort, Unimplemented, bad_request, text_parts_only, unsupported)
 from services.router.choices import SSE_KEEPALIVE, sse_json
-from services.router.output_items import ItemStream, Step, steps_of
-from services.router.reasoning import Thinking, thought_and_answer
-from services.router.tools import ToolPlan, split_output
+from services.router.output_items import ItemStream, Step, steps_of, whole_items
+from services.router.reasoning import Thinking
+from services.router.tools import ToolPlan
 
 # The chat request's fields as this API names them, for errors raised on the chat path.
 _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
@@ -341,13 +341,17 @@ class ResponseWriter:
         return {"id": self.reasoning_id, "type": "reasoning", "summary": [], "content": content, "status": status}
 
     def whole(self, result: Collected) -> dict:
-        reasoning, text = thought_and_answer(self.thinking, result.text)
-        text, calls = split_output(self.tools, text)
         status = self._status()
-        cut = "completed" if text or calls else status          # ended by the answer, or by the output's end
-        output = [self.reasoning(reasoning, cut)] if reasoning is not None else []
-        output += [self.message(text, status)] if text or not calls else []
-        output += [self.function_call(c, "completed") for c in calls]
+        closed = whole_items(ItemStream(self.tools, empty_text=True, thinking=self.thinking), result.text)
+        answered = any(s.kind == "close_call" or s.kind == "close_text" and s.delta for s in closed)
+        output = []
+        for step in closed:
+            if step.kind == "close_reasoning":      # ended by the answer, or by the output's end
+                output.append(self.reasoning(step.delta, "completed" if answered else status))
+            elif step.kind == "close_text":
+                output.append(self.message(step.delta, status))
+            else:
+                output.append(self.function_call(step.call, "completed", step.delta))
         return self.response(status, output)
 
     # ---- streamed ----

@@ -363,13 +363,15 @@ class HeldCalls:
 
     def close(self) -> list[str | CallPart]:
         """What is left at the end: text, the tag of a call that never began, or the end
-        of a call cut short."""
+        of a call cut short. After a call, a tag or its beginning at the end is the next
+        call cut short (max_tokens), no text: the grammar let nothing else begin it."""
         out: list[str | CallPart] = []
-        if self._state == "head":
+        after_call = self.calls > 0
+        if self._state == "head" and not after_call:
             out.append(self.syntax.OPEN + self._held)
         elif self._state in ("arguments", "end"):
             out.append(self._closed())
-        elif self._held:
+        elif self._state == "text" and self._held and not (after_call and self.syntax.OPEN.startswith(self._held)):
             out.append(self._held)
         self._held, self._state = "", "text"
         return out

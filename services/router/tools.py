@@ -234,14 +234,3 @@ def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
     calls = [p if isinstance(p, dict) else p.call for p in pieces
              if isinstance(p, dict) or isinstance(p, CallPart) and p.kind == "close"]
     return (content or None, calls) if calls else (content, [])
-
-
-def split_output(plan: ToolPlan | None, text: str) -> tuple[str, list[dict]]:
-    """(text, calls) of a whole output, for the APIs whose answers are items (Responses,
-    Messages): a forced choice's output is its calls only, and a forced output cut short
-    before its first call began is no text either (it is the tools' own syntax)."""
-    if plan is None:
-        return text, []
-    content, calls = parse_calls(plan, text)
-    return ((content or "") if plan.mode == "auto" else ""), calls
-
