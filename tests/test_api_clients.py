@@ -708,7 +708,8 @@ def test_messages_text_is_the_chat_completions(cluster):
 
 def test_messages_tool_use(tools_router):
     """A forced call (one tool, or any), whole and streamed: a tool_use block whose input
-    meets the tool's schema, stop reason tool_use; cut short by max_tokens, no block at all
+    meets the tool's schema, stop reason tool_use, the stream's message_start with the
+    first token (not once the call is whole); cut short by max_tokens, no block at all
     (not the calls' own syntax as text); then the conversation goes on with its
     tool_result."""
     client = _anthropic(tools_router)
@@ -718,10 +719,14 @@ def test_messages_tool_use(tools_router):
 
     def forced(choice):
         def stream():
-            with client.messages.stream(**kw, tool_choice=choice) as events:
+            with client.messages.stream(**kw, tool_choice=choice) as stream:
+                events = list(stream)
                 deltas = "".join(e.delta.partial_json for e in events
                                  if e.type == "content_block_delta" and e.delta.type == "input_json_delta")
-                return deltas, events.get_final_message()
+                final = stream.get_final_message()
+                assert events[0].type == "message_start"
+                assert events[0].message.usage.output_tokens <= 4 < final.usage.output_tokens, events[0]
+                return deltas, final
         with ThreadPoolExecutor(2) as pool:
             whole, streamed = pool.submit(client.messages.create, **kw, tool_choice=choice), pool.submit(stream)
             return whole.result(), *streamed.result()
