@@ -138,21 +138,36 @@ def _chat(http: str, **body) -> dict:
 
 
 def test_continuous_usage_counts_the_tokens_sent_so_far(cluster):
-    """stream_options.continuous_usage_stats (vLLM's): every chunk's usage counts the
-    output tokens sent up to and with it: none on the role chunk before the first token
-    (guidellm sends the option), then one more a token; the last usage is the total."""
-    for path, body in (("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": "Count: 1,"})):
-        body = {**body, "max_tokens": 5, "ignore_eos": True, "temperature": 0, "return_token_ids": True,
+    """stream_options.continuous_usage_stats (vLLM's): every chunk's usage counts its own
+    choice's prompt and the output tokens it sent up to and with it, as vLLM's does
+    (n > 1, several prompts): none on the role chunk before the first token (guidellm
+    sends the option), then one more a token; the last usage is the request's total."""
+    for path, body in (("/v1/chat/completions", {"messages": CHAT, "n": 2}),
+                       ("/v1/completions", {"prompt": ["Count: 1,", "Say"]})):
+        body = {**body, "max_tokens": 5, "ignore_eos": True, "temperature": 0.5, "seed": 1, "return_token_ids": True,
                 "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-        sent, seen = 0, []
+        sent, seen, prompts, total = {0: 0, 1: 0}, [], {0: set(), 1: set()}, None
         with httpx.stream("POST", f"{cluster.http}{path}", json=body, timeout=120) as r:
             for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    event = json.loads(line[6:])
-                    sent += sum(len(c.get("token_ids") or []) for c in event["choices"])
-                    seen.append((event["usage"]["completion_tokens"], sent))
-        assert all(counted == sent for counted, sent in seen), (path, seen)
-        assert seen[-1] == (5, 5) and (path != "/v1/chat/completions" or seen[0] == (0, 0)), (path, seen)
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if not event["choices"]:
+                    total = event["usage"]
+                    continue
+                (choice,) = event["choices"]
+                i = choice["index"]
+                sent[i] += len(choice.get("token_ids") or [])
+                seen.append((i, event["usage"]["completion_tokens"], sent[i]))
+                prompts[i].add(event["usage"]["prompt_tokens"])
+        assert all(counted == sent for _, counted, sent in seen), (path, seen)
+        assert sent == {0: 5, 1: 5} and total["completion_tokens"] == 10, (path, seen, total)
+        assert all(len(p) == 1 for p in prompts.values()), prompts
+        assert total["prompt_tokens"] == sum(min(p) for p in prompts.values()) // (2 if "n" in body else 1)
+        if path == "/v1/chat/completions":
+            assert [s for s in seen if s[0] == 0][0][1:] == (0, 0) and prompts[0] == prompts[1]
+        else:
+            assert prompts[0] != prompts[1]
 
 
 def test_an_answer_sent_back_as_the_client_dumps_it_and_openais_null_fields(cluster):

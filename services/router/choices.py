@@ -248,11 +248,17 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
     # chunk, before the first token, counts none), not those made and still queued.
     sent = [0] * len(gens)
 
-    def usage_so_far() -> dict:
-        """A chunk's usage field, where the request asked for one."""
+    def usage_so_far(index: int | None = None) -> dict:
+        """A chunk's usage field, where the request asked for one: continuous usage counts
+        the chunk's own choice (its prompt and the tokens it sent), as vLLM's does; a chunk
+        of no choice, the request's."""
         if not with_usage:
             return {}
-        return {"usage": usage(gens, shape.n, sent) if every_usage else None}
+        if not every_usage:
+            return {"usage": None}
+        if index is None:
+            return {"usage": usage(gens, shape.n, sent)}
+        return {"usage": usage([gens[index]], 1, [sent[index]])}
 
     def chunk(index: int, delta: dict | None = None, text: str = "", finish: str | None = None,
               token_ids: list[int] | None = None, logprobs: list[TokenLogprob] | None = None,
@@ -278,7 +284,7 @@ async def stream_events(fe: FrontEnd, running: RunningRequest, req: CommonReques
         if finish:
             # The route is known only once the choice is done: it rides on its last chunk.
             event["pdserve_route"] = gens[index].route()
-        return sse({**event, **usage_so_far()})
+        return sse({**event, **usage_so_far(index)})
 
     def content(index: int, d: Delta) -> dict:
         if thinking is None:
