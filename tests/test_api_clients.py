@@ -598,7 +598,6 @@ def test_responses_json_schema(cluster):
 
 @pytest.mark.parametrize("body, param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"store": True}, "store"),
     ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"truncation": "auto"}, "truncation"),
     ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
@@ -620,8 +619,9 @@ def test_responses_refuse_by_name_what_they_cannot_do(cluster, body, param):
     assert r.json()["error"]["param"].startswith(param), r.text
     if param == "max_output_tokens":                        # the message names this API's field too
         assert r.json()["error"]["message"].startswith("max_output_tokens must be"), r.text
-    assert _post(cluster.http, "/v1/responses", {"input": "hi", "store": False, "max_output_tokens": 1}) \
-        .status_code == 200
+    for store in (False, True):     # true, OpenAI's default, is answered unstored, as vLLM answers it
+        r = _post(cluster.http, "/v1/responses", {"input": "hi", "store": store, "max_output_tokens": 1})
+        assert r.status_code == 200 and r.json()["store"] is False, r.text
 
 
 def test_an_agent_runs_a_tool(tools_router):
@@ -662,7 +662,8 @@ def test_messages_text_is_the_chat_completions(cluster):
     chat API given the same conversation (system as its system message), the prompt's
     cached tokens apart from the rest as Anthropic counts them; cut by max_tokens, or
     ended by a stop sequence, the stop reason says which; count_tokens counts the prompt;
-    a last assistant message is continued, as chat's continue_final_message does."""
+    a last assistant message is continued, as chat's continue_final_message does; vLLM's
+    ignore_eos is taken."""
     client, openai_client = _anthropic(cluster.http), _client(cluster.http)
     kw = dict(model=MODEL, system=CHAT[0]["content"], messages=[CHAT[1]], max_tokens=24, extra_body=GREEDY)
 
@@ -690,9 +691,13 @@ def test_messages_text_is_the_chat_completions(cluster):
                  # what Claude Code sends: a system message among the turns, context editing (beta)
                  pool.submit(client.messages.create, model=MODEL, max_tokens=2, messages=[
                      CHAT[1], {"role": "system", "content": "Be brief."}, {"role": "user", "content": ASK}],
-                     extra_body={**GREEDY, "context_management": {"edits": [{"type": "clear_thinking_20251015"}]}})]
-        chat, m, (events, final), cut, long, counted, chat_prefilled, prefilled, counted_prefilled, beta = (
+                     extra_body={**GREEDY, "context_management": {"edits": [{"type": "clear_thinking_20251015"}]}}),
+                 # vLLM's ignore_eos, as benchmark clients add it to every API's requests
+                 pool.submit(client.messages.create, model=MODEL, messages=[{"role": "user", "content": "Say hi."}],
+                             max_tokens=40, extra_body={**GREEDY, "ignore_eos": True})]
+        chat, m, (events, final), cut, long, counted, chat_prefilled, prefilled, counted_prefilled, beta, endless = (
             f.result() for f in asked)
+    assert endless.stop_reason == "max_tokens" and endless.usage.output_tokens == 40
     assert beta.stop_reason == "max_tokens" and m._request_id       # the SDK's request id (request-id)
     assert prefilled.content[0].text == chat_prefilled.choices[0].message.content
     assert counted_prefilled.input_tokens == chat_prefilled.usage.prompt_tokens \

@@ -202,6 +202,7 @@ class MessagesRequest(BaseModel):
     metadata: Metadata | None = None
     output_config: OutputConfig | None = None
     thinking: Thinking | None = None                    # taken; no reasoning is parsed out
+    ignore_eos: StrictBool = False      # vLLM's, as benchmark clients send it (aiperf's extra inputs)
     # Anthropic's context editing (beta): clears earlier thinking or tool results from the
     # context past a threshold; no thinking comes back here, and the conversation is
     # taken as sent (taken, no effect)
@@ -246,7 +247,7 @@ class MessagesRequest(BaseModel):
         chat: dict = {"messages": messages, "max_tokens": self.max_tokens,
                       "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                       "stop": self.stop_sequences or None, "user": self.metadata and self.metadata.user_id,
-                      "reasoning_effort": config and config.effort}
+                      "reasoning_effort": config and config.effort, "ignore_eos": self.ignore_eos}
         if config is not None and config.format is not None:
             chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output",
                                                                               "schema": config.format.schema_}}

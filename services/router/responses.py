@@ -7,8 +7,10 @@ function tools and `tool_choice` the chat's (tools.py), `text.format` the chat's
 text and a function_call item per call, or, streamed, the Responses events in the
 order the official client's `responses.stream()` folds them.
 
-The router keeps no responses: `previous_response_id`, `store: true` and the other
-fields that need server-side state or tools pdserve does not run are refused by name.
+The router keeps no responses: `previous_response_id` and the other fields that need
+server-side state or tools pdserve does not run are refused by name. `store: true`,
+OpenAI's default, is answered unstored (the response says `store: false`), as vLLM does
+without a store.
 """
 from __future__ import annotations
 
@@ -203,9 +205,6 @@ class ResponsesRequest(BaseModel):
         if self.previous_response_id is not None:
             raise unsupported("previous_response_id", "previous_response_id is not supported: pdserve keeps no "
                                                       "responses; send the whole conversation as input")
-        if self.store:
-            raise unsupported("store", "store: true is not supported: pdserve keeps no responses (send store: "
-                                       "false, or leave it out)")
         if self.include:
             raise unsupported("include", f"include {self.include[0]!r} is not supported")
         if self.truncation == "auto":
