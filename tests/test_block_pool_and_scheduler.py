@@ -181,6 +181,20 @@ def test_a_short_prompt_goes_whole_beside_decodes_and_a_long_one_in_capped_chunk
     assert sum(n for r, n in chunks if r == "long") == 13 and max(n for r, n in chunks if r == "long") == 4
 
 
+def test_prompts_the_step_cannot_afford_wait_without_taking_blocks():
+    """Beside a decoding sequence (a decode worker's step), prompt tokens cost more the
+    more they attend to: once what the step has left affords no token of the next
+    prompt, that prompt and those after it wait, holding no blocks and no slot."""
+    s = scheduler(blocks=256, max_num_seqs=16, max_num_batched_tokens=512, max_mixed_prefill=64,
+                  context_cost=0.01)
+    prefilled(s, seq("d", prompt_len=6, first=19))
+    for i in range(5):
+        s.add(seq(f"w{i}", prompt_len=40))
+    plan = s.schedule()
+    assert all(c.num_tokens > 0 for c in plan.chunks), [(c.seq.request_id, c.num_tokens) for c in plan.chunks]
+    assert [q.request_id for q in s.running] == [c.seq.request_id for c in plan.chunks]
+    assert s.num_waiting >= 2
+
 def test_prefill_chunk_caps_one_prompt_per_step():
     s = scheduler(blocks=16, max_num_batched_tokens=16, max_prefill_chunk=4)
     a, b = seq("a", prompt_len=10), seq("b", prompt_len=6)

@@ -425,3 +425,45 @@ def test_drafts_never_starve_or_preempt_another_sequence():
     plan, _ = run(s2, lambda rows: [[5] * r.num_sampled for r in rows])
     assert sorted(c.seq.request_id for c in plan.chunks) == ["c", "d"]   # the budget of 3 leaves one draft
     assert sum(len(c.draft) for c in plan.chunks) == 1
+
+
+def test_drafts_leave_a_running_prompt_its_chunk_and_the_step_its_budget():
+    """A prompt still being chunked runs before two decoding sequences: drafts get only
+    what the prompt's chunk and every sequence's own token leave, so the step stays
+    within its budget and no sequence gets a chunk of no (or negative) length."""
+    s = speculating([20, 21, 22, 23], blocks=64, max_num_batched_tokens=16)
+    p = seq("p", range(100, 131))
+    s.add(p)
+    run(s, lambda rows: [[9] * r.num_sampled for r in rows])
+    for rid, base in (("d", 10), ("e", 30)):
+        q = seq(rid, list(range(base, base + 6)) + [19], prompt_len=6)
+        s.reserve(rid, 6, float("inf"))
+        s.add_prefilled(q)
+    plan = s.schedule()
+    assert plan.num_tokens == sum(c.num_tokens for c in plan.chunks) <= 16
+    assert all(c.num_tokens > 0 for c in plan.chunks), [(c.seq.request_id, c.num_tokens) for c in plan.chunks]
+
+
+def test_a_proposer_that_raises_costs_its_drafts_not_the_step():
+    """A proposer failing (a draft model out of memory) leaves the step to run without
+    drafts, every sequence still planned, and the next step drafts again."""
+    class Failing:
+        calls = 0
+
+        def propose(self, seq, most):
+            Failing.calls += 1
+            if Failing.calls == 1:
+                raise RuntimeError("out of memory")
+            return [20, 21]
+
+        def finished(self, seq):
+            pass
+    s = speculating([])
+    s.speculator.proposer = Failing()
+    q = seq("q", list(range(10, 16)) + [19], prompt_len=6)
+    s.reserve("q", 6, float("inf"))
+    s.add_prefilled(q)
+    plan, _ = run(s, lambda rows: [[5] * r.num_sampled for r in rows])
+    assert [(c.seq.request_id, c.draft) for c in plan.chunks] == [("q", ())] and s.failed_drafts == 1
+    plan, _ = run(s, lambda rows: [[5] * r.num_sampled for r in rows])
+    assert plan.chunks[0].draft == (20, 21)

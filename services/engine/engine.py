@@ -308,7 +308,9 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if self.scheduler.copies:               # forked choices' last prompt blocks, queued ahead of the step
             self.runner.copy_blocks(self.memory, self.scheduler.copies)
-            self.scheduler.copies_made()
+            if not plan:                        # no step to land them (the choices ended): wait for them here
+                self.runner.stream.record().wait()
+            self.scheduler.copies_made(done=not plan)
         if plan.joined and self.on_joined is not None:
             self.on_joined([seq.request_id for seq in plan.joined])
         overlap = self.async_scheduling and not plan.verify and all(overlaps(c.seq) for c in plan.chunks)

@@ -18,6 +18,11 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+# Steps failing one after another (not one request's: the engine runs those alone and
+# fails only them) after which every request here ends with an error instead of waiting
+# on an engine that cannot step.
+FAILING_STEPS = 3
+
 # What a worker hands the loop to receive a request's output, called on the engine
 # thread. A prefilled sequence's sink also hears an output with no tokens and no finish
 # when it joins the running batch, before that step's forward pass.
@@ -108,6 +113,7 @@ class EngineLoop:
         # worker pinned to one). CUDA's current device is per thread too.
         torch.set_num_threads(self._threads)
         use_device(self.engine.runner.device)
+        failures = 0
         while not self._stopping:
             if self.tick is not None:
                 with self.engine.scheduling:        # a tick may change the scheduler (leases)
@@ -120,8 +126,13 @@ class EngineLoop:
             try:
                 outputs = self.engine.step()
             except Exception:                   # never lose the thread
-                log.exception("engine step failed")
+                failures += 1
+                log.exception("engine step failed (%d in a row)", failures)
+                if failures >= FAILING_STEPS:
+                    self._fail_all()
+                    failures = 0
                 continue
+            failures = 0
             ran = self.engine.last_step is not before
             if self.on_step is not None and ran:
                 self.on_step(self.engine.last_step)
@@ -130,6 +141,16 @@ class EngineLoop:
                 # work that cannot run yet (no free blocks): wait for a release instead of spinning
                 self._wake.wait(timeout=0.01)
                 self._wake.clear()
+
+    def _fail_all(self) -> None:
+        """Every request here ends with an error, now: its stream ends (the worker's
+        handler releases what it holds) and the engine is told to drop it."""
+        with self._submitting:
+            sinks, self._sinks = self._sinks, {}
+        log.error("engine steps keep failing: ending its %d requests with an error", len(sinks))
+        for request_id, sink in sinks.items():
+            self.engine.abort(request_id)
+            sink(EngineOutput(request_id, [], "error"))
 
     def _deliver(self, outputs: list[EngineOutput]) -> None:
         for o in outputs:

@@ -61,6 +61,7 @@ the engine reads the step in flight first when the speculator would draft
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -71,6 +72,8 @@ from services.engine.core.block_pool import NoFreeBlocks
 from services.engine.core.sequence import (PENDING, Chunk, Reservation, SeqStatus, SeqUpdate, Sequence,
                                           StepPlan)
 from services.engine.core.speculation import Speculator
+
+log = logging.getLogger(__name__)
 
 # Blocks kept free when a new prompt is admitted, as a share of the pool, so that the
 # running sequences can grow without preempting the newcomer at once (vLLM's watermark).
@@ -142,6 +145,7 @@ class Scheduler:
         self.landed_upto = 0
         self._held: list[tuple[int, list[int], list[int], int]] = []
         self.remote: dict[str, Reservation] = {}        # waiting for remote KV, by request id
+        self.failed_drafts = 0                          # steps whose proposer raised
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -256,7 +260,7 @@ class Scheduler:
             prompts = capped = _prompt_cost(0, self.config.max_mixed_prefill, weight)
         drafts, room = self._drafts(budget)
         for seq in list(self.running):
-            if budget == 0:
+            if budget <= 0:
                 break
             if seq.status is not SeqStatus.RUNNING:        # preempted earlier in this pass
                 continue
@@ -284,6 +288,8 @@ class Scheduler:
             seq = self._next_waiting()
             if priority is not None and seq.priority != priority:
                 break
+            if self._chunk_len(seq, budget, prompts, weight) == 0 and prompts != capped:
+                break                   # what the step has left affords none of its tokens
             if not self._admit(seq):
                 break
             priority = seq.priority
@@ -293,6 +299,8 @@ class Scheduler:
             n = self._start(seq, plan, budget, budget if whole else prompts, 0.0 if whole else weight)
             budget -= n
             prompts -= _prompt_cost(start, n, weight) if n > 1 else 0
+            if n == 0:                  # a cached prefix left its first chunk a dearer start
+                break
         return plan
 
     def schedule_ahead(self, below: int) -> StepPlan:
@@ -334,17 +342,28 @@ class Scheduler:
         """The speculator's drafts for the decoding sequences, each at most the tokens its
         max_tokens leaves after this step's own; and the room drafts have, [tokens,
         blocks]: what is left once every running sequence has its own next token and
-        the block for it, so a draft never starves or preempts another sequence."""
+        the block for it, and every running prompt the most its chunk may take, so a
+        draft never starves or preempts another sequence, nor takes the step past its
+        budget."""
         if self.speculator is None:
             return {}, [0, 0]
         decoding = self._decoding()
         if not decoding:
             return {}, [0, 0]
         own_blocks = sum(max(0, self._needed(s, len(s.token_ids))) for s in self.running)
-        room = [budget - len(self.running), max(0, self.blocks.num_available - own_blocks)]
+        chunks = sum(min(len(s.token_ids) - s.num_computed, self.config.max_mixed_prefill or budget,
+                         self.config.max_prefill_chunk or budget) - 1
+                     for s in self.running if len(s.token_ids) - s.num_computed > 1)
+        room = [budget - len(self.running) - chunks, max(0, self.blocks.num_available - own_blocks)]
         if room[0] <= 0:
             return {}, room
-        return self.speculator.drafts(decoding), room
+        try:
+            return self.speculator.drafts(decoding), room
+        except Exception:       # a proposer that fails (a draft model out of memory) costs its drafts only
+            self.failed_drafts += 1
+            if self.failed_drafts == 1 or self.failed_drafts % 1000 == 0:
+                log.exception("drafting failed (%d times so far); this step verifies no drafts", self.failed_drafts)
+            return {}, room
 
     def _decoding(self) -> list[tuple[Sequence, int]]:
         """The sequences a draft may follow (decoding, their last token not yet computed),
@@ -540,14 +559,18 @@ class Scheduler:
             child.status = SeqStatus.READY
             self.ready.append(child)
 
-    def copies_made(self) -> None:
+    def copies_made(self, done: bool = False) -> None:
         """The engine queued every pending copy on the device, ahead of the next step it
         launches. On a GPU the copy may not have run when this returns, so both ends stay
         held until that step lands: a source given back now (its sequence has ended) could
-        be handed to a reservation and written by a transfer before the copy reads it."""
+        be handed to a reservation and written by a transfer before the copy reads it.
+        `done`: the copies have run (no step follows them to land): both ends go back now."""
         copies, self.copies = self.copies, []
-        if copies:
-            self._held.append((self.launches + 1, [b for pair in copies for b in pair], [], 0))
+        ends = [b for pair in copies for b in pair]
+        if done and ends:
+            self.blocks.release(ends)
+        elif ends:
+            self._held.append((self.launches + 1, ends, [], 0))
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is SeqStatus.FINISHED:
