@@ -399,3 +399,17 @@ def test_a_block_copy_holds_both_its_blocks_until_the_step_queued_after_it_lands
     assert s.blocks.num_available == 8 - len(taken) and not s.in_flight
     s.blocks.release(taken)
     assert s.blocks.num_available == 8
+
+
+def test_a_choice_aborted_before_its_parents_prompt_is_done_never_starts():
+    """n > 1: a choice waits on its parent's prompt to fork from it. Aborted alone
+    before that (a stop string of the client's, a cancel), it is dropped there, and the
+    parent's first token forks no sequence for it."""
+    s = scheduler(blocks=16, max_num_batched_tokens=64)
+    parent = seq("r", prompt_len=6, max_tokens=50)
+    child = Sequence("r#1", [], 6, SamplingParams(max_tokens=50, temperature=0), EOS)
+    parent.forks = [child]
+    s.add(parent)
+    assert s.abort("r#1") is child and child.finish_reason == "abort"
+    step(s, 19)
+    assert s.get("r#1") is None and not s.copies and [q.request_id for q in s.running] == ["r"]

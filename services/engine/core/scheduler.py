@@ -233,7 +233,15 @@ class Scheduler:
         seq = self._by_id.get(request_id)
         if seq is not None:
             self._finish(seq, "abort")
-        return seq
+            return seq
+        # a choice not started yet, waiting on its parent's prompt (n > 1): it never starts
+        for parent in list(self._by_id.values()):
+            child = next((c for c in parent.forks if c.request_id == request_id), None)
+            if child is not None:
+                parent.forks.remove(child)
+                child.status, child.finish_reason = SeqStatus.FINISHED, "abort"
+                return child
+        return None
 
     def release(self, request_id: str) -> None:
         """Give back the blocks of a finished sequence kept by `retain_finished`."""
