@@ -104,6 +104,27 @@ def test_a_token_rate_refills_and_says_when():
     assert r.value.retry_after is None                     # never fits in a minute's tokens
 
 
+def test_a_request_of_several_prompts_is_admitted_or_refused_whole():
+    """A completions request of several prompts is checked as one against the key's
+    limits: refused, it takes nothing from the bucket nor the fair order, so a client
+    that waits the retry-after it was told gets in; more prompts than the key may run
+    at once is refused with no retry-after (no wait would let it in)."""
+    clock = Clock()
+    q = FairQueue(100, policies=lambda t: TenantPolicy(tokens_per_minute=1000, max_concurrency=4), clock=clock)
+    first = q.admit_all("k", [(400, 1), (400, 1)])                 # 200 of 1,000 left
+    finish = q._tenants["k"].finish
+    with pytest.raises(Refused) as r:
+        q.admit_all("k", [(400, 1), (400, 1)])
+    assert r.value.retry_after == pytest.approx(36.0)               # 600 more, at 1,000 a minute
+    assert q._tenants["k"].finish == finish and q.pending == 2     # nothing of it was taken
+    for ticket in first:
+        q.done(ticket)
+    clock.now = 36.0
+    assert len(q.admit_all("k", [(400, 1), (400, 1)])) == 2
+    with pytest.raises(Refused) as r:
+        q.admit_all("other", [(1, 1)] * 5)
+    assert r.value.retry_after is None and "5 prompts" in r.value.message
+
 def test_a_full_queue_still_admits_a_tenant_below_its_share():
     q = FairQueue(10)
     for _ in range(10):

@@ -52,18 +52,23 @@ class Admission:
 
     def admit(self, tenant: str, cost: float, slots: int = 1) -> Ticket:
         """A place in the queue, or APIError 429 saying why and when to retry."""
+        return self.admit_all(tenant, [(cost, slots)])[0]
+
+    def admit_all(self, tenant: str, asks: list[tuple[float, int]]) -> list[Ticket]:
+        """A place for each of a request's prompts ((cost, slots) each), all or none
+        (FairQueue.admit_all), or APIError 429 saying why and when to retry."""
         tenant = tenant or ANONYMOUS
         try:
-            ticket = self.queue.admit(tenant, cost, slots)
+            tickets = self.queue.admit_all(tenant, asks)
         except Refused as r:
             self.metrics.tenant_refused.labels(tenant, r.reason).inc()
             headers = {} if r.retry_after is None else {"Retry-After": str(max(1, math.ceil(r.retry_after)))}
             raise APIError(429, r.message, type_="rate_limit_error" if r.reason == "overloaded" else "requests",
                            code=r.reason, grpc_code="RESOURCE_EXHAUSTED", headers=headers) from None
-        self.metrics.tenant_admitted.labels(tenant).inc()
-        self.metrics.tenant_queued.labels(tenant).inc()
+        self.metrics.tenant_admitted.labels(tenant).inc(len(tickets))
+        self.metrics.tenant_queued.labels(tenant).inc(len(tickets))
         self._gauges()
-        return ticket
+        return tickets
 
     async def wait(self, ticket: Ticket) -> None:
         """Until `ticket` is dispatched."""

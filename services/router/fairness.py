@@ -103,24 +103,39 @@ class FairQueue:
 
     def admit(self, tenant: str, cost: float, slots: int = 1) -> Ticket:
         """A ticket in the queue, or Refused."""
+        return self.admit_all(tenant, [(cost, slots)])[0]
+
+    def admit_all(self, tenant: str, asks: list[tuple[float, int]]) -> list[Ticket]:
+        """A ticket for each of a request's prompts ((cost, slots) each), or Refused for
+        them all: the request is checked against the tenant's limits as a whole, so a
+        refusal takes nothing from its bucket nor its place in the fair order, and a
+        retry after `retry_after` finds room for all of it."""
         t = self._tenants.get(tenant)
         if t is None:
             policy = self.policies(tenant)
             t = self._tenants[tenant] = _Tenant(policy, tokens=policy.tokens_per_minute, refilled=self.clock())
-        self._check(tenant, t, cost)
-        start = max(self._vtime, t.finish)
-        t.finish = start + cost / t.policy.weight
-        t.admitted += 1
-        if t.policy.tokens_per_minute:
-            t.tokens -= cost
-        ticket = Ticket(tenant, cost, slots, start, self.clock())
-        t.queue.append((start, next(self._seq), ticket))
-        self.queued += 1
-        return ticket
+        self._check(tenant, t, sum(cost for cost, _ in asks), len(asks))
+        tickets = []
+        for cost, slots in asks:
+            start = max(self._vtime, t.finish)
+            t.finish = start + cost / t.policy.weight
+            t.admitted += 1
+            if t.policy.tokens_per_minute:
+                t.tokens -= cost
+            ticket = Ticket(tenant, cost, slots, start, self.clock())
+            t.queue.append((start, next(self._seq), ticket))
+            self.queued += 1
+            tickets.append(ticket)
+        return tickets
 
-    def _check(self, tenant: str, t: _Tenant, cost: float) -> None:
+    def _check(self, tenant: str, t: _Tenant, cost: float, count: int) -> None:
+        """Whether `count` requests (a request's prompts) of `cost` tokens in all fit the
+        tenant's limits and the queue's bound; Refused if not."""
         p = t.policy
-        if p.max_concurrency and t.admitted >= p.max_concurrency:
+        if p.max_concurrency and count > p.max_concurrency:
+            raise Refused("rate_limit_exceeded", f"this request has {count} prompts, more than this key's limit of "
+                                                 f"{p.max_concurrency} requests at once", None)
+        if p.max_concurrency and t.admitted + count > p.max_concurrency:
             raise Refused("rate_limit_exceeded", f"this key has {t.admitted} requests in flight, its limit; retry "
                                                  "when one ends", 1.0)
         if p.tokens_per_minute:
@@ -137,7 +152,7 @@ class FairQueue:
                                                      f"is reached (this request counts {cost:.0f})",
                               (cost - t.tokens) / rate)
         pending = self.pending
-        if pending >= self.max_pending and t.admitted >= self._share(tenant):
+        if pending + count - 1 >= self.max_pending and t.admitted + count - 1 >= self._share(tenant):
             raise Refused("overloaded", f"the server is at capacity ({pending} requests in flight); retry later", 1.0)
 
     def _share(self, tenant: str) -> float:

@@ -275,18 +275,13 @@ class FrontEnd:
         """`start` for a request of several prompts (each a list of generations, one per
         choice): each prompt is admitted, routed and run on its own, as if sent alone.
         If one is not admitted, none runs."""
-        tickets = []
-        try:
-            for gens in prompts:
-                for gen in gens:
-                    attach(gen)
-                # What it may cost the workers, as a token rate counts it: prompt and max_tokens.
-                cost = len(gens[0].prompt_ids) + sum(g.params.max_tokens for g in gens)
-                tickets.append(self.admission.admit(tenant, cost, slots=len(gens)))
-        except APIError:
-            for ticket in tickets:
-                self.admission.done(ticket)
-            raise
+        for gens in prompts:
+            for gen in gens:
+                attach(gen)
+        # What each prompt may cost the workers, as a token rate counts it: prompt and
+        # max_tokens. The request is admitted as a whole or refused as one.
+        tickets = self.admission.admit_all(tenant, [(len(gens[0].prompt_ids) + sum(g.params.max_tokens for g in gens),
+                                                     len(gens)) for gens in prompts])
         texts = None
         # The cluster's text keeps a stop token's text; vLLM's leaves it out: written
         # again here where that can differ (a stop token that is no special token).
