@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from contextlib import aclosing
-from typing import AsyncIterator, Awaitable, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 import grpc
 
@@ -129,9 +129,13 @@ class Handoff:
                 async for item in tokens:
                     yield item
         finally:
-            decode.request_ended()
             if self._handle is not None and not self._finished:
-                self.workers.spawn(self._release_after(self._writer, decode, self._handle, "request ended early"))
+                # The request counts on the worker until its release is sent: a departed
+                # worker's channel stays open for it (WorkerSet._close_when_idle).
+                self.workers.spawn(self._release_after(self._writer, decode, self._handle, "request ended early",
+                                                       then=decode.request_ended))
+            else:
+                decode.request_ended()
 
     async def _prefill_remotely(self, prefill: Worker, decode: Worker,
                                 keys: list[int]) -> tuple[int | None, TokenLogprob | None]:
@@ -142,10 +146,17 @@ class Handoff:
         started = time.monotonic()
         try:
             self._handle = await self._reserve(decode)
-            self._writer = self._start_prefill(prefill)
+            # The wait for blocks can be long: the prefill worker may be gone by now.
+            self._writer = self._start_prefill(prefill) if prefill.info is not None else None
         except BaseException:
             prefill.prompt_dropped(n)               # planned there, never sent
             raise
+        if self._writer is None:
+            prefill.prompt_dropped(n)
+            await self._release(decode, self._handle, "prefill worker lost")
+            log.warning("request %s: prefill worker %s was lost while its blocks were reserved; prefilling on the "
+                        "decode worker", self.gen.request_id, prefill.address)
+            return None, None
         return await self._await_prefill(prefill, decode, self._writer, keys, started)
 
     async def _decode(self, decode: Worker, req: worker_pb2.DecodeRequest, keys: list[int],
@@ -222,12 +233,12 @@ class Handoff:
         gen.prefill_worker, gen.prefill_epoch = prefill.name, prefill.info.epoch
         self.metrics.routed.labels("prefill", prefill.address).inc()
         n = len(gen.prompt_ids)
-        prefill.prefill_sent()
         call = asyncio.ensure_future(prefill.stub.Prefill(
             worker_pb2.PrefillRequest(request_id=gen.worker_id, prompt_token_ids=gen.prompt_ids,
                                       sampling=sampling_to_proto(gen.params), handle=self._handle,
                                       priority=gen.priority),
             timeout=self.settings.prefill_timeout + PREFILL_RPC_MARGIN))
+        prefill.prefill_sent()
         call.add_done_callback(lambda _: prefill.prefill_answered(n))
         return call
 
@@ -307,13 +318,18 @@ class Handoff:
                             "stop string")
 
     async def _release_after(self, writer: asyncio.Future | None, decode: Worker, handle: worker_pb2.KVHandle,
-                             reason: str) -> None:
-        if writer is not None:
-            try:
-                await writer
-            except BaseException:
-                pass
-        await self._release(decode, handle, reason)
+                             reason: str, then: Callable[[], None] = lambda: None) -> None:
+        """Release once `writer` (the prefill writing into the blocks) has ended; `then`
+        after it, whatever happens."""
+        try:
+            if writer is not None:
+                try:
+                    await writer
+                except BaseException:
+                    pass
+            await self._release(decode, handle, reason)
+        finally:
+            then()
 
     async def _release_reserved(self, call: asyncio.Future, decode: Worker) -> None:
         try:
@@ -327,9 +343,10 @@ class Handoff:
         try:
             await decode.stub.Release(worker_pb2.ReleaseRequest(request_id=handle.request_id, epoch=handle.epoch,
                                                                 reason=reason), timeout=INFO_TIMEOUT)
-        except grpc.aio.AioRpcError as exc:
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
             # The lease expires the blocks if the worker is alive but unreachable now.
-            log.warning("release of %s on %s failed: %s", handle.request_id, decode.address, exc.code().name)
+            why = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            log.warning("release of %s on %s failed: %s", handle.request_id, decode.address, why)
 
 
 async def unless_unreachable(worker: Worker, answer: Awaitable[T]) -> T:

@@ -332,9 +332,11 @@ class WorkerSet:
         self.metrics.autoscaler.update(desired, decisions)
 
     async def _close_when_idle(self, w: Worker) -> None:
-        """A departed worker's channel closes once the requests on it have ended."""
+        """A departed worker's channel closes once the requests on it have ended: those
+        routed there and not ended (a request's releases count until they are sent), and
+        the prompts planned for a prefill worker while their blocks are reserved."""
         deadline = time.monotonic() + self.settings.request_timeout
-        while w.inflight > 0 and time.monotonic() < deadline:
+        while (w.inflight > 0 or w.inflight_tokens > 0) and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
         await w.chan.close()
 
