@@ -6,6 +6,8 @@ processes; the cluster tests cover the same paths with real workers where they c
 import asyncio
 from contextlib import aclosing
 
+import grpc
+
 from services.common.metrics import RouterMetrics
 from services.common.settings import RouterSettings
 from services.engine.core.sampling import SamplingParams
@@ -124,3 +126,60 @@ def test_a_departed_workers_channel_stays_open_for_what_is_still_planned_or_to_r
     planned_open, counted, after, released = asyncio.run(main())
     assert planned_open and Channel.closed
     assert (counted, after, released) == (1, 0, ["r.1"])
+
+
+def rpc_error(code: grpc.StatusCode, details: str = "") -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details, None)
+
+
+def test_a_decode_worker_that_no_longer_holds_the_blocks_gets_the_request_again_elsewhere():
+    """The decode worker restarted between Reserve and Decode (or the lease ran out): it
+    refuses the attempt (FAILED_PRECONDITION). Nothing was decoded, so the request tries
+    again, where it used to end with a 502."""
+    class Restarted(Decode):
+        def Decode(self, req, timeout=None):
+            if not self.decodes:
+                self.decodes.append(req)
+
+                class Refused:
+                    def cancel(self):
+                        pass
+
+                    async def __aiter__(self):
+                        raise rpc_error(grpc.StatusCode.FAILED_PRECONDITION, "stale epoch")
+                        yield
+                return Refused()
+            return super().Decode(req, timeout)
+
+    async def main():
+        ws, d, p = workers(Restarted())
+        gen = Generation("req", list(range(1, 41)), SamplingParams(max_tokens=4, temperature=0.0))
+        return await run(ws, gen), d.stub
+    items, decode = asyncio.run(main())
+    assert [ids for _, ids, _, _ in items][-1] == [5]
+    assert [r.request_id for r in decode.decodes] == ["req.1", "req.2"]
+
+
+def test_a_worker_that_stops_answering_its_polls_lets_go_of_the_calls_waiting_on_it():
+    """Without a registry, the router polls each worker's Info: one that stops answering
+    (frozen: its connection stays open) interrupts the calls still waiting for its first
+    answer, so their requests try another worker rather than wait out their deadline;
+    once it answers again, calls wait on it as before."""
+    class Stub:
+        answer = False
+
+        async def Info(self, req, timeout=None):
+            if not Stub.answer:
+                raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED)
+            return worker_pb2.WorkerInfo(epoch="D1", free_blocks=10, block_size=16, compat_hash="h")
+
+    async def main():
+        ws, d, p = workers(Decode())
+        d.stub = p.stub = Stub()
+        waiting = d.unreachable
+        await ws._poll_info()
+        frozen = waiting.is_set() and d.info is None
+        Stub.answer = True
+        await ws._poll_info()
+        return frozen, d.unreachable.is_set(), d.info is not None
+    assert asyncio.run(main()) == (True, False, True)

@@ -46,9 +46,11 @@ ATTEMPTS = 3
 # router's deadline has already stopped writing.
 PREFILL_RPC_MARGIN = 5.0
 # Prefill failures after which the decode worker prefills locally instead: the prefill
-# worker is gone or full, or the KV transfer failed or ran out of lease. Each is counted.
+# worker is gone or full, the KV transfer failed or ran out of lease, or the two workers
+# turned out not to match (a restart into another build). Each is counted.
 LOCAL_FALLBACK_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED}
+                        grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED,
+                        grpc.StatusCode.FAILED_PRECONDITION}
 
 
 class Handoff:
@@ -226,6 +228,10 @@ class Handoff:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 0.2)
                     continue
+                if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # The worker may yet make the reservation: released by its id, not left to the lease.
+                    self.workers.spawn(self._release(decode, worker_pb2.KVHandle(
+                        request_id=self.gen.worker_id, epoch=decode.epoch), "reserve timed out"))
                 raise worker_error(decode, exc, self.gen) from None
 
     def _start_prefill(self, prefill: Worker) -> asyncio.Future:
@@ -303,6 +309,13 @@ class Handoff:
             raise APIError(502, "decode worker closed the stream early", type_="server_error",
                            grpc_code="UNAVAILABLE")
         except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.FAILED_PRECONDITION:
+                # The worker holds no reservation of this attempt's (restarted as another
+                # epoch, or the lease ran out): nothing of it was decoded, so another
+                # attempt may go anywhere.
+                log.warning("decode worker %s (%s): %s", decode.address, decode.name, exc.details())
+                raise APIError(503, f"{decode.label} no longer holds this request's blocks",
+                               type_="service_unavailable", grpc_code="UNAVAILABLE") from None
             raise worker_error(decode, exc, self.gen) from None
         finally:
             call.cancel()                     # no-op when finished; frees the blocks otherwise

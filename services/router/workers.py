@@ -261,10 +261,15 @@ class WorkerSet:
                 if w.info is not None:
                     log.warning("%s worker %s unreachable: %s", w.role, w.address, exc.code().name)
                 w.info = None
+                # Calls waiting for its first answer give up and try another worker: a
+                # frozen worker keeps its connection, so they would wait out their deadline.
+                w.unreachable.set()
                 return
             if w.info is None or w.info.epoch != info.epoch:
                 log.info("%s worker %s joined (epoch %s)", w.role, w.address, info.epoch)
                 w.suspended_until = 0.0             # a restart answers: route there at once
+            if w.unreachable.is_set():
+                w.unreachable = asyncio.Event()     # answering again: calls from now on wait on it
             w.seen(info)
         await asyncio.gather(*(one(w) for w in self.decode + self.prefill))
 
