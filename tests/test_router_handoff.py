@@ -183,3 +183,37 @@ def test_a_worker_that_stops_answering_its_polls_lets_go_of_the_calls_waiting_on
         await ws._poll_info()
         return frozen, d.unreachable.is_set(), d.info is not None
     assert asyncio.run(main()) == (True, False, True)
+
+
+def test_a_prefill_call_lost_while_its_worker_lives_leaves_the_blocks_to_their_lease():
+    """The prefill call fails with UNAVAILABLE. If the worker still answers, the call's
+    connection failed and not the worker, which may still be writing into the reserved
+    blocks: they are not released (their lease ends its writes, then the decode worker
+    takes them back) and the decode worker prefills under an id of its own. A worker
+    that does not answer writes nothing more: its blocks go back at once."""
+    class Lost(Prefill):
+        def __init__(self, alive):
+            super().__init__()
+            self.alive = alive
+
+        async def Prefill(self, req, timeout=None):
+            self.calls.append(req.request_id)
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+
+        async def Info(self, req, timeout=None):
+            if not self.alive:
+                raise rpc_error(grpc.StatusCode.UNAVAILABLE, "Connection refused")
+            return worker_pb2.WorkerInfo(epoch="P1")
+
+    async def main(alive):
+        decode = Decode()
+        ws, d, p = workers(decode)
+        p.stub = Lost(alive)
+        gen = Generation("req", list(range(1, 41)), SamplingParams(max_tokens=4, temperature=0.0))
+        items = await run(ws, gen)
+        return items, gen, decode
+    for alive, released, local_id in ((True, [], "req.1-local"), (False, ["req.1"], "req.1")):
+        items, gen, decode = asyncio.run(main(alive))
+        assert [ids for _, ids, _, _ in items] == [[5]] and gen.decision == "local_fallback"
+        assert decode.released == released and [(r.request_id, r.local_prefill) for r in decode.decodes] == [
+            (local_id, True)]

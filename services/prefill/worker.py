@@ -37,8 +37,8 @@ from services.rpc import worker_pb2, worker_pb2_grpc
 from services.worker.engine_worker import EngineWorker
 from services.worker.kv_export import KVExporter, LeaseExpired, PrefillCancelled
 from services.worker.main import EngineStatus, WorkerParts, prepare, refuse
-from services.worker.wire import (check_request_id, check_tokens, logprob_to_proto, prompt_logprobs_to_proto,
-                                  sampling_from_proto)
+from services.worker.wire import (ERROR_CODE_KEY, REFUSED_UNSTARTED, check_request_id, check_tokens, logprob_to_proto,
+                                  prompt_logprobs_to_proto, sampling_from_proto)
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,8 @@ class PrefillService(EngineStatus, worker_pb2_grpc.PrefillWorkerServicer):
 
     async def Prefill(self, request, context):
         if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "this prefill worker is draining")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this prefill worker is draining",
+                                trailing_metadata=((ERROR_CODE_KEY, REFUSED_UNSTARTED),))
         try:
             return await self.engine.prefill(request)
         except LeaseExpired as exc:

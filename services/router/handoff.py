@@ -35,7 +35,7 @@ from services.router.protocol import APIError
 from services.router.structured import STRUCTURE_CODES
 from services.router.workers import INFO_TIMEOUT, Worker, WorkerSet
 from services.rpc import worker_pb2
-from services.worker.wire import ERROR_CODE_KEY, logprob_from_proto, sampling_to_proto
+from services.worker.wire import ERROR_CODE_KEY, REFUSED_UNSTARTED, logprob_from_proto, sampling_to_proto
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -259,11 +259,19 @@ class Handoff:
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in LOCAL_FALLBACK_CODES:
                 raise worker_error(prefill, exc, self.gen) from None     # _attempt releases the handle
-            if exc.code() is grpc.StatusCode.UNAVAILABLE:
-                prefill.suspend()
-            await self._release(decode, self._handle, f"prefill failed: {exc.code().name}")
             log.warning("request %s: prefill worker %s failed (%s: %s); prefilling on the decode worker",
                         gen.request_id, prefill.address, exc.code().name, exc.details())
+            if exc.code() is grpc.StatusCode.UNAVAILABLE:
+                prefill.suspend()
+                if not _refused_unstarted(exc) and await _answers(prefill):
+                    # The call's connection failed, not the worker: it may still be writing
+                    # into the blocks (it stops when their lease ends), so they are left to
+                    # the lease, and the decode worker prefills under an id of its own.
+                    log.warning("request %s: prefill worker %s still answers; its blocks wait out their lease",
+                                gen.request_id, prefill.address)
+                    gen.worker_id = f"{gen.worker_id}-local"
+                    return None, None
+            await self._release(decode, self._handle, f"prefill failed: {exc.code().name}")
             return None, None
         gen.kv_bytes = resp.kv_bytes
         gen.transport = resp.transport
@@ -373,6 +381,21 @@ async def unless_unreachable(worker: Worker, answer: Awaitable[T]) -> T:
         log.warning("%s worker %s (%s) stopped answering; trying another", worker.role, worker.address, worker.name)
         raise APIError(503, f"{worker.label} is unavailable", type_="service_unavailable",
                        grpc_code="UNAVAILABLE") from None
+
+
+def _refused_unstarted(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether the worker itself refused the call before starting it (a draining
+    prefill worker's UNAVAILABLE says so): it wrote nothing."""
+    return any(k == ERROR_CODE_KEY and v == REFUSED_UNSTARTED for k, v in exc.trailing_metadata() or ())
+
+
+async def _answers(worker: Worker) -> bool:
+    """Whether the worker's process answers Info now (alive, whatever the call that failed)."""
+    try:
+        await worker.stub.Info(worker_pb2.InfoRequest(), timeout=INFO_TIMEOUT / 2)
+    except (grpc.aio.AioRpcError, grpc.aio.UsageError):
+        return False
+    return True
 
 
 def worker_error(worker: Worker, exc: grpc.aio.AioRpcError, gen: Generation) -> APIError:
