@@ -67,7 +67,6 @@ class Replayed:
     rows: int = 0
     drafted: int = 0
     accepted: int = 0
-    verify_steps: int = 0
     per_verify: list[float] = field(default_factory=list)
 
     def report(self) -> dict:
@@ -108,7 +107,6 @@ def replay(answers: list[dict], streams: int, config: SpeculativeConfig | None, 
                 out.drafted += len(draft)
                 out.accepted += kept
                 out.per_verify.append(kept + 1)
-                out.verify_steps += 1
             took = truth[:kept + 1]
             s.seq.token_ids.extend(took)
             s.made += len(took)
