@@ -65,3 +65,63 @@ def test_a_prefilled_sequence_takes_its_reservations_blocks_and_no_other():
         s.add_prefilled(Sequence("r", [5] * 7 + [9], 7, SamplingParams(max_tokens=4), eos))
     seq = Sequence("r", [5] * 5 + [9], 5, SamplingParams(max_tokens=4), eos)
     assert s.add_prefilled(seq) is None and seq.block_ids == r.block_ids and not s.remote
+
+
+def _decode_worker(engine_wait: float):
+    """A decode worker's handoff side over a real scheduler, its engine a double whose
+    `now` waits `engine_wait` seconds before acting (the real one waits for the engine's
+    scheduling lock, as long as a step's planning takes): the waits under test cannot be
+    made to last on demand with a real engine."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from services.decode.worker import DecodeWorker
+    s = Scheduler(BlockManager(BlockPool(64, 16)), SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
+
+    class Engine:
+        scheduler = s
+
+        def now(self, action):
+            time.sleep(engine_wait)
+            return action()
+    w = DecodeWorker.__new__(DecodeWorker)
+    w.engine, w.epoch, w._lock, w._decoding = Engine(), "e1", threading.Lock(), set()
+    w.loop = SimpleNamespace(call=lambda action: action(), abort=lambda request_id: None)
+    w.runner, w.settings = SimpleNamespace(max_model_len=1024), SimpleNamespace(max_lease_seconds=300.0)
+    w.handoffs = HandoffTable("e1")
+    return w, s
+
+
+def test_a_writers_deadline_never_outlasts_its_blocks_whatever_the_reservation_waited():
+    """The writer's deadline and the blocks' expiry come from one instant: a reservation
+    that waited on the engine (past the grace between the two) used to hand the writer a
+    deadline after the moment its blocks went back to the pool, where another request's
+    KV could then be overwritten."""
+    import asyncio
+
+    from services.decode.worker import LEASE_GRACE_SECONDS
+    w, s = _decode_worker(engine_wait=LEASE_GRACE_SECONDS + 0.5)
+    h = asyncio.run(w.reserve("r", 40, 10.0))
+    assert h.write_deadline + LEASE_GRACE_SECONDS <= s.remote["r"].expires + 0.01     # clock reads apart
+
+
+def test_a_reservation_whose_caller_left_mid_reserve_goes_back():
+    """The Reserve call is cancelled (its deadline, its caller gone) while the engine
+    makes the reservation: the blocks go back once it is made, and a Release by the
+    request's id (the router's, after a Reserve that timed out) finds none left over."""
+    import asyncio
+
+    async def main():
+        w, s = _decode_worker(engine_wait=0.3)
+        task = asyncio.create_task(w.reserve("r", 200, 30.0))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        await asyncio.sleep(0.5)
+        return s
+    s = asyncio.run(main())
+    assert "r" not in s.remote and s.blocks.num_available == 64

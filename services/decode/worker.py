@@ -132,15 +132,28 @@ class DecodeWorker(EngineWorker):
                 raise HandoffError(f"request {request_id} is already decoding here")
             if request_id in self.handoffs:
                 raise HandoffError(f"request {request_id} already holds a reservation")
-        expires = time.time() + lease_seconds + LEASE_GRACE_SECONDS
+        # The writer's deadline and the blocks' expiry come from one instant: the wait for
+        # the engine below must not push the deadline past the expiry, when the blocks go
+        # back to the pool while the writer may still write them.
+        deadline = time.time() + lease_seconds
+        expires = deadline + LEASE_GRACE_SECONDS
         scheduler = self.engine.scheduler
         # At once, not at the next step: a decode step can take a tenth of a second, and
         # the prompt's prefill waits for these blocks.
-        r = await asyncio.to_thread(self.engine.now, lambda: scheduler.reserve(request_id, num_tokens, expires))
+        reserving = asyncio.ensure_future(asyncio.to_thread(
+            self.engine.now, lambda: scheduler.reserve(request_id, num_tokens, expires)))
+        try:
+            r = await asyncio.shield(reserving)
+        except asyncio.CancelledError:          # the caller left: the blocks, once reserved, go back
+            reserving.add_done_callback(lambda _: self.loop.call(lambda: scheduler.cancel(request_id)))
+            raise
         with self._lock:
             try:
-                return self.handoffs.reserve(request_id, r.block_ids, num_tokens, lease_seconds)
-            except HandoffError:
+                left = deadline - time.time()
+                if left <= 0:
+                    raise TimeoutError(f"request {request_id}: its lease ran out while its blocks were reserved")
+                return self.handoffs.reserve(request_id, r.block_ids, num_tokens, left)
+            except (HandoffError, TimeoutError):
                 self.loop.call(lambda: scheduler.cancel(request_id))
                 raise
 
@@ -149,7 +162,12 @@ class DecodeWorker(EngineWorker):
             try:
                 h = self.handoffs.get(request_id, epoch)
             except HandoffError:
-                if epoch != self.epoch or request_id not in self._decoding:
+                if epoch != self.epoch:
+                    raise
+                if request_id not in self._decoding:
+                    # Its Reserve may still be making the reservation (the caller gave up
+                    # waiting): whatever the scheduler holds under this id goes back.
+                    self.loop.call(lambda: self.engine.scheduler.cancel(request_id))
                     raise
                 self.loop.abort(request_id)         # one choice of a request ends (a stop string)
                 return True
@@ -300,6 +318,8 @@ class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
             h = await e.reserve(request.request_id, request.num_prompt_tokens, request.lease_seconds or 30.0)
         except NoFreeBlocks as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no free KV blocks: {exc}")
+        except TimeoutError as exc:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         except (ValueError, HandoffError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return worker_pb2.KVHandle(
