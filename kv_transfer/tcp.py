@@ -24,6 +24,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import ClassVar, Sequence
 
@@ -41,6 +42,7 @@ RUN = struct.Struct("!II")               # dst start block, block count
 ACK = struct.Struct("!QB")               # xfer id, ok
 HELLO = struct.Struct("!I32s")           # magic, shared token
 _IOV_MAX = 512                           # buffers per sendmsg/recvmsg call (Linux allows 1024)
+ACCEPT_RETRY_SECONDS = 0.1               # after a failed accept (out of descriptors): its next try
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
@@ -138,8 +140,14 @@ class TcpTransport:
         while not self._closed:
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                if self._closed or self._listener.fileno() < 0:
+                    return
+                # Out of descriptors or buffers for now: writers wait in the backlog
+                # meanwhile, and this thread is the only one that takes them.
+                log.warning("KV receiver cannot accept a writer (%s); trying again", exc)
+                time.sleep(ACCEPT_RETRY_SECONDS)
+                continue
             _tune(conn)
             self._conns.add(conn)
             threading.Thread(target=self._serve, args=(conn,), name="kv-tcp-recv", daemon=True).start()
@@ -157,6 +165,8 @@ class TcpTransport:
                 magic, xfer, first, count, nruns, head, nheads = HEADER.unpack(header)
                 if magic != MAGIC:
                     raise ConnectionError("bad frame magic")
+                if nruns > self._local.tensor.shape[2]:        # more runs than blocks: no writer sends that
+                    raise ConnectionError(f"a frame of {nruns} runs, more than the pool's blocks")
                 raw = bytearray(RUN.size * nruns)
                 _recv_all(conn, [memoryview(raw)])
                 runs = [RUN.unpack_from(raw, i * RUN.size) for i in range(nruns)]
@@ -173,7 +183,7 @@ class TcpTransport:
                  nheads: int = 0) -> bool:
         t = self._local.tensor
         nblocks = t.shape[2]
-        valid = (first + count <= t.shape[0] and all(d + n <= nblocks for d, n in runs)
+        valid = (first + count <= t.shape[0] and all(n > 0 and d + n <= nblocks for d, n in runs)
                  and head + nheads <= t.shape[4])
         block = t[0, 0, 0].numel() if not nheads else t[0, 0, 0, :, :nheads].numel()
         if not valid:                            # read and drop: the frame is out of bounds

@@ -100,6 +100,52 @@ def test_tcp_frame_outside_the_pool_is_drained_refused_and_the_link_kept():
         assert torch.equal(pool.tensor[:, :, [3, 4]], local.tensor[:, :, [1, 2]])
 
 
+def test_tcp_receiver_outlives_a_failed_accept_and_refuses_a_frame_of_absurd_runs(monkeypatch):
+    """The receiver's one accepting thread goes on after accept fails (a worker out of
+    descriptors for a moment: the OS failure is a double here, as running the process
+    out of descriptors would fail the tests beside it); and a frame claiming more runs
+    than the pool has blocks ends its connection before anything is allocated for it,
+    where it asked for up to 32 GiB, and the receiver goes on serving."""
+    import errno
+    import socket
+
+    from kv_transfer.tcp import HEADER, HELLO, MAGIC
+
+    class Flaky:
+        def __init__(self, sock):
+            self.sock, self.failed = sock, False
+
+        def accept(self):
+            if not self.failed:
+                self.failed = True
+                raise OSError(errno.EMFILE, "Too many open files")
+            return self.sock.accept()
+
+        def __getattr__(self, name):
+            return getattr(self.sock, name)
+    compat = compat_hash("m", LAYOUT)
+    receiver, sender = create_transport("tcp"), create_transport("tcp", streams=1)
+    server = socket.create_server
+    monkeypatch.setattr(socket, "create_server", lambda *args, **kw: Flaky(server(*args, **kw)))
+    pool, local = KVPoolMemory.allocate(LAYOUT), KVPoolMemory.allocate(LAYOUT)
+    local.tensor.copy_(torch.randn(local.tensor.shape))
+    try:
+        meta = receiver.register(pool, compat)
+        sender.register(local, compat)
+        peer = sender.connect(meta, compat)
+        wait_for(sender, [sender.write(peer, [1], [2])], time.monotonic() + 10)
+        assert receiver._listener.failed and torch.equal(pool.tensor[:, :, 2], local.tensor[:, :, 1])
+        rogue = socket.create_connection(receiver._listener.getsockname())
+        rogue.settimeout(10)
+        rogue.sendall(HELLO.pack(MAGIC, receiver._token) + HEADER.pack(MAGIC, 1, 0, 1, 2**32 - 1, 0, 0))
+        assert rogue.recv(1) == b""                    # closed, nothing allocated for it
+        rogue.close()
+        wait_for(sender, [sender.write(peer, [3], [4])], time.monotonic() + 10)
+        assert torch.equal(pool.tensor[:, :, 4], local.tensor[:, :, 3])
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
+
 def test_tcp_write_to_a_dead_peer_fails_instead_of_hanging():
     pool = KVPoolMemory.allocate(LAYOUT)
     receiver = create_transport("tcp")
