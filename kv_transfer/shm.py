@@ -36,6 +36,10 @@ class ShmTransport:
         if not Path(path).exists():
             self.close(PeerHandle(path))
             raise TransferError(f"peer shared memory {path} is gone (the peer restarted or died)")
+        # Other peers that stopped or died since: their segments are gone from /dev/shm,
+        # but the pages stay the host's until the last mapping of them goes.
+        for gone in [p for p in self._peers if p != path and not Path(p).exists()]:
+            self.close(PeerHandle(gone))
         if path not in self._peers:
             self._peers[path] = KVPoolMemory.attach(Path(path), KVLayout(**meta["layout"]))
         return PeerHandle(peer_id=path)

@@ -146,6 +146,26 @@ def test_tcp_receiver_outlives_a_failed_accept_and_refuses_a_frame_of_absurd_run
         sender.shutdown()
         receiver.shutdown()
 
+def test_a_shm_writer_lets_go_of_a_stopped_peers_pool():
+    """A prefill worker's shm transport maps each decode worker's pool it wrote to. Once a
+    decode worker stops (its segment unlinked), the pages stay the host's while any
+    mapping lives: the writer's next connection lets go of every gone peer's, where it
+    held them until it stopped itself (a full pool per decode worker that came and went)."""
+    compat = compat_hash("m", LAYOUT)
+    writer = create_transport("shm")
+    writer.register(KVPoolMemory.allocate(LAYOUT), compat)
+    gone_pool, live_pool = KVPoolMemory.allocate(LAYOUT, shared=True), KVPoolMemory.allocate(LAYOUT, shared=True)
+    gone, live = create_transport("shm"), create_transport("shm")
+    gone_meta, live_meta = gone.register(gone_pool, compat), live.register(live_pool, compat)
+    try:
+        writer.write(writer.connect(gone_meta, compat), [0], [1])
+        gone_pool.close()                                # that decode worker stops: its segment goes
+        writer.connect(live_meta, compat)
+        assert list(writer._peers) == [str(live_pool.path)]
+    finally:
+        writer.shutdown()
+        live_pool.close()
+
 def test_tcp_write_to_a_dead_peer_fails_instead_of_hanging():
     pool = KVPoolMemory.allocate(LAYOUT)
     receiver = create_transport("tcp")
