@@ -166,6 +166,25 @@ def test_a_shm_writer_lets_go_of_a_stopped_peers_pool():
         writer.shutdown()
         live_pool.close()
 
+def test_a_failed_exports_drain_keeps_the_link_other_requests_share():
+    """One request's write fails (its frame refused) after another of its writes landed:
+    its finish fails, then its drain waits only for writes still in flight. Asked again,
+    a transport reports a transfer whose end it already told as failed, and the drain
+    took that for a broken link and closed it under every other request writing to the
+    same decode worker."""
+    from services.worker.kv_export import Export, KVExporter, Target
+    with tcp_link(LAYOUT, LAYOUT) as (sender, peer, pool, local):
+        landed = sender.write(peer, [0], [3], range(0, 1))
+        refused = sender.write(peer, [1], [4000], range(1, 2))          # past the receiver's pool
+        export = Export([Target(sender, peer)], [3], time.monotonic() + 10, xfers=[(sender, landed),
+                                                                                   (sender, refused)])
+        exporter = KVExporter({"tcp": sender}, "h", LAYOUT)
+        with pytest.raises(TransferError):
+            exporter.finish(export)
+        exporter._drain(export)
+        wait_for(sender, [sender.write(peer, [2], [5])], time.monotonic() + 10)      # another request's write
+        assert torch.equal(pool.tensor[:, :, 5], local.tensor[:, :, 2])
+
 def test_tcp_write_to_a_dead_peer_fails_instead_of_hanging():
     pool = KVPoolMemory.allocate(LAYOUT)
     receiver = create_transport("tcp")

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kv_transfer.backends import PREFERENCE, pair
-from kv_transfer.base import (HeadSlice, IncompatiblePeer, KVTransport, PeerHandle, TransferError, head_writes,
-                              meta_heads, wait_all)
+from kv_transfer.base import (HeadSlice, IncompatiblePeer, KVTransport, PeerHandle, TransferError, TransferTimeout,
+                              head_writes, meta_heads, wait_for)
 from services.engine.core.sequence import Chunk, StepPlan
 from services.engine.loop import EngineLoop
 from services.engine.model.kv_cache import KVLayout
@@ -82,8 +82,21 @@ class Export:
         return self.targets[0].transport
 
     def wait(self, deadline: float) -> None:
-        """Until every write posted so far has ended (TransferError if one failed)."""
-        wait_all(self.xfers, deadline)
+        """Until every write posted so far has ended (TransferError if one failed, or
+        TransferTimeout at the deadline). A write leaves the list as it ends, failed or
+        not: a transport forgets a transfer once it has told its end, and asked again
+        reports it failed, so a later wait (the drain after a failed finish) must ask only
+        about the writes still in flight."""
+        while self.xfers:
+            transport, xfer = self.xfers[0]
+            try:
+                wait_for(transport, [xfer], deadline)
+            except TransferTimeout:
+                raise                           # still in flight: it stays
+            except TransferError:
+                self.xfers.pop(0)
+                raise
+            self.xfers.pop(0)
 
 
 class KVExporter:
