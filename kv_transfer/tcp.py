@@ -25,6 +25,7 @@ import socket
 import struct
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import ClassVar, Sequence
 
@@ -43,6 +44,7 @@ ACK = struct.Struct("!QB")               # xfer id, ok
 HELLO = struct.Struct("!I32s")           # magic, shared token
 _IOV_MAX = 512                           # buffers per sendmsg/recvmsg call (Linux allows 1024)
 ACCEPT_RETRY_SECONDS = 0.1               # after a failed accept (out of descriptors): its next try
+MAX_FINISHED = 4096                      # outcomes kept for transfers nobody polled (bounded, as NIXL's)
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
@@ -121,6 +123,7 @@ class TcpTransport:
         self._conns: set[socket.socket] = set()
         self._peers: dict[str, _Peer] = {}
         self._states: dict[int, TransferState] = {}
+        self._finished: deque[int] = deque()  # transfers in `_states` that have ended, oldest first
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._version = 0                   # bumped whenever a transfer leaves PENDING
@@ -215,8 +218,11 @@ class TcpTransport:
             if p is not None and p.dead is None:
                 self._peers[key] = p
                 return PeerHandle(key)
-        if p is not None:                        # a dead link: its threads have ended or will
-            self._close_socks(p)
+            # Dead links to other peers (a decode worker that restarted has a new token,
+            # so nothing would reconnect under their keys): their sockets go now.
+            dead = [self._peers.pop(k) for k, other in list(self._peers.items()) if other.dead]
+        for link in dead + ([p] if p is not None else []):     # their threads have ended or will
+            self._close_socks(link)
         socks = []
         try:
             for _ in range(self.streams):
@@ -252,8 +258,9 @@ class TcpTransport:
         with self._lock:
             self._next += 1
             xfer = self._next
-            self._states[xfer] = TransferState.FAILED if p.dead else TransferState.PENDING
+            self._states[xfer] = TransferState.PENDING
             if p.dead:
+                self._end(xfer, TransferState.FAILED)
                 return xfer
             p.pending[xfer] = k
             first = p.turn
@@ -302,15 +309,14 @@ class TcpTransport:
                         continue
                     if not ok:
                         left = 0
-                        self._states[xfer] = TransferState.FAILED
+                        self._end(xfer, TransferState.FAILED)
                     else:
                         left -= 1
                     if left:
                         p.pending[xfer] = left
                         continue
                     del p.pending[xfer]
-                    if self._states.get(xfer) is TransferState.PENDING:
-                        self._states[xfer] = TransferState.DONE
+                    self._end(xfer, TransferState.DONE)
                     self._bump()
         except (ConnectionError, OSError) as exc:
             self._kill(p, f"connection lost: {exc}")
@@ -322,8 +328,7 @@ class TcpTransport:
                 return
             p.dead = why
             for x in p.pending:
-                if self._states.get(x) is TransferState.PENDING:
-                    self._states[x] = TransferState.FAILED
+                self._end(x, TransferState.FAILED)
             p.pending.clear()
             self._bump()
         if not self._closed:
@@ -339,6 +344,17 @@ class TcpTransport:
     def _close_socks(p: _Peer) -> None:
         for st in p.streams:
             st.sock.close()
+
+    def _end(self, xfer: int, state: TransferState) -> None:
+        """A pending transfer's outcome, kept until polled; of those nobody polls (a wait
+        given up at a failure), the oldest are forgotten past MAX_FINISHED. Call with the
+        lock held."""
+        if self._states.get(xfer) is not TransferState.PENDING:
+            return
+        self._states[xfer] = state
+        self._finished.append(xfer)
+        while len(self._finished) > MAX_FINISHED:
+            self._states.pop(self._finished.popleft(), None)
 
     def _bump(self) -> None:
         """Call with the lock held."""

@@ -203,6 +203,33 @@ def test_tcp_write_to_a_dead_peer_fails_instead_of_hanging():
     sender.shutdown()
 
 
+def test_tcp_writer_lets_go_of_dead_links_and_of_outcomes_nobody_asks_for(monkeypatch):
+    """A decode worker that restarts comes back under a new token, so nothing reconnects
+    under its old link's key: the writer's next connection closes every dead link's
+    sockets; and the outcomes of transfers nobody polls (a wait given up at a failure)
+    are kept to a bound."""
+    import kv_transfer.tcp as tcp
+    monkeypatch.setattr(tcp, "MAX_FINISHED", 8)
+    pool = KVPoolMemory.allocate(LAYOUT)
+    gone, live, sender = create_transport("tcp"), create_transport("tcp"), create_transport("tcp", io_timeout=2.0)
+    sender.register(KVPoolMemory.allocate(LAYOUT), "h")
+    try:
+        peer = sender.connect(gone.register(pool, "h"), "h")
+        wait_for(sender, [sender.write(peer, [0], [1])], time.monotonic() + 10)
+        gone.shutdown()                                  # that decode worker goes away
+        with pytest.raises(TransferError):
+            for _ in range(50):
+                wait_for(sender, [sender.write(peer, [0, 1], [2, 3])], time.monotonic() + 5)
+        dead = sender._peers[peer.peer_id]
+        for _ in range(20):                              # posted to a dead link, never polled
+            sender.write(peer, [0], [1])
+        assert len(sender._states) <= 8
+        sender.connect(live.register(KVPoolMemory.allocate(LAYOUT), "h"), "h")
+        assert peer.peer_id not in sender._peers and all(st.sock.fileno() < 0 for st in dead.streams)
+    finally:
+        sender.shutdown()
+        live.shutdown()
+
 def test_mismatched_layout_refuses_to_pair():
     pool = KVPoolMemory.allocate(LAYOUT, shared=True)
     try:
