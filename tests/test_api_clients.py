@@ -200,6 +200,29 @@ def test_an_answer_sent_back_as_the_client_dumps_it_and_openais_null_fields(clus
     assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "reasoning_effort", wrong.text
 
 
+def test_text_parts_of_every_kind_a_client_sends_back_read_as_text(cluster):
+    """Parts the SDKs' types allow in a conversation sent back: a `refusal` part of an
+    assistant's, `input_text` and `output_text` parts in chat messages, a refusal in a
+    Responses output message. Each reads as its text, as vLLM reads them, where they
+    were refused as not text; a conversation with nothing left in it names the field
+    the caller sent."""
+    refused = [{"role": "user", "content": "Hi"},
+               {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]},
+               {"role": "user", "content": [{"type": "input_text", "text": "ok"}]}]
+    plain = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "I can't."},
+             {"role": "user", "content": "ok"}]
+    answers = [_post(cluster.http, "/v1/chat/completions", {"messages": m, "max_tokens": 4, "temperature": 0})
+               for m in (refused, plain)]
+    assert [a.status_code for a in answers] == [200, 200], answers[0].text
+    assert answers[0].json()["choices"][0]["message"] == answers[1].json()["choices"][0]["message"]
+    back = _post(cluster.http, "/v1/responses", {"max_output_tokens": 2, "input": [
+        {"role": "user", "content": "Hi"},
+        {"type": "message", "role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+        {"role": "user", "content": "ok"}]})
+    assert back.status_code == 200, back.text
+    empty = _post(cluster.http, "/v1/responses", {"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]})
+    assert empty.status_code == 400 and empty.json()["error"]["message"] == "input: must not be empty", empty.text
+
 def test_chat_logprobs_bytes_of_a_split_character_are_its_own(cluster, tokenizer):
     """日 is three tokens, each a piece of its UTF-8 that shows as U+FFFD alone (as in
     vLLM); each piece's `bytes` are its own, not U+FFFD's, so a client can join them

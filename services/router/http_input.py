@@ -241,7 +241,8 @@ def parse(model: type[BaseModel], data: dict):
             raise unsupported(loc, f"{loc}: {known['msg']}") from None
         err = errors[0]
         loc = field_path(err["loc"], tags)
-        raise bad_request(f"{loc}: {err['msg']}" if loc else err["msg"], param=loc or None) from None
+        msg = err["msg"].removeprefix("Value error, ")          # pydantic's, of a validator's ValueError
+        raise bad_request(f"{loc}: {msg}" if loc else msg, param=loc or None) from None
 
 
 def field_path(loc: tuple, tags: frozenset[str] = frozenset()) -> str:

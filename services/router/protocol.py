@@ -83,9 +83,29 @@ MAX_LOGPROBS = MAX_TOP_LOGPROBS
 
 
 class TextPart(BaseModel):
+    """A part of a message's text: OpenAI's `text`; the Responses API's `input_text` and
+    `output_text`, which clients also send in chat messages; an assistant's earlier
+    `refusal`, whose text is the refusal. vLLM reads each as text."""
     model_config = STRICT
-    type: Literal["text"]
-    text: StrictStr
+    type: Literal["text", "input_text", "output_text", "refusal"]
+    text: StrictStr | None = None
+    refusal: StrictStr | None = None
+    annotations: list | None = None         # an output_text sent back carries these
+    logprobs: list | None = None
+
+    @model_validator(mode="after")
+    def _its_text(self):
+        field = "refusal" if self.type == "refusal" else "text"
+        if getattr(self, field) is None:
+            raise ValueError(f"a {self.type} part needs its {field}")
+        return self
+
+    @property
+    def value(self) -> str:
+        return self.refusal if self.type == "refusal" else self.text
+
+
+TEXT_PARTS = ("text", "input_text", "output_text", "refusal")
 
 
 class FunctionCall(BaseModel):
@@ -117,7 +137,7 @@ class ChatMessage(BaseModel):
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts_only(cls, v):
-        return text_parts_only(v, ("text",))
+        return text_parts_only(v, TEXT_PARTS)
 
     def for_template(self) -> dict:
         """The message as chat templates read it (tool calls' arguments as objects, as
@@ -137,7 +157,7 @@ class ChatMessage(BaseModel):
             return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.value for p in self.content)
 
 
 def text_parts_only(parts, text_types: tuple[str, ...], noun: str = "part"):
@@ -423,7 +443,7 @@ class ChatCompletionRequest(CommonRequest):
     @classmethod
     def _non_empty(cls, v):
         if not v:
-            raise ValueError("messages must not be empty")
+            raise ValueError("must not be empty")
         return v
 
     def check(self) -> None:
@@ -506,7 +526,7 @@ class TokenizeRequest(BaseModel):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give either prompt or messages")
         if self.messages == []:
-            raise ValueError("messages must not be empty")
+            raise ValueError("must not be empty")
         return self
 
     def special_tokens(self) -> bool:

@@ -18,7 +18,8 @@ import time
 import uuid
 from typing import Annotated, AsyncIterator, ClassVar, Literal, Union
 
-from pydantic import BaseModel, Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag, field_validator
+from pydantic import (BaseModel, Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag, field_validator,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 from services.router.generation import Generation
@@ -39,23 +40,32 @@ _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_for
 
 class ContentText(BaseModel):
     """Text in an input message: the caller's (input_text) or an earlier output's sent
-    back (output_text, with the annotations and logprobs it came with)."""
+    back (output_text, with the annotations and logprobs it came with, or a refusal,
+    whose text is the refusal)."""
     model_config = STRICT
-    type: Literal["input_text", "output_text"]
-    text: StrictStr
+    type: Literal["input_text", "output_text", "refusal"]
+    text: StrictStr | None = None
+    refusal: StrictStr | None = None
     annotations: list | None = None
     logprobs: list | None = None
 
+    @model_validator(mode="after")
+    def _its_text(self):
+        field = "refusal" if self.type == "refusal" else "text"
+        if getattr(self, field) is None:
+            raise ValueError(f"a {self.type} part needs its {field}")
+        return self
+
 
 def _text(content: list[ContentText]) -> str:
-    return "".join(p.text for p in content)
+    return "".join(p.refusal if p.type == "refusal" else p.text for p in content)
 
 
 def _as_parts(value):
     """A string where a list of text parts may stand, as that list: errors then name the
     part at fault, not each shape the field could take."""
     return [{"type": "input_text", "text": value}] if isinstance(value, str) else \
-        text_parts_only(value, ("input_text", "output_text"))
+        text_parts_only(value, ("input_text", "output_text", "refusal"))
 
 
 class MessageItem(BaseModel):
@@ -263,7 +273,7 @@ def in_responses_terms(exc: APIError) -> APIError:
     begins with the field."""
     if exc.param in _PARAMS:
         name = _PARAMS[exc.param]
-        if exc.message.startswith(f"{exc.param} "):
+        if exc.message.startswith((f"{exc.param} ", f"{exc.param}:")):
             exc.message = name + exc.message[len(exc.param):]
         exc.param = name
     return exc
