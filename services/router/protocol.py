@@ -82,6 +82,18 @@ _TOKEN_ID = re.compile(r"-?[0-9]{1,20}")            # negative or past the vocab
 MAX_LOGPROBS = MAX_TOP_LOGPROBS
 
 
+def part_text(part) -> str:
+    """A text part's text: a refusal's is in `refusal`, any other's in `text`."""
+    return part.refusal if part.type == "refusal" else part.text
+
+
+def has_its_text(part):
+    """A text part as it is, if it carries its text (`part_text`'s field)."""
+    if part_text(part) is None:
+        raise ValueError(f"a {part.type} part needs its {'refusal' if part.type == 'refusal' else 'text'}")
+    return part
+
+
 class TextPart(BaseModel):
     """A part of a message's text: OpenAI's `text`; the Responses API's `input_text` and
     `output_text`, which clients also send in chat messages; an assistant's earlier
@@ -93,16 +105,11 @@ class TextPart(BaseModel):
     annotations: list | None = None         # an output_text sent back carries these
     logprobs: list | None = None
 
-    @model_validator(mode="after")
-    def _its_text(self):
-        field = "refusal" if self.type == "refusal" else "text"
-        if getattr(self, field) is None:
-            raise ValueError(f"a {self.type} part needs its {field}")
-        return self
+    _its_text = model_validator(mode="after")(has_its_text)
 
     @property
     def value(self) -> str:
-        return self.refusal if self.type == "refusal" else self.text
+        return part_text(self)
 
 
 TEXT_PARTS = ("text", "input_text", "output_text", "refusal")

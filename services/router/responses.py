@@ -26,7 +26,8 @@ from services.router.generation import Generation
 from services.router.frontend import Collected, RunningRequest
 from services.router.http_input import parse
 from services.router.protocol import (STRICT, APIError, CacheSalt, ChatCompletionRequest, FunctionName, Number,
-                                      ReasoningEffort, Unimplemented, bad_request, text_parts_only, unsupported)
+                                      ReasoningEffort, Unimplemented, bad_request, has_its_text, part_text,
+                                      text_parts_only, unsupported)
 from services.router.choices import SSE_KEEPALIVE, sse_json
 from services.router.output_items import ItemStream, Step, steps_of, whole_items
 from services.router.reasoning import Thinking
@@ -49,16 +50,11 @@ class ContentText(BaseModel):
     annotations: list | None = None
     logprobs: list | None = None
 
-    @model_validator(mode="after")
-    def _its_text(self):
-        field = "refusal" if self.type == "refusal" else "text"
-        if getattr(self, field) is None:
-            raise ValueError(f"a {self.type} part needs its {field}")
-        return self
+    _its_text = model_validator(mode="after")(has_its_text)
 
 
 def _text(content: list[ContentText]) -> str:
-    return "".join(p.refusal if p.type == "refusal" else p.text for p in content)
+    return "".join(part_text(p) for p in content)
 
 
 def _as_parts(value):
