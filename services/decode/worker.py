@@ -145,7 +145,10 @@ class DecodeWorker(EngineWorker):
         try:
             r = await asyncio.shield(reserving)
         except asyncio.CancelledError:          # the caller left: the blocks, once reserved, go back
-            reserving.add_done_callback(lambda _: self.loop.call(lambda: scheduler.cancel(request_id)))
+            def give_back(made: asyncio.Future) -> None:
+                if not made.cancelled() and made.exception() is None:
+                    self.loop.call(lambda: scheduler.cancel(request_id))
+            reserving.add_done_callback(give_back)
             raise
         with self._lock:
             try:
