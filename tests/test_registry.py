@@ -1,6 +1,6 @@
-"""The registry's joins channel, on a real redis-server: a worker's first announcement
-nudges every router at once (services/common/registry.py), so it is routed to without
-waiting for the routers' next refresh."""
+"""The registry on a real redis-server: a worker's first announcement nudges every
+router at once (services/common/registry.py), so it is routed to without waiting for
+the routers' next refresh; a stopped heartbeat never announces its worker again."""
 from __future__ import annotations
 
 import asyncio
@@ -79,3 +79,26 @@ def test_a_stopping_listener_and_registry_close_within_the_bound_when_redis_py_h
 
     stopped, closed = asyncio.run(asyncio.wait_for(run(), 30))
     assert stopped < registry.CLOSE_TIMEOUT + 1.5 and closed < registry.CLOSE_TIMEOUT + 1.5, (stopped, closed)
+
+
+def test_a_stopped_heartbeat_never_announces_its_worker_again(redis_url):
+    """A worker's stop deregisters it; a beat whose cancel came during its Redis call
+    (redis-py can lose the cancellation there) used to go on and write the record back,
+    so routers kept routing to a draining worker. Stopped at random moments of fast
+    beats: the heartbeat has ended and the record is gone, every time."""
+    import random
+
+    async def main():
+        probe, left, running = RedisRegistry(redis_url, namespace="stop"), 0, 0
+        for i in range(60):
+            info = worker_pb2.WorkerInfo(role="decode", epoch=f"e{i}", address="x:1")
+            beat = Heartbeat(RedisRegistry(redis_url, ttl=0.03, namespace="stop"), lambda info=info: info)
+            await beat.start()
+            await asyncio.sleep(random.uniform(0, 0.02))
+            await beat.stop()
+            await asyncio.sleep(0.05)
+            running += not beat._task.done()
+            left += any(w.epoch == info.epoch for w in await probe.workers())
+        await probe.close()
+        return left, running
+    assert asyncio.run(main()) == (0, 0)

@@ -33,6 +33,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from services.common.lifecycle import cancel_and_wait
 from services.common.security import ClusterSecret, redact_url
 from services.rpc import autoscaler_pb2, worker_pb2
 
@@ -175,6 +176,7 @@ class Heartbeat:
         self.info = info
         self._task: asyncio.Task | None = None
         self._failing = False
+        self._stopping = False
 
     async def start(self) -> None:
         await self._beat(joining=True)            # registered before start() returns, routers nudged
@@ -182,7 +184,7 @@ class Heartbeat:
 
     async def _run(self) -> None:
         period = self.registry.ttl / 3
-        while True:
+        while not self._stopping:       # a cancel lost inside the Redis client still ends it here
             started = time.monotonic()
             await self._beat()
             await asyncio.sleep(max(0.0, period - (time.monotonic() - started)))
@@ -200,9 +202,11 @@ class Heartbeat:
             self._failing = True
 
     async def stop(self) -> None:
-        """Deregister: routers stop sending new work at their next refresh."""
+        """Deregister: routers stop sending new work at their next refresh. The beats end
+        first, so none can announce the worker again after its record is gone."""
+        self._stopping = True
         if self._task is not None:
-            self._task.cancel()
+            await cancel_and_wait([self._task], CLOSE_TIMEOUT, "the registry heartbeat")
         info = self.info()
         try:
             await self.registry.withdraw(info.role, info.epoch)
