@@ -403,7 +403,7 @@ class LocalCluster:
         host, http = self.settings.host, router_url(self.settings, r["http_port"], loopback=False)
         summary = {"http": http, "grpc": f"{host}:{r['grpc_port']}",
                    "router_pid": r["pid"], "prefill": prefills[0] if prefills else None, "decode": decodes[0],
-                   "prefills": prefills, "decodes": decodes, "redis": redis,
+                   "prefills": prefills, "decodes": decodes, "redis": redact_url(redis) if redis else None,
                    "cluster_secret_file": str(self.workdir / "cluster-secret"),
                    "redis_pid": next((c.proc.pid for c in self.children if c.name == "redis"), None)}
         workers = [f"{role} worker pid {w['pid']} (gRPC :{w['grpc_port']}, metrics :{w['metrics_port']})"

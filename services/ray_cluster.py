@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from services.common.lifecycle import announce, setup_logging
+from services.common.security import redact_url
 from services.common.settings import ClusterSettings, RouterSettings, WorkerSettings
 from services.local_processes import router_url, start_private_redis, wait_router_sees
 
@@ -387,7 +388,7 @@ class RayCluster:
 
     def _registry(self) -> str:
         if self.settings.redis:
-            print(f"pdserve: registry: {self.settings.redis}", flush=True)
+            print(f"pdserve: registry: {redact_url(self.settings.redis)}", flush=True)
             return self.settings.redis
         if sum(node["Alive"] for node in self.ray.nodes()) > 1:
             raise RuntimeError("a Ray cluster of several nodes needs --redis URL, a Redis every node reaches")
@@ -425,8 +426,8 @@ class RayCluster:
               "Ctrl-C stops everything.", flush=True)
         announce(self.settings.announce_file, http=http,
                  grpc=f"{host}:{router['grpc_port']}", router_pid=router["pid"], ray_address=address,
-                 ray_started=self.started_ray, redis=self.registry_url, prefills=by_role["prefill"],
-                 decodes=by_role["decode"])
+                 ray_started=self.started_ray, redis=self.registry_url and redact_url(self.registry_url),
+                 prefills=by_role["prefill"], decodes=by_role["decode"])
 
     def shutdown(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):          # the drain is not to be cut short

@@ -128,6 +128,15 @@ def _chat(client: openai.OpenAI) -> str:
     return r.choices[0].finish_reason
 
 
+def test_a_redis_password_is_never_announced_nor_printed():
+    """The registry's URL as logs, the banner and the announce files give it: without a
+    password, whether in its user part or its query (redis-py takes both)."""
+    from services.common.security import redact_url
+    assert redact_url("redis://:hunter2@10.0.0.5:6379/0") == "redis://10.0.0.5:6379/0"
+    assert redact_url("rediss://user:hunter2@h:6380/1?ssl_cert_reqs=none") == "rediss://h:6380/1?ssl_cert_reqs=none"
+    assert redact_url("redis://h:6379/0?db=1&PASSWORD=hunter2") == "redis://h:6379/0?db=1&password=***"
+    assert redact_url("unix:///tmp/pdserve/redis.sock") == "unix:///tmp/pdserve/redis.sock"
+
 def test_key_check_compares_every_key_and_refuses_what_is_not_one():
     check = KeyCheck(KEYS)
     assert check.accepts(KEYS[0]) and check.accepts(KEYS[1]) and check.accepts_header(f"Bearer {KEYS[1]}")

@@ -173,9 +173,16 @@ class ClusterSecret:
 
 
 def redact_url(url: str) -> str:
-    """A URL without the credentials it may carry (redis://:password@host), for logs."""
+    """A URL without the credentials it may carry (redis://:password@host, or a
+    `password=` in its query, which redis-py takes too), for logs and announcements."""
     scheme, sep, rest = url.partition("://")
-    return f"{scheme}{sep}{rest.rpartition('@')[2]}" if sep else url
+    if not sep:
+        return url
+    rest = rest.rpartition("@")[2]
+    where, mark, query = rest.partition("?")
+    if mark:
+        query = "&".join("password=***" if p.split("=", 1)[0].lower() == "password" else p for p in query.split("&"))
+    return f"{scheme}{sep}{where}{mark}{query}"
 
 
 def new_secret_file(path: Path) -> Path:
