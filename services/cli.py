@@ -162,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             from services.decode.worker import build
         else:
             from services.prefill.worker import build
-        asyncio.run(run_worker(settings, build))
-        exit_now(0)             # stopped all it started: no interpreter teardown (lifecycle.py)
+        status = asyncio.run(run_worker(settings, build))
+        exit_now(status)        # stopped all it started: no interpreter teardown (lifecycle.py)
     except (ValueError, FileNotFoundError) as exc:
         print(f"pdserve {a.command}: {exc}", file=sys.stderr)
         return 2

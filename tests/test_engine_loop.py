@@ -20,7 +20,9 @@ from services.engine.model.device import HostStream
 def test_an_engine_whose_steps_keep_failing_ends_its_requests_with_an_error():
     """Steps that fail one after another (a device lost, a bug outside any one request)
     end every request with an error, each dropped from the engine, rather than leave
-    their streams waiting on an engine that cannot step; the thread goes on."""
+    their streams waiting on an engine that cannot step; the thread goes on, and tells
+    the worker (which stops, leaving the routers' choice, for its supervisor to start a
+    fresh one)."""
     class Broken:
         runner = SimpleNamespace(device=torch.device("cpu"))
         on_joined = interjected = last_step = None
@@ -41,8 +43,9 @@ def test_an_engine_whose_steps_keep_failing_ends_its_requests_with_an_error():
 
         def abort(self, request_id: str) -> None:
             self.aborted.append(request_id)
-    engine, got = Broken(), {}
+    engine, got, told = Broken(), {}, []
     loop = EngineLoop(engine)
+    loop.on_failing = lambda: told.append(len(got))
     for rid in ("a", "b"):
         loop.submit(Sequence(rid, [1, 2, 3], 3, SamplingParams(max_tokens=4), frozenset()),
                     lambda output, rid=rid: got.setdefault(rid, output))
@@ -54,6 +57,7 @@ def test_an_engine_whose_steps_keep_failing_ends_its_requests_with_an_error():
     loop.stop()
     assert {rid: o.finish_reason for rid, o in got.items()} == {"a": "error", "b": "error"}
     assert sorted(engine.aborted) == ["a", "b"] and loop.num_requests == 0 and engine.steps >= FAILING_STEPS
+    assert told and told[0] == 2                    # after every request had its error
 
 
 def test_choices_that_end_before_their_copy_runs_leave_no_block_held_on_an_idle_engine():

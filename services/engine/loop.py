@@ -40,6 +40,9 @@ class EngineLoop:
         self.engine = engine
         self.tick = tick
         self.on_step = on_step
+        # Called on the engine thread once steps keep failing (after every request here
+        # has ended with an error): the worker stops rather than stay routable.
+        self.on_failing: Callable[[], None] | None = None
         self._sinks: dict[str, Sink] = {}
         self._submitting = threading.Lock()
         self._wake = threading.Event()
@@ -151,6 +154,8 @@ class EngineLoop:
         for request_id, sink in sinks.items():
             self.engine.abort(request_id)
             sink(EngineOutput(request_id, [], "error"))
+        if self.on_failing is not None:
+            self.on_failing()
 
     def _deliver(self, outputs: list[EngineOutput]) -> None:
         for o in outputs:

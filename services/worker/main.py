@@ -126,8 +126,10 @@ async def _drain(engine, timeout: float) -> None:
 
 
 async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts],
-                     stop: asyncio.Event | None = None) -> None:
-    """Serve until `stop` is set (default: SIGTERM/SIGINT), then drain and stop."""
+                     stop: asyncio.Event | None = None) -> int:
+    """Serve until `stop` is set (default: SIGTERM/SIGINT), then drain and stop. Returns
+    the process's exit status: 1 where the worker stopped because its engine's steps kept
+    failing (its supervisor starts a fresh one), else 0."""
     import sys
     sys.setswitchinterval(0.0005)
     set_torch_threads(settings.threads)
@@ -153,6 +155,15 @@ async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]
     process_ends = stop is None                 # given no stop, the service is the process
     if stop is None:
         stop = stop_event_on_signals(asyncio.get_running_loop())
+    failing: list[bool] = []
+    serving = asyncio.get_running_loop()
+
+    def engine_failing() -> None:
+        """On the engine thread: steps keep failing (a device lost). The worker stops, as
+        a stop signal stops it, and leaves the registry and the routers' choice."""
+        failing.append(True)
+        serving.call_soon_threadsafe(stop.set)
+    parts.engine.loop.on_failing = engine_failing
     await host.server.start()
     settle_garbage_collector()
     await host.set_status(True)
@@ -192,4 +203,5 @@ async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]
             parts.stop()
             if ranks is not None:
                 ranks.stop()
-            log.info("%s worker stopped", settings.role)
+            log.info("%s worker stopped%s", settings.role, " (its engine's steps kept failing)" if failing else "")
+    return 1 if failing else 0
