@@ -140,8 +140,10 @@ class LocalCluster:
             return sum(c.name.startswith(role) for c in self.draining_children)
 
     def resize(self, role: str, n: int, victims: Sequence[str] = ()) -> None:
-        """Spawn workers up to n, or drain down to n: first workers still loading (the
-        youngest), then `victims` (registered addresses, best first), then the youngest."""
+        """Spawn workers up to n, or drain down to n: first workers not serving (still
+        loading, the youngest first, or dead and waiting to be started again: that start
+        is cancelled), then `victims` (registered addresses, best first), then the
+        youngest."""
         with self._lock:
             pool = self.pools[role]
             while len(pool) < n:
@@ -149,7 +151,7 @@ class LocalCluster:
             ports = {c.name: (c.ports() or {}).get("grpc_port") for c in pool}
             wanted = [a.rpartition(":")[2] for a in victims]
             while len(pool) > n:
-                loading = [c for c in pool if ports[c.name] is None]
+                loading = [c for c in pool if ports[c.name] is None or c.proc.poll() is not None]
                 named = sorted((c for c in pool if str(ports[c.name]) in wanted),
                                key=lambda c: wanted.index(str(ports[c.name])))
                 victim = loading[-1] if loading else named[0] if named else pool[-1]
@@ -187,7 +189,11 @@ class LocalCluster:
             for c in [c for c in self.draining_children if c.proc.poll() is not None]:
                 self.draining_children.remove(c)
                 self.children.remove(c)
-                print(f"pdserve: {c.name} drained and stopped (exit code {c.proc.returncode})", flush=True)
+                removed = live_segments(c.proc.pid)      # what one killed or dead before its drain left
+                for path in removed:
+                    path.unlink(missing_ok=True)
+                print(f"pdserve: {c.name} drained and stopped (exit code {c.proc.returncode})"
+                      + (f"; removed {len(removed)} shared-memory segment(s)" if removed else ""), flush=True)
 
     def _api_keys(self) -> dict:
         """The router's keys in one file only its owner reads, not in its argv."""

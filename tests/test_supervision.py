@@ -134,3 +134,31 @@ def test_a_poisoned_call_to_a_decode_worker_fails_alone(cluster, expected):
         assert results[case.name] == expected[case.name].token_ids, case.name
     s = cluster.wait_idle()
     assert s.info.free_blocks == s.info.num_blocks
+
+
+def test_scaling_in_cancels_a_dead_workers_restart_before_draining_a_live_one(tmp_path):
+    """`up --autoscale` resizes a pool down while one of its workers has died and waits
+    to be started again (its announce file, kept for its ports, still there): the dead
+    one is the one given up, not the live one, which used to be drained and leave the
+    pool with nothing serving. Real processes stand in for the workers."""
+    import subprocess
+
+    from services.common.settings import ClusterSettings
+    from services.local_cluster import LocalCluster
+    from services.local_processes import Child
+    cluster = LocalCluster(ClusterSettings(device="cpu"))
+    live = subprocess.Popen(["sleep", "60"])
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    try:
+        for name, proc, port in (("decode-0", live, 5001), ("decode-1", dead, 5002)):
+            announce = tmp_path / f"{name}.json"
+            announce.write_text(json.dumps({"pid": proc.pid, "grpc_port": port, "metrics_port": 1}))
+            cluster.children.append(Child(name, proc, announce, respawn=lambda: None))
+        cluster.pools = {"decode": list(cluster.children), "prefill": []}
+        cluster.resize("decode", 1, victims=["127.0.0.1:5001"])      # the planner named the live one
+        assert [c.name for c in cluster.pools["decode"]] == ["decode-0"] and live.poll() is None
+        assert [c.name for c in cluster.draining_children] == ["decode-1"]
+    finally:
+        live.kill()
+        live.wait()
