@@ -443,11 +443,14 @@ class LocalCluster:
             self._scaler_stop.set()
             self._scaler.join(timeout=30)
         self._close_fork_server()
-        # The services drain together; the registry they read stops once they have.
-        services = [c for c in reversed(self.children) if c.name != "redis"]
+        # The router drains first, its requests finishing on workers still serving; then
+        # the workers (nothing left to drain but what another router sent); last the
+        # registry they all read. (Ctrl-C in a terminal reaches every process at once.)
+        routers = [c for c in self.children if c.name == "router"]
+        workers = [c for c in reversed(self.children) if c.name not in ("router", "redis")]
         registry = [c for c in self.children if c.name == "redis"]
         deadline = time.monotonic() + STOP_TIMEOUT
-        for group in (services, registry):
+        for group in (routers, workers, registry):
             for c in group:
                 if c.proc.poll() is None:
                     c.proc.send_signal(signal.SIGTERM)
