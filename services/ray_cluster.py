@@ -449,7 +449,10 @@ class RayCluster:
     def _stop_actors(self) -> None:
         if self.router is not None:
             try:
-                self.ray.get(self.router.stop.remote(), timeout=STOP_GRACE + 5)
+                # as long as its own stop may take (its drain, then STOP_GRACE), and a margin:
+                # killed sooner, requests still draining would end in a cut connection
+                drain = self.settings.router().drain_timeout
+                self.ray.get(self.router.stop.remote(), timeout=drain + STOP_GRACE + 5)
             except Exception as exc:                 # stopping anyway
                 log.warning("the router did not stop cleanly: %s", exc)
             self.ray.kill(self.router)
