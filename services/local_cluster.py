@@ -449,8 +449,8 @@ class LocalCluster:
         routers = [c for c in self.children if c.name == "router"]
         workers = [c for c in reversed(self.children) if c.name not in ("router", "redis")]
         registry = [c for c in self.children if c.name == "redis"]
-        deadline = time.monotonic() + STOP_TIMEOUT
         for group in (routers, workers, registry):
+            deadline = time.monotonic() + STOP_TIMEOUT      # each its own: one's drain takes none of the next's
             for c in group:
                 if c.proc.poll() is None:
                     c.proc.send_signal(signal.SIGTERM)
@@ -460,4 +460,6 @@ class LocalCluster:
                 except subprocess.TimeoutExpired:
                     c.proc.kill()
                     c.proc.wait()
+                    for path in live_segments(c.proc.pid):      # a killed decode worker's pool
+                        path.unlink(missing_ok=True)
         shutil.rmtree(self.workdir, ignore_errors=True)
