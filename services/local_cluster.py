@@ -41,7 +41,7 @@ from services.common.devices import device_type
 from services.common.security import ClusterSecret, new_secret_file, read_api_keys, redact_url
 from services.common.flags import to_argv
 from services.common.settings import ClusterSettings, WorkerSettings
-from services.common.shm import live_segments
+from services.common.shm import remove_segments_of
 from services.forkserver import ForkServer, adopted_orphans
 from services.local_processes import (LENT_CORE_NICE, Child, ChildProcess, assign_gpus, child_setup, plan_cpus,
                                       router_url, start_private_redis, visible_devices, wait_router_sees)
@@ -189,9 +189,7 @@ class LocalCluster:
             for c in [c for c in self.draining_children if c.proc.poll() is not None]:
                 self.draining_children.remove(c)
                 self.children.remove(c)
-                removed = live_segments(c.proc.pid)      # what one killed or dead before its drain left
-                for path in removed:
-                    path.unlink(missing_ok=True)
+                removed = remove_segments_of(c.proc.pid)        # what one killed or dead before its drain left
                 print(f"pdserve: {c.name} drained and stopped (exit code {c.proc.returncode})"
                       + (f"; removed {len(removed)} shared-memory segment(s)" if removed else ""), flush=True)
 
@@ -341,9 +339,7 @@ class LocalCluster:
                 if c.restart_at is None:
                     delay = min(RESTART_BACKOFF[0] * 2 ** c.restarts, RESTART_BACKOFF[1])
                     c.restart_at = now + delay
-                    removed = live_segments(c.proc.pid)
-                    for path in removed:
-                        path.unlink(missing_ok=True)
+                    removed = remove_segments_of(c.proc.pid)
                     print(f"pdserve: {c.name} (pid {c.proc.pid}) exited with code {c.proc.returncode}; "
                           f"starting it again in {delay:g} s"
                           + (f" (restart {c.restarts + 1} in a row)" if c.restarts else "")
@@ -460,6 +456,5 @@ class LocalCluster:
                 except subprocess.TimeoutExpired:
                     c.proc.kill()
                     c.proc.wait()
-                    for path in live_segments(c.proc.pid):      # a killed decode worker's pool
-                        path.unlink(missing_ok=True)
+                    remove_segments_of(c.proc.pid)      # a killed decode worker's pool
         shutil.rmtree(self.workdir, ignore_errors=True)

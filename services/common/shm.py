@@ -56,6 +56,15 @@ def sweep_stale_segments() -> list[Path]:
     return removed
 
 
+def remove_segments_of(pid: int) -> list[Path]:
+    """Remove the segments a dead process `pid` left (a killed decode worker's KV pool):
+    nobody else would ever free them. Returns those removed."""
+    removed = live_segments(pid)
+    for path in removed:
+        path.unlink(missing_ok=True)
+    return removed
+
+
 def live_segments(pid: int | None = None) -> list[Path]:
     """Segments present now (of one owner pid, if given): for leak checks."""
     pattern = SEGMENT_PREFIX + (f"{pid}-*" if pid is not None else "*")
