@@ -371,7 +371,7 @@ class HeldCalls:
             out.append(self.syntax.OPEN + self._held)
         elif self._state in ("arguments", "end"):
             out.append(self._closed())
-        elif self._state == "text" and self._held and not (after_call and self.syntax.OPEN.startswith(self._held)):
+        elif self._state == "text" and self._held and not after_call:    # held: what may begin a tag
             out.append(self._held)
         self._held, self._state = "", "text"
         return out
@@ -424,7 +424,6 @@ class JsonValueEnd:
         return len(text)
 
 
-
 class RequiredCalls:
     """The calls of a `tool_choice: "required"` output as they are written: a JSON array of
     {"name": NAME, "arguments": VALUE} objects (the schema tools.plan_tools gives its
@@ -436,83 +435,75 @@ class RequiredCalls:
     def __init__(self) -> None:
         self.calls = 0
         self._text = ""                 # all of it, for an output cut before any call
-        self._state = "start"           # start, items, key, colon, value, string, arguments, skip, after, end
-        self._string = ""               # a key or name being read, from its opening quote
-        self._escaped = False
+        self._state = "start"           # start, items, key, colon, value, after, end
+        self._reading: str | None = None    # a JSON value being read: key, name, arguments, or skip (another's)
+        self._value = JsonValueEnd()
+        self._string = ""               # a key or the name, read so far
         self._key = ""
         self._name: str | None = None
         self._arguments: str | None = None      # None: not begun
-        self._value = JsonValueEnd()
         self._call: dict | None = None
 
     def pieces(self, text: str) -> list[CallPart]:
         self._text += text
         out: list[CallPart] = []
         at = 0
-        while at < len(text):
-            ch, state = text[at], self._state
-            if state == "end":
-                break
-            if state == "arguments":
+        while at < len(text) and self._state != "end":
+            if self._reading is not None:
                 taken = self._value.feed(text[at:])
-                self._arguments += text[at:at + taken]
-                at += taken
-                out += self._open_or_more(text[at - taken:at])
+                part, at = text[at:at + taken], at + taken
+                if self._reading == "arguments":
+                    self._arguments += part
+                    out += self._open_or_more(part)
+                else:
+                    self._string += part
                 if self._value.ended:
-                    self._state = "after"
+                    self._read()
                 continue
-            if state == "skip":                  # a value of another key: no part of a call
-                at += self._value.feed(text[at:])
-                self._state = "after" if self._value.ended else "skip"
-                continue
+            ch, state = text[at], self._state
             at += 1
-            if state == "string":
-                self._string += ch
-                if self._escaped:
-                    self._escaped = False
-                elif ch == "\\":
-                    self._escaped = True
-                elif ch == '"':
-                    self._ended_string()
-            elif ch in " \t\r\n":
+            if ch in " \t\r\n":
                 continue
-            elif state == "start":
+            if state == "start":
                 self._state = "items" if ch == "[" else "end"
             elif state == "items":
                 if ch == "{":
                     self._state, self._name, self._arguments, self._call = "key", None, None, None
                 elif ch == "]":
                     self._state = "end"
-            elif state == "key" and ch == '"':
-                self._state, self._string, self._key = "string", ch, ""
-            elif state == "key" and ch == "}" or state == "after" and ch == "}":
+            elif state in ("key", "after") and ch == "}":
                 out += self._ended_call()
+            elif state == "key" and ch == '"':
+                self._begin("key")
+                at -= 1                         # the quote is the key's own
+            elif state == "value":
+                self._begin(self._key if self._key in ("name", "arguments") else "skip")
+                at -= 1                         # the value's first character is its own
             elif state == "colon" and ch == ":":
                 self._state = "value"
-            elif state == "value":
-                if self._key == "name" and ch == '"':
-                    self._state, self._string = "string", ch
-                else:
-                    self._value = JsonValueEnd()
-                    self._state = "arguments" if self._key == "arguments" else "skip"
-                    if self._state == "arguments":
-                        self._arguments = ""
-                    at -= 1                     # the value's first character is its own
             elif state == "after" and ch == ",":
                 self._state = "key"
         return out
 
-    def _ended_string(self) -> None:
-        """A key, or the call's name, is read whole."""
-        text, self._string = self._string, ""
-        try:
-            value = json.loads(text)
-        except ValueError:
-            value = None
-        if self._key == "name":
-            self._name, self._key, self._state = value if isinstance(value, str) else None, "", "after"
-        else:
-            self._key, self._state = value if isinstance(value, str) else "", "colon"
+    def _begin(self, what: str) -> None:
+        self._reading, self._value, self._string = what, JsonValueEnd(), ""
+        if what == "arguments":
+            self._arguments = ""
+
+    def _read(self) -> None:
+        """A value is read whole: a key, the call's name, its arguments or another's."""
+        what, self._reading = self._reading, None
+        if what in ("key", "name"):
+            try:
+                value = json.loads(self._string)
+            except ValueError:
+                value = None
+            value = value if isinstance(value, str) else None
+            if what == "key":
+                self._key, self._state = value or "", "colon"
+                return
+            self._name = value
+        self._key, self._state = "", "after"
 
     def _open_or_more(self, text: str) -> list[CallPart]:
         """The parts that `text`, more of the call's arguments, makes known."""
