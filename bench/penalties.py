@@ -35,8 +35,8 @@ def _run(rows: int, prompt: int, steps: int, vocab: int, device: str, kept: bool
         for r in ids:
             r.append(step % vocab)
         started = time.perf_counter()
-        _, tokens = choose(logits, params, [step + 1] * rows, frozenset(),
-                           [History(r, prompt, (), h) for r, h in zip(ids, histories)])
+        tokens = choose(logits, params, [step + 1] * rows, frozenset(),
+                        [History(r, prompt, (), h) for r, h in zip(ids, histories)]).tokens
         tokens.tolist()                                  # the step's tokens read, as the engine does
         times.append(time.perf_counter() - started)
     return statistics.median(times[5:]) * 1e3

@@ -470,6 +470,26 @@ def test_allowed_token_ids_and_bad_words(cluster, tokenizer):
     assert _post(http, "/v1/completions", {"prompt": "hi", "bad_words": "x"}).json()["error"]["param"] == "bad_words"
 
 
+def test_constraints_that_leave_no_token_are_refused_by_name(cluster, tokenizer):
+    """allowed_token_ids that min_tokens or a structured output also rules out leave no
+    token to sample: a 400 naming allowed_token_ids, whether the token left without one
+    is the first (the prefill worker's) or a later one (the decode worker's), never a
+    token none of them allows; the cluster serves on."""
+    http = cluster.http
+    first = _post(http, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4, "min_tokens": 2,
+                                            "allowed_token_ids": [EOS]})
+    yes, no = tokenizer.encode("yes", add_special_tokens=False), tokenizer.encode(" no", add_special_tokens=False)
+    later = _post(http, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
+                                            "structured_outputs": {"choice": [tokenizer.decode(yes + no)]},
+                                            "allowed_token_ids": yes})
+    for r, position in ((first, 0), (later, len(yes))):
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "allowed_token_ids" and f"output token {position}" in error["message"], error
+    assert _complete(http, prompt=PROMPTS[0], max_tokens=2, min_tokens=1, allowed_token_ids=[EOS, 100]
+                     )["choices"][0]["token_ids"][0] == 100
+
+
 def test_return_tokens_as_token_ids_names_tokens_by_id(cluster):
     http = cluster.http
     r = _complete(http, prompt=PROMPTS[0], logprobs=2, return_tokens_as_token_ids=True)["choices"][0]

@@ -413,3 +413,30 @@ def test_a_choice_aborted_before_its_parents_prompt_is_done_never_starts():
     assert s.abort("r#1") is child and child.finish_reason == "abort"
     step(s, 19)
     assert s.get("r#1") is None and not s.copies and [q.request_id for q in s.running] == ["r"]
+
+
+def test_a_sequence_left_no_token_ends_at_the_tokens_it_has_and_gives_its_blocks_back():
+    """NO_TOKEN (constraints that leave no token) ends a sequence with NO_TOKEN_LEFT, also
+    while the next step runs over its pending token: its token list and computed KV stop
+    at the tokens it made, and its blocks go back once that step lands."""
+    from services.engine.core.sequence import NO_TOKEN, NO_TOKEN_LEFT, PENDING
+    s = scheduler(blocks=8, block_size=4)
+    a = prefilled(s, seq("a", prompt_len=5, first=1, max_tokens=10))
+    b = prefilled(s, seq("b", prompt_len=5, first=1, max_tokens=10))
+    first = s.schedule()
+    rows = first.sampling()
+    n1 = s.launch()
+    s.launched(first, rows)
+    second = s.schedule()                     # launched over the pending tokens, as the engine does:
+    later = second.sampling()                 # its rows taken, then the first step's tokens read
+    n2 = s.launch()
+    updates = s.resolve(rows, [[NO_TOKEN], [9]])
+    assert [(u.seq.request_id, u.token_ids, u.finish_reason) for u in updates] == [("a", [], NO_TOKEN_LEFT),
+                                                                                    ("b", [9], None)]
+    assert a.token_ids == list(range(10, 15)) + [1] and PENDING not in a.token_ids and a.num_computed <= 6
+    s.launched(second, later)
+    s.landed(n1)
+    assert [(u.seq, u.finish_reason) for u in s.resolve(later, [[5], [NO_TOKEN]])] == [(b, NO_TOKEN_LEFT)]
+    assert b.token_ids[-1] == 9
+    s.landed(n2)
+    assert s.blocks.num_available == 8 and len(s) == 0

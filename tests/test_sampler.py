@@ -102,7 +102,7 @@ def test_a_history_kept_on_the_device_penalizes_as_one_copied_afresh_every_step(
     for step, (length, draft) in enumerate([(20, ()), (21, ()), (21, (5, 5)), (30, (7,)), (12, ()), (40, ())]):
         logits = _rows(1, seed=step).repeat(2, 1)
         both = [History(ids[:length], 8, draft, kept), History(ids[:length], 8, draft)]
-        processed, _ = choose(logits, params, [length - 8] * 2, frozenset(), both)
+        processed = choose(logits, params, [length - 8] * 2, frozenset(), both).logits
         assert torch.equal(processed[0], processed[1]), step
         assert not torch.equal(processed[0], logits[0]), step
     assert kept.count == 40
@@ -170,3 +170,28 @@ def test_allowed_token_ids_and_bad_words_ban_what_vllm_bans():
     assert sample(logits[1:2], [words], [0], frozenset(), [History(prompt, 3)]).token_ids == [best[1]]
     drafted = History(prompt, 3, draft=(11,))            # a verify step's row after a draft of 11
     assert sample(logits[1:2], [words], [1], frozenset(), [drafted]).token_ids != [best[1]]
+
+
+def test_a_row_whose_constraints_leave_no_token_reads_as_no_token():
+    """allowed_token_ids that min_tokens (or a grammar's mask) also rules out leave a row
+    no token: the host reads NO_TOKEN there, never a token none of them allows, while the
+    device keeps a valid id (a step in flight may take it as its input). A step without
+    such a row makes no check."""
+    from services.engine.core.sequence import NO_TOKEN
+    from services.engine.model.sampler import read_back
+    logits = _rows(4)
+    eos = frozenset({2})
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, min_tokens=3, allowed_token_ids=(2,))
+    drawn = SamplingParams(max_tokens=8, temperature=0.8, seed=3, min_tokens=3, allowed_token_ids=(2,))
+    free = SamplingParams(max_tokens=8, temperature=0.0)
+    params = [greedy, drawn, free, free]
+    chosen = choose(logits, params, [0, 0, 0, 0], eos)
+    assert read_back(chosen, params).token_ids == [NO_TOKEN, NO_TOKEN, int(logits[2].argmax()), int(logits[3].argmax())]
+    assert all(0 <= t < VOCAB for t in chosen.tokens.tolist())
+    # past min_tokens, EOS is allowed again: the only allowed token
+    assert sample(logits[:2], [greedy, drawn], [3, 3], eos).token_ids == [2, 2]
+
+    def nothing_in_row_1(x: torch.Tensor) -> None:
+        x[1] = float("-inf")
+    assert sample(logits[:3], [free] * 3, [0] * 3, eos, mask=nothing_in_row_1).token_ids[1] == NO_TOKEN
+    assert choose(logits, [free] * 4, [0] * 4, eos).stuck is None

@@ -34,8 +34,8 @@ from services.common.metrics import WorkerMetrics
 from services.common.settings import WorkerSettings
 from services.common.shm import sweep_stale_segments
 from services.engine.core.block_pool import NoFreeBlocks
-from services.engine.core.sampling import MAX_CHOICES, SamplingParams
-from services.engine.core.sequence import Sequence
+from services.engine.core.sampling import MAX_CHOICES, SamplingParams, no_token_left
+from services.engine.core.sequence import NO_TOKEN_LEFT, Sequence
 from services.engine.core.speculation import Speculator
 from services.engine.engine import EngineOutput, StepStats
 from services.engine.model.draft import draft_proposer, draft_runner
@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 # A reservation outlives its writer's lease by this much before it expires: a Decode
 # call on its way when the lease ends still finds it.
 LEASE_GRACE_SECONDS = 2.0
+# Finish reasons that end a call with an error: the tokens before them go out first.
+FAILURES = frozenset({"error", NO_TOKEN_LEFT})
 
 
 class DecodeWorker(EngineWorker):
@@ -372,6 +374,7 @@ class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
         except (HandoffError, ValueError) as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         running = set(range(n))
+        made = [len(taken)] + [0] * (n - 1)     # each choice's output tokens so far
         held = None                     # taken from `out` while joining, not sent yet
         try:
             while running:
@@ -385,8 +388,11 @@ class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
                         break
                     o = _joined(o, following[1])
                 reason = o.finish_reason or ""
+                made[index] += len(o.token_ids)
                 if reason == "error":
                     await context.abort(grpc.StatusCode.INTERNAL, "decode step failed")
+                if reason == NO_TOKEN_LEFT:
+                    await refuse(context, no_token_left(params, made[index]))
                 if reason:
                     running.discard(index)
                 yield worker_pb2.DecodeChunk(token_ids=o.token_ids, finish_reason=reason, index=index,
@@ -403,7 +409,7 @@ def _joins(index: int, output: EngineOutput, following: tuple[int, EngineOutput]
     the same message: the same choice, a step's tokens (no prompt's figures), and no
     failure (the tokens before a failure go out before the error does)."""
     then_index, then = following
-    return (then_index == index and then.finish_reason != "error" and then.prompt_logprobs is None
+    return (then_index == index and then.finish_reason not in FAILURES and then.prompt_logprobs is None
             and not then.cached_tokens and (output.logprobs is None) == (then.logprobs is None))
 
 

@@ -461,11 +461,11 @@ class LLMEngine:
         histories = [_history(c.seq, tuple(c.draft[:j])) for c, j in each] \
             if any(c.seq.params.reads_history for c in rows) else None
         params = [c.seq.params for c, _ in each]
-        logits, tokens = choose(logits, params, [c.seq.num_generated + j for c, j in each],
-                                rows[0].seq.eos_token_ids if rows else frozenset(), histories, mask)
-        sampled = to_read(logits, params, tokens)
+        chosen = choose(logits, params, [c.seq.num_generated + j for c, j in each],
+                        rows[0].seq.eos_token_ids if rows else frozenset(), histories, mask)
+        sampled = to_read(chosen, params)
         copy = self.runner.stream.to_host(sampled + prompt)
-        return Launched(plan, rows, tokens, copy, len(sampled), targets, started)
+        return Launched(plan, rows, chosen.tokens, copy, len(sampled), targets, started)
 
     def _layer_hook(self, plan: StepPlan, pausable: bool) -> Callable[[int, object], None] | None:
         """What the runner calls as each layer's KV write is launched: the KV export's

@@ -27,7 +27,8 @@ from kv_transfer.base import IncompatiblePeer, TransferError
 from services.common.metrics import WorkerMetrics
 from services.common.settings import WorkerSettings
 from services.engine.core.block_pool import NoFreeBlocks
-from services.engine.core.sequence import Sequence
+from services.engine.core.sampling import no_token_left
+from services.engine.core.sequence import NO_TOKEN_LEFT, Sequence
 from services.engine.engine import EngineOutput, StepStats
 from services.engine.model.kv_cache import KVPoolMemory
 from services.engine.model.parallel import kv_head_ranges
@@ -132,6 +133,8 @@ class PrefillWorker(EngineWorker):
             first = await asyncio.shield(ended)
             if export.failure is not None:
                 raise export.failure
+            if first.finish_reason == NO_TOKEN_LEFT:
+                raise no_token_left(params, 0)
             if not first.token_ids:
                 raise TransferError(f"the prefill ended without a token ({first.finish_reason})")
             after_compute = time.perf_counter()

@@ -35,7 +35,8 @@ from services.router.protocol import APIError
 from services.router.structured import STRUCTURE_CODES
 from services.router.workers import INFO_TIMEOUT, Worker, WorkerSet
 from services.rpc import worker_pb2
-from services.worker.wire import ERROR_CODE_KEY, REFUSED_UNSTARTED, logprob_from_proto, sampling_to_proto
+from services.worker.wire import (ERROR_CODE_KEY, ERROR_PARAM_KEY, REFUSED_UNSTARTED, logprob_from_proto,
+                                  sampling_to_proto)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -410,10 +411,10 @@ def worker_error(worker: Worker, exc: grpc.aio.AioRpcError, gen: Generation) -> 
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
         return APIError(504, f"{worker.label} timed out", type_="timeout", grpc_code="DEADLINE_EXCEEDED")
     if code is grpc.StatusCode.INVALID_ARGUMENT:
-        codes = [v for k, v in exc.trailing_metadata() or () if k == ERROR_CODE_KEY]
-        code_ = codes[0] if codes else None
+        told = dict(exc.trailing_metadata() or ())
+        code_ = told.get(ERROR_CODE_KEY)
         return APIError(400, exc.details() or "invalid request", code=code_,
-                        param=gen.structure_param if code_ in STRUCTURE_CODES else None)
+                        param=gen.structure_param if code_ in STRUCTURE_CODES else told.get(ERROR_PARAM_KEY))
     if code is grpc.StatusCode.UNAUTHENTICATED:
         return APIError(502, f"{worker.label} refused the router's credential (is --cluster-secret-file the same "
                              "on both?)", type_="server_error", grpc_code="INTERNAL")

@@ -26,11 +26,11 @@ from services.common.settings import WorkerSettings
 from services.engine.text.model_store import resolve_model
 from services.engine.model.runner import ModelRunner
 from services.engine.core.scheduler import SchedulerConfig
-from services.engine.core.sampling import SamplingParams
+from services.engine.core.sampling import InvalidSampling, SamplingParams
 from services.engine.structured import Grammars, SchemaError
 from services.engine.text.tokenizer import eos_token_ids, load_tokenizer
 from services.worker.ranks import rank_device, start_ranks
-from services.worker.wire import ERROR_CODE_KEY, check_tokens
+from services.worker.wire import ERROR_CODE_KEY, ERROR_PARAM_KEY, check_tokens
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,8 @@ async def refuse(context, exc: ValueError) -> None:
     schemas it refuses itself."""
     if isinstance(exc, SchemaError):
         context.set_trailing_metadata(((ERROR_CODE_KEY, exc.code),))
+    elif isinstance(exc, InvalidSampling):
+        context.set_trailing_metadata(((ERROR_PARAM_KEY, exc.param),))
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
 

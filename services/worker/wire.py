@@ -69,6 +69,8 @@ MAX_REQUEST_ID = 256
 # Trailing metadata of a refusal: the OpenAI error code the router answers with (e.g.
 # "invalid_json_schema"), where the worker knows a more precise one than a 400's default.
 ERROR_CODE_KEY = "pdserve-error-code"
-# Its value where a worker refused a call before starting any of it (a draining prefill
+# ... and the request parameter to blame, where the worker knows it (a sampling value).
+ERROR_PARAM_KEY = "pdserve-error-param"
+# ERROR_CODE_KEY's value where a worker refused a call before starting any of it (a draining prefill
 # worker): the router knows no write into a reservation can follow.
 REFUSED_UNSTARTED = "refused_unstarted"

@@ -14,6 +14,18 @@ class InvalidSampling(ValueError):
         self.param = param
 
 
+def no_token_left(params: SamplingParams, position: int) -> InvalidSampling:
+    """The caller's error for a sequence whose constraints left no token at output
+    position `position`: named by the parameters that constrain it, allowed_token_ids
+    first (the usual cause: ids a grammar or min_tokens also rules out)."""
+    named = [name for name, on in (("allowed_token_ids", params.allowed_token_ids), ("bad_words", params.bad_words),
+                                   ("min_tokens", position < params.min_tokens),
+                                   ("structured outputs", params.structure)) if on]
+    return InvalidSampling(named[0] if named else "allowed_token_ids",
+                           f"no token satisfies {' and '.join(named) or 'the constraints'} together at output token "
+                           f"{position}: every token is ruled out")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int

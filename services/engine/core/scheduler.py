@@ -69,8 +69,8 @@ from typing import Callable
 
 from services.engine.core.block_manager import BlockManager
 from services.engine.core.block_pool import NoFreeBlocks
-from services.engine.core.sequence import (PENDING, Chunk, Reservation, SeqStatus, SeqUpdate, Sequence,
-                                          StepPlan)
+from services.engine.core.sequence import (NO_TOKEN, NO_TOKEN_LEFT, PENDING, Chunk, Reservation, SeqStatus,
+                                          SeqUpdate, Sequence, StepPlan)
 from services.engine.core.speculation import Speculator
 
 log = logging.getLogger(__name__)
@@ -491,6 +491,10 @@ class Scheduler:
             taken: list[int] = []
             reason = None
             for token in tokens:
+                if token == NO_TOKEN:               # its constraints left no token: it ends here
+                    self._no_token(seq, c, taken)
+                    reason = NO_TOKEN_LEFT
+                    break
                 if taken:
                     seq.token_ids.append(token)
                 else:
@@ -509,6 +513,13 @@ class Scheduler:
                 self._roll_back(seq)
             out.append(SeqUpdate(seq, taken, reason))
         return out
+
+    def _no_token(self, seq: Sequence, c: Chunk, taken: list[int]) -> None:
+        """Before `seq` ends where no token was left: its token list and computed KV
+        stop at the tokens it has (a step launched since may have computed the place)."""
+        end = c.start + c.num_tokens - len(c.draft) + len(taken)
+        del seq.token_ids[end:]
+        seq.num_computed = min(seq.num_computed, end)
 
     def _verified(self, c: Chunk, tokens: list[int]) -> list[int]:
         """A drafted chunk's tokens to keep: the drafts its samples agree with, then the

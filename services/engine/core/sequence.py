@@ -11,6 +11,12 @@ from services.engine.core.sampling import SamplingParams
 # A token sampled by a step still running on the device (async scheduling): it stands in
 # a sequence's `token_ids` until the step's tokens are read.
 PENDING = -1
+# What a step's sampling returns for a row whose constraints left no token at all
+# (allowed_token_ids, bad words, min_tokens and a grammar together ruling out every
+# one): the sequence ends with the finish reason NO_TOKEN_LEFT, which its worker answers
+# as the caller's error (`no_token_left`), never with a token none of them allows.
+NO_TOKEN = -2
+NO_TOKEN_LEFT = "no_token"
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"

@@ -17,6 +17,7 @@ import torch
 
 from services.engine.model.device import to_device
 from services.engine.core.sampling import SamplingParams, TokenLogprob
+from services.engine.core.sequence import NO_TOKEN
 
 _MASK64 = (1 << 64) - 1
 
@@ -138,6 +139,12 @@ class History:
 LogitsMask = Callable[[torch.Tensor], None]
 
 
+def _constrained(params: list[SamplingParams], num_generated: list[int], eos_token_ids: frozenset[int]) -> bool:
+    """Whether a row's own constraints may rule out every token (a mask may too)."""
+    return any(p.allowed_token_ids or p.bad_words or (n < p.min_tokens and (eos_token_ids or p.stop_token_ids))
+               for p, n in zip(params, num_generated))
+
+
 def _process(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int],
              eos_token_ids: frozenset[int], histories: list[History] | None) -> torch.Tensor:
     """The logits every choice is made from: tokens outside allowed_token_ids and bad
@@ -248,27 +255,45 @@ class Sampled:
     logprobs: list[TokenLogprob | None]
 
 
+@dataclass
+class Chosen:
+    """`choose`'s result, on the device: the processed logits, the tokens (int64), and
+    where a row's constraints left no token, those rows (bool; None: none could). A
+    stuck row keeps a valid token id on the device, where a step in flight may take it
+    as its input; the host reads NO_TOKEN there (sequence.py)."""
+    logits: torch.Tensor
+    tokens: torch.Tensor
+    stuck: torch.Tensor | None = None
+
+    def shown(self) -> torch.Tensor:
+        """The tokens as the host is to read them: NO_TOKEN on stuck rows."""
+        return self.tokens if self.stuck is None else self.tokens.masked_fill(self.stuck, NO_TOKEN)
+
+
 def choose(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int],
            eos_token_ids: frozenset[int], histories: list[History] | None = None,
-           mask: LogitsMask | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One new token per row of `logits` ([batch, vocab]): the processed logits and the
-    tokens (int64, on the logits' device), with nothing read back to the host, so the
-    host may go on while the device computes them (async scheduling). The arguments
-    are `sample`'s."""
+           mask: LogitsMask | None = None) -> Chosen:
+    """One new token per row of `logits` ([batch, vocab]), with nothing read back to
+    the host, so the host may go on while the device computes them (async scheduling).
+    The arguments are `sample`'s."""
     logits = _process(logits.float(), params, num_generated, eos_token_ids, histories)
     if mask is not None:
         if logits.is_inference():
             logits = logits.clone()
         mask(logits)
     rows = [row for row, p in enumerate(params) if not p.greedy]
+    stuck = None
+    if mask is not None or _constrained(params, num_generated, eos_token_ids):
+        # one more pass over the logits, only in steps with a row that may need it
+        stuck = logits.amax(dim=-1) == float("-inf")
     if rows and len(rows) == len(params):      # every row drawn: no argmax, no copy of the rows
-        return logits, _draw(logits, params, num_generated)
+        return Chosen(logits, _draw(logits, params, num_generated), stuck)
     out = logits.max(dim=-1).indices           # the first maximum, as argmax; twice as fast on CPU
     if rows:
         index = to_device(rows, torch.long, logits.device)
         out.index_copy_(0, index, _draw(logits.index_select(0, index), [params[r] for r in rows],
                                         [num_generated[r] for r in rows]))
-    return logits, out
+    return Chosen(logits, out, stuck)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int],
@@ -278,24 +303,25 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: li
     tokens each row's sequence has produced so far (its next token's index); `histories`
     each row's tokens, needed when a row asks for penalties; `mask` rules tokens out in
     place (structured output)."""
-    logits, chosen = choose(logits, params, num_generated, eos_token_ids, histories, mask)
-    return read_back(logits, params, chosen)
+    return read_back(choose(logits, params, num_generated, eos_token_ids, histories, mask), params)
 
 
-def to_read(logits: torch.Tensor, params: list[SamplingParams], chosen: torch.Tensor) -> list[torch.Tensor]:
-    """What the host reads of `choose`'s result, still on the device: the tokens, then
+def to_read(chosen: Chosen, params: list[SamplingParams]) -> list[torch.Tensor]:
+    """What the host reads of `choose`'s result, still on the device: the tokens
+    (`Chosen.shown`), then
     (when a row asks) the log probabilities of the chosen tokens and each row's
     likeliest, from the processed logits scaled by the row's temperature (greedy rows:
     unscaled), before top-k, top-p and min-p cut the distribution: what OpenAI and vLLM
     report. `read_sampled` turns them, copied to the host, into a Sampled."""
+    shown, logits = chosen.shown(), chosen.logits
     rows = [r for r, p in enumerate(params) if p.logprobs is not None]
     if not rows:
-        return [chosen]
+        return [shown]
     index = to_device(rows, torch.long, logits.device)
     temps = to_device([params[r].temperature or 1.0 for r in rows], logits.dtype, logits.device)
-    found = logprob_tensors(logits.index_select(0, index) / temps[:, None], chosen.index_select(0, index),
+    found = logprob_tensors(logits.index_select(0, index) / temps[:, None], chosen.tokens.index_select(0, index),
                             max(params[r].logprobs for r in rows))
-    return [chosen, *found]
+    return [shown, *found]
 
 
 def read_sampled(params: list[SamplingParams], host: list[torch.Tensor]) -> Sampled:
@@ -310,7 +336,7 @@ def read_sampled(params: list[SamplingParams], host: list[torch.Tensor]) -> Samp
     return Sampled(tokens, out)
 
 
-def read_back(logits: torch.Tensor, params: list[SamplingParams], chosen: torch.Tensor) -> Sampled:
+def read_back(chosen: Chosen, params: list[SamplingParams]) -> Sampled:
     """`choose`'s tokens on the host (waiting for all the device's work), with the log
     probabilities their rows asked for."""
-    return read_sampled(params, to_read(logits, params, chosen))
+    return read_sampled(params, to_read(chosen, params))
