@@ -67,9 +67,10 @@ def runner(model_dir):
     return ModelRunner(model_dir, "float32", "cpu", attention="torch")
 
 
-def _prefill(runner, model_dir, transport_class) -> tuple[torch.Tensor, torch.Tensor]:
+def _prefill(runner, model_dir, transport_class, clock_behind: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill PROMPT in chunks of CHUNK through a PrefillWorker whose transport is
-    `transport_class`; returns (what landed in the destination blocks, what the prefill
+    `transport_class`, into a handle from a decode host whose clock is `clock_behind`
+    seconds behind this one's; returns (what landed in the destination blocks, what the prefill
     worker's own blocks hold), both [layers, 2, blocks, ...]."""
     settings = WorkerSettings(role="prefill", dtype="float32", kv_transport="shm", prefill_chunk_tokens=CHUNK,
                               prefix_cache_tokens=0, block_size=BLOCK)
@@ -84,7 +85,8 @@ def _prefill(runner, model_dir, transport_class) -> tuple[torch.Tensor, torch.Te
     dst = list(range(2, 2 + blocks))
     meta = FakeTransport(fabric).register(dst_pool, worker.compat_hash)
     handle = worker_pb2.KVHandle(request_id="r", epoch="e", block_ids=dst, num_tokens=len(PROMPT),
-                                 write_deadline=time.time() + 60, compat_hash=worker.compat_hash,
+                                 write_deadline=time.time() - clock_behind + 60, write_seconds=60,
+                                 compat_hash=worker.compat_hash,
                                  offers=[worker_pb2.TransportOffer(backend="shm", meta=meta)])
     req = worker_pb2.PrefillRequest(request_id="r", prompt_token_ids=PROMPT, handle=handle,
                                     sampling=generate_pb2.SamplingParams(max_tokens=1, temperature=0, top_p=1))
@@ -109,6 +111,14 @@ def _prefill(runner, model_dir, transport_class) -> tuple[torch.Tensor, torch.Te
 def test_writes_landing_in_any_order_leave_the_prompts_kv_whole(runner, model_dir):
     landed, own = _prefill(runner, model_dir, ReverseOrderTransport)
     assert torch.equal(landed, own), "a block written twice kept its older, partial bytes"
+
+
+def test_the_lease_holds_whatever_the_decode_hosts_clock_says(runner, model_dir):
+    """A handle carries the seconds it leaves to write, not only its wall-clock deadline:
+    a decode host whose clock is an hour behind (its deadline long past on this host's
+    clock) still gets its KV."""
+    landed, own = _prefill(runner, model_dir, FakeTransport, clock_behind=3600)
+    assert torch.equal(landed, own)
 
 
 def test_a_write_that_raises_on_one_layer_fails_the_prefill_loudly(runner, model_dir):

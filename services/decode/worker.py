@@ -329,7 +329,8 @@ class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return worker_pb2.KVHandle(
             request_id=h.request_id, epoch=e.epoch, block_ids=h.block_ids, num_tokens=h.num_tokens,
-            write_deadline=h.write_deadline, offers=e.offers, compat_hash=e.compat_hash)
+            write_deadline=h.write_deadline, write_seconds=max(0.0, h.write_deadline - time.time()), offers=e.offers,
+            compat_hash=e.compat_hash)
 
     async def Release(self, request, context):
         try:

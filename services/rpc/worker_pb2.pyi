@@ -64,7 +64,7 @@ class TransportOffer(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., meta: _Optional[bytes] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("request_id", "epoch", "block_ids", "num_tokens", "write_deadline", "offers", "compat_hash")
+    __slots__ = ("request_id", "epoch", "block_ids", "num_tokens", "write_deadline", "offers", "compat_hash", "write_seconds")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class KVHandle(_message.Message):
     WRITE_DEADLINE_FIELD_NUMBER: _ClassVar[int]
     OFFERS_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    WRITE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     epoch: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -79,7 +80,8 @@ class KVHandle(_message.Message):
     write_deadline: float
     offers: _containers.RepeatedCompositeFieldContainer[TransportOffer]
     compat_hash: str
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., write_deadline: _Optional[float] = ..., offers: _Optional[_Iterable[_Union[TransportOffer, _Mapping]]] = ..., compat_hash: _Optional[str] = ...) -> None: ...
+    write_seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., write_deadline: _Optional[float] = ..., offers: _Optional[_Iterable[_Union[TransportOffer, _Mapping]]] = ..., compat_hash: _Optional[str] = ..., write_seconds: _Optional[float] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "num_prompt_tokens", "lease_seconds")

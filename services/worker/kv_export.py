@@ -40,6 +40,15 @@ log = logging.getLogger(__name__)
 DRAIN_SECONDS = 5.0
 
 
+def seconds_left(handle) -> float:
+    """The seconds `handle` leaves to write: as the router passed it on, taken from when
+    it arrived here; from a handle without (an older router), its wall-clock deadline,
+    which holds only where the two hosts' clocks agree."""
+    if handle.HasField("write_seconds"):
+        return handle.write_seconds
+    return handle.write_deadline - time.time()
+
+
 class LeaseExpired(TransferError):
     """The receiver's write deadline passed before the KV was written."""
 
@@ -147,8 +156,7 @@ class KVExporter:
             for p, d, heads in writes:
                 if p:
                     ranks.append(RankTarget(p, self._rank_peer(p, by_rank[d], targets[0].transport.name), heads))
-        # The lease is wall-clock (it crosses processes); waits use the monotonic clock.
-        deadline = time.monotonic() + (handle.write_deadline - time.time())
+        deadline = time.monotonic() + seconds_left(handle)
         export = Export(targets, list(handle.block_ids), deadline, fell_back, ranks)
         self._exports[request_id] = export
         return export
