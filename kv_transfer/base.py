@@ -85,9 +85,13 @@ class KVTransport(Protocol):
         """Pair with a peer from its metadata; raises IncompatiblePeer on mismatch."""
 
     def write(self, peer: PeerHandle, src: Sequence[int], dst: Sequence[int],
-              layers: range | None = None, heads: HeadSlice | None = None) -> TransferId:
+              layers: range | None = None, heads: HeadSlice | None = None,
+              deadline: float | None = None) -> TransferId:
         """Copy local blocks `src` into the peer's blocks `dst` (non-blocking); with
-        `heads`, only those heads of each block."""
+        `heads`, only those heads of each block. `deadline` (time.monotonic()): past
+        it the peer's blocks may be someone else's, so a transport that queues writes
+        (TCP) never begins one then, and the write FAILs; one that posts at once has
+        begun it before returning."""
 
     def poll(self, xfer: TransferId) -> TransferState: ...
 

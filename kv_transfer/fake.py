@@ -41,7 +41,8 @@ class FakeTransport:
         return PeerHandle(meta["key"])
 
     def write(self, peer: PeerHandle, src: Sequence[int], dst: Sequence[int],
-              layers: range | None = None, heads: HeadSlice | None = None) -> TransferId:
+              layers: range | None = None, heads: HeadSlice | None = None,
+              deadline: float | None = None) -> TransferId:
         xfer = len(self._states) + 1
         if self.fabric.drop_writes:
             self._states[xfer] = TransferState.FAILED

@@ -32,13 +32,14 @@ class DroppingTransport:
         return self.inner.connect(peer, compat_hash)
 
     def write(self, peer: PeerHandle, src: Sequence[int], dst: Sequence[int],
-              layers: range | None = None, heads: HeadSlice | None = None) -> TransferId:
+              layers: range | None = None, heads: HeadSlice | None = None,
+              deadline: float | None = None) -> TransferId:
         start = layers.start if layers is not None else 0
         stop = layers.stop if layers is not None else self._num_layers
         key = (peer.peer_id, tuple(dst), heads)
         if start == 0 or key not in self._doomed:
             self._doomed[key] = self._rng.random() < self.rate
-        xfer = self.inner.write(peer, src, dst, layers, heads)
+        xfer = self.inner.write(peer, src, dst, layers, heads, deadline)
         if self._doomed[key] and stop > self._num_layers // 2:
             self._dropped.add(xfer)
         if stop >= self._num_layers:                  # the write's last layer: forget it

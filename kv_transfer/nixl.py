@@ -232,7 +232,8 @@ class NixlTransport:
         return PeerHandle(name)
 
     def write(self, peer: PeerHandle, src: Sequence[int], dst: Sequence[int],
-              layers: range | None = None, heads: HeadSlice | None = None) -> TransferId:
+              layers: range | None = None, heads: HeadSlice | None = None,
+              deadline: float | None = None) -> TransferId:
         with self._lock:
             agent = self._open_agent()
             if self._region is None:

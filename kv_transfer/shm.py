@@ -45,7 +45,8 @@ class ShmTransport:
         return PeerHandle(peer_id=path)
 
     def write(self, peer: PeerHandle, src: Sequence[int], dst: Sequence[int],
-              layers: range | None = None, heads: HeadSlice | None = None) -> TransferId:
+              layers: range | None = None, heads: HeadSlice | None = None,
+              deadline: float | None = None) -> TransferId:
         if self._local is None:
             raise TransferError("register() a local pool before writing")
         target = self._peers.get(peer.peer_id)

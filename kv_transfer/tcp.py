@@ -243,7 +243,8 @@ class TcpTransport:
         return PeerHandle(key)
 
     def write(self, peer: PeerHandle, src: Sequence[int], dst: Sequence[int],
-              layers: range | None = None, heads: HeadSlice | None = None) -> TransferId:
+              layers: range | None = None, heads: HeadSlice | None = None,
+              deadline: float | None = None) -> TransferId:
         if self._local is None:
             raise TransferError("register() a local pool before writing")
         p = self._peers.get(peer.peer_id)
@@ -266,7 +267,8 @@ class TcpTransport:
             first = p.turn
             p.turn = (p.turn + k) % len(p.streams)
         for i in range(k):
-            p.streams[(first + i) % len(p.streams)].jobs.put((xfer, range(cuts[i], cuts[i + 1]), runs, heads))
+            p.streams[(first + i) % len(p.streams)].jobs.put((xfer, range(cuts[i], cuts[i + 1]), runs, heads,
+                                                              deadline))
         return xfer
 
     def _send_loop(self, p: _Peer, st: _Stream) -> None:
@@ -275,7 +277,9 @@ class TcpTransport:
                 job = st.jobs.get()
                 if job is None:
                     return
-                xfer, layers, runs, heads = job
+                xfer, layers, runs, heads, deadline = job
+                if not self._still_to_send(p, xfer, deadline):
+                    continue
                 t = self._local.tensor              # write() only queues jobs once registered
                 head = HEADER.pack(MAGIC, xfer, layers.start, len(layers), len(runs), heads.dst if heads else 0,
                                    heads.count if heads else 0)
@@ -283,6 +287,20 @@ class TcpTransport:
                 _send_all(st.sock, [memoryview(head)] + self._pieces(t, layers, runs, heads))
         except (OSError, ValueError) as exc:            # ValueError: socket closed under us
             self._kill(p, f"send failed: {exc}")
+
+    def _still_to_send(self, p: _Peer, xfer: int, deadline: float | None) -> bool:
+        """Whether a queued frame of `xfer` is to go out: not once the transfer has
+        failed, nor past its deadline (behind a backlog on the link), when its
+        destination blocks may have gone back to the peer's pool: the transfer FAILs."""
+        with self._lock:
+            if self._states.get(xfer) is not TransferState.PENDING:
+                return False
+            if deadline is None or time.monotonic() < deadline:
+                return True
+            p.pending.pop(xfer, None)
+            self._end(xfer, TransferState.FAILED)
+            self._bump()
+            return False
 
     @staticmethod
     def _pieces(t: torch.Tensor, layers: range, runs: list[tuple[int, int, int]],

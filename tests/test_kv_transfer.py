@@ -185,6 +185,19 @@ def test_a_failed_exports_drain_keeps_the_link_other_requests_share():
         wait_for(sender, [sender.write(peer, [2], [5])], time.monotonic() + 10)      # another request's write
         assert torch.equal(pool.tensor[:, :, 5], local.tensor[:, :, 2])
 
+def test_tcp_never_begins_a_write_past_its_deadline_and_keeps_the_link():
+    """A frame queued behind a backlog whose deadline has passed by its turn is never
+    sent (its destination blocks may be another request's by then): the write FAILs,
+    nothing lands, and the next write on the link does."""
+    with tcp_link(LAYOUT, LAYOUT) as (sender, peer, pool, local):
+        late = sender.write(peer, [1, 2], [3, 4], deadline=time.monotonic() - 0.001)
+        with pytest.raises(TransferError, match="failed"):
+            wait_for(sender, [late], time.monotonic() + 10)
+        assert torch.count_nonzero(pool.tensor) == 0
+        wait_for(sender, [sender.write(peer, [1, 2], [3, 4], deadline=time.monotonic() + 10)], time.monotonic() + 10)
+        assert torch.equal(pool.tensor[:, :, [3, 4]], local.tensor[:, :, [1, 2]])
+
+
 def test_tcp_write_to_a_dead_peer_fails_instead_of_hanging():
     pool = KVPoolMemory.allocate(LAYOUT)
     receiver = create_transport("tcp")

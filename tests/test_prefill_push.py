@@ -35,7 +35,7 @@ class ReverseOrderTransport(FakeTransport):
         super().__init__(fabric)
         self._posted: list[tuple[object, list[int], range, torch.Tensor]] = []
 
-    def write(self, peer, src, dst, layers=None, heads=None):
+    def write(self, peer, src, dst, layers=None, heads=None, deadline=None):
         assert heads is None, "whole blocks only: a one-process pool holds every head"
         layers = layers or range(self._local.layout.num_layers)
         data = self._local.tensor[layers.start:layers.stop, :, list(src)].clone()
@@ -55,10 +55,10 @@ class ReverseOrderTransport(FakeTransport):
 
 
 class FailsOnALayer(FakeTransport):
-    def write(self, peer, src, dst, layers=None, heads=None):
+    def write(self, peer, src, dst, layers=None, heads=None, deadline=None):
         if layers is not None and layers.start == 5:
             raise ValueError("a descriptor the backend could not build")
-        return super().write(peer, src, dst, layers, heads)
+        return super().write(peer, src, dst, layers, heads, deadline)
 
 
 @pytest.fixture(scope="module")

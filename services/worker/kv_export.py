@@ -222,7 +222,7 @@ class KVExporter:
                     for t in export.targets:
                         export.xfers.append((t.transport, t.transport.write(
                             t.peer, c.seq.block_ids[first:stop], export.dst[first:stop], range(layer, layer + 1),
-                            t.heads)))
+                            t.heads, export.deadline)))
             except Exception as exc:            # noqa: BLE001 - any failed post leaves the KV incomplete
                 self._fail(c.seq.request_id, export, exc if isinstance(exc, TransferError) else TransferError(
                     f"posting layer {layer}'s write failed: {type(exc).__name__}: {exc}"))

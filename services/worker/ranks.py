@@ -330,7 +330,7 @@ class RankWriter:
                     raise TransferError(f"write deadline passed at layer {layer}")
                 transport, peer = self.peers[o.peer]
                 self._xfers.setdefault(o.export, []).append(
-                    (transport, transport.write(peer, o.src, o.dst, range(layer, layer + 1), o.heads)))
+                    (transport, transport.write(peer, o.src, o.dst, range(layer, layer + 1), o.heads, o.deadline)))
             except Exception as exc:            # noqa: BLE001 - any failed post leaves that KV incomplete
                 log.warning("rank %d: export %d: %s", self.rank, o.export, exc)
                 self._failed.add(o.export)
