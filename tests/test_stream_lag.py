@@ -135,3 +135,27 @@ def test_the_rust_decode_gives_what_transformers_decode_gives(model_dir):
             slow._rust = None
             assert fast._rust is not None
             assert [fast.push([i]) for i in ids] + [fast.flush()] == [slow.push([i]) for i in ids] + [slow.flush()]
+
+
+def test_a_request_that_times_out_under_a_reader_that_stopped_reading_still_ends():
+    """The request's deadline passes while its queue is full (the reader stopped taking
+    deltas): the task ends at once with the 504 on the queue, instead of waiting for room
+    that never comes."""
+    from types import SimpleNamespace
+
+    from services.router.protocol import APIError
+
+    async def run():
+        r = _bare()
+        r.queue = asyncio.Queue(maxsize=4)
+        r.timeout, r._deadlines, r._draining = 0.05, [], None
+
+        async def generate(*_):
+            for k in range(10):
+                await r.queue.put(Delta(str(k), [k], None, None, 0))
+        r._generate = generate
+        await asyncio.wait_for(r._run(None, None, [SimpleNamespace(request_id="r")], 0, None), 5)
+        items = [r.queue.get_nowait() for _ in range(r.queue.qsize())]
+        return items[-1]
+    last = asyncio.run(run())
+    assert isinstance(last, APIError) and last.status == 504

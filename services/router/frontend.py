@@ -367,13 +367,21 @@ class RunningRequest:
         except TimeoutError:
             if self._draining is not None:
                 log.warning("request %s ended: the router is shutting down", gens[0].request_id)
-                await self.queue.put(APIError(503, "the router is shutting down and the request did not finish "
-                                                   "within its --drain-timeout; send it again",
-                                              type_="service_unavailable", grpc_code="UNAVAILABLE"))
+                self._fail(APIError(503, "the router is shutting down and the request did not finish within its "
+                                         "--drain-timeout; send it again", type_="service_unavailable",
+                                    grpc_code="UNAVAILABLE"))
                 return
             log.warning("request %s did not finish within %g s", gens[0].request_id, self.timeout)
-            await self.queue.put(APIError(504, f"the request did not finish within {self.timeout:g} s",
-                                          type_="timeout", code="request_timeout", grpc_code="DEADLINE_EXCEEDED"))
+            self._fail(APIError(504, f"the request did not finish within {self.timeout:g} s",
+                                type_="timeout", code="request_timeout", grpc_code="DEADLINE_EXCEEDED"))
+
+    def _fail(self, error: APIError) -> None:
+        """`error` to the reader, at once: a reader that stopped reading may have filled
+        the queue, and a task waiting for room would never end. The deltas it has not
+        taken are dropped then; the error ends the response."""
+        while self.queue.full():
+            self.queue.get_nowait()
+        self.queue.put_nowait(error)
 
     def end_by(self, when: float) -> None:
         """End by loop time `when` at the latest (the router is shutting down), with a 503."""
@@ -416,10 +424,10 @@ class RunningRequest:
             ended = gen.finish_reason
             await self.queue.put(None)
         except APIError as exc:
-            await self.queue.put(exc)
+            self._fail(exc)
         except Exception:                             # CancelledError (client gone) passes through
             log.exception("request %s failed", gen.request_id)
-            await self.queue.put(APIError(500, "internal error", type_="server_error", grpc_code="INTERNAL"))
+            self._fail(APIError(500, "internal error", type_="server_error", grpc_code="INTERNAL"))
         finally:
             self.admission.done(ticket)
             metrics.request_ended(time.monotonic() - gen.started, len(gen.prompt_ids),
