@@ -521,6 +521,96 @@ def test_shared_memory_ranks_sum_alike_hear_rank_0_and_give_up_on_a_missing_peer
     one.close()
 
 
+def _idle_rank(rank: int, address: str, out) -> None:
+    from services.engine.model import parallel, shm_comm
+    shm_comm.usable = lambda device, size: False            # commands through gloo, as on GPUs
+    group = parallel.RankGroup(parallel.TensorParallel(2, rank), torch.device("cpu"), address, timeout_s=1)
+    try:
+        if rank == 0:
+            time.sleep(3)                                    # no request for three compute timeouts
+            group.send(parallel.Command.STEP, [1, 2, 3])
+            out.put((0, "sent"))
+        else:
+            command, ints, _ = group.receive()
+            out.put((1, f"{command.name} {ints}"))
+    except Exception as exc:                               # noqa: BLE001 - reported to the test
+        out.put((rank, repr(exc)))
+
+
+def test_an_idle_rank_waits_for_its_next_command_past_the_compute_timeout():
+    """Ranks after the first wait for rank 0's commands as long as it sends none (an
+    idle worker): with commands through gloo (GPUs, CPUs without the shared-memory
+    path), a wait bounded by the all-reduces' timeout ended every idle rank."""
+    import multiprocessing
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_idle_rank, args=(rank, address, out)) for rank in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(out.get(timeout=60) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert got == {0: "sent", 1: "STEP [1, 2, 3]"}
+
+
+class _Group:
+    """A RankGroup double that records what is sent and whether the ranks were lost."""
+
+    def __init__(self, commands=()) -> None:
+        self.sent, self.why = [], None
+        self.commands = list(commands)
+
+    def send(self, command, ints=(), data=b"") -> None:
+        self.sent.append(command)
+
+    def receive(self):
+        return self.commands.pop(0)
+
+    def lost(self, why: str) -> None:
+        self.why = why
+
+
+def test_a_step_that_fails_on_one_rank_takes_the_worker_down_and_a_bad_batch_fails_before_any_starts(model_dir):
+    """A forward pass, block copy or graph capture that fails on one rank leaves the
+    others waiting in (or past) its all-reduces: every later step would sum two steps'
+    partial results. Whichever rank it fails on, the worker exits (`RankGroup.lost`).
+    A batch with bad block tables is refused on rank 0 before it is sent, and fails
+    alone."""
+    from services.common.settings import WorkerSettings
+    from services.engine.model.parallel import Command
+    from services.engine.model.runner import ModelRunner
+    from services.worker.ranks import Follower
+    runner = ModelRunner(model_dir, "float32", "cpu")
+    pool = KVPoolMemory.allocate(runner.layout(8, 16))
+    runner.tp, runner.group = TensorParallel(2, 0), _Group()
+
+    def out_of_memory(*_):
+        raise MemoryError("rank 0 alone")
+    runner._execute = out_of_memory
+    with pytest.raises(ValueError, match="block ids"):
+        runner.decode(pool, [5], [3], [[9]])
+    assert runner.group.sent == [] and runner.group.why is None
+    with pytest.raises(MemoryError):
+        runner.decode(pool, [5], [3], [[1]])
+    assert runner.group.sent == [Command.STEP] and "MemoryError" in runner.group.why
+    runner.tp = TensorParallel(1, 0)
+    group = _Group([(Command.COPY, [1, 99], b""), (Command.STOP, [], b"")])
+    group.tp = TensorParallel(2, 1)
+    follower = Follower(runner, group, WorkerSettings(role="decode", dtype="float32"))
+    follower.pool = pool
+    follower.run()                                          # block 99 is outside this rank's pool
+    assert group.why is not None and "COPY" in group.why
+    pool.close()
+
+
 def test_other_prefill_ranks_write_through_the_backend_rank_0_fell_back_to():
     """The receiver offers shared memory that is not there (another host) and TCP: rank
     0 falls back to TCP, and the plan for rank 1 pairs through TCP too, not through the

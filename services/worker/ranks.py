@@ -181,6 +181,13 @@ def serve_rank(spec: RankSpec) -> None:
         group.close()
 
 
+# Commands that every rank must carry out alike, or fail together: a step (its
+# all-reduces), a block copy (the KV the next steps read), a graph capture (replayed
+# graphs and eager steps do not meet in their all-reduces). Rank 0 exits where one of
+# them fails there (ModelRunner.execute); a rank after it exits where one fails here.
+IN_STEP = frozenset({Command.STEP, Command.COPY, Command.CAPTURE})
+
+
 class Follower:
     """A rank after the first: does what rank 0 says, over its own shard and pool."""
 
@@ -207,8 +214,10 @@ class Follower:
                     return
                 try:
                     handlers[command](ints, data)
-                except Exception:           # noqa: BLE001 - rank 0 fails the same step and goes on
+                except Exception as exc:    # noqa: BLE001
                     log.exception("rank %d: %s failed", self.group.tp.rank, command.name)
+                    if command in IN_STEP:
+                        self.group.lost(f"{command.name} failed here ({type(exc).__name__}: {exc})")
         finally:
             for t in self.transports.values():
                 t.shutdown()

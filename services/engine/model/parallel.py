@@ -26,6 +26,7 @@ group the plan. Ranks on one host's CPU use a shared-memory segment for both
 """
 from __future__ import annotations
 
+import datetime
 import enum
 import logging
 import os
@@ -288,6 +289,9 @@ def decode_batch(ints: list[int], batch_type, segment_type):
     return b
 
 
+COMMAND_TIMEOUT = datetime.timedelta(days=365)
+
+
 class RankGroup:
     """torch.distributed between a worker's ranks: `control` (gloo, host tensors) carries
     commands, `compute` (gloo on a CPU, NCCL on GPUs) the all-reduces. Ranks on one
@@ -297,8 +301,6 @@ class RankGroup:
     def __init__(self, tp: TensorParallel, device: torch.device, address: str, timeout_s: float = 120.0,
                  shared: bool = False) -> None:
         """`shared`: ranks share GPUs (correctness checks), where NCCL refuses to run."""
-        import datetime
-
         import torch.distributed as dist
         self.tp = tp
         self.device = device
@@ -308,10 +310,12 @@ class RankGroup:
         dist.init_process_group(backend, init_method=f"tcp://{address}", rank=tp.rank, world_size=tp.size,
                                 timeout=timeout, **({"device_id": device} if backend == "nccl" else {}))
         self.compute = dist.group.WORLD
-        self.control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else self.compute
+        # Commands wait as long as rank 0 has none to send (an idle worker): a command
+        # group with the compute group's timeout ended every idle rank after it. A dead
+        # rank 0 ends the wait by its closed connection, and Ranks.watch a dead follower.
+        self.control = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
         self._dist = dist
         self._header = torch.zeros(3, dtype=torch.long)
-        self.collectives = 0                # all-reduces run: a failed step that ran one leaves the ranks apart
         self.shm: SharedMemoryComm | None = None
         if shm_comm.usable(device, tp.size):
             self.shm = self._open_shared_memory()
@@ -330,16 +334,16 @@ class RankGroup:
         return comm
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        self.collectives += 1
         if self.shm is not None and self.shm.fits(t):         # the same answer on every rank: same shapes
             return self.shm.all_reduce(t)
         self._dist.all_reduce(t, group=self.compute)
         return t
 
     def lost(self, why: str) -> None:
-        """The ranks no longer run the same step (one failed a forward pass after its
-        first all-reduce): nothing they compute can be trusted, so this process exits
-        (code 70, as when a rank dies) and the worker is started again."""
+        """The ranks may no longer run the same step (one failed a forward pass, a block
+        copy or a graph capture that the others may have done): nothing they compute can
+        be trusted, so this process exits (code 70, as when a rank dies) and the worker is
+        started again."""
         log.critical("tensor-parallel rank %d: %s; exiting, the ranks are out of step", self.tp.rank, why)
         logging.shutdown()
         os._exit(70)

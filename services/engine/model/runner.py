@@ -107,6 +107,20 @@ def as_decode_rows(batch: ForwardBatch) -> ForwardBatch:
                                decode_tables=batch.decode_tables + tables, prefill_tokens=[], segments=[])
 
 
+def check_batch(batch: ForwardBatch, layout: KVLayout) -> None:
+    """ValueError for a batch whose block tables could not hold its positions or name
+    blocks outside the pool: what the forward pass would refuse, found before it starts."""
+    bs = layout.block_size
+    decode_widths(batch.decode_positions, batch.decode_tables, bs)
+    tables = [t for t in batch.decode_tables if t] + [s.block_ids for s in batch.segments if s.block_ids]
+    if tables:
+        check_block_ids(min(map(min, tables)), max(map(max, tables)), layout.num_blocks)
+    for seg in batch.segments:
+        if len(seg.block_ids) * bs < seg.start + seg.num_tokens:
+            raise ValueError(f"a block table of {len(seg.block_ids)} blocks cannot hold position "
+                             f"{seg.start + seg.num_tokens - 1}")
+
+
 def _register_attention() -> None:
     from transformers import AttentionInterface
     AttentionInterface.register(ATTN_IMPL, paged_attention)
@@ -295,15 +309,15 @@ class ModelRunner:
         if self.tp.size == 1:
             return self._execute(pool, batch, on_layer, one_call_prompt_tokens)
         if self.leads:
+            check_batch(batch, pool.layout)     # a bad batch fails alone, before any rank starts it
             self._send(batch)
-        ran = self.group.collectives
         try:
             return self._execute(pool, batch, on_layer, one_call_prompt_tokens)
         except Exception as exc:
-            # Before the first all-reduce every rank fails alike (the same checks of the
-            # same batch) and the worker goes on; after it, the ranks are apart.
-            if self.group.collectives != ran:
-                self.group.lost(f"a forward pass failed after its all-reduces began ({type(exc).__name__}: {exc})")
+            # A rank can fail alone (out of memory on rank 0, which alone holds the
+            # sampler's buffers): the others then wait in, or have passed, one of this
+            # step's all-reduces, and every later step would sum two steps' partials.
+            self.group.lost(f"a forward pass failed ({type(exc).__name__}: {exc})")
             raise
 
     def _execute(self, pool: KVPoolMemory, batch: ForwardBatch, on_layer: Callable[[int, Fence], None] | None,
@@ -358,9 +372,15 @@ class ModelRunner:
 
     def copy_blocks(self, pool: KVPoolMemory, pairs: list[tuple[int, int]]) -> None:
         """KV blocks copied on every rank (`KVPoolMemory.copy_blocks`)."""
-        if self.leads:
-            self.group.send(Command.COPY, [x for pair in pairs for x in pair])
-        pool.copy_blocks(pairs)
+        if not self.leads:
+            pool.copy_blocks(pairs)
+            return
+        self.group.send(Command.COPY, [x for pair in pairs for x in pair])
+        try:
+            pool.copy_blocks(pairs)
+        except Exception as exc:
+            self.group.lost(f"a block copy the other ranks made failed ({type(exc).__name__}: {exc})")
+            raise
 
     def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The head over the rows of `hidden` [tokens, hidden] that `batch` samples, then
