@@ -614,7 +614,7 @@ def test_a_step_that_fails_on_one_rank_takes_the_worker_down_and_a_bad_batch_fai
 def test_other_prefill_ranks_write_through_the_backend_rank_0_fell_back_to():
     """The receiver offers shared memory that is not there (another host) and TCP: rank
     0 falls back to TCP, and the plan for rank 1 pairs through TCP too, not through the
-    shared memory that failed."""
+    shared memory that failed; and again for the next request."""
     import json as _json
 
     from services.rpc import worker_pb2
@@ -638,7 +638,13 @@ def test_other_prefill_ranks_write_through_the_backend_rank_0_fell_back_to():
         export = exporter.open("r", handle)
         assert [t.transport.name for t in export.targets] == ["tcp"] and export.fell_back
         assert [r.rank for r in export.ranks] == [1]
-        assert [data.split(b"\0")[0] for _, data in exporter._connects] == [b"tcp"]
+        assert [data.split(b"\0")[0] for data in exporter._connects.values()] == [b"tcp"]
+        # every export pairs that rank again (free on a live link; a failed one is made anew)
+        connects = dict(exporter._connects)
+        exporter._connects.clear()
+        exporter.open("r2", worker_pb2.KVHandle(request_id="r2", block_ids=[2], num_tokens=3, offers=offers,
+                                                write_deadline=time.time() + 30, compat_hash="h"))
+        assert exporter._connects == connects
     finally:
         for t in [*tcp, *writers.values()]:
             t.shutdown()

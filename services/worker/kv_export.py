@@ -127,7 +127,7 @@ class KVExporter:
         self._exports: dict[str, Export] = {}
         self._pair_lock = threading.Lock()
         self._rank_peers: dict[tuple[int, str, bytes], int] = {}       # (rank, backend, meta) -> its peer index
-        self._connects: list[tuple[list[int], bytes]] = []              # to send before the next step
+        self._connects: dict[tuple[int, int], bytes] = {}   # (rank, peer index): pairings to send before the next step
         self._step: list[tuple[str, Export]] | None = None              # exports other ranks write this step
 
     def open(self, request_id: str, handle) -> Export:
@@ -165,18 +165,19 @@ class KVExporter:
         """Rank `rank`'s index for the receiver pool of `offers`, through `chosen` (the
         backend rank 0 paired through: shared memory offered across hosts fails there
         and falls back) where offered, else the first this worker has in preference
-        order (its ranks open the same ones). New ones are paired by that rank before
-        the next step. Under `_pair_lock`."""
+        order (its ranks open the same ones). That rank pairs with it before the next
+        step, for every export, as rank 0 does: connecting again is free while its link
+        lives, and a link that failed (a TCP link past its I/O timeout fails every write
+        after) is made anew. Under `_pair_lock`."""
         usable = sorted((o for o in offers if o[0] in self.transports),
                         key=lambda o: (o[0] != chosen, PREFERENCE.index(o[0])))
         if not usable:
             raise IncompatiblePeer(f"no common KV transport: the peer offers {[b for b, _ in offers]}")
         backend, meta = usable[0]
         key = (rank, backend, meta)
-        if key not in self._rank_peers:
-            self._rank_peers[key] = index = len(self._rank_peers)
-            self._connects.append(([rank, index], backend.encode() + b"\0" + meta))
-        return self._rank_peers[key]
+        index = self._rank_peers.setdefault(key, len(self._rank_peers))
+        self._connects[rank, index] = backend.encode() + b"\0" + meta
+        return index
 
     def finish(self, export: Export) -> None:
         """Wait for `export`'s writes to end (TransferError if one failed or the lease ran
@@ -247,9 +248,9 @@ class KVExporter:
         if self.group is None:
             return
         with self._pair_lock:
-            connects, self._connects = self._connects, []
-        for ints, data in connects:
-            self.group.send(Command.CONNECT, ints, data)
+            connects, self._connects = self._connects, {}
+        for (rank, index), data in connects.items():
+            self.group.send(Command.CONNECT, [rank, index], data)
         orders: list[int] = [0]
         step: list[tuple[str, Export]] = []
         now = time.monotonic()
