@@ -236,3 +236,10 @@ def test_help_shows_each_flags_default_and_what_the_environment_made_it(monkeypa
     with pytest.raises(SystemExit):
         main(["up", "--help"])
     assert "running batch (default: 32)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_only_decode_workers_replay_cuda_graphs():
+    """A prefill worker's steps export each layer as it is written, so they run eagerly:
+    its ranks must never replay a graph either (their all-reduces would not meet)."""
+    assert WorkerSettings(role="decode").cuda_graphs and not WorkerSettings(role="decode", enforce_eager=True).cuda_graphs
+    assert not WorkerSettings(role="prefill").cuda_graphs

@@ -247,6 +247,14 @@ class WorkerSettings(EngineSettings):
     def tls(self) -> TLSFiles:
         return TLSFiles(self.tls_cert, self.tls_key, self.tls_ca)
 
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether decode steps replay CUDA graphs (on a GPU). Never on a prefill worker:
+        its steps export each layer's KV as it is written, so they run eagerly on rank 0,
+        and under tensor parallelism every rank must run a step the same way (a replayed
+        graph's all-reduces are of its batch size's padding)."""
+        return not self.enforce_eager and self.role != "prefill"
+
     def transport_options(self) -> dict[str, dict]:
         # A NIXL writer drives its own transfers when it polls; the receiving side needs a
         # progress thread. Across hosts (UCX over the network) every write waits for it:

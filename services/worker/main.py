@@ -142,7 +142,7 @@ async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]
     runner = ModelRunner(model_dir, settings.dtype, device, attention=settings.attention_kernel,
                          matmul=settings.matmul_kernel, role=settings.role, own_threads=settings.own_threads,
                          max_model_len=settings.max_model_len, quantization=settings.quantization,
-                         cuda_graphs=not (settings.enforce_eager or (ranks is not None and ranks.group.shared)),
+                         cuda_graphs=settings.cuda_graphs and not (ranks is not None and ranks.group.shared),
                          max_batch=settings.max_batch, group=ranks.group if ranks is not None else None)
     metrics = WorkerMetrics(settings.role, (settings.served_model_name or [model_dir.name])[0])
     parts = build(settings, runner, eos_token_ids(model_dir), metrics, ranks)

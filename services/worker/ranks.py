@@ -172,7 +172,7 @@ def serve_rank(spec: RankSpec) -> None:
     group = RankGroup(TensorParallel(s.tensor_parallel_size, spec.rank), device, spec.address, shared=shared)
     runner = ModelRunner(spec.model_dir, s.dtype, str(device), attention=s.attention_kernel,
                          matmul=s.matmul_kernel, role=s.role, own_threads=s.own_threads,
-                         max_model_len=s.max_model_len, cuda_graphs=not (s.enforce_eager or shared),
+                         max_model_len=s.max_model_len, cuda_graphs=s.cuda_graphs and not shared,
                          max_batch=s.max_batch, group=group)
     log.info("rank %d of %d ready: %s", spec.rank, s.tensor_parallel_size, runner.describe())
     try:

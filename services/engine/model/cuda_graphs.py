@@ -46,9 +46,12 @@ class DecodeGraphs:
     """The graphs of one model over one KV pool."""
 
     def __init__(self, backend, model: torch.nn.Module, kv: torch.Tensor, block_size: int, max_model_len: int,
-                 sizes: list[int]) -> None:
-        """`backend`: the runner's (backends.CudaBackend), whose kernels the graphs capture."""
+                 sizes: list[int], head: bool = True) -> None:
+        """`backend`: the runner's (backends.CudaBackend), whose kernels the graphs capture;
+        `head`: whether they end in the vocabulary head (not on tensor-parallel ranks
+        after the first, which sample nothing: their logits are [rows, 0])."""
         self.backend = backend
+        self.head = head
         self.model = model
         self.kv = kv
         self.block_size = block_size
@@ -95,6 +98,8 @@ class DecodeGraphs:
         for layer in body.layers:
             hidden = layer(hidden, position_embeddings=position_embeddings, pdserve_batch=paged)
         hidden = body.norm(hidden)
+        if not self.head:
+            return hidden.new_empty(n, 0, dtype=torch.float32)
         return self.model.lm_head(hidden[0]).float()
 
     @torch.inference_mode()

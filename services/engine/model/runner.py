@@ -328,6 +328,8 @@ class ModelRunner:
             if graphs is not None:
                 logits = graphs.run(batch.decode_tokens, batch.decode_positions, batch.decode_tables,
                                     pool.layout.num_blocks, batch)
+                if self.tp.rank:                    # no head here (DecodeGraphs.head): nothing to sample
+                    return logits.new_empty(0, self.vocab_size)
                 if batch.sample_rows != list(range(len(batch.decode_tokens))):
                     logits = logits.index_select(0, to_device(batch.sample_rows, torch.long, self.device))
                 return logits
@@ -420,7 +422,7 @@ class ModelRunner:
         if self._graphs is None or self._graphs.kv is not pool.tensor:
             self._graphs = None
             graphs = DecodeGraphs(self.backend, self.model, pool.tensor, pool.layout.block_size,
-                                  self.max_model_len, self.graph_sizes)
+                                  self.max_model_len, self.graph_sizes, head=not self.tp.rank)
             try:
                 graphs.capture()
             except Exception as e:
