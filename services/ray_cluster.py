@@ -269,15 +269,19 @@ class RayPools:
         return started
 
     def _template_for(self, role: str) -> WorkerSettings:
-        if self.template is not None:
-            return dataclasses.replace(self.template, role=role,
-                                       tensor_parallel_size=self.tp.get(role, self.template.tensor_parallel_size))
-        names = self.names(role) or [n for r in ROLES for n in self.names(r)]
-        if not names:
-            raise RuntimeError("no pdserve worker runs on this Ray cluster to copy settings from; "
-                               "start the cluster with `pdserve up --ray`")
-        actor = self.ray.get_actor(names[0], namespace=NAMESPACE)
-        return dataclasses.replace(self.ray.get(actor.worker_settings.remote(), timeout=60), role=role)
+        """A new `role` worker's settings: the template's, else a running worker's (of
+        the role where one runs, else of the other pool), with the role's own
+        tensor-parallel size where `tp` names one."""
+        template = self.template
+        if template is None:
+            names = self.names(role) or [n for r in ROLES for n in self.names(r)]
+            if not names:
+                raise RuntimeError("no pdserve worker runs on this Ray cluster to copy settings from; "
+                                   "start the cluster with `pdserve up --ray`")
+            actor = self.ray.get_actor(names[0], namespace=NAMESPACE)
+            template = self.ray.get(actor.worker_settings.remote(), timeout=60)
+        return dataclasses.replace(template, role=role,
+                                   tensor_parallel_size=self.tp.get(role, template.tensor_parallel_size))
 
     def _add(self, role: str, k: int, existing: list[str]) -> list[tuple]:
         template = self._template_for(role)

@@ -62,6 +62,17 @@ def test_each_pool_starts_workers_of_its_own_tensor_parallel_size():
     assert pools._template_for("prefill").tensor_parallel_size == 4
     assert pools._template_for("decode").tensor_parallel_size == 2
 
+    class PrefillOnly(NoRay):
+        """A cluster whose decode pool is empty: settings are copied from a prefill worker."""
+        from types import SimpleNamespace
+        util = SimpleNamespace(list_named_actors=lambda all_namespaces: [{"name": "pdserve-prefill-0",
+                                                                          "namespace": "pdserve"}])
+        get_actor = staticmethod(lambda name, namespace: PrefillOnly.SimpleNamespace(
+            worker_settings=PrefillOnly.SimpleNamespace(remote=lambda: s.worker("prefill"))))
+        get = staticmethod(lambda ref, timeout: ref)
+    copied = RayPools(PrefillOnly(), tp={role: s.tp(role) for role in ROLES})._template_for("decode")
+    assert copied.role == "decode" and copied.tensor_parallel_size == 2
+
 
 class RayUp:
     def __init__(self) -> None:
