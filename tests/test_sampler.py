@@ -195,3 +195,8 @@ def test_a_row_whose_constraints_leave_no_token_reads_as_no_token():
         x[1] = float("-inf")
     assert sample(logits[:3], [free] * 3, [0] * 3, eos, mask=nothing_in_row_1).token_ids[1] == NO_TOKEN
     assert choose(logits, [free] * 4, [0] * 4, eos).stuck is None
+    # a vocabulary that is no multiple of the draw's blocks (Qwen2's 151936, Phi-3's 32064)
+    odd = torch.randn(1, 32064)
+    logged = SamplingParams(max_tokens=8, temperature=0.8, seed=1, min_tokens=2, allowed_token_ids=(7,), logprobs=1)
+    chosen = choose(odd, [logged], [0], frozenset({7}))
+    assert 0 <= int(chosen.tokens[0]) < 32064 and read_back(chosen, [logged]).token_ids == [NO_TOKEN]

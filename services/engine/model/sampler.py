@@ -50,7 +50,9 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = 256) -> torc
     """The index where each row's cumulative probability passes u * its total, in two
     levels (sums of blocks of `block` entries, then the chosen block's own running sum),
     so no pass builds the whole running sum. Running sums are float64 (block sums are
-    float32: ~1e-7 of a block's mass); a row never lands on an entry of probability zero."""
+    float32: ~1e-7 of a block's mass); a row never lands on an entry of probability zero.
+    A row with no mass (every token ruled out, or a NaN) still gets an index inside the
+    vocabulary, never one of the padding's: a step in flight may take it as its input."""
     rows, vocab = probs.shape
     pad = -vocab % block
     if pad:
@@ -63,7 +65,7 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = 256) -> torc
     inner = blocks[torch.arange(rows, device=probs.device), b[:, 0]]        # [rows, block]
     j = torch.searchsorted(inner.double().cumsum(-1), target - before, right=True)
     last = block - 1 - (inner > 0).flip(-1).int().argmax(-1, keepdim=True)  # the block's last live entry
-    return b * block + torch.minimum(j, last)
+    return (b * block + torch.minimum(j, last)).clamp_(max=vocab - 1)
 
 
 def _draw(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int]) -> torch.Tensor:
