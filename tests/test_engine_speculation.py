@@ -316,6 +316,31 @@ def test_a_draft_model_drafts_and_the_output_stays_generates(runner, model_dir, 
     proposer.close()
 
 
+def test_a_draft_of_a_smaller_vocabulary_is_never_fed_a_token_past_it(runner, model_dir):
+    """Qwen2.5-0.5B drafting for 7B has 128 fewer token ids: a sequence holding one of
+    those (a client's token-id prompt) gets no drafts, and the draft model never sees
+    it (on a GPU, an embedding lookup past the table is a device-side assert)."""
+    from services.engine.model.draft import DraftProposer
+
+    class SmallerVocabulary:
+        vocab_size = 30000
+
+        def __getattr__(self, name):
+            return getattr(runner, name)
+
+        def execute(self, pool, batch):
+            assert max(batch.decode_tokens + batch.prefill_tokens) < self.vocab_size, "fed past the vocabulary"
+            return runner.execute(pool, batch)
+    config = SpeculativeConfig.parse(json.dumps({"model": str(model_dir), "num_speculative_tokens": 3}))
+    proposer = DraftProposer(config, runner, 1024, BLOCK, runner=SmallerVocabulary())
+    eos = eos_token_ids(model_dir)
+    past = Sequence("past", [100, 200, 40000, 300], 4, SamplingParams(max_tokens=8, temperature=0), eos)
+    within = Sequence("within", [100, 200, 300, 400], 4, SamplingParams(max_tokens=8, temperature=0), eos)
+    drafts = proposer.propose_all([(past, 3), (within, 3)])
+    assert past not in drafts and len(drafts[within]) == 3
+    proposer.close()
+
+
 def test_structured_output_drafts_what_its_grammar_allows_and_stays_what_it_was(runner, model_dir):
     """Under a JSON schema the drafts are cut to what the grammar allows, each drafted
     position is masked as its row would be after the drafts before it (the matcher

@@ -63,10 +63,13 @@ class DraftProposer:
     @torch.inference_mode()
     def propose_all(self, wanted: list[tuple[Sequence, int]]) -> dict[Sequence, list[int]]:
         rows = [(seq, most) for seq, most in wanted if self._make_room(seq, most)]
+        unseen = {seq: seq.token_ids[len(self._seqs[seq].fed):] for seq, _ in rows}
+        # A token past the draft's own vocabulary (a smaller one than the target's, as
+        # Qwen2.5-0.5B's against 7B's) cannot be fed to it: that sequence gets no drafts.
+        rows = [(seq, most) for seq, most in rows if max(unseen[seq], default=0) < self.runner.vocab_size]
         if not rows:
             return {}
         # a sequence with one unseen token is a decode row; one with more, a prompt segment
-        unseen = {seq: seq.token_ids[len(self._seqs[seq].fed):] for seq, _ in rows}
         order = [r for r in rows if len(unseen[r[0]]) == 1] + [r for r in rows if len(unseen[r[0]]) > 1]
         batch = ForwardBatch()
         for seq, _ in order:
