@@ -138,11 +138,15 @@ def test_a_draft_model_and_the_decode_graphs_come_off_the_kv_budget(monkeypatch)
     """A draft model keeps a KV pool as long as the target's: on a card, the target's pool
     is sized with the draft's bytes per token and activations beside its own (the draft's
     weights, loaded first, are in what the worker holds); the captured decode graphs'
-    logits come off it too. The card is a double here: device_memory and memory_reserved."""
+    logits come off it too. Memory torch's allocator holds cached but unused (the weights'
+    copies from before their fusion) is given back first: it is neither the worker's
+    nor lost. The card is a double here: device_memory, memory_reserved, empty_cache."""
     from services.engine.model import runner as runner_module
     from services.engine.model.runner import ModelRunner
-    monkeypatch.setattr(runner_module, "device_memory", lambda device: (60 * GiB, 80 * GiB))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 20 * GiB)
+    cached = [7 * GiB]
+    monkeypatch.setattr(runner_module, "device_memory", lambda device: (60 * GiB - cached[0], 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 20 * GiB + cached[0])
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: cached.__setitem__(0, 0))
 
     class Model:
         device = torch.device("cuda")

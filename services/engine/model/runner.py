@@ -266,6 +266,10 @@ class ModelRunner:
             return requested
         if self.device.type != "cuda":
             return CPU_KV_TOKENS
+        # The weights' copies from before their fusion are free but cached by torch's
+        # allocator (a fused gate|up fits in none of their blocks): counted as this
+        # worker's, they took ~7 GiB of an 8B model's card off the pool.
+        torch.cuda.empty_cache()
         free, total = device_memory(self.device)
         per_token = self.kv_bytes_per_token()
         # Each captured decode graph keeps its float32 logits in the graphs' shared pool,
