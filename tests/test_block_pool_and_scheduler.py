@@ -440,3 +440,23 @@ def test_a_sequence_left_no_token_ends_at_the_tokens_it_has_and_gives_its_blocks
     assert b.token_ids[-1] == 9
     s.landed(n2)
     assert s.blocks.num_available == 8 and len(s) == 0
+
+
+def test_a_step_computes_prompt_logprobs_for_a_bounded_number_of_positions():
+    """Each prompt position with prompt_logprobs is a whole-vocabulary row through the
+    head, in float32, and its log-softmax: a step takes PROMPT_LOGPROB_ROWS of them at
+    most, all sequences together; the rest of those prompts come in later steps, and
+    prompts without wait for none of it."""
+    from services.engine.core.scheduler import PROMPT_LOGPROB_ROWS
+    s = scheduler(blocks=256, block_size=16, max_num_batched_tokens=2048)
+    a = seq("a", prompt_len=300, max_tokens=2, prompt_logprobs=1)
+    b = seq("b", prompt_len=300, max_tokens=2, prompt_logprobs=1)
+    c = seq("c", prompt_len=300, max_tokens=2)
+    for q in (a, c, b):
+        s.add(q)
+    plan = s.schedule()
+    assert [(ch.seq.request_id, ch.num_tokens) for ch in plan.prefill] == [("a", PROMPT_LOGPROB_ROWS), ("c", 300)]
+    update(s, plan, [7] * len(plan.sampling()))
+    plan = s.schedule()
+    assert [(ch.seq.request_id, ch.num_tokens) for ch in plan.prefill] == [("a", 300 - PROMPT_LOGPROB_ROWS),
+                                                                           ("b", PROMPT_LOGPROB_ROWS - 44)]

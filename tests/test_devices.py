@@ -125,13 +125,16 @@ def test_a_chunk_over_a_cached_prefix_bounds_its_scores_on_a_gpu():
         assert torch.allclose(attend_over_prefix(q, k, v, prefix, 0.1, block), whole, atol=1e-5), block
 
 
-def test_the_pool_sizing_counts_the_prefix_scores(model_dir):
+def test_the_pool_sizing_counts_the_prefix_scores_and_a_steps_prompt_logprobs(model_dir):
+    from services.engine.core.scheduler import PROMPT_LOGPROB_ROWS
     from services.engine.model.attention import PREFIX_SCORES_BYTES
     from services.engine.model.runner import ModelRunner
     runner = ModelRunner(model_dir, "float32", "cpu", attention="torch")
     c = runner.config
     per_token = 2 * (4 * c.hidden_size + 3 * c.intermediate_size) * 4
-    assert runner.activation_bytes(512, 64) == 512 * per_token + 64 * runner.vocab_size * 8 + PREFIX_SCORES_BYTES
+    logprobs = PROMPT_LOGPROB_ROWS * runner.vocab_size * (4 + 8)       # the head's output, float32, log-softmax
+    assert runner.activation_bytes(512, 64) == (512 * per_token + 64 * runner.vocab_size * 8 + logprobs
+                                                + PREFIX_SCORES_BYTES)
 
 
 def test_a_draft_model_and_the_decode_graphs_come_off_the_kv_budget(monkeypatch):

@@ -78,6 +78,12 @@ log = logging.getLogger(__name__)
 # Blocks kept free when a new prompt is admitted, as a share of the pool, so that the
 # running sequences can grow without preempting the newcomer at once (vLLM's watermark).
 WATERMARK = 0.01
+# Prompt positions whose log probabilities one step computes at most (prompt_logprobs),
+# all sequences together: each is a row of the whole vocabulary through the head, then
+# in float32 and its log-softmax (~12 bytes a token of it: 1.5 GB for 1,024 rows of a
+# 128k vocabulary), which a step of the whole token budget would not fit beside the KV
+# pool. The runner reserves memory for this many (ModelRunner.activation_bytes).
+PROMPT_LOGPROB_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -132,6 +138,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_sat_out = 0                # steps a sequence waited out for a block (async scheduling)
         self._watermark = int(WATERMARK * blocks.num_blocks)
+        self._logprob_rows = PROMPT_LOGPROB_ROWS    # what the step being planned has left
         # (source, destination) block copies the engine makes before the next forward
         # pass; both hold a reference until that pass lands (copies_made()).
         self.copies: list[tuple[int, int]] = []
@@ -253,6 +260,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
+        self._logprob_rows = PROMPT_LOGPROB_ROWS
         while self.ready and len(self.running) < self.config.max_num_seqs:
             seq = self.ready.popleft()
             seq.status = SeqStatus.RUNNING
@@ -287,7 +295,7 @@ class Scheduler:
             preempted = preempted or freed is not None
             budget += freed or 0
             if seq.status is SeqStatus.RUNNING:
-                plan._add(Chunk(seq, seq.num_computed, n, draft))
+                self._add(plan, Chunk(seq, seq.num_computed, n, draft))
                 budget -= n
                 prompts -= _prompt_cost(seq.num_computed, n, weight) if n > 1 and not draft else 0
         priority = None                                 # of the new prompts this step
@@ -296,7 +304,8 @@ class Scheduler:
             seq = self._next_waiting()
             if priority is not None and seq.priority != priority:
                 break
-            if self._chunk_len(seq, budget, prompts, weight) == 0 and prompts != capped:
+            if self._chunk_len(seq, budget, prompts, weight) == 0 and (
+                    prompts != capped or seq.params.prompt_logprobs is not None):
                 break                   # what the step has left affords none of its tokens
             if not self._admit(seq):
                 break
@@ -319,6 +328,7 @@ class Scheduler:
         taken."""
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
+        self._logprob_rows = PROMPT_LOGPROB_ROWS
         urgent = sorted((s for s in self.waiting if s.priority < below), key=lambda s: s.priority)
         for seq in urgent:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs or seq.priority != urgent[0].priority:
@@ -335,8 +345,13 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         n = self._chunk_len(seq, budget, prompts, weight)
-        plan._add(Chunk(seq, seq.num_computed, n))
+        self._add(plan, Chunk(seq, seq.num_computed, n))
         return n
+
+    def _add(self, plan: StepPlan, chunk: Chunk) -> None:
+        plan._add(chunk)
+        if chunk.seq.params.prompt_logprobs is not None and chunk.num_tokens > 1:
+            self._logprob_rows -= chunk.num_tokens
 
     def _next_waiting(self) -> Sequence:
         """The oldest waiting sequence of the most urgent priority (lowest; 0 is the
@@ -404,6 +419,8 @@ class Scheduler:
         n = min(len(seq.token_ids) - seq.num_computed, budget)
         if n > 1:
             n = max(min(n, _affordable(seq.num_computed, prompts, weight), self.config.max_prefill_chunk or n), 0)
+            if seq.params.prompt_logprobs is not None:
+                n = max(min(n, self._logprob_rows), 0)
         return n
 
     def _admit(self, seq: Sequence) -> bool:

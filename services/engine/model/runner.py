@@ -29,6 +29,7 @@ import torch
 from services.common.devices import device_type
 from services.common.settings import QUANTIZATIONS
 from services.engine.model import backends
+from services.engine.core.scheduler import PROMPT_LOGPROB_ROWS
 from services.engine.model.attention import (PREFIX_SCORES_BYTES, PagedBatch, Segment, Workspace, check_block_ids,
                                              decode_widths, paged_attention)
 from services.engine.model.cuda_graphs import DecodeGraphs
@@ -247,11 +248,14 @@ class ModelRunner:
     def activation_bytes(self, tokens: int, rows: int) -> int:
         """A generous bound on one forward pass's working memory: `tokens` through the
         layers (hidden states, q/k/v, the MLP's two intermediate tensors, twice over
-        for temporaries), `rows` of float32 logits, and the scores of a chunk over a
-        cached prefix where SDPA materialises them (attention.PREFIX_SCORES_BYTES)."""
+        for temporaries), `rows` of float32 logits, the prompt positions a step computes
+        log probabilities of (scheduler.PROMPT_LOGPROB_ROWS: the head's output, in
+        float32, and its log-softmax), and the scores of a chunk over a cached prefix
+        where SDPA materialises them (attention.PREFIX_SCORES_BYTES)."""
         c = self.config
         per_token = 2 * (4 * c.hidden_size + 3 * c.intermediate_size) * self.model.dtype.itemsize
-        return tokens * per_token + rows * self.vocab_size * 4 * 2 + PREFIX_SCORES_BYTES
+        logprobs = PROMPT_LOGPROB_ROWS * self.vocab_size * (self.model.dtype.itemsize + 8)
+        return tokens * per_token + rows * self.vocab_size * 4 * 2 + logprobs + PREFIX_SCORES_BYTES
 
     def kv_bytes_per_token(self) -> int:
         return self.layout(1, 1).block_bytes_per_layer * self.num_layers          # a block of one token
