@@ -123,6 +123,11 @@ def test_a_chunk_over_a_cached_prefix_bounds_its_scores_on_a_gpu():
     whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.1, enable_gqa=True)
     for block in (None, 1, 4, 29):
         assert torch.allclose(attend_over_prefix(q, k, v, prefix, 0.1, block), whole, atol=1e-5), block
+    # no prefix (a prompt's first chunk, blocked the same way on a GPU in float32)
+    causal = torch.nn.functional.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], is_causal=True,
+                                                              scale=0.1, enable_gqa=True)
+    for block in (1, 4, 29):
+        assert torch.allclose(attend_over_prefix(q, k[:, :, :n], v[:, :, :n], 0, 0.1, block), causal, atol=1e-5)
 
 
 def test_the_pool_sizing_counts_the_prefix_scores_and_a_steps_prompt_logprobs(model_dir):

@@ -170,6 +170,12 @@ def prefill_attention(b: PagedBatch, s: Segment, layer: int, query: torch.Tensor
     """One chunk's causal attention in torch's SDPA; query [1, heads, n, dim], key/value
     [1, kv_heads, n, dim] (its own new tokens). Returns [n, heads, dim]."""
     if s.prefix_len == 0:
+        # on a GPU in float32 (no flash attention), blocked as over a prefix: the math
+        # kernel materialises heads x n x n scores, ~26 GB for an 8k chunk of an 8B model
+        rows = prefix_rows(query.shape[1], key.shape[2], query.dtype, query.shape[-1]) \
+            if query.device.type != "cpu" else None
+        if rows is not None and rows < query.shape[2]:
+            return attend_over_prefix(query, key, value, 0, scale, rows)[0].transpose(0, 1)
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)
     k, v = chunk_kv(b, s, layer, key, value)
