@@ -110,6 +110,22 @@ def test_a_choice_rewritten_with_vllms_text_options(tok):
         assert run(TextOptions(), (", f",), size=size) == "Hello there"
 
 
+def test_a_rewritten_choice_arms_stop_strings_a_token_at_a_time(tok):
+    """A delta of several tokens (a verify step's, or outputs joined on their way) that
+    crosses min_tokens: a stop string completed before min_tokens does not end the text,
+    as it does not end the choice (output.py reads such deltas a token at a time too)."""
+    from services.router.output_text import ChoiceText, TextOptions
+    ids = tok.encode(" one. two three. four five", add_special_tokens=False)
+    assert tok.decode(ids[:2]) == " one."
+
+    def run(deltas: list[list[int]]) -> str:
+        text = ChoiceText(tok, [], (".",), TextOptions(include_stop_str_in_output=True), min_tokens=4)
+        return "".join(text.feed(d, "stop" if k == len(deltas) - 1 else None) for k, d in enumerate(deltas))
+    one_a_delta = run([[t] for t in ids[:5]])
+    assert one_a_delta == " one. two three."
+    assert run([ids[:1], ids[1:4], ids[4:5]]) == run([ids[:1], ids[1:5]]) == one_a_delta
+
+
 def test_a_stop_matcher_not_armed_lets_a_stop_string_pass():
     """Before min_tokens (vLLM): no stop string is looked for, and nothing is held back."""
     m = StopMatcher(("END",))

@@ -42,23 +42,39 @@ class ChoiceText:
         self._include = options.include_stop_str_in_output
         self._ended = False
         self._min_tokens = min_tokens
+        self._has_stops = bool(stops)
         self._generated = 0
 
     def feed(self, token_ids: list[int], finish: str | None) -> str:
         """The text of a delta's tokens; `finish` is the delta's finish reason."""
         if self._ended:
             return ""
-        self._generated += len(token_ids)
-        armed = self._generated >= self._min_tokens         # as the cluster's own matcher (output.py)
+        made, self._generated = self._generated, self._generated + len(token_ids)
         if finish == "stop" and token_ids and not self._include:
-            detok, stops = self._detok.fork(), copy.copy(self._stops)
-            text, hit = stops.feed(detok.push(token_ids), armed)
+            text, hit = self._read(self._detok.fork(), copy.copy(self._stops), token_ids, made)
             if hit:
                 self._ended = True
                 return text
             token_ids = token_ids[:-1]          # ended by a stop token: its text stays out
-        text, hit = self._stops.feed(self._detok.push(token_ids), armed)
+        text, hit = self._read(self._detok, self._stops, token_ids, made)
         self._ended = hit or finish is not None
         if hit or finish is None:
             return text
         return text + self._stops.feed(self._detok.flush())[0] + self._stops.flush()
+
+    def _read(self, detok: IncrementalDetokenizer, stops: StopMatcher, token_ids: list[int],
+              made: int) -> tuple[str, bool]:
+        """The text of `token_ids`, after `made` tokens, and whether a stop string ended
+        it. Several tokens (a verify step's, or outputs joined on their way) are read a
+        token at a time where a stop string could end them, each armed once min_tokens
+        tokens are out, as the cluster's own matcher reads them (output.py)."""
+        if len(token_ids) <= 1 or not self._has_stops:
+            return stops.feed(detok.push(token_ids), made + len(token_ids) >= self._min_tokens)
+        parts = []
+        for token in token_ids:
+            made += 1
+            text, hit = stops.feed(detok.push([token]), made >= self._min_tokens)
+            parts.append(text)
+            if hit:
+                return "".join(parts), True
+        return "".join(parts), False
