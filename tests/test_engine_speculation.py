@@ -341,6 +341,44 @@ def test_a_draft_of_a_smaller_vocabulary_is_never_fed_a_token_past_it(runner, mo
     proposer.close()
 
 
+def test_a_draft_pass_that_fails_leaves_no_record_of_kv_it_did_not_write(runner, model_dir):
+    """A draft model's forward pass that fails (out of memory) costs that step's drafts;
+    the draft cache does not take the tokens it was fed for computed, so later drafts are
+    what a proposer that never failed drafts."""
+    from services.engine.model.draft import DraftProposer
+
+    class FailsOnce:
+        decode_steps = 0
+
+        def __getattr__(self, name):
+            return getattr(runner, name)
+
+        def execute(self, pool, batch):
+            if len(batch.decode_tokens) == 1 and not batch.segments:
+                FailsOnce.decode_steps += 1
+                if FailsOnce.decode_steps == 2:     # the second draft's KV is never written
+                    raise MemoryError("draft pool")
+            return runner.execute(pool, batch)
+    config = SpeculativeConfig.parse(json.dumps({"model": str(model_dir), "num_speculative_tokens": 3}))
+    eos = eos_token_ids(model_dir)
+    prompt = load_tokenizer(model_dir).encode("The capital of France is")
+
+    def seq() -> Sequence:
+        return Sequence("s", list(prompt), len(prompt), SamplingParams(max_tokens=8, temperature=0), eos)
+    fresh = DraftProposer(config, runner, 1024, BLOCK, runner=runner)
+    (taken,) = fresh.propose_all([(seq(), 3)]).values()
+    failing, s = DraftProposer(config, runner, 1024, BLOCK, runner=FailsOnce()), seq()
+    with pytest.raises(MemoryError):            # fed the first two drafts, the second to the step that failed
+        failing.propose_all([(s, 3)])
+    s.token_ids += taken                        # the target took them all
+    again = seq()
+    again.token_ids += taken
+    fresh = DraftProposer(config, runner, 1024, BLOCK, runner=runner)
+    assert list(failing.propose_all([(s, 3)]).values()) == list(fresh.propose_all([(again, 3)]).values())
+    failing.close()
+    fresh.close()
+
+
 def test_structured_output_drafts_what_its_grammar_allows_and_stays_what_it_was(runner, model_dir):
     """Under a JSON schema the drafts are cut to what the grammar allows, each drafted
     position is masked as its row would be after the drafts before it (the matcher

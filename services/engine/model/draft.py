@@ -86,6 +86,15 @@ class DraftProposer:
         for seg in batch.segments:
             row += seg.num_tokens
             batch.sample_rows.append(row - 1)
+        try:
+            return self._draft(order, batch)
+        except BaseException:
+            for seq, _ in order:            # what was fed may not have reached the draft cache
+                self._seqs[seq].fed, self._seqs[seq].valid = [], 0
+            raise
+
+    def _draft(self, order: list[tuple[Sequence, int]], batch: ForwardBatch) -> dict[Sequence, list[int]]:
+        """The catch-up pass `batch`, then the decode steps drafting the rest."""
         drafts = {seq: [t] for (seq, _), t in zip(order, self._greedy(batch))}
         longest = max(most for _, most in order)
         for _ in range(1, longest):
