@@ -203,12 +203,14 @@ class Constraint:
         which the grammar accepts: `fitting`), in row `row`; False (row untouched) where
         the grammar does not hold that token yet."""
         _, fed, waiting = self._walk(ahead)
-        if not waiting:
-            self._matcher.fill_next_token_bitmask(bitmask, row)
-            if self._opens is not None and not ahead:
-                _allow(bitmask, row, self._opens)
-        if fed:
-            self._matcher.rollback(fed)
+        try:
+            if not waiting:
+                self._matcher.fill_next_token_bitmask(bitmask, row)
+                if self._opens is not None and not ahead:
+                    _allow(bitmask, row, self._opens)
+        finally:                    # a failed fill leaves the matcher where the sequence is
+            if fed:
+                self._matcher.rollback(fed)
         return not waiting
 
     def fitting(self, draft: list[int]) -> list[int]:
