@@ -13,7 +13,11 @@ probabilities. Verification samples the target's own token at each drafted posit
 and keeps the drafts while they agree. For a point-mass draft that is the rejection rule
 of Leviathan et al. and Chen et al. (accept a draft d with probability p(d), else draw from
 p with d removed), so the output's distribution is the target's, whatever the sampling
-parameters; greedy and seeded requests give the very tokens they give without it.
+parameters; greedy and seeded requests draw the very numbers they draw without it. A
+verify step scores a position in a pass of another shape, whose logits may differ from a
+one-row step's in their last bits (~1e-5): a draw that falls that close to the boundary
+between two tokens, or a greedy near-tie, can then take the other, as a seeded request
+batched with different neighbours can (sampler.py).
 
 Proposers:
   ngram   prompt lookup (vLLM's `ngram`): the longest n-gram (prompt_lookup_max down to

@@ -5,8 +5,14 @@ top-k and top-p, and drawn by inverse CDF: one uniform number per row against th
 cumulative probabilities, which costs one pass over the vocabulary instead of a random
 number per vocabulary entry (what torch.multinomial draws: a third of a decode step's
 time at batch 32 went there). The uniform comes from a
-counter-based hash of (request seed, token index), so a request's output depends only
-on its seed, not on which worker, batch or device drew it.
+counter-based hash of (request seed, token index), so a request's draws depend only on
+its seed, not on which worker, batch or device drew them. Its output does too, up to
+floating point: a pass of another shape (other neighbours in the batch, a verify step)
+may give logits that differ in their last bits, and the cumulative sum carries that to
+the boundaries between tokens; a draw within ~1e-6 of one then takes the neighbouring
+token (about 1 in 10^3 draws at positions whose logits differ so, in float32). An
+exponential race per vocabulary entry would make that rarer still, at a random number
+per entry: the cost this draw avoids.
 """
 from __future__ import annotations
 
