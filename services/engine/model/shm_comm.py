@@ -70,6 +70,10 @@ class SharedMemoryComm:
             if create:
                 os.posix_fallocate(fd, 0, total)
             self._mm = mmap.mmap(fd, total)
+        except BaseException:
+            if create:                      # /dev/shm full: nothing of it is left behind
+                path.unlink(missing_ok=True)
+            raise
         finally:
             os.close(fd)
         self._counters = np.frombuffer(self._mm, dtype=np.int64, count=COUNTERS)
