@@ -309,6 +309,26 @@ def test_shared_pool_larger_than_dev_shm_is_refused_up_front(monkeypatch):
     assert live_segments() == before
 
 
+def test_a_tensor_parallel_decode_worker_offers_shm_only_where_every_ranks_pool_fits(monkeypatch):
+    """Rank 0's pool fits in /dev/shm, its other rank's would not: shm is not offered
+    (the ranks' pools go to private memory, another backend carries the KV) instead of
+    the other rank failing to start."""
+    from types import SimpleNamespace
+
+    import services.decode.worker as decode
+    from services.common.settings import WorkerSettings
+    monkeypatch.setattr(decode, "shm_free_bytes", lambda: LAYOUT.nbytes * 3 // 2)
+    shm, tcp = create_transport("shm"), create_transport("tcp")
+    worker = SimpleNamespace(transports={"shm": shm, "tcp": tcp}, layout=LAYOUT, runner=SimpleNamespace(kv_heads=None))
+    pool = decode.DecodeWorker._allocate_pool(worker, WorkerSettings(role="decode", tensor_parallel_size=2), "cpu")
+    try:
+        assert pool.path is None and list(worker.transports) == ["tcp"]
+    finally:
+        pool.close()
+        tcp.shutdown()
+    assert LAYOUT.nbytes == LAYOUT.numel() * 4
+
+
 @pytest.mark.slow          # the benchmark's own check; the transports are tested above
 def test_bandwidth_bench_pairs_every_transfer_with_a_copy(tmp_path):
     """`python -m bench.kv_transfer` (bandwidth part, 1 MiB, 2 rounds) writes, per

@@ -32,7 +32,7 @@ from kv_transfer.handoff import HandoffError, HandoffState, HandoffTable, KVHand
 from services.common.mailbox import Mailbox
 from services.common.metrics import WorkerMetrics
 from services.common.settings import WorkerSettings
-from services.common.shm import sweep_stale_segments
+from services.common.shm import SHM_DIR, shm_free_bytes, sweep_stale_segments
 from services.engine.core.block_pool import NoFreeBlocks
 from services.engine.core.sampling import MAX_CHOICES, SamplingParams, no_token_left
 from services.engine.core.sequence import NO_TOKEN_LEFT, Sequence
@@ -105,11 +105,17 @@ class DecodeWorker(EngineWorker):
 
     def _allocate_pool(self, settings: WorkerSettings, device: str) -> KVPoolMemory:
         """In shared memory when `shm` is offered; if /dev/shm is too small and other
-        backends remain (auto), drop `shm` loudly instead of failing to start."""
+        backends remain (auto), drop `shm` loudly instead of failing to start. Under
+        tensor parallelism every rank's pool goes there if this one does: /dev/shm must
+        hold them all."""
         heads = self.runner.kv_heads
         if "shm" not in self.transports:
             return KVPoolMemory.allocate(self.layout, device=device, heads=heads)
         try:
+            ranks = settings.tensor_parallel_size
+            if ranks > 1 and shm_free_bytes() < ranks * self.layout.nbytes:
+                raise MemoryError(f"{SHM_DIR} has {shm_free_bytes() / 2**20:.0f} MiB free, the KV pools of "
+                                  f"{ranks} ranks need {ranks * self.layout.nbytes / 2**20:.0f} MiB")
             return KVPoolMemory.allocate(self.layout, shared=True, device=device, heads=heads)
         except MemoryError as exc:
             if len(self.transports) == 1:

@@ -45,6 +45,11 @@ class KVLayout:
         elem = torch.empty((), dtype=self.torch_dtype).element_size()
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of a pool of this layout."""
+        return self.block_bytes_per_layer * self.num_blocks * self.num_layers
+
     def numel(self) -> int:
         n = 1
         for d in self.shape:
@@ -107,7 +112,7 @@ class KVPoolMemory:
         """`heads`: the model's KV heads it holds (a tensor-parallel rank's; None: all)."""
         if not shared:
             return cls(layout, torch.zeros(layout.shape, dtype=layout.torch_dtype, device=device), heads=heads)
-        nbytes = layout.numel() * torch.empty((), dtype=layout.torch_dtype).element_size()
+        nbytes = layout.nbytes
         free = shm_free_bytes()
         if free < nbytes:
             # tmpfs pages are only taken on first write: an oversized segment would be
