@@ -47,7 +47,9 @@ from services.local_processes import (LENT_CORE_NICE, Child, ChildProcess, assig
                                       router_url, start_private_redis, visible_devices, wait_router_sees)
 
 START_TIMEOUT = 600.0
-STOP_TIMEOUT = 45.0                 # workers drain up to --drain-timeout (30 s)
+# The router drains up to its --drain-timeout (30 s), then its servers' grace (5 s).
+ROUTER_STOP_SECONDS = 45.0
+REGISTRY_STOP_SECONDS = 10.0
 # A service that dies is started again after 1, 2, 4 ... up to 30 s; one that then lives
 # this long has its count of restarts in a row cleared.
 RESTART_BACKOFF = (1.0, 30.0)
@@ -445,8 +447,12 @@ class LocalCluster:
         routers = [c for c in self.children if c.name == "router"]
         workers = [c for c in reversed(self.children) if c.name not in ("router", "redis")]
         registry = [c for c in self.children if c.name == "redis"]
-        for group in (routers, workers, registry):
-            deadline = time.monotonic() + STOP_TIMEOUT      # each its own: one's drain takes none of the next's
+        # Each group its own bound: one's drain takes none of the next's. A worker gets
+        # what its own stop may take before it exits as stuck (more with more ranks).
+        bounds = (ROUTER_STOP_SECONDS, max(self.settings.worker(role).stop_seconds for role in ("prefill", "decode")),
+                  REGISTRY_STOP_SECONDS)
+        for group, bound in zip((routers, workers, registry), bounds):
+            deadline = time.monotonic() + bound
             for c in group:
                 if c.proc.poll() is None:
                     c.proc.send_signal(signal.SIGTERM)

@@ -243,3 +243,12 @@ def test_only_decode_workers_replay_cuda_graphs():
     its ranks must never replay a graph either (their all-reduces would not meet)."""
     assert WorkerSettings(role="decode").cuda_graphs and not WorkerSettings(role="decode", enforce_eager=True).cuda_graphs
     assert not WorkerSettings(role="prefill").cuda_graphs
+
+
+def test_a_workers_stop_bound_covers_its_drain_and_each_ranks_join():
+    """What `up` (and the worker itself) waits for before taking a stop for stuck: the
+    drain, the gRPC grace, the engine's join and one per rank, and slack; `up` gave every
+    worker 45 s, under a TP-2 worker's own 70."""
+    one, two = WorkerSettings(role="decode"), WorkerSettings(role="decode", tensor_parallel_size=2)
+    assert one.stop_seconds == 60 and two.stop_seconds == 70
+    assert WorkerSettings(role="prefill", drain_timeout=90).stop_seconds == 120

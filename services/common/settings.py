@@ -183,6 +183,12 @@ class EngineSettings:
         return SpeculativeConfig.parse(self.speculative_config)
 
 
+# A worker's stop, past its drain: the gRPC server's grace for calls still running, then
+# what it may take past its parts' own bounds before it counts as stuck.
+SHUTDOWN_GRACE_SECONDS = 5.0
+STOP_SLACK_SECONDS = 15.0
+
+
 @dataclass(kw_only=True)
 class WorkerSettings(EngineSettings):
     """`pdserve prefill` and `pdserve decode`."""
@@ -246,6 +252,14 @@ class WorkerSettings(EngineSettings):
     @property
     def tls(self) -> TLSFiles:
         return TLSFiles(self.tls_cert, self.tls_key, self.tls_ca)
+
+    @property
+    def stop_seconds(self) -> float:
+        """The longest a stop takes before it counts as stuck (the worker then exits at
+        once): the drain, the gRPC server's grace, the engine thread's join (10 s), the
+        ranks' (10 s each, one after another), and slack. Whoever stops a worker waits
+        this long before killing it."""
+        return self.drain_timeout + SHUTDOWN_GRACE_SECONDS + 10 * self.tensor_parallel_size + STOP_SLACK_SECONDS
 
     @property
     def cuda_graphs(self) -> bool:

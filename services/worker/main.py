@@ -22,7 +22,7 @@ from services.common.lifecycle import (announce, keep_freed_memory, set_torch_th
 from services.common.metrics import WorkerMetrics
 from services.common.registry import Heartbeat, RedisRegistry
 from services.common.security import ClusterSecret, KeyCheck, RequireBearer
-from services.common.settings import WorkerSettings
+from services.common.settings import SHUTDOWN_GRACE_SECONDS, WorkerSettings
 from services.engine.text.model_store import resolve_model
 from services.engine.model.runner import ModelRunner
 from services.engine.core.scheduler import SchedulerConfig
@@ -34,9 +34,6 @@ from services.worker.wire import ERROR_CODE_KEY, ERROR_PARAM_KEY, check_tokens
 
 log = logging.getLogger(__name__)
 
-SHUTDOWN_GRACE_SECONDS = 5.0
-# What a stop may take past its parts' own bounds before it counts as stuck.
-STOP_SLACK_SECONDS = 15.0
 
 
 def scheduler_config(settings: WorkerSettings, device: str = "cpu", context_cost: float = 0.0) -> SchedulerConfig:
@@ -192,10 +189,7 @@ async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]
     try:
         await stop.wait()
     finally:
-        # the drain, the gRPC grace, the engine thread's join (10 s), the ranks' (10 s each,
-        # one after another)
-        joins = 10 * settings.tensor_parallel_size
-        with stop_within(settings.drain_timeout + SHUTDOWN_GRACE_SECONDS + joins + STOP_SLACK_SECONDS, process_ends):
+        with stop_within(settings.stop_seconds, process_ends):
             if heartbeat is not None:
                 await heartbeat.stop()
             await host.set_status(False)
