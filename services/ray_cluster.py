@@ -16,6 +16,8 @@ event loop in a thread of its own; `ServiceActor.stop` sets the event SIGTERM se
 process. Workers bind and advertise their node's IP, so a router on another node reaches
 them. Actors are detached and named in the "pdserve" namespace: a separate `pdserve scale`
 or an autoscaler finds and counts them through Ray, and `up` removes them when it stops.
+A worker whose process dies (or whose service ends by itself: a worker that gave up on
+failing steps exits) is started again by Ray under its name, and serves again.
 """
 from __future__ import annotations
 
@@ -44,6 +46,10 @@ NAMESPACE = "pdserve"
 ROLES = ("prefill", "decode")
 ROUTER = "pdserve-router"
 START_TIMEOUT = 600.0
+# A worker's actor is started again, after RESTART_DELAY, whenever its process dies (Ray
+# keeps its name and placement): as `up` restarts a dead worker.
+WORKER_RESTARTS = -1
+RESTART_DELAY = 2.0
 STOP_GRACE = 15.0                      # after the drain: the gRPC server's own stop, teardown
 STOP_TIMEOUT = 120.0                   # what a caller waits for stop(): drain timeout + grace
 NAME_RELEASE_TIMEOUT = 15.0
@@ -132,6 +138,10 @@ class StopRequest:
             self._event.set()
         return self._event
 
+    @property
+    def asked(self) -> bool:
+        return self._asked.is_set()
+
     def ask(self) -> None:
         self._asked.set()
         if self._loop is not None:
@@ -141,18 +151,18 @@ class StopRequest:
                 pass
 
 
-async def _service(settings: WorkerSettings | RouterSettings, stop: StopRequest) -> None:
-    """What a `pdserve router|prefill|decode` process runs."""
+async def _service(settings: WorkerSettings | RouterSettings, stop: StopRequest) -> int:
+    """What a `pdserve router|prefill|decode` process runs; its exit status."""
     if isinstance(settings, RouterSettings):
         from services.router.server import serve
         await serve(settings, stop.attach())
-        return
+        return 0
     from services.worker.main import run_worker
     if settings.role == "decode":
         from services.decode.worker import build
     else:
         from services.prefill.worker import build
-    await run_worker(settings, build, stop.attach())
+    return await run_worker(settings, build, stop.attach())
 
 
 class ServiceActor:
@@ -167,6 +177,15 @@ class ServiceActor:
         self._thread: threading.Thread | None = None
         self._stop = StopRequest()
         self._error: str | None = None
+        self._announced = False
+        import ray
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            # Ray started this worker's actor again (WORKER_RESTARTS) after its process
+            # died (a crash, the OOM killer, a worker that gave up on failing steps): it
+            # serves again under its name, as `up` restarts a dead worker.
+            log.warning("%s: its process died; starting it again in %g s", name, RESTART_DELAY)
+            time.sleep(RESTART_DELAY)           # a worker that cannot start is not restarted at once, forever
+            self.start()
 
     def __repr__(self) -> str:                  # Ray prefixes the actor's log lines with it
         return self.name
@@ -194,16 +213,23 @@ class ServiceActor:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{self.name} did not start in {timeout:.0f} s")
                 time.sleep(0.05)
+            self._announced = True
             return {"name": self.name, "node_ip": ip, **json.loads(path.read_text())}
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
 
     def _run(self, settings: WorkerSettings | RouterSettings) -> None:
+        status = 1
         try:
-            asyncio.run(_service(settings, self._stop))
+            status = asyncio.run(_service(settings, self._stop)) or 0
         except Exception as exc:                 # reported by start() and wait()
             self._error = f"{type(exc).__name__}: {exc}"
             log.exception("%s failed", self.name)
+        if status and isinstance(settings, WorkerSettings) and not self._stop.asked and self._announced:
+            # A worker that ended by itself after serving: its process ends too, so Ray
+            # starts the actor again (a failure to start is start()'s to report).
+            logging.shutdown()
+            os._exit(70)
 
     def stop(self) -> str | None:
         """Deregister, finish accepted requests (up to the drain timeout) and stop."""
@@ -292,7 +318,8 @@ class RayPools:
                 index += 1
             name = worker_name(role, index)
             taken.add(name)
-            actor = self._actor.options(name=name, **ACTOR_OPTIONS, **options).remote(name, template)
+            actor = self._actor.options(name=name, max_restarts=WORKER_RESTARTS, **ACTOR_OPTIONS,
+                                        **options).remote(name, template)
             out.append((name, actor, actor.start.remote(self.start_timeout)))
         return out
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -191,6 +192,29 @@ def test_scale_decode_out_and_back_in_without_failed_requests(ray_up):
     assert ray_up.registered("decode") == 1
     after = [route(r)["decode"] for r in asyncio.run(_burst(ray_up.http, 3))]
     assert set(after) == {_decode_id(ray_up.info["decodes"][0])}
+
+
+@pytest.mark.slow
+@needs_redis
+def test_a_worker_whose_process_dies_is_started_again_and_serves(ray_up):
+    """A decode worker's actor process killed (SIGKILL: a crash, the OOM killer): Ray
+    starts the actor again under its name, and the worker serves again, as `up`
+    restarts a dead worker."""
+    before = _decode_id(ray_up.info["decodes"][0])
+    os.kill(ray_up.info["decodes"][0]["pid"], signal.SIGKILL)
+    deadline, seen = time.monotonic() + 240, None
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.post(f"{ray_up.http}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
+        except httpx.HTTPError:
+            r = None
+        if r is not None and r.status_code == 200:
+            seen = route(r)["decode"]
+            if seen != before:
+                break
+        time.sleep(1.0)
+    assert seen is not None and seen != before, ray_up.tail()
+    assert ray_up.registered("decode") == 1
 
 
 @needs_redis
