@@ -134,7 +134,12 @@ class ScaleAPIStandIn:
                        None)
             if pod is None:
                 return 404, status(404, "NotFound", f'pods "{m.group(2)}" not found')
-            pod["metadata"].setdefault("annotations", {}).update(body["metadata"]["annotations"])
+            annotations = pod["metadata"].setdefault("annotations", {})
+            for key, value in body["metadata"]["annotations"].items():     # a merge patch: null removes
+                if value is None:
+                    annotations.pop(key, None)
+                else:
+                    annotations[key] = value
             return 200, pod
         return 404, status(404, "NotFound", "not served by this stand-in")
 
@@ -208,6 +213,19 @@ def test_stand_in_scale_in_marks_the_victim_pod_cheapest_to_delete_first(api):
     assert patches == [("PATCH", f"/api/v1/namespaces/{NS}/pods/pdserve-decode-b"),      # before the scale
                        ("PATCH", f"/apis/apps/v1/namespaces/{NS}/deployments/pdserve-decode/scale")]
     assert api.deployments["pdserve-decode"].replicas == 1
+
+
+def test_stand_in_scale_in_unmarks_a_pod_an_earlier_scale_in_marked_and_left(api):
+    """The ReplicaSet took another pod than the one marked (the cost is a hint), or the
+    pool grew again: the pod marked then is unmarked at the next scale-in, which would
+    otherwise remove it first whatever its load."""
+    k8s = actuator(api)
+    pods = {p["metadata"]["name"]: p for p in api.deployments["pdserve-decode"].pods}
+    pods["pdserve-decode-a"]["metadata"]["annotations"] = {DELETION_COST: "-1"}
+    k8s.observe(Role.DECODE, 0)
+    k8s.scale(Role.DECODE, 1, ["10.2.0.2:7001"])
+    assert pods["pdserve-decode-a"]["metadata"]["annotations"] == {}
+    assert pods["pdserve-decode-b"]["metadata"]["annotations"] == {DELETION_COST: "-1"}
 
 
 def test_stand_in_answers_put_and_conflicts_like_the_api_server(api):

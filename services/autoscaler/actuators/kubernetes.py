@@ -72,8 +72,18 @@ class KubernetesActuator:
                                              _request_timeout=REQUEST_TIMEOUT).items
 
     def _mark_victims(self, role: Role, victims: Sequence[str]) -> None:
-        """Victims are registered addresses, POD_IP:PORT: the first gets the lowest cost."""
-        by_ip = {p.status.pod_ip: p for p in self._pods(role) if p.status and p.status.pod_ip}
+        """Victims are registered addresses, POD_IP:PORT: the first gets the lowest cost.
+        A pod still marked from an earlier scale-in (the ReplicaSet took another, or that
+        scale-in was undone) loses its mark: it would go first next time whatever its load."""
+        pods = self._pods(role)
+        by_ip = {p.status.pod_ip: p for p in pods if p.status and p.status.pod_ip}
+        chosen = {address.rpartition(":")[0] for address in victims}
+        for p in pods:
+            marked = DELETION_COST in (p.metadata.annotations or {})
+            if marked and p.metadata.deletion_timestamp is None and (p.status and p.status.pod_ip) not in chosen:
+                self.core.patch_namespaced_pod(p.metadata.name, self.namespace,
+                                               {"metadata": {"annotations": {DELETION_COST: None}}},
+                                               _request_timeout=REQUEST_TIMEOUT)
         for rank, address in enumerate(victims):
             pod = by_ip.get(address.rpartition(":")[0])
             if pod is None:
