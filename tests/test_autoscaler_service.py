@@ -168,6 +168,17 @@ def test_ray_actuator_is_a_thin_adapter_over_ray_pools():
     pools.release.set()
     ray.wait(10)
     assert pools.calls == [("decode", 2), ("decode", 1)] and ray.observe(Role.DECODE, 0) == PoolSize(1)
+    # a target that fails (a worker that cannot start) stays the pool's setting: capacity
+    # pending to the autoscaler, which gives it up after its pending timeout, not a change
+    # made outside it; the next target replaces it
+    pools.scale = lambda role, n: (_ for _ in ()).throw(RuntimeError("workers failed to start"))
+    ray.scale(Role.PREFILL, 2, [])
+    ray.wait(10)
+    assert ray.observe(Role.PREFILL, 0) == PoolSize(2) and pools.counts()["prefill"] == 1
+    pools.scale = FakeRayPools.scale.__get__(pools)
+    ray.scale(Role.PREFILL, 1, [])
+    ray.wait(10)
+    assert ray.observe(Role.PREFILL, 0) == PoolSize(1)
     assert actuator_class("ray") is RayActuator
     with pytest.raises(ValueError):
         actuator_class("nomad")

@@ -33,6 +33,8 @@ class RayActuator:
         self._threads: dict[Role, threading.Thread] = {}
 
     def observe(self, role: Role, registered: int) -> PoolSize:
+        """The pool's actors, or while a scale call is under way (or after one failed)
+        its target, actors still stopping counted as draining."""
         live = self.pools.counts()[role.value]
         with self._lock:
             wanted = self._wanted.get(role)
@@ -55,15 +57,23 @@ class RayActuator:
             t.join(timeout)
 
     def _apply(self, role: Role) -> None:
-        """Scale to the latest target until it holds still."""
+        """Scale to the latest target until it holds still. A target that failed (a
+        worker that could not start) stays what the pool is set to, as a Deployment's
+        replicas whose pods cannot start do: the autoscaler sees capacity pending (and
+        gives it up after its pending timeout), not a change made outside it."""
         while True:
             with self._lock:
                 n = self._wanted[role]
+            failed = False
             try:
                 self.pools.scale(role.value, n)
             except Exception:
-                log.exception("scaling the Ray %s pool to %d failed; the pool is what counts() says", role.value, n)
+                failed = True
+                log.exception("scaling the Ray %s pool to %d failed; its workers are what counts() says",
+                              role.value, n)
             with self._lock:
                 if self._wanted[role] == n:
-                    del self._wanted[role], self._threads[role]
+                    del self._threads[role]
+                    if not failed:
+                        del self._wanted[role]
                     return
