@@ -247,8 +247,29 @@ def test_pools_have_the_same_shape_and_flags(helm, values):
     assert {"host", "port", "metrics-port", "advertise", "kv-transport", "dtype", "device", "threads"} <= common_flags
     for key in ("ports", "startupProbe", "readinessProbe", "livenessProbe", "lifecycle", "securityContext",
                 "volumeMounts"):
-        assert shape(prefill[key]) == shape(decode[key]), key
+        assert shape(prefill.get(key)) == shape(decode.get(key)), key
     assert [prefill["args"][0], decode["args"][0]] == ["prefill", "decode"]
+
+
+def test_workers_drain_within_their_grace_period_and_roll_out_in_place_on_gpu_nodes(helm):
+    """A worker's --drain-timeout is what its grace period leaves after preStop (none:
+    it leaves the registry at SIGTERM) and its own stop's 30 s, 10 s more a rank: the
+    default 30 s drain outlived a 30 s grace. On full GPU nodes a rollout replaces pods
+    in place (a surge pod would wait for a GPU forever); a runtime class can be named."""
+    m = render(helm)
+    assert flags(m.container("prefill"))["drain-timeout"] == "30" and "lifecycle" not in m.container("prefill")
+    assert flags(m.container("decode"))["drain-timeout"] == "90"
+    assert "strategy" not in m.one("Deployment", "decode")["spec"]
+    big = render(helm, "-f", str(CHART / "values-gpu.yaml"), "-f", str(CHART / "values-70b.yaml"),
+                 "--set", "decode.runtimeClassName=nvidia")
+    assert flags(big.container("prefill"))["drain-timeout"] == "60"            # TP 4: 120 - 20 - 40
+    assert flags(big.container("decode"))["drain-timeout"] == "560"
+    assert flags(big.container("router"))["max-model-len"] == "8192"
+    for role in POOLS:
+        spec = big.one("Deployment", role)["spec"]
+        assert spec["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+        assert spec["template"]["spec"]["containers"][0]["startupProbe"]["failureThreshold"] == 360
+    assert big.one("Deployment", "decode")["spec"]["template"]["spec"]["runtimeClassName"] == "nvidia"
 
 
 def test_pools_scale_independently(helm):
@@ -288,13 +309,14 @@ def test_every_service_has_grpc_health_probes(helm):
             assert startup["periodSeconds"] * startup["failureThreshold"] >= 300, "too little time to load a model"
 
 
-def test_termination_drains_before_sigterm_within_the_grace_period(helm):
+def test_termination_drains_within_the_grace_period(helm):
+    """The router waits for endpoints to drop it before SIGTERM (preStop), then drains
+    within what is left; workers, which leave the registry at SIGTERM, drain at once."""
     m = render(helm)
+    command = m.container("router")["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep" and 0 < int(command[1]) < m.pod("router")["terminationGracePeriodSeconds"]
     for role in SERVICES:
-        pod = m.pod(role)
-        command = m.container(role)["lifecycle"]["preStop"]["exec"]["command"]
-        assert command[0] == "sleep"
-        assert 0 < int(command[1]) < pod["terminationGracePeriodSeconds"], role
+        assert 0 < int(flags(m.container(role))["drain-timeout"]) < m.pod(role)["terminationGracePeriodSeconds"]
 
 
 def test_pods_carry_prometheus_scrape_annotations_for_their_metrics_port(helm):

@@ -13,8 +13,9 @@ what differs between them:
   secrets    Secret files to mount read-only: pdserve.credentials' "volumes"
   env        environment before the user's (may be empty)
   shmSize    size of a memory-backed /dev/shm, or "" for none
-  autoscaled true: spec.replicas is left out, the autoscaler owns it (a value here would
-             reset the pool on every `helm upgrade`)
+  autoscaled true: the autoscaler owns spec.replicas: the live Deployment's count is
+             rendered (a value of ours would reset the pool on every `helm upgrade`, a
+             field left out resets it to 1 in the upgrade that turns autoscaling on)
 The worker pools also pass what their KV network asks (pdserve.kvNetwork):
   resources        in place of values.resources
   securityContext  in place of the chart's containerSecurityContext
@@ -33,6 +34,15 @@ metadata:
 spec:
   {{- if not .autoscaled }}
   replicas: {{ $v.replicas }}
+  {{- else }}
+  {{- /* Owned by the autoscaler: the live count, so that turning autoscaling on in an
+         upgrade leaves the pool as it is (a field dropped from the manifest is reset to 1). */}}
+  {{- with lookup "apps/v1" "Deployment" $root.Release.Namespace (include "pdserve.componentName" .) }}
+  replicas: {{ .spec.replicas }}
+  {{- end }}
+  {{- end }}
+  {{- with $v.strategy }}
+  strategy: {{- toYaml . | nindent 4 }}
   {{- end }}
   revisionHistoryLimit: 3
   selector:
@@ -58,6 +68,12 @@ spec:
       # named pdserve anywhere in the namespace brings PDSERVE_PORT=tcp://...).
       enableServiceLinks: false
       terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
+      {{- with $v.runtimeClassName }}
+      runtimeClassName: {{ . }}
+      {{- end }}
+      {{- with $v.priorityClassName }}
+      priorityClassName: {{ . }}
+      {{- end }}
       {{- if .hostNetwork }}
       # The node's network namespace: its NICs and address. Its ports are the node's (each
       # container port is a hostPort), so pods sharing a port never share a node.
@@ -85,12 +101,15 @@ spec:
           startupProbe: {{- include "pdserve.probe" (dict "handler" .probes.startup "timing" $v.probes.startup) | nindent 12 }}
           readinessProbe: {{- include "pdserve.probe" (dict "handler" .probes.readiness "timing" $v.probes.readiness) | nindent 12 }}
           livenessProbe: {{- include "pdserve.probe" (dict "handler" .probes.liveness "timing" $v.probes.liveness) | nindent 12 }}
+          {{- if $v.drainSeconds }}
           lifecycle:
-            # Endpoints and the router's registry view drop a terminating pod only after a
-            # moment; SIGTERM (the service's own drain) waits for that.
+            # Endpoints drop a terminating pod only after a moment; SIGTERM (the service's
+            # own drain) waits for that. Workers need no wait (0): at SIGTERM they leave
+            # the registry and refuse new work, which the router then sends elsewhere.
             preStop:
               exec:
                 command: ["sleep", "{{ $v.drainSeconds }}"]
+          {{- end }}
           {{- with .resources | default $v.resources }}
           resources: {{- toYaml . | nindent 12 }}
           {{- end }}

@@ -10,10 +10,15 @@ only in what their values say:
 {{- $pool := index $root.Values $role }}
 {{- $ctx := dict "root" $root "component" $role "values" $pool }}
 {{- $grpcPort := int $pool.grpcPort }}
-{{- $settings := dict "host" "0.0.0.0" "port" $grpcPort "metrics-port" (int $pool.metricsPort)
+{{- /* Running requests get what the grace period leaves after preStop and the worker's own
+       stop past its drain (WorkerSettings.stop_seconds: 5 s of gRPC grace, 10 s of joins a
+       rank, 15 s of slack): then each ends with an error, and the pod is not killed first. */}}
+{{- $tp := int ($pool.tensorParallelSize | default 1) }}
+{{- $drain := max 1 (sub (sub (int $pool.terminationGracePeriodSeconds) (int $pool.drainSeconds)) (add 20 (mul 10 $tp))) }}
+{{- $settings := dict "host" "0.0.0.0" "port" $grpcPort "metrics-port" (int $pool.metricsPort) "drain-timeout" $drain
       "advertise" (printf "$(POD_IP):%d" $grpcPort) "kv-transport" $pool.kvTransport "dtype" $pool.dtype
       "device" $pool.device "threads" (int $pool.threads)
-      "tensor-parallel-size" (int ($pool.tensorParallelSize | default 1)) }}
+      "tensor-parallel-size" $tp }}
 {{- with include "pdserve.modelDir" $root }}{{ $_ := set $settings "model" . }}{{ end }}
 {{- with $root.Values.model.servedModelName }}{{ $_ := set $settings "served-model-name" . }}{{ end }}
 {{- /* One quantization for both pools: the router pairs only workers whose KV agree. */}}
