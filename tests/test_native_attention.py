@@ -5,6 +5,7 @@ AVX512-BF16): causal attention against a float64 reference, with and without a c
 prefix. Their refusals; the engine's fallback to the torch path where no compiler
 exists; and the real model's decode step and prefill through both paths."""
 import logging
+import os
 import tempfile
 from pathlib import Path
 
@@ -154,7 +155,8 @@ def test_a_read_only_cache_builds_in_the_temp_directory(tmp_path):
     source = tmp_path / "tiny.c"            # a real kernel would cost a fresh machine ~5 s of CPU here
     source.write_text("int pdserve_tiny(int x) { return x + 3; }\n")
     built = library.build(source, library.kernel_dir(blocked))
-    assert built.parent == Path(tempfile.gettempdir()) / "pdserve-kernels" and built.exists()
+    assert built.parent == Path(tempfile.gettempdir()) / f"pdserve-kernels-{os.getuid()}" and built.exists()
+    assert built.parent.stat().st_mode & 0o777 == 0o700
 
 
 def test_without_a_compiler_auto_falls_back_and_native_refuses(model_dir, tmp_path, monkeypatch, caplog):
@@ -273,3 +275,26 @@ def test_decode_refuses_block_tables_the_kernel_would_misread(model_dir, kernel_
     with pytest.raises(ValueError, match="cannot hold position"):
         runner.decode(pool, [5], [40], [[0, 1]])
     pool.close()
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(32, 32, 80), (32, 1, 128), (72, 8, 64)],
+                         ids=["head-size-80", "group-32", "72-heads"])
+def test_a_shape_the_kernels_refuse_stays_on_torch(kernel_cache, heads, kv_heads, dim):
+    """A head size of 80 (Phi-2, StableLM), more than 16 query heads a KV head (MQA) or
+    more than 64 query heads: the kernels refuse them, so `auto` keeps torch's attention
+    for what they refuse (prefill, or decode and prefill) instead of failing the worker
+    at start or every step; `native` says why at start."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from services.engine.model import backends
+    config = LlamaConfig(hidden_size=heads * dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         head_dim=dim, intermediate_size=256)
+    probe = LlamaDecoderLayer(config, 0).to(torch.bfloat16)
+    cpu = torch.device("cpu")
+    chosen = backends.select("auto", cpu, torch.bfloat16, "none", kernel_cache, probe=probe, role="decode")
+    decodes = native.NativeAttention.takes_decode(heads, kv_heads, dim)
+    assert chosen.decode_kernel == ("native" if decodes else "torch") and not chosen.native_prefill
+    if not decodes:
+        with pytest.raises(ValueError, match="query heads"):
+            backends.select("native", cpu, torch.bfloat16, "none", kernel_cache, probe=probe, role="decode")

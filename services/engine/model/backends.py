@@ -29,6 +29,7 @@ from services.engine.kernels import gpu_kernels
 from services.engine.kernels.native import (DecoderLayerWeights, NativeAttention, NativeBuildError, NativeDecoder,
                                             NativeLayers, NativeMatmul, load_attention, load_decoder, load_layers,
                                             load_matmul)
+from services.engine.kernels.native.attention import MAX_DIM, MAX_HEADS
 from services.engine.model import fusion, int8, kernel_choice
 from services.engine.model.attention import (DecodeGroup, GPUDecode, NativeDecode, PagedBatch, Segment, chunk_kv,
                                              decode_attention, length_groups, prefill_attention, write)
@@ -53,7 +54,7 @@ class TorchBackend:
         """Swap faster equivalents of known layers into `model`; returns what was applied."""
         applied = []
         if quantization == "int8":        # first: fusing then finds no q/k/v left to check in float32
-            applied = int8.quantize_layers(model, self._int8_kernels(), calibration_ids, self._int8_matmul())
+            applied = int8.quantize_layers(model, self._int8_kernels(model), calibration_ids, self._int8_matmul())
         return sorted(applied + fusion.apply(model, self._layers(model), self._packs(model), self._matmul(model)))
 
     def _layers(self, model: nn.Module):
@@ -66,7 +67,7 @@ class TorchBackend:
     def _matmul(self, model: nn.Module) -> NativeMatmul | None:
         return None
 
-    def _int8_kernels(self) -> NativeLayers | None:
+    def _int8_kernels(self, model: nn.Module) -> NativeLayers | None:
         return None
 
     def _int8_matmul(self) -> NativeMatmul | None:
@@ -158,15 +159,15 @@ class CpuBackend(TorchBackend):
         return kernel if self.prefill_choice is None else f"{kernel} ({self.prefill_choice.reason})"
 
     def _layers(self, model: nn.Module):
-        """Norms and activations in the native kernels in bfloat16; float32 keeps torch's
-        ops there, for exact parity."""
-        return self.layers if model.dtype == torch.bfloat16 else None
+        """Norms and activations in the native kernels in bfloat16, for rows they take;
+        float32 keeps torch's ops there, for exact parity."""
+        return self.layers if model.dtype == torch.bfloat16 and NativeLayers.takes(model.config) else None
 
     def _matmul(self, model: nn.Module) -> NativeMatmul | None:
         return self.matmul if self.matmul is not None and self.matmul.supports(model.dtype) else None
 
-    def _int8_kernels(self) -> NativeLayers | None:
-        return self.layers
+    def _int8_kernels(self, model: nn.Module) -> NativeLayers | None:
+        return self.layers if NativeLayers.takes(model.config, int8=True) else None
 
     def _int8_matmul(self) -> NativeMatmul | None:
         return self.matmul if self.matmul is not None and self.matmul.int8 else None
@@ -305,6 +306,14 @@ def select(attention: str, device: torch.device, dtype: torch.dtype, quantizatio
                      "this model has %d)", gpu_kernels.BLOCK_H, heads_per_kv)
         return TorchBackend(device)
     native = _built(load_attention, kernel_cache, attention, "attention stays on torch's own ops")
+    shape = None if probe is None else kernel_choice.attention_shape(probe)
+    if native is not None and shape is not None and not native.takes_decode(*shape[:3]):
+        if attention == "native":
+            raise ValueError(f"the native attention kernels take up to {MAX_HEADS} query heads of up to {MAX_DIM} "
+                             f"values, not {shape[0]} of {shape[2]}")
+        log.info("attention: torch's (pdserve's kernels take up to %d query heads of up to %d values; this model "
+                 "has %d of %d)", MAX_HEADS, MAX_DIM, shape[0], shape[2])
+        native = None
     layers = _built(load_layers, kernel_cache, attention, "norms and activations stay on torch's own ops")
     # pdserve's own matmuls where this CPU takes them (hardware.CpuKernels says where; in
     # bfloat16 a measurement at start may overrule it)
@@ -339,8 +348,8 @@ def select(attention: str, device: torch.device, dtype: torch.dtype, quantizatio
         raise ValueError("--matmul-kernel native: pdserve's matmuls run in bfloat16 on a CPU with AVX512-BF16 "
                          f"(not {dtype_name or dtype} here, or no AVX512-BF16)")
     prefill = None
-    if native is not None and native.prefills and dtype == torch.bfloat16:
-        shape = None if probe is None else kernel_choice.attention_shape(probe)
+    if native is not None and native.prefills and dtype == torch.bfloat16 and (
+            shape is None or native.takes_prefill(*shape[:3])):
         prefill = kernel_choice.choose_prefill_attention(
             attention, kinds.bf16_prefill, role,
             None if shape is None else _on_threads(own_threads, lambda tokens: kernel_choice.compare_prefill_attention(

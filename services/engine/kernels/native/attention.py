@@ -7,6 +7,11 @@ import torch
 
 from services.engine.kernels.native.library import DTYPES, load
 
+# The shapes the kernels take (attention.c refuses the others): a head size up to MAX_DIM
+# and up to MAX_HEADS query heads; for prefill, a head size of whole 32s and at most
+# PREFILL_GROUP query heads a KV head.
+MAX_DIM, MAX_HEADS, PREFILL_GROUP = 256, 64, 16
+
 
 class NativeAttention:
     """The kernels of one loaded library: `decode` (one query token per sequence over
@@ -24,6 +29,15 @@ class NativeAttention:
     def supports(dtype: torch.dtype, device: torch.device) -> bool:
         return device.type == "cpu" and dtype in DTYPES
 
+    @staticmethod
+    def takes_decode(q_heads: int, kv_heads: int, dim: int) -> bool:
+        return 1 <= dim <= MAX_DIM and kv_heads >= 1 and q_heads <= MAX_HEADS and q_heads % kv_heads == 0
+
+    @staticmethod
+    def takes_prefill(q_heads: int, kv_heads: int, dim: int) -> bool:
+        return (dim % 32 == 0 and 1 <= dim <= MAX_DIM and kv_heads >= 1 and q_heads % kv_heads == 0
+                and q_heads // kv_heads <= PREFILL_GROUP)
+
     def prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, offset: int, scale: float,
                 threads: int = 1) -> torch.Tensor:
         """Causal attention for one sequence, bfloat16: query [q_len, q_heads, dim], key
@@ -35,6 +49,9 @@ class NativeAttention:
             raise ValueError("native prefill attention takes bfloat16 on CPUs with AVX512-BF16")
         if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
             raise ValueError("the last dimension must be contiguous")
+        if key.shape != value.shape or key.shape[-1] != dim:       # the kernel reads both as key's
+            raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must agree, in the query's "
+                             f"head size {dim}")
         out = torch.empty(q_len, q_heads, dim, dtype=query.dtype)
         rc = self._prefill(query.data_ptr(), query.stride(0), query.stride(1), key.data_ptr(), key.stride(0),
                            key.stride(1), value.data_ptr(), value.stride(0), value.stride(1), out.data_ptr(),
@@ -56,6 +73,10 @@ class NativeAttention:
             raise ValueError("the cache must be contiguous and in the query's dtype")
         if table.dtype != torch.int64 or table.stride(1) != 1 or lens.dtype != torch.int32 or not lens.is_contiguous():
             raise ValueError("the block table must be int64 rows and the lengths contiguous int32")
+        # what the kernel trusts that costs nothing to check here; block ids and lengths
+        # against the table, the runner's (attention.check_block_ids, decode_widths)
+        if cache.shape[-1] != dim or block_size < 1 or table.shape[0] < batch or lens.shape[0] < batch:
+            raise ValueError("the cache's head size, the block table's rows and the lengths must match the query")
         out = torch.empty_like(query)
         rc = self._decode(query.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(), out.data_ptr(),
                           table.data_ptr(), table.stride(0), lens.data_ptr(), batch, q_heads, kv_heads, dim,

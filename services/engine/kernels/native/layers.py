@@ -8,6 +8,11 @@ import torch
 from services.engine.kernels.native.library import DTYPES, load
 
 
+# The widest rows the kernels take (layers.c refuses wider): a norm's, and int8's
+# quantized rows (the MLP's intermediate ones).
+NORM_WIDTH, QUANTIZED_WIDTH = 16384, 32768
+
+
 class NativeLayers:
     """The per-token layer kernels of one loaded library (float32 or bfloat16, CPU)."""
     name = "native"
@@ -22,6 +27,13 @@ class NativeLayers:
         self._dequant = lib.function("pdserve_dequant_rows")
         self._silu_quantize = lib.function("pdserve_silu_mul_quantize")
         self._lib = lib
+
+    @staticmethod
+    def takes(config, int8: bool = False) -> bool:
+        """Whether a model of `config` has rows the kernels take: its hidden size a
+        norm's, and with int8 its intermediate size a quantized row's too."""
+        return (getattr(config, "hidden_size", 0) <= NORM_WIDTH
+                and (not int8 or getattr(config, "intermediate_size", 0) <= QUANTIZED_WIDTH))
 
     @staticmethod
     def _rows(x: torch.Tensor) -> torch.Tensor:
