@@ -67,7 +67,9 @@ static int run_rows(void (*row)(const void *, int, float *), const void *args, i
         threads = 1;
 #pragma omp parallel num_threads(threads)
     {
-        float buf[2 * 16384];       /* the largest row: 2 x 16384 (norm), 4 x 4096 (rotary) */
+        /* the largest row: 2 x 16384 (norm), 4 x 4096 (rotary); 128 KiB, too much for a
+         * thread's stack where stacks are small (musl's default, a small OMP_STACKSIZE) */
+        static __thread float buf[2 * 16384];
 #pragma omp for schedule(static)
         for (int r = 0; r < rows; r++)
             row(args, r, buf);

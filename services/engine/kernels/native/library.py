@@ -14,6 +14,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -24,7 +25,9 @@ from services.engine.kernels.native import header
 
 log = logging.getLogger(__name__)
 
-COMPILE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC"]
+# -mprefer-vector-width is x86's alone: elsewhere (aarch64) it fails every build.
+COMPILE_FLAGS = ["-O3", "-march=native", *(["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64")
+                                          else []), "-ffast-math", "-fopenmp", "-fPIC"]
 # Linked without -ffast-math: linking with it would add crtfastmath.o, which turns on
 # flush-to-zero for the whole process when the library loads. -fopenmp links libgomp.so.1,
 # which resolves to the copy torch already loaded: one OpenMP thread team for torch's ops
@@ -69,10 +72,21 @@ def load(path: Path) -> Library:
 
 
 def kernel_dir(cache_root: Path) -> Path:
-    """`cache_root`/kernels, or the temp directory where that is read-only (a
-    container's baked-in cache)."""
+    """`cache_root`/kernels, or where that is read-only (a container's baked-in cache),
+    this user's own folder under the temp directory: a shared one would let another
+    local user put a library there for this process to load."""
     out_dir = cache_root / "kernels"
-    return out_dir if _writable(out_dir) else Path(tempfile.gettempdir()) / "pdserve-kernels"
+    if _writable(out_dir):
+        return out_dir
+    private = Path(tempfile.gettempdir()) / f"pdserve-kernels-{os.getuid()}"
+    try:
+        private.mkdir(mode=0o700, exist_ok=True)
+        st = private.lstat()
+    except OSError as e:
+        raise NativeBuildError(f"cannot create {private}: {e}") from e
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise NativeBuildError(f"{private} is not a folder of this user's alone: not building kernels there")
+    return private
 
 
 def build(source: Path, out_dir: Path, defines: tuple[str, ...] = ()) -> Path:
@@ -111,7 +125,12 @@ def build(source: Path, out_dir: Path, defines: tuple[str, ...] = ()) -> Path:
 
 def _compile(cc: str, flags: list[str], source: Path, target: Path, key: str) -> None:
     out_dir = target.parent
-    obj, tmp = out_dir / f".{key}.{os.getpid()}.o", out_dir / f".{key}.{os.getpid()}.so"
+    # names of their own (a pid repeats in another container sharing the folder)
+    fd, name = tempfile.mkstemp(prefix=f".{key}.", suffix=".o", dir=out_dir)
+    os.close(fd)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{key}.", suffix=".so", dir=out_dir)
+    os.close(fd)
+    obj, tmp = Path(name), Path(tmp_name)
     try:
         result = _run([cc, *flags, "-c", str(source), "-o", str(obj)])
         if result.returncode:
@@ -122,6 +141,7 @@ def _compile(cc: str, flags: list[str], source: Path, target: Path, key: str) ->
                 break
         else:
             raise NativeBuildError(f"linking {source.name} failed: {result.stderr.strip()[-2000:]}")
+        tmp.chmod(0o755)                    # as the compiler leaves it, not mkstemp's 0600
         tmp.replace(target)                 # atomic: a reader without the lock never sees half a file
     finally:
         obj.unlink(missing_ok=True)
