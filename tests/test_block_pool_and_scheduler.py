@@ -460,3 +460,25 @@ def test_a_step_computes_prompt_logprobs_for_a_bounded_number_of_positions():
     plan = s.schedule()
     assert [(ch.seq.request_id, ch.num_tokens) for ch in plan.prefill] == [("a", 300 - PROMPT_LOGPROB_ROWS),
                                                                            ("b", PROMPT_LOGPROB_ROWS - 44)]
+
+
+def test_a_prompt_too_dear_for_a_mixed_steps_allowance_goes_a_token_a_step_and_none_empty():
+    """Beside decoding sequences a prompt chunk is priced by what it attends to: a prompt
+    sharing a long cached prefix is admitted, but one token at its position costs more
+    than the step's allowance. It then runs a token a step (it sat in the plan with an
+    empty chunk, then waited for every decode to end)."""
+    from services.engine.core.block_manager import BlockManager
+    from services.engine.core.block_pool import BlockPool
+    s = Scheduler(BlockManager(BlockPool(128, 4), prefix_caching=True),
+                  SchedulerConfig(max_num_batched_tokens=64, max_mixed_prefill=8, context_cost=0.05, max_num_seqs=4))
+    long = list(range(100, 300))
+    a = Sequence("a", long + [1], 201, SamplingParams(max_tokens=30, temperature=0), EOS)
+    s.add(a)
+    while a.num_generated == 0:
+        step(s)
+    b = Sequence("b", long + [2, 3, 4, 5, 6], 205, SamplingParams(max_tokens=5, temperature=0), EOS)
+    s.add(b)
+    for _ in range(3):
+        plan, _ = step(s)
+        assert all(c.num_tokens > 0 for c in plan.chunks)
+    assert b.num_computed > 200 and b.num_cached == 200

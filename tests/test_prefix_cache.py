@@ -112,3 +112,79 @@ def test_disabled_cache_is_plain_allocation():
         assert hit.cached_tokens == 0 and len(hit.block_ids) == 3
         done(cache, hit, True)
     assert cache.num_cached == 0 and pool.num_free == 8
+
+
+def test_a_cached_prompt_loses_its_tail_first():
+    """Blocks go idle last block first, so eviction takes a cached prompt's tail before
+    its head: a lookup walks from the head, and one eviction of the head left every
+    other block of the prompt unreachable."""
+    cache = BlockManager(BlockPool(8, 4), prefix_caching=True)
+    prompt = list(range(100, 117))                       # 4 full blocks and a token
+    hit = cache.acquire(prompt)
+    cache.release(hit.block_ids, hit.keys, len(prompt))
+    cache.release(cache.allocate(cache.pool.num_free + 1))     # every free block, and one evicted
+    assert cache.acquire(prompt).cached_tokens == 12
+
+
+def test_scheduler_shares_a_running_prefix_counts_it_once_and_caches_what_preemption_frees():
+    """A prompt whose prefix a running sequence holds needs only its own blocks to be
+    admitted (the shared ones were counted as new: it waited for the other to end); a
+    preempted sequence's computed blocks are cached, remote KV included, and its
+    cached_tokens stay what its first admission found."""
+    from services.engine.core.sampling import SamplingParams
+    from services.engine.core.scheduler import Scheduler, SchedulerConfig
+    from services.engine.core.sequence import SeqStatus, Sequence
+
+    def seq(rid, tokens, n=40):
+        return Sequence(rid, list(tokens), len(tokens), SamplingParams(max_tokens=n, temperature=0), frozenset({2}))
+
+    def step(s):
+        plan = s.schedule()
+        rows = plan.sampling()
+        s.launched(plan, rows)
+        s.resolve(rows, [[7] * c.num_sampled for c in rows])
+        return plan
+    s = Scheduler(BlockManager(BlockPool(24, 4), prefix_caching=True), SchedulerConfig(max_num_batched_tokens=128))
+    system = list(range(100, 164))                       # 16 blocks
+    a = seq("a", system + [1, 1, 1, 1])
+    s.add(a)
+    step(s)
+    b = seq("b", system + [5, 6, 7, 8], n=5)
+    s.add(b)
+    assert b in [c.seq for c in step(s).chunks] and b.num_cached == 64
+    s = Scheduler(BlockManager(BlockPool(10, 4), prefix_caching=True), SchedulerConfig(max_num_batched_tokens=64))
+    s.add(seq("l", range(300, 308), n=30))
+    step(s)
+    remote = seq("r", range(200, 224), n=30)          # joins after it: the newest, preempted first
+    s.reserve("r", 24, float("inf"))
+    remote.token_ids.append(9)
+    s.add_prefilled(remote)
+    while not s.num_preemptions:
+        step(s)
+    assert remote.status is SeqStatus.WAITING
+    keys = s.blocks.keys_of(remote.token_ids)
+    assert all(k in s.blocks._by_key for k in keys[:6])    # its prompt's blocks, found when it comes back
+
+
+def test_cached_tokens_are_what_the_first_admission_found_not_a_preempted_prompts_own_chunks():
+    from services.engine.core.sampling import SamplingParams
+    from services.engine.core.scheduler import Scheduler, SchedulerConfig
+    from services.engine.core.sequence import Sequence
+    s = Scheduler(BlockManager(BlockPool(8, 4), prefix_caching=True),
+                  SchedulerConfig(max_num_batched_tokens=8, max_prefill_chunk=4, max_num_seqs=4))
+
+    def seq(rid, tokens, n):
+        return Sequence(rid, list(tokens), len(tokens), SamplingParams(max_tokens=n, temperature=0), frozenset({2}))
+
+    def step():
+        plan = s.schedule()
+        rows = plan.sampling()
+        s.launched(plan, rows)
+        s.resolve(rows, [[7] * c.num_sampled for c in rows])
+    s.add(seq("b", range(500, 507), 4))
+    step()
+    a = seq("a", range(100, 121), 5)                    # nothing of it cached anywhere
+    s.add(a)
+    while a.num_generated == 0:
+        step()
+    assert s.num_preemptions and a.num_cached == 0

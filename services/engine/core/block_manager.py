@@ -79,6 +79,19 @@ class BlockManager:
         from the `known` keys of its leading ones."""
         return block_hashes(token_ids, self.block_size, salt, known) if self.prefix_caching else []
 
+    def shared_prefix(self, token_ids: Sequence[int], salt: str = "") -> int:
+        """How many of `token_ids`' leading blocks `acquire` would find cached in blocks
+        already in use: shared for free, they take none of what is available."""
+        keys = self.keys_of(token_ids, salt)[:(len(token_ids) - 1) // self.block_size]
+        n = 0
+        with self._lock:
+            for k in keys:
+                b = self._by_key.get(k)
+                if b is None or b not in self._refs:
+                    break
+                n += 1
+        return n
+
     def acquire(self, token_ids: Sequence[int], reuse: bool = True, salt: str = "") -> PrefixHit:
         """Blocks for a whole prompt: its cached leading blocks (referenced) plus new
         ones. At least the last token is always left to compute (its logits are needed).
@@ -148,7 +161,10 @@ class BlockManager:
         self._idle.pop(b, None)
 
     def _unref(self, blocks: Sequence[int]) -> None:
-        for b in blocks:
+        # Last block first: of a prompt's cached blocks the tail is then evicted first and
+        # its head last, as a lookup, which walks from the head and stops at the first
+        # block gone, can use (head first, one eviction left every other block unreachable).
+        for b in reversed(blocks):
             n = self._refs[b] - 1
             if n:
                 self._refs[b] = n

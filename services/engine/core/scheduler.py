@@ -218,9 +218,9 @@ class Scheduler:
             raise ValueError(f"request {seq.request_id} holds no reservation (cancelled or expired)")
         if r.num_tokens != seq.prompt_len:
             raise ValueError(f"the reservation covers {r.num_tokens} tokens, the prompt has {seq.prompt_len}")
+        self._register(seq)                         # first: a refused id leaves the reservation as it was
         del self.remote[seq.request_id]
         seq.block_ids = list(r.block_ids)           # the sequence owns them from here
-        self._register(seq)
         seq.num_computed = seq.prompt_len
         self._fork(seq)
         reason = seq.check_finished()
@@ -281,6 +281,10 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:        # preempted earlier in this pass
                 continue
             n = self._chunk_len(seq, budget, prompts, weight)
+            if n == 0 and prompts == capped and capped is not None:
+                # a running prompt so far in that one token costs more than a step's
+                # allowance takes one anyway, rather than wait for every decode to end
+                n = min(1, budget)
             if n == 0:
                 continue
             draft = self._fit_draft(seq, drafts.get(seq, ()), room) if n == 1 else ()
@@ -345,7 +349,8 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         n = self._chunk_len(seq, budget, prompts, weight)
-        self._add(plan, Chunk(seq, seq.num_computed, n))
+        if n:                       # none: a cached prefix made its first chunk dearer; it runs next step
+            self._add(plan, Chunk(seq, seq.num_computed, n))
         return n
 
     def _add(self, plan: StepPlan, chunk: Chunk) -> None:
@@ -427,7 +432,10 @@ class Scheduler:
         """Blocks for a waiting sequence's tokens, a cached prefix reused; False if the
         pool cannot hold it now (it stays first in line)."""
         need = self.blocks.blocks_for(len(seq.token_ids))
-        if self.running and self.blocks.num_available - need < self._watermark:
+        if self.running and self.blocks.num_available - need < self._watermark and (
+                seq.params.prompt_logprobs is not None
+                or self.blocks.num_available - need + self.blocks.shared_prefix(seq.token_ids, seq.params.cache_salt)
+                < self._watermark):     # a prefix the running sequences hold is shared, not taken
             return False
         try:
             hit = self.blocks.acquire(seq.token_ids, reuse=seq.params.prompt_logprobs is None,
@@ -435,8 +443,8 @@ class Scheduler:
         except NoFreeBlocks:
             return False
         seq.block_ids, seq.keys, seq.num_computed = hit.block_ids, hit.keys, hit.cached_tokens
-        if seq.num_generated == 0:
-            seq.num_cached = hit.cached_tokens
+        if seq.num_generated == 0 and seq.num_preemptions == 0:
+            seq.num_cached = hit.cached_tokens      # not its own chunks, cached when it was preempted
         return True
 
     def _needed(self, seq: Sequence, num_tokens: int) -> int:
@@ -627,14 +635,15 @@ class Scheduler:
         if self.config.retain_finished and seq.block_ids:
             self.retained[seq.request_id] = seq
         else:
-            # Its output's full blocks too: the next turn of a conversation begins with
-            # this prompt and this output (their KV is in the blocks up to num_computed).
-            # The prompt's keys, from its admission, are not hashed again.
-            seq.keys = self.blocks.keys_of(seq.token_ids[:seq.num_computed], seq.params.cache_salt, seq.keys) \
-                or seq.keys
             self._free_blocks(seq)
 
     def _free_blocks(self, seq: Sequence) -> None:
+        """Its blocks go back, every full block of computed tokens cached: its output's
+        too (a conversation's next turn begins with this prompt and this output), and a
+        preempted sequence's, remote KV and a fork's copied prompt included, so that its
+        return finds them. Keys known from its admission are not hashed again."""
+        seq.keys = self.blocks.keys_of(seq.token_ids[:seq.num_computed], seq.params.cache_salt, seq.keys) \
+            or seq.keys
         if seq.block_ids and self.in_flight:
             self._held.append((self.launches, seq.block_ids, seq.keys, seq.num_computed))
         elif seq.block_ids:
