@@ -645,6 +645,10 @@ def test_other_prefill_ranks_write_through_the_backend_rank_0_fell_back_to():
         exporter.open("r2", worker_pb2.KVHandle(request_id="r2", block_ids=[2], num_tokens=3, offers=offers,
                                                 write_deadline=time.time() + 30, compat_hash="h"))
         assert exporter._connects == connects
+        # the lease counts from the handle's arrival, not from after the worker's checks
+        late = exporter.open("r3", worker_pb2.KVHandle(request_id="r3", block_ids=[3], num_tokens=3, offers=offers,
+                                                       write_seconds=10, compat_hash="h"), time.monotonic() - 4)
+        assert 5 < late.deadline - time.monotonic() <= 6
     finally:
         for t in [*tcp, *writers.values()]:
             t.shutdown()

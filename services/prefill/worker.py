@@ -107,6 +107,7 @@ class PrefillWorker(EngineWorker):
         self._pauses_seen = 0
 
     async def prefill(self, req: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
+        arrived = time.monotonic()          # the lease's seconds count from here, not after the checks
         handle = req.handle
         check_request_id(req.request_id)
         tokens = check_tokens(req.prompt_token_ids, self.runner.vocab_size)
@@ -118,7 +119,7 @@ class PrefillWorker(EngineWorker):
         constraint = await asyncio.to_thread(prepare, params, self.runner.vocab_size, self.grammars)
         seq = Sequence(f"{req.request_id}#{next(self._ids)}", list(tokens), len(tokens), params, self.eos,
                        constraint=constraint, priority=req.priority)
-        export = await asyncio.to_thread(self.exporter.open, seq.request_id, handle)
+        export = await asyncio.to_thread(self.exporter.open, seq.request_id, handle, arrived)
         loop = asyncio.get_running_loop()
         ended: asyncio.Future = loop.create_future()
 

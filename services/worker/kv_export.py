@@ -130,10 +130,12 @@ class KVExporter:
         self._connects: dict[tuple[int, int], bytes] = {}   # (rank, peer index): pairings to send before the next step
         self._step: list[tuple[str, Export]] | None = None              # exports other ranks write this step
 
-    def open(self, request_id: str, handle) -> Export:
+    def open(self, request_id: str, handle, arrived: float | None = None) -> Export:
         """Connect to the receiver of `handle` (a KVHandle: compat hash checked, the
-        link cached per peer) and track `request_id`'s writes to its blocks. Blocking:
-        call it off the event loop."""
+        link cached per peer) and track `request_id`'s writes to its blocks, until the
+        seconds its lease leaves from `arrived` (time.monotonic() when the handle came:
+        a grammar compiled or a link paired since takes from the lease, not after it).
+        Blocking: call it off the event loop."""
         if handle.compat_hash != self.compat_hash:
             raise IncompatiblePeer(f"decode worker KV layout {handle.compat_hash} differs from ours "
                                    f"{self.compat_hash} (model, dtype, quantization, block size or protocol): "
@@ -156,7 +158,7 @@ class KVExporter:
             for p, d, heads in writes:
                 if p:
                     ranks.append(RankTarget(p, self._rank_peer(p, by_rank[d], targets[0].transport.name), heads))
-        deadline = time.monotonic() + seconds_left(handle)
+        deadline = (time.monotonic() if arrived is None else arrived) + seconds_left(handle)
         export = Export(targets, list(handle.block_ids), deadline, fell_back, ranks)
         self._exports[request_id] = export
         return export
