@@ -147,3 +147,17 @@ def test_a_prompt_prefilled_remotely_goes_to_the_decode_worker_its_load_picks():
     assert prefill is None and decode.address == "h:1"           # computed where its prefix is
     decode, prefill, _ = workers(local_prefill_max_tokens=0).route(gen)
     assert prefill.address == "p:3" and decode.address == "l:2"   # computed remotely: by load
+
+
+def test_a_worker_without_a_prefix_cache_is_credited_with_none():
+    """A prompt prefilled on a worker counts as cached there for a while (its report
+    comes later), only where the worker keeps prefixes: with --enable-prefix-caching
+    off, affinity and the cost model would count on hits that never come."""
+    from services.router.workers import Worker
+    from services.rpc import worker_pb2
+    keeps, forgets = Worker("prefill", "a:1"), Worker("prefill", "b:1")
+    keeps.seen(worker_pb2.WorkerInfo(epoch="1", prefix_caching=True))
+    forgets.seen(worker_pb2.WorkerInfo(epoch="2", prefix_caching=False))
+    for w in (keeps, forgets):
+        w.caches([11, 12])
+    assert set(keeps.recent_keys) == {11, 12} and not forgets.recent_keys

@@ -147,7 +147,11 @@ class Worker:
         self.answered.append((time.time(), tokens))
 
     def caches(self, keys: list[int]) -> None:
-        """A prompt with these prefix keys was prefilled there: they count as held."""
+        """A prompt with these prefix keys was prefilled there: they count as held, where
+        the worker keeps prefixes at all (routing and the cost model would count on hits
+        that never come)."""
+        if self.info is not None and not self.info.prefix_caching:
+            return
         expiry = time.monotonic() + RECENT_KEYS_SECONDS
         self.recent_keys.update((k, expiry) for k in keys)
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import generate_pb2 as generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cworker.proto\x12\npdserve.v1\x1a\x0egenerate.proto\"\x8a\x03\n\nWorkerInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x13\n\x0b\x63ompat_hash\x18\x03 \x01(\t\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x07 \x01(\r\x12\x0f\n\x07running\x18\x08 \x01(\r\x12\x0f\n\x07waiting\x18\t \x01(\r\x12\x15\n\rmax_model_len\x18\n \x01(\r\x12\x15\n\rkv_transports\x18\x0b \x03(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x0c \x01(\t\x12\x1d\n\x15queued_prefill_tokens\x18\r \x01(\x04\x12\x15\n\rprefix_hashes\x18\x0e \x03(\x06\x12\x12\n\nstarted_at\x18\x0f \x01(\x01\x12\x13\n\x0breported_at\x18\x10 \x01(\x01\x12\x14\n\x0c\x62usy_seconds\x18\x11 \x01(\x01\x12\x10\n\x08\x64raining\x18\x12 \x01(\x08\x12\x11\n\tmax_batch\x18\x13 \x01(\r\"\r\n\x0bInfoRequest\"=\n\x0eTransportOffer\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0c\n\x04meta\x18\x02 \x01(\x0c\x12\x0c\n\x04rank\x18\x03 \x01(\r\"\xdb\x01\n\x08KVHandle\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x16\n\x0ewrite_deadline\x18\x05 \x01(\x01\x12*\n\x06offers\x18\x06 \x03(\x0b\x32\x1a.pdserve.v1.TransportOffer\x12\x13\n\x0b\x63ompat_hash\x18\x08 \x01(\t\x12\x1a\n\rwrite_seconds\x18\t \x01(\x01H\x00\x88\x01\x01\x42\x10\n\x0e_write_seconds\"V\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\"C\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xa4\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x06handle\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x10\n\x08priority\x18\x05 \x01(\r\"\xb9\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x04\x12\x17\n\x0fprefill_seconds\x18\x03 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x04 \x01(\x01\x12\x11\n\ttransport\x18\x05 \x01(\t\x12\x1a\n\x12transport_fallback\x18\x06 \x01(\x08\x12\x15\n\rcached_tokens\x18\x07 \x01(\r\x12/\n\rfirst_logprob\x18\x08 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11seconds_per_token\x18\n \x01(\x01J\x04\x08\x0b\x10\x0c\"\x8c\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\r\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x04\x12\x15\n\rlocal_prefill\x18\x08 \x01(\x08\x12\x11\n\ttransport\x18\t \x01(\t\x12\t\n\x01n\x18\n \x01(\r\x12\x19\n\x11\x66irst_token_given\x18\x0b \x01(\x08\x12\x10\n\x08priority\x18\x0c \x01(\rJ\x04\x08\x06\x10\x07\"\xbc\x01\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\r\n\x05index\x18\x04 \x01(\r\x12\x31\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\"\x9e\x01\n\x0bWorkerStats\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\x1e\n\x16prompt_tokens_computed\x18\x02 \x01(\x04\x12\x19\n\x11kv_bytes_received\x18\x03 \x01(\x04\x12\x15\n\rkv_bytes_sent\x18\x04 \x01(\x04\x12\x17\n\x0f\x61\x63tive_handoffs\x18\x05 \x01(\r2\xc3\x02\n\x0c\x44\x65\x63odeWorker\x12\x37\n\x04Info\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12\x39\n\x05Stats\x12\x17.pdserve.v1.InfoRequest\x1a\x17.pdserve.v1.WorkerStats\x12;\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x14.pdserve.v1.KVHandle\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeChunk0\x01\x32\xc7\x01\n\rPrefillWorker\x12\x37\n\x04Info\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12\x39\n\x05Stats\x12\x17.pdserve.v1.InfoRequest\x1a\x17.pdserve.v1.WorkerStats\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cworker.proto\x12\npdserve.v1\x1a\x0egenerate.proto\"\xa2\x03\n\nWorkerInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x13\n\x0b\x63ompat_hash\x18\x03 \x01(\t\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x07 \x01(\r\x12\x0f\n\x07running\x18\x08 \x01(\r\x12\x0f\n\x07waiting\x18\t \x01(\r\x12\x15\n\rmax_model_len\x18\n \x01(\r\x12\x15\n\rkv_transports\x18\x0b \x03(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x0c \x01(\t\x12\x1d\n\x15queued_prefill_tokens\x18\r \x01(\x04\x12\x15\n\rprefix_hashes\x18\x0e \x03(\x06\x12\x12\n\nstarted_at\x18\x0f \x01(\x01\x12\x13\n\x0breported_at\x18\x10 \x01(\x01\x12\x14\n\x0c\x62usy_seconds\x18\x11 \x01(\x01\x12\x10\n\x08\x64raining\x18\x12 \x01(\x08\x12\x11\n\tmax_batch\x18\x13 \x01(\r\x12\x16\n\x0eprefix_caching\x18\x14 \x01(\x08\"\r\n\x0bInfoRequest\"=\n\x0eTransportOffer\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0c\n\x04meta\x18\x02 \x01(\x0c\x12\x0c\n\x04rank\x18\x03 \x01(\r\"\xdb\x01\n\x08KVHandle\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x16\n\x0ewrite_deadline\x18\x05 \x01(\x01\x12*\n\x06offers\x18\x06 \x03(\x0b\x32\x1a.pdserve.v1.TransportOffer\x12\x13\n\x0b\x63ompat_hash\x18\x08 \x01(\t\x12\x1a\n\rwrite_seconds\x18\t \x01(\x01H\x00\x88\x01\x01\x42\x10\n\x0e_write_seconds\"V\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\"C\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xa4\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x06handle\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x10\n\x08priority\x18\x05 \x01(\r\"\xb9\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x04\x12\x17\n\x0fprefill_seconds\x18\x03 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x04 \x01(\x01\x12\x11\n\ttransport\x18\x05 \x01(\t\x12\x1a\n\x12transport_fallback\x18\x06 \x01(\x08\x12\x15\n\rcached_tokens\x18\x07 \x01(\r\x12/\n\rfirst_logprob\x18\x08 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11seconds_per_token\x18\n \x01(\x01J\x04\x08\x0b\x10\x0c\"\x8c\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\r\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x04\x12\x15\n\rlocal_prefill\x18\x08 \x01(\x08\x12\x11\n\ttransport\x18\t \x01(\t\x12\t\n\x01n\x18\n \x01(\r\x12\x19\n\x11\x66irst_token_given\x18\x0b \x01(\x08\x12\x10\n\x08priority\x18\x0c \x01(\rJ\x04\x08\x06\x10\x07\"\xbc\x01\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\r\n\x05index\x18\x04 \x01(\r\x12\x31\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\"\x9e\x01\n\x0bWorkerStats\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\x1e\n\x16prompt_tokens_computed\x18\x02 \x01(\x04\x12\x19\n\x11kv_bytes_received\x18\x03 \x01(\x04\x12\x15\n\rkv_bytes_sent\x18\x04 \x01(\x04\x12\x17\n\x0f\x61\x63tive_handoffs\x18\x05 \x01(\r2\xc3\x02\n\x0c\x44\x65\x63odeWorker\x12\x37\n\x04Info\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12\x39\n\x05Stats\x12\x17.pdserve.v1.InfoRequest\x1a\x17.pdserve.v1.WorkerStats\x12;\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x14.pdserve.v1.KVHandle\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeChunk0\x01\x32\xc7\x01\n\rPrefillWorker\x12\x37\n\x04Info\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12\x39\n\x05Stats\x12\x17.pdserve.v1.InfoRequest\x1a\x17.pdserve.v1.WorkerStats\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,31 +33,31 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERINFO']._serialized_start=45
-  _globals['_WORKERINFO']._serialized_end=439
-  _globals['_INFOREQUEST']._serialized_start=441
-  _globals['_INFOREQUEST']._serialized_end=454
-  _globals['_TRANSPORTOFFER']._serialized_start=456
-  _globals['_TRANSPORTOFFER']._serialized_end=517
-  _globals['_KVHANDLE']._serialized_start=520
-  _globals['_KVHANDLE']._serialized_end=739
-  _globals['_RESERVEREQUEST']._serialized_start=741
-  _globals['_RESERVEREQUEST']._serialized_end=827
-  _globals['_RELEASEREQUEST']._serialized_start=829
-  _globals['_RELEASEREQUEST']._serialized_end=896
-  _globals['_RELEASERESPONSE']._serialized_start=898
-  _globals['_RELEASERESPONSE']._serialized_end=933
-  _globals['_PREFILLREQUEST']._serialized_start=936
-  _globals['_PREFILLREQUEST']._serialized_end=1100
-  _globals['_PREFILLRESPONSE']._serialized_start=1103
-  _globals['_PREFILLRESPONSE']._serialized_end=1416
-  _globals['_DECODEREQUEST']._serialized_start=1419
-  _globals['_DECODEREQUEST']._serialized_end=1687
-  _globals['_DECODECHUNK']._serialized_start=1690
-  _globals['_DECODECHUNK']._serialized_end=1878
-  _globals['_WORKERSTATS']._serialized_start=1881
-  _globals['_WORKERSTATS']._serialized_end=2039
-  _globals['_DECODEWORKER']._serialized_start=2042
-  _globals['_DECODEWORKER']._serialized_end=2365
-  _globals['_PREFILLWORKER']._serialized_start=2368
-  _globals['_PREFILLWORKER']._serialized_end=2567
+  _globals['_WORKERINFO']._serialized_end=463
+  _globals['_INFOREQUEST']._serialized_start=465
+  _globals['_INFOREQUEST']._serialized_end=478
+  _globals['_TRANSPORTOFFER']._serialized_start=480
+  _globals['_TRANSPORTOFFER']._serialized_end=541
+  _globals['_KVHANDLE']._serialized_start=544
+  _globals['_KVHANDLE']._serialized_end=763
+  _globals['_RESERVEREQUEST']._serialized_start=765
+  _globals['_RESERVEREQUEST']._serialized_end=851
+  _globals['_RELEASEREQUEST']._serialized_start=853
+  _globals['_RELEASEREQUEST']._serialized_end=920
+  _globals['_RELEASERESPONSE']._serialized_start=922
+  _globals['_RELEASERESPONSE']._serialized_end=957
+  _globals['_PREFILLREQUEST']._serialized_start=960
+  _globals['_PREFILLREQUEST']._serialized_end=1124
+  _globals['_PREFILLRESPONSE']._serialized_start=1127
+  _globals['_PREFILLRESPONSE']._serialized_end=1440
+  _globals['_DECODEREQUEST']._serialized_start=1443
+  _globals['_DECODEREQUEST']._serialized_end=1711
+  _globals['_DECODECHUNK']._serialized_start=1714
+  _globals['_DECODECHUNK']._serialized_end=1902
+  _globals['_WORKERSTATS']._serialized_start=1905
+  _globals['_WORKERSTATS']._serialized_end=2063
+  _globals['_DECODEWORKER']._serialized_start=2066
+  _globals['_DECODEWORKER']._serialized_end=2389
+  _globals['_PREFILLWORKER']._serialized_start=2392
+  _globals['_PREFILLWORKER']._serialized_end=2591
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("role", "epoch", "compat_hash", "model_name", "block_size", "num_blocks", "free_blocks", "running", "waiting", "max_model_len", "kv_transports", "address", "queued_prefill_tokens", "prefix_hashes", "started_at", "reported_at", "busy_seconds", "draining", "max_batch")
+    __slots__ = ("role", "epoch", "compat_hash", "model_name", "block_size", "num_blocks", "free_blocks", "running", "waiting", "max_model_len", "kv_transports", "address", "queued_prefill_tokens", "prefix_hashes", "started_at", "reported_at", "busy_seconds", "draining", "max_batch", "prefix_caching")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class WorkerInfo(_message.Message):
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     role: str
     epoch: str
     compat_hash: str
@@ -47,7 +48,8 @@ class WorkerInfo(_message.Message):
     busy_seconds: float
     draining: bool
     max_batch: int
-    def __init__(self, role: _Optional[str] = ..., epoch: _Optional[str] = ..., compat_hash: _Optional[str] = ..., model_name: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_transports: _Optional[_Iterable[str]] = ..., address: _Optional[str] = ..., queued_prefill_tokens: _Optional[int] = ..., prefix_hashes: _Optional[_Iterable[int]] = ..., started_at: _Optional[float] = ..., reported_at: _Optional[float] = ..., busy_seconds: _Optional[float] = ..., draining: _Optional[bool] = ..., max_batch: _Optional[int] = ...) -> None: ...
+    prefix_caching: bool
+    def __init__(self, role: _Optional[str] = ..., epoch: _Optional[str] = ..., compat_hash: _Optional[str] = ..., model_name: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_transports: _Optional[_Iterable[str]] = ..., address: _Optional[str] = ..., queued_prefill_tokens: _Optional[int] = ..., prefix_hashes: _Optional[_Iterable[int]] = ..., started_at: _Optional[float] = ..., reported_at: _Optional[float] = ..., busy_seconds: _Optional[float] = ..., draining: _Optional[bool] = ..., max_batch: _Optional[int] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

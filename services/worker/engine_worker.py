@@ -94,4 +94,5 @@ class EngineWorker:
             role=self.role, epoch=self.epoch, compat_hash=self.compat_hash, model_name=self.runner.model_dir.name,
             block_size=self.layout.block_size, num_blocks=self.blocks.num_blocks,
             free_blocks=self.blocks.num_available, max_model_len=self.runner.max_model_len,
-            kv_transports=list(self.transports), prefix_hashes=self.blocks.keys_newest_first())
+            kv_transports=list(self.transports), prefix_hashes=self.blocks.keys_newest_first(),
+            prefix_caching=self.blocks.prefix_caching)
