@@ -6,7 +6,8 @@ cached run ends. The hash is stable across processes: a worker's block manager k
 computed blocks under these keys (`block_manager.BlockManager`), and the router
 computes the same keys from a prompt to see which worker already holds its prefix.
 
-A salt (vLLM's `cache_salt`; the router gives each API key its own) starts the chain
+A salt (vLLM's `cache_salt`; the router gives each tenant, an API key or the keys named
+alike, its own) starts the chain
 from a key of its own, so prompts of different salts never share a block: a tenant
 cannot learn from `cached_tokens` or from its time to first token whether another sent
 a prompt, and nothing of one tenant's is ever computed from another's KV.
