@@ -29,7 +29,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ from services.common.lifecycle import set_torch_threads, setup_logging
 from services.common.settings import WorkerSettings
 from services.engine.model.device import LayerPoster
 from services.engine.model.kv_cache import KVPoolMemory
-from services.engine.model.parallel import Command, RankGroup, TensorParallel, decode_batch
+from services.engine.model.parallel import Command, RankGroup, TensorParallel, decode_batch, rendezvous
 from services.engine.model.runner import ForwardBatch, ModelRunner, PrefillSegment, pick_device
 
 log = logging.getLogger(__name__)
@@ -67,12 +66,6 @@ def shares_gpus(device: str, size: int) -> bool:
     checks only (NCCL refuses two ranks on one GPU; gloo sums through the host then)."""
     first = pick_device(device)
     return first.type == "cuda" and (first.index or 0) + size > torch.cuda.device_count()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -133,7 +126,7 @@ class Ranks:
 def start_ranks(settings: WorkerSettings, model_dir: Path) -> Ranks:
     """Start ranks 1..N-1 of a worker of degree N and meet them (this process is rank 0)."""
     size = settings.tensor_parallel_size
-    address = f"127.0.0.1:{_free_port()}"
+    store, address = rendezvous(size)
     ctx = multiprocessing.get_context("spawn")
     processes = []
     for rank in range(1, size):
@@ -147,7 +140,7 @@ def start_ranks(settings: WorkerSettings, model_dir: Path) -> Ranks:
         log.warning("tensor parallel: %d ranks on %d GPU(s): ranks share a GPU and sum through gloo on the "
                     "host, with no CUDA graphs: for correctness checks, not speed", size, torch.cuda.device_count())
     return Ranks(RankGroup(TensorParallel(size, 0), rank_device(settings.device, 0), address,
-                           shared=shares_gpus(settings.device, size)), processes)
+                           shared=shares_gpus(settings.device, size), store=store), processes)
 
 
 # ---- ranks 1..N-1 ----

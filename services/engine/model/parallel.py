@@ -292,6 +292,16 @@ def decode_batch(ints: list[int], batch_type, segment_type):
 COMMAND_TIMEOUT = datetime.timedelta(days=365)
 
 
+def rendezvous(size: int, timeout_s: float = 120.0):
+    """Rank 0's store for the ranks to meet at, listening on a port of loopback the
+    kernel picks (a port found free and bound later may be another's by then: two
+    workers starting at once could meet at one), and its address, host:port."""
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    return store, f"127.0.0.1:{store.port}"
+
+
 class RankGroup:
     """torch.distributed between a worker's ranks: `control` (gloo, host tensors) carries
     commands, `compute` (gloo on a CPU, NCCL on GPUs) the all-reduces. Ranks on one
@@ -299,16 +309,22 @@ class RankGroup:
     does not fit there."""
 
     def __init__(self, tp: TensorParallel, device: torch.device, address: str, timeout_s: float = 120.0,
-                 shared: bool = False) -> None:
-        """`shared`: ranks share GPUs (correctness checks), where NCCL refuses to run."""
+                 shared: bool = False, store=None) -> None:
+        """`address`: rank 0's rendezvous, host:port; `store`: on rank 0, the store
+        listening there (`rendezvous`); `shared`: ranks share GPUs (correctness checks),
+        where NCCL refuses to run."""
         import torch.distributed as dist
         self.tp = tp
         self.device = device
         self.shared = shared
         backend = "nccl" if device.type == "cuda" and not shared else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(backend, init_method=f"tcp://{address}", rank=tp.rank, world_size=tp.size,
-                                timeout=timeout, **({"device_id": device} if backend == "nccl" else {}))
+        if store is None:           # rank 0 listens at `address`, the others reach it there
+            host, _, port = address.rpartition(":")
+            store = dist.TCPStore(host, int(port), tp.size, tp.rank == 0, timeout=timeout,
+                                  wait_for_workers=False)
+        dist.init_process_group(backend, store=store, rank=tp.rank, world_size=tp.size, timeout=timeout,
+                                **({"device_id": device} if backend == "nccl" else {}))
         self.compute = dist.group.WORLD
         # Commands wait as long as rank 0 has none to send (an idle worker): a command
         # group with the compute group's timeout ended every idle rank after it. A dead
