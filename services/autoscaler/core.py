@@ -193,6 +193,7 @@ class _PoolMemory:
     changed_at: float = -math.inf       # last change, ours or someone else's
     manual_until: float = -math.inf
     calm_since: float | None = None
+    hot_ticks: int = 0                  # consecutive ticks over target
     pending_since: float | None = None
     warm: frozenset[str] = frozenset()
     membership_at: float = -math.inf    # when `warm` last changed
@@ -247,6 +248,11 @@ class Planner:
         mem.expected = replicas
         mem.changed_at = self.clock()
 
+    def forget(self, role: Role) -> None:
+        """The actuator's state is unknown (a call failed): adopt the next observation silently."""
+        self._pools[role].expected = None
+        self._pools[role].changed_at = self.clock()
+
     def tick(self, pools: Mapping[Role, PoolObservation], limits: Limits) -> dict[Role, Decision]:
         now = self.clock()
         decisions = {r: self._plan(pools[r], limits.bounds(r), now) for r in ROLES}
@@ -261,6 +267,7 @@ class Planner:
         epochs = frozenset(w.epoch for w in warm)
         if epochs != mem.warm:
             mem.warm, mem.membership_at = epochs, now
+            mem.calm_since = None           # calm measured on another set of workers says nothing
         new = EMPTY
         for w in warm:
             new = merge(new, w.latency)
@@ -319,6 +326,7 @@ class Planner:
         mem.pending_since = (mem.pending_since or now) if v.pending else None
         calm = pressure is not None and pressure < p.scale_in_below
         mem.calm_since = (mem.calm_since if mem.calm_since is not None else now) if calm else None
+        mem.hot_ticks = mem.hot_ticks + 1 if pressure is not None and pressure > 1 else 0
         d = self._policy_decision(v, mem, now)
         clamped = min(max(d.desired, bounds.min), bounds.max)
         if clamped != d.desired:
@@ -361,15 +369,17 @@ class Planner:
 
     def _scale_out(self, v: _View, mem: _PoolMemory, now: float) -> Decision:
         p = self.policy
-        if v.pending or v.warming:
+        target = min(max(v.ready + 1, math.ceil(v.ready * v.pressure)), 2 * v.ready)
+        if target - v.ready - v.warming - v.pending <= 0:
             return v.decide(v.current, Reason.SETTLING, f"x{v.pressure:.2f} ({v.text}), but {v.pending} pending "
                                                         f"and {v.warming} warming: none added until they serve")
+        if v.kind == "load" and mem.hot_ticks < 2:      # one snapshot is not a trend
+            return v.decide(v.current, Reason.HOLD, f"x{v.pressure:.2f} ({v.text}) for one tick")
         if now - mem.changed_at < p.scale_out_cooldown:
             return v.decide(v.current, Reason.COOLDOWN, f"x{v.pressure:.2f} ({v.text}), but the pool changed "
                                                         f"{now - mem.changed_at:.0f} s ago")
-        target = min(max(v.ready + 1, math.ceil(v.ready * v.pressure)), 2 * v.ready)
         reason = Reason.SCALE_OUT_SLO if v.kind == "slo" else Reason.SCALE_OUT_LOAD
-        return v.decide(v.current + target - v.ready, reason, f"x{v.pressure:.2f}: {v.text}")
+        return v.decide(v.current + target - v.ready - v.warming - v.pending, reason, f"x{v.pressure:.2f}: {v.text}")
 
     # ---- the shared budget ----
     def _fit_budget(self, decisions: dict[Role, Decision], limits: Limits, now: float) -> dict[Role, Decision]:
@@ -401,7 +411,9 @@ class Planner:
         starved = [r for r in asks if grants[r] < asks[r] and decisions[r].reason in
                    (Reason.SCALE_OUT_SLO, Reason.SCALE_OUT_LOAD)]
         if starved and not any(d.draining for d in decisions.values()):
-            out = self._rebalance(out, starved[0], limits, now)
+            needy = max(starved, key=lambda r: decisions[r].pressure)
+            if limits.cost(needy) <= free + limits.cost(next(r for r in ROLES if r is not needy)):
+                out = self._rebalance(out, needy, limits, now)
         return out
 
     def _rebalance(self, out: dict[Role, Decision], needy: Role, limits: Limits, now: float) -> dict[Role, Decision]:

@@ -80,6 +80,7 @@ class Autoscaler:
         self.metrics = AutoscalerMetrics()
         self.last_tick = 0.0
         self._refused: str | None = None
+        self._good_limits = settings.limits
         self._reasons: dict[Role, str] = {}
 
     async def run(self, stop: asyncio.Event | threading.Event) -> None:
@@ -95,6 +96,9 @@ class Autoscaler:
 
     async def tick(self) -> dict[Role, Decision]:
         limits, refused = limits_with_overrides(self.settings.limits, await self.registry.bounds_overrides())
+        if refused:
+            limits = self._good_limits          # keep the last accepted overrides, not the command line
+        self._good_limits = limits
         if refused != self._refused:
             (log.warning if refused else log.info)(refused or "live bounds accepted")
             self._refused = refused
@@ -113,8 +117,14 @@ class Autoscaler:
 
     def _act(self, d: Decision, obs: PoolObservation) -> None:
         victims = choose_victims(d.role, obs.workers, d.current - d.desired) if d.desired < d.current else []
-        if self.actuator.scale(d.role, d.desired, victims):
-            self.planner.applied(d.role, d.desired)
+        try:
+            if self.actuator.scale(d.role, d.desired, victims):
+                self.planner.applied(d.role, d.desired)
+        except Exception:
+            # it may have been applied all the same: whatever is observed next is not a manual edit
+            log.exception("autoscaler: setting %s to %d failed", d.role.value, d.desired)
+            self.planner.forget(d.role)
+            return
         change = Change(self.clock(), d)
         self.timeline.append(change)
         self.announce(change)

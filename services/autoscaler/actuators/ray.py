@@ -35,9 +35,9 @@ class RayActuator:
     def observe(self, role: Role, registered: int) -> PoolSize:
         """The pool's actors, or while a scale call is under way (or after one failed)
         its target, actors still stopping counted as draining."""
-        live = self.pools.counts()[role.value]
-        with self._lock:
+        with self._lock:            # first: a call that ends meanwhile leaves its actors counted below
             wanted = self._wanted.get(role)
+        live = self.pools.counts()[role.value]
         return PoolSize(live) if wanted is None else PoolSize(wanted, max(0, live - wanted))
 
     def scale(self, role: Role, replicas: int, victims: Sequence[str]) -> bool:
