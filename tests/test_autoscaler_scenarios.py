@@ -270,3 +270,15 @@ def test_refused_live_bounds_keep_the_last_accepted_ones_not_the_command_lines()
         clock.t += TICK
         return await scaler.tick()
     assert asyncio.run(ticks())[D].desired == 7
+
+
+def test_a_budget_lowered_below_what_is_held_is_met_a_worker_at_a_time():
+    """Budget 8 with 4 + 4 workers held, lowered to 4 while it runs: the slots held
+    stayed 8 for good. The calmer pool gives a worker a tick, each once the last drained."""
+    w = World(Limits(PoolBounds(1, 8), PoolBounds(1, 8), budget=8), prefill=4, decode=4)
+    w.pools[P].latency, w.pools[D].latency = 4 * 0.7, 4 * 0.3
+    w.run(300)
+    w.limits = replace(w.limits, budget=4)
+    w.run(1800)
+    assert w.pools[P].current + w.pools[D].current <= 4
+    assert any(reason == "budget" for role in ROLES for _, _, reason in w.changes(role))

@@ -408,12 +408,27 @@ class Planner:
                 out[r] = replace(d, desired=d.current + grants[r], reason=Reason.BUDGET,
                                  detail=f"wanted {d.desired} ({d.reason.value}: {d.detail}); budget "
                                         f"{limits.budget} allows {d.current + grants[r]}")
+        if free < 0 and not any(d.draining or d.desired < d.current for d in decisions.values()):
+            return self._over_budget(out, limits, held)
         starved = [r for r in asks if grants[r] < asks[r] and decisions[r].reason in
                    (Reason.SCALE_OUT_SLO, Reason.SCALE_OUT_LOAD)]
         if starved and not any(d.draining for d in decisions.values()):
             needy = max(starved, key=lambda r: decisions[r].pressure)
             if limits.cost(needy) <= free + limits.cost(next(r for r in ROLES if r is not needy)):
                 out = self._rebalance(out, needy, limits, now)
+        return out
+
+    @staticmethod
+    def _over_budget(out: dict[Role, Decision], limits: Limits, held: int) -> dict[Role, Decision]:
+        """More slots held than the budget (lowered while it runs): one worker of the
+        calmer pool above its minimum goes, one a tick, each once the last has drained."""
+        above = [r for r in ROLES if out[r].current > limits.bounds(r).min and out[r].reason is not Reason.MANUAL]
+        if not above:
+            return out
+        r = min(above, key=lambda r: out[r].pressure if out[r].pressure is not None else 0.0)
+        d = out[r]
+        out[r] = replace(d, desired=d.current - 1, reason=Reason.BUDGET,
+                         detail=f"{held} slots held, over the budget of {limits.budget}: the calmer pool gives one")
         return out
 
     def _rebalance(self, out: dict[Role, Decision], needy: Role, limits: Limits, now: float) -> dict[Role, Decision]:
