@@ -203,3 +203,20 @@ def test_a_prefill_workers_prefix_cache_shrinks_to_its_share_of_the_card():
     with pytest.raises(ValueError, match="needs 19200 tokens.*room for 16000"):
         pool_blocks_that_fit(gpu, settings, config, working=1200, cached=0)
     assert pool_blocks_that_fit(Runner("cpu"), settings, config, working=1200, cached=1024) == 1024
+
+
+def test_a_model_too_large_for_its_cards_is_refused_before_it_loads(model_dir, monkeypatch):
+    """On a GPU, a rank's share of the weights alone past what --gpu-memory-utilization
+    allows is said at once, with the tensor-parallel size that would leave room, instead
+    of after minutes of loading (as "the KV pool cannot hold one context"). The card is
+    a double: 256 MiB, and the default model's ~270 MB of bfloat16 weights."""
+    from services.common.settings import WorkerSettings
+    from services.engine.text.model_store import checkpoint_parameters
+    from services.worker import main
+    monkeypatch.setattr(main, "pick_device", lambda requested: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (200 * 2**20, 256 * 2**20))
+    assert 130e6 < checkpoint_parameters(model_dir) < 140e6
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2 or more"):
+        main.check_fits_the_card(model_dir, WorkerSettings(role="decode", device="cuda"))
+    main.check_fits_the_card(model_dir, WorkerSettings(role="decode", device="cuda", tensor_parallel_size=2))
+    main.check_fits_the_card(model_dir, WorkerSettings(role="decode", device="cuda", quantization="int8"))

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
+from pathlib import Path
 from typing import Callable
 
 import grpc
+import torch
 
 from services.common.budgets import MIXED_PREFILL_CPU, MIXED_PREFILL_GPU, token_budget
 from services.common.grpc_server import ServiceHost
@@ -23,8 +26,8 @@ from services.common.metrics import WorkerMetrics
 from services.common.registry import Heartbeat, RedisRegistry
 from services.common.security import ClusterSecret, KeyCheck, RequireBearer
 from services.common.settings import SHUTDOWN_GRACE_SECONDS, WorkerSettings
-from services.engine.text.model_store import resolve_model
-from services.engine.model.runner import ModelRunner
+from services.engine.text.model_store import checkpoint_parameters, resolve_model
+from services.engine.model.runner import ModelRunner, pick_device
 from services.engine.core.scheduler import SchedulerConfig
 from services.engine.core.sampling import InvalidSampling, SamplingParams
 from services.engine.structured import Grammars, SchemaError
@@ -124,6 +127,31 @@ async def _drain(engine, timeout: float) -> None:
         await asyncio.sleep(0.1)
 
 
+# Bytes a weight takes on a GPU in each --dtype (auto: bfloat16) and with int8 layers.
+WEIGHT_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def check_fits_the_card(model_dir: Path, settings: WorkerSettings) -> None:
+    """On a GPU: ValueError, before minutes of loading, where a rank's share of the
+    weights alone passes what --gpu-memory-utilization allows of its card (the ranks also
+    hold the embeddings whole, the activations and the KV pool: this is a floor), with
+    the tensor-parallel size that would leave room."""
+    device = pick_device(settings.device)
+    if device.type != "cuda":
+        return
+    per_weight = 1 if settings.quantization == "int8" else WEIGHT_BYTES.get(settings.dtype, 2)
+    weights = checkpoint_parameters(model_dir) * per_weight
+    tp = settings.tensor_parallel_size
+    allowed = torch.cuda.mem_get_info(device)[1] * settings.gpu_memory_utilization
+    if weights / tp >= allowed:
+        needed = 1 << math.ceil(math.log2(weights / (0.8 * allowed)))     # tensor-parallel sizes go by twos
+        raise ValueError(f"{model_dir.name}'s weights take {weights / 2**30:.1f} GiB, {weights / tp / 2**30:.1f} GiB "
+                         f"a rank at --tensor-parallel-size {tp}: more than {settings.gpu_memory_utilization:g} of "
+                         f"{device}'s {allowed / settings.gpu_memory_utilization / 2**30:.0f} GiB allows, with "
+                         f"nothing left for the KV cache; use --tensor-parallel-size {needed} or more, int8 "
+                         "(--quantization int8), or cards with more memory")
+
+
 async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts],
                      stop: asyncio.Event | None = None) -> int:
     """Serve until `stop` is set (default: SIGTERM/SIGINT), then drain and stop. Returns
@@ -134,6 +162,7 @@ async def run_worker(settings: WorkerSettings, build: Callable[..., WorkerParts]
     set_torch_threads(settings.threads)
     keep_freed_memory()
     model_dir = resolve_model(settings.model, settings.revision)
+    check_fits_the_card(model_dir, settings)
     ranks = start_ranks(settings, model_dir) if settings.tensor_parallel_size > 1 else None
     device = str(rank_device(settings.device, 0)) if ranks is not None else settings.device
     runner = ModelRunner(model_dir, settings.dtype, device, attention=settings.attention_kernel,

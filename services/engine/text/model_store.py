@@ -145,6 +145,19 @@ def check_weights(model_dir: Path) -> None:
         raise FileNotFoundError(f"--model {model_dir}: no weights there (*.safetensors or a PyTorch *.bin)")
 
 
+def checkpoint_parameters(model_dir: Path) -> int:
+    """Elements of every tensor in the folder's safetensors files, read from their
+    headers (no weight is loaded); 0 where it has none."""
+    total = 0
+    for f in model_dir.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for name, meta in header.items():
+            if name != "__metadata__":
+                total += functools.reduce(lambda a, b: a * b, meta["shape"], 1)
+    return total
+
+
 # What serving needs of a Hub repository: configs, weights, tokenizer, chat template.
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 
