@@ -46,8 +46,10 @@ class World:
     demand spread over the warm workers, and take `drain_time` to exit when removed."""
 
     def __init__(self, policy: Policy = POLICY, limits: Limits | None = None, prefill: int = 1, decode: int = 1,
-                 start_delay: float = 10.0, drain_time: float = 10.0) -> None:
+                 start_delay: float = 10.0, drain_time: float = 10.0, tick: float = TICK) -> None:
         self.clock = Clock()
+        self.tick = tick
+        self.before_tick = None         # called with the world before each tick's observations
         self.policy = policy
         self.planner = Planner(policy, self.clock)
         self.limits = limits or Limits(PoolBounds(1, 4), PoolBounds(1, 4))
@@ -81,12 +83,14 @@ class World:
         return PoolObservation(role, pool.current, tuple(samples), len(pool.draining))
 
     def step(self) -> dict:
-        self.clock.t += TICK
+        self.clock.t += self.tick
         for role, pool in self.pools.items():
             for asked in [a for a in pool.pending if self.can_start[role] and self.clock.t - a >= self.start_delay]:
                 pool.pending.remove(asked)
                 self._register(role, started_at=self.clock.t)
             pool.draining = [t for t in pool.draining if t > self.clock.t]
+        if self.before_tick is not None:
+            self.before_tick(self)
         decisions = self.planner.tick({r: self.observe(r) for r in ROLES}, self.limits)
         for role in (P, D):                         # decreases are applied before increases
             self._apply(role, decisions[role].desired, decrease=True)
@@ -117,7 +121,7 @@ class World:
 
     def run(self, seconds: float) -> list[dict]:
         start = len(self.log)
-        for _ in range(int(seconds / TICK)):
+        for _ in range(int(seconds / self.tick)):
             self.step()
         return self.log[start:]
 

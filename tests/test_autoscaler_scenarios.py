@@ -8,54 +8,34 @@ the warm ones)."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-from services.autoscaler.core import (ROLES, Limits, Planner, Policy, PoolBounds, PoolObservation, Reason, Role,
-                                      WorkerSample, choose_victims)
+from services.autoscaler.core import ROLES, Limits, Policy, PoolBounds, PoolObservation, Reason, Role
 from services.common.histograms import histogram
+from tests.test_autoscaler_core import Clock, World as WarmWorld, changes
 
 P, D = Role.PREFILL, Role.DECODE
 TICK = 15.0
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1_700_000_000.0
+class World(WarmWorld):
+    """test_autoscaler_core's world at the default Policy and 15 s ticks, where every
+    worker takes an equal share of a pool's traffic: `latency` (over the SLO) as one
+    worker would show it, and `load`, queued prompt tokens (prefill) or running
+    sequences (decode), all told."""
 
-    def __call__(self) -> float:
-        return self.t
-
-
-@dataclass
-class Pool:
-    workers: list = field(default_factory=list)
-    pending: list = field(default_factory=list)
-    draining: list = field(default_factory=list)
-    current: int = 0
-    latency: float = 0.0        # latency over its SLO that one worker would show
-    load: float = 0.0           # queued prompt tokens (prefill) or running sequences (decode), all told
-
-
-class World:
     def __init__(self, limits: Limits | None = None, prefill: int = 1, decode: int = 1,
                  start_delay: float = 30.0) -> None:
-        self.clock, self.policy = Clock(), Policy()
-        self.planner = Planner(self.policy, self.clock)
-        self.limits = limits or Limits(PoolBounds(1, 8), PoolBounds(1, 8))
-        self.start_delay = start_delay
-        self.epochs = itertools.count()
-        self.pools = {P: Pool(), D: Pool()}
-        for role, n in ((P, prefill), (D, decode)):
-            for _ in range(n):
-                self.register(role, self.clock.t - self.policy.warmup - 1000)
-            self.pools[role].current = n
-        self.log: list[dict] = []
+        super().__init__(Policy(), limits or Limits(PoolBounds(1, 8), PoolBounds(1, 8)), prefill, decode,
+                         start_delay, drain_time=30.0, tick=TICK)
+        self.t0 = self.clock.t
+        for role in ROLES:
+            self.pools[role].workers = [replace(w, started_at=w.started_at - 1000) for w in self.pools[role].workers]
+            self.pools[role].latency = self.pools[role].load = 0.0
 
     def register(self, role: Role, started_at: float) -> None:
-        n = next(self.epochs)
-        self.pools[role].workers.append(WorkerSample(f"{role.value}-{n}", f"10.0.0.{n}:7001", started_at))
+        self._register(role, started_at)
 
     def observe(self, role: Role) -> PoolObservation:
         pool = self.pools[role]
@@ -69,40 +49,37 @@ class World:
         return PoolObservation(role, pool.current, tuple(out), len(pool.draining))
 
     def run(self, seconds: float, hook=None) -> None:
-        for _ in range(int(seconds / TICK)):
-            self.clock.t += TICK
-            for role, pool in self.pools.items():
-                for asked in [a for a in pool.pending if self.clock.t - a >= self.start_delay]:
-                    pool.pending.remove(asked)
-                    self.register(role, self.clock.t)
-                pool.draining = [t for t in pool.draining if t > self.clock.t]
-            if hook is not None:
-                hook(self)
-            decisions = self.planner.tick({r: self.observe(r) for r in ROLES}, self.limits)
-            for decrease in (True, False):
-                for role in ROLES:
-                    self.apply(role, decisions[role].desired, decrease)
-            self.log.append(decisions)
-
-    def apply(self, role: Role, desired: int, decrease: bool) -> None:
-        pool = self.pools[role]
-        if decrease and desired < pool.current:
-            for _ in range(pool.current - desired):
-                if pool.pending:
-                    pool.pending.pop()
-                    continue
-                victim = choose_victims(role, pool.workers, 1)[0]
-                pool.workers = [w for w in pool.workers if w.address != victim]
-                pool.draining.append(self.clock.t + 30)
-        elif not decrease and desired > pool.current:
-            pool.pending += [self.clock.t] * (desired - pool.current)
-        else:
-            return
-        pool.current = desired
-        self.planner.applied(role, desired)
+        self.before_tick = hook
+        super().run(seconds)
 
     def changes(self, role: Role) -> list[tuple[int, int, str]]:
-        return [(d[role].current, d[role].desired, d[role].reason.value) for d in self.log if d[role].changed]
+        return [(current, desired, reason.value) for current, desired, reason in changes(self.log, role)]
+
+
+class Registry:
+    """The registry the autoscaler service reads: `sizes` (prefill, decode) workers an
+    hour old, each record with `fields`, and `live` bounds."""
+    where = "fake"
+
+    def __init__(self, clock: Clock, sizes: tuple[int, int], live: dict | None = None, **fields) -> None:
+        self.clock, self.sizes, self.live, self.fields = clock, sizes, live if live is not None else {}, fields
+
+    async def bounds_overrides(self):
+        return dict(self.live)
+
+    async def latency_reports(self):
+        return []
+
+    async def publish_autoscaler(self, status, ttl):
+        pass
+
+    async def workers(self):
+        from services.rpc import worker_pb2
+        return [worker_pb2.WorkerInfo(role=role, epoch=f"{role}{i}", address=f"10.0.{r}.{i}:1",
+                                      started_at=self.clock.t - 3600, num_blocks=100,
+                                      **{k: v for k, v in self.fields.items()
+                                         if role == "prefill" or k != "queued_prefill_tokens"})
+                for r, (role, n) in enumerate(zip(("prefill", "decode"), self.sizes)) for i in range(n)]
 
 
 def test_a_replaced_worker_does_not_cut_a_latency_bound_pool():
@@ -163,7 +140,7 @@ def test_a_burst_on_one_tick_does_not_scale_out():
     w = World()
 
     def burst(world: World) -> None:
-        world.pools[P].load = (1.3 if int(world.clock.t - 1_700_000_000) % 600 == 0 else 0.2) * 8192
+        world.pools[P].load = (1.3 if int(world.clock.t - world.t0) % 600 == 0 else 0.2) * 8192
     w.run(3 * 3600, burst)
     assert w.changes(P) == []
 
@@ -175,26 +152,8 @@ def test_an_actuator_call_that_fails_after_it_applied_is_not_taken_for_a_manual_
     from services.autoscaler.actuators import PoolSize
     from services.autoscaler.service import Autoscaler
     from services.autoscaler.settings import AutoscalerSettings
-    from services.rpc import worker_pb2
     clock = Clock()
-
-    class Registry:
-        where = "fake"
-
-        async def bounds_overrides(self):
-            return {}
-
-        async def latency_reports(self):
-            return []
-
-        async def publish_autoscaler(self, status, ttl):
-            pass
-
-        async def workers(self):
-            return [worker_pb2.WorkerInfo(role=role, epoch=f"{role}{i}", address=f"10.0.{r}.{i}:1",
-                                          started_at=clock.t - 3600, num_blocks=100, free_blocks=100,
-                                          queued_prefill_tokens=30000 if role == "prefill" else 0)
-                    for r, (role, n) in enumerate((("prefill", 1), ("decode", 3))) for i in range(n)]
+    registry = Registry(clock, (1, 3), free_blocks=100, queued_prefill_tokens=30000)
 
     class LateAnswers:
         name = "kubernetes"
@@ -212,7 +171,7 @@ def test_an_actuator_call_that_fails_after_it_applied_is_not_taken_for_a_manual_
             return True
     settings = AutoscalerSettings(redis=None, policy=Policy(scale_in_after=0, scale_in_cooldown=0),
                                   limits=Limits(PoolBounds(1, 4), PoolBounds(1, 4)))
-    scaler = Autoscaler(settings, Registry(), LateAnswers(), clock=clock)
+    scaler = Autoscaler(settings, registry, LateAnswers(), clock=clock)
 
     async def ticks():
         out = []
@@ -232,25 +191,8 @@ def test_refused_live_bounds_keep_the_last_accepted_ones_not_the_command_lines()
     from services.autoscaler.actuators import PoolSize
     from services.autoscaler.service import Autoscaler
     from services.autoscaler.settings import AutoscalerSettings
-    from services.rpc import worker_pb2
     clock, live = Clock(), {"max_decode": "8"}
-
-    class Registry:
-        where = "fake"
-
-        async def bounds_overrides(self):
-            return dict(live)
-
-        async def latency_reports(self):
-            return []
-
-        async def publish_autoscaler(self, status, ttl):
-            pass
-
-        async def workers(self):
-            return [worker_pb2.WorkerInfo(role=role, epoch=f"{role}{i}", address=f"10.0.{r}.{i}:1",
-                                          started_at=clock.t - 3600, num_blocks=100, free_blocks=50)
-                    for r, (role, n) in enumerate((("prefill", 1), ("decode", 7))) for i in range(n)]
+    registry = Registry(clock, (1, 7), live, free_blocks=50)
 
     class Pools:
         name = "kubernetes"
@@ -261,7 +203,7 @@ def test_refused_live_bounds_keep_the_last_accepted_ones_not_the_command_lines()
         def scale(self, role, n, victims):
             raise AssertionError(f"scaled {role.value} to {n}")
     settings = AutoscalerSettings(redis=None, policy=Policy(), limits=Limits(PoolBounds(1, 4), PoolBounds(1, 4)))
-    scaler = Autoscaler(settings, Registry(), Pools(), clock=clock)
+    scaler = Autoscaler(settings, registry, Pools(), clock=clock)
 
     async def ticks():
         clock.t += TICK

@@ -330,18 +330,25 @@ def test_admission_keeps_a_watermark_while_others_run():
     assert not s.schedule().prefill and big.status is SeqStatus.WAITING
 
 
-def test_a_launched_step_holds_pending_tokens_and_the_blocks_given_back_meanwhile():
-    """Async scheduling: a launched step's sampled tokens stand as PENDING until resolved;
-    the next step is planned over them; blocks given back while a step may still write
-    them (an abort, a sequence finished by the step before) wait until it lands."""
-    from services.engine.core.sequence import PENDING
+def two_launched(a_tokens: int):
+    """Two prefilled sequences, a (`a_tokens` at most) and b, in a step launched and not
+    yet read (async scheduling): the scheduler, a, b, the step's rows and its number."""
     s = scheduler(blocks=8, block_size=4)
-    a = prefilled(s, seq("a", prompt_len=5, first=1, max_tokens=2))
+    a = prefilled(s, seq("a", prompt_len=5, first=1, max_tokens=a_tokens))
     b = prefilled(s, seq("b", prompt_len=5, first=1, max_tokens=10))
     first = s.schedule()
     rows = first.sampling()
     n1 = s.launch()
     s.launched(first, rows)
+    return s, a, b, rows, n1
+
+
+def test_a_launched_step_holds_pending_tokens_and_the_blocks_given_back_meanwhile():
+    """Async scheduling: a launched step's sampled tokens stand as PENDING until resolved;
+    the next step is planned over them; blocks given back while a step may still write
+    them (an abort, a sequence finished by the step before) wait until it lands."""
+    from services.engine.core.sequence import PENDING
+    s, a, b, rows, n1 = two_launched(a_tokens=2)
     assert a.token_ids[-1] == b.token_ids[-1] == PENDING and s.in_flight
     second = s.schedule()                     # planned over the pending tokens
     assert [(c.seq, c.start) for c in second.decode] == [(a, 6), (b, 6)]
@@ -420,13 +427,7 @@ def test_a_sequence_left_no_token_ends_at_the_tokens_it_has_and_gives_its_blocks
     while the next step runs over its pending token: its token list and computed KV stop
     at the tokens it made, and its blocks go back once that step lands."""
     from services.engine.core.sequence import NO_TOKEN, NO_TOKEN_LEFT, PENDING
-    s = scheduler(blocks=8, block_size=4)
-    a = prefilled(s, seq("a", prompt_len=5, first=1, max_tokens=10))
-    b = prefilled(s, seq("b", prompt_len=5, first=1, max_tokens=10))
-    first = s.schedule()
-    rows = first.sampling()
-    n1 = s.launch()
-    s.launched(first, rows)
+    s, a, b, rows, n1 = two_launched(a_tokens=10)
     second = s.schedule()                     # launched over the pending tokens, as the engine does:
     later = second.sampling()                 # its rows taken, then the first step's tokens read
     n2 = s.launch()
