@@ -70,8 +70,12 @@ def test_random_disconnects_return_every_block(cluster):
                       json={"messages": STORY, "max_tokens": 3}).status_code == 200
 
 
-def test_disconnect_during_a_long_prefill_releases_the_reservation(cluster):
-    long_prompt = [{"role": "user", "content": "alpha beta gamma delta " * 300}]    # ~1,200 tokens: seconds
+def test_disconnect_during_a_long_prefill_stops_it_and_releases_the_reservation(cluster):
+    """A client gone while its prompt is prefilled: the prefill worker stops it (it
+    computed the whole prompt, and the decode worker held its blocks until then, while
+    the router counted the request gone: a client could occupy both at no cost)."""
+    long_prompt = [{"role": "user", "content": "alpha beta gamma delta " * 1600}]   # ~6,400 tokens: seconds
+    computed = cluster.stats("prefill").prompt_tokens_computed
 
     async def run():
         async with httpx.AsyncClient(base_url=cluster.http, timeout=60) as client:
@@ -85,6 +89,8 @@ def test_disconnect_during_a_long_prefill_releases_the_reservation(cluster):
     asyncio.run(run())
     stats = cluster.wait_idle(timeout=60)
     assert stats.info.free_blocks == stats.info.num_blocks and stats.active_handoffs == 0
+    prefill = cluster.stats("prefill")
+    assert prefill.info.waiting == 0 and prefill.prompt_tokens_computed - computed < 6000
 
 
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/responses"])

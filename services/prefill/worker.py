@@ -19,6 +19,8 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import OrderedDict
+from dataclasses import dataclass
 
 import grpc
 
@@ -36,7 +38,7 @@ from services.engine.core.scheduler import SchedulerConfig
 from services.engine.model.runner import ModelRunner
 from services.rpc import worker_pb2, worker_pb2_grpc
 from services.worker.engine_worker import EngineWorker
-from services.worker.kv_export import KVExporter, LeaseExpired, PrefillCancelled
+from services.worker.kv_export import Export, KVExporter, LeaseExpired, PrefillCancelled
 from services.worker.main import EngineStatus, WorkerParts, prepare, refuse
 from services.worker.wire import (ERROR_CODE_KEY, REFUSED_UNSTARTED, check_request_id, check_tokens, logprob_to_proto,
                                   prompt_logprobs_to_proto, sampling_from_proto)
@@ -45,6 +47,19 @@ log = logging.getLogger(__name__)
 
 # Smoothing of the measured compute time per prompt token (reported to the router).
 COST_ALPHA = 0.2
+# Ids of prefills cancelled before they came, kept to refuse them if they come later.
+MAX_CANCELLED = 4096
+
+
+@dataclass
+class _Prefilling:
+    """A prefill this worker has taken, until nothing of it can still be written into
+    the decode worker's blocks (`settled`)."""
+    settled: asyncio.Future
+    settle: asyncio.Future | None = None        # the settle of its writes, once it has one
+    seq_id: str | None = None
+    export: Export | None = None
+    cancelled: bool = False
 
 
 def pool_blocks_that_fit(runner: ModelRunner, settings: WorkerSettings, config: SchedulerConfig, working: int,
@@ -105,11 +120,47 @@ class PrefillWorker(EngineWorker):
         self.kv_bytes_sent = 0
         self.seconds_per_token = 0.0
         self._pauses_seen = 0
+        self._prefilling: dict[str, _Prefilling] = {}      # by the router's request id
+        self._cancelled: OrderedDict[str, None] = OrderedDict()   # ids cancelled before they came
 
     async def prefill(self, req: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
         arrived = time.monotonic()          # the lease's seconds count from here, not after the checks
-        handle = req.handle
         check_request_id(req.request_id)
+        if req.request_id in self._prefilling or req.request_id in self._cancelled:
+            raise PrefillCancelled(f"request {req.request_id} is cancelled, or prefilling already")
+        entry = self._prefilling[req.request_id] = _Prefilling(asyncio.get_running_loop().create_future())
+        try:
+            return await self._prefill(req, arrived, entry)
+        finally:
+            if entry.settle is None:        # ended before it posted any write
+                self._settled(req.request_id, entry)
+
+    async def cancel(self, request_id: str) -> bool:
+        """Stop `request_id`'s prefill (the router's request ended) and return once
+        nothing of it can still be written into the decode worker's blocks: its posted
+        writes have ended or been given up. One not come yet is refused when it comes."""
+        entry = self._prefilling.get(request_id)
+        if entry is None:
+            self._cancelled[request_id] = None
+            while len(self._cancelled) > MAX_CANCELLED:
+                self._cancelled.popitem(last=False)
+            return True
+        entry.cancelled = True
+        if entry.export is not None:        # posts no more writes from now on
+            entry.export.failure = entry.export.failure or PrefillCancelled("the router cancelled the request")
+        if entry.seq_id is not None:
+            self.loop.abort(entry.seq_id)
+        await asyncio.shield(entry.settled)
+        return True
+
+    def _settled(self, request_id: str, entry: "_Prefilling") -> None:
+        self._prefilling.pop(request_id, None)
+        if not entry.settled.done():
+            entry.settled.set_result(None)
+
+    async def _prefill(self, req: worker_pb2.PrefillRequest, arrived: float,
+                       entry: "_Prefilling") -> worker_pb2.PrefillResponse:
+        handle = req.handle
         tokens = check_tokens(req.prompt_token_ids, self.runner.vocab_size)
         if len(tokens) > self.runner.max_model_len:
             raise ValueError(f"{len(tokens)} prompt tokens exceed the model's context of {self.runner.max_model_len}")
@@ -120,6 +171,7 @@ class PrefillWorker(EngineWorker):
         seq = Sequence(f"{req.request_id}#{next(self._ids)}", list(tokens), len(tokens), params, self.eos,
                        constraint=constraint, priority=req.priority)
         export = await asyncio.to_thread(self.exporter.open, seq.request_id, handle, arrived)
+        entry.seq_id, entry.export = seq.request_id, export
         loop = asyncio.get_running_loop()
         ended: asyncio.Future = loop.create_future()
 
@@ -131,6 +183,8 @@ class PrefillWorker(EngineWorker):
         self.loop.submit(seq, sink)
         ok = False
         try:
+            if entry.cancelled:
+                raise PrefillCancelled("the router cancelled the request")
             first = await asyncio.shield(ended)
             if export.failure is not None:
                 raise export.failure
@@ -145,7 +199,9 @@ class PrefillWorker(EngineWorker):
             if not ok:
                 export.failure = export.failure or PrefillCancelled("the request ended before its prefill")
                 self.loop.abort(seq.request_id)
-            settle = asyncio.ensure_future(self._settle(seq.request_id, export, ended, drain=not ok, n=len(tokens)))
+            settle = entry.settle = asyncio.ensure_future(self._settle(seq.request_id, export, ended, drain=not ok,
+                                                                       n=len(tokens)))
+            settle.add_done_callback(lambda _: self._settled(req.request_id, entry))
             await asyncio.shield(settle)
         done = time.perf_counter()
         computed = len(tokens) - seq.num_cached
@@ -213,6 +269,9 @@ class PrefillWorker(EngineWorker):
 
 
 class PrefillService(EngineStatus, worker_pb2_grpc.PrefillWorkerServicer):
+
+    async def Cancel(self, request, context):
+        return worker_pb2.CancelResponse(stopped=await self.engine.cancel(request.request_id))
 
     async def Prefill(self, request, context):
         if self.draining:

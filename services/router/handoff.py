@@ -46,6 +46,9 @@ ATTEMPTS = 3
 # The prefill RPC outlives the write lease by this much, so a prefill that reaches the
 # router's deadline has already stopped writing.
 PREFILL_RPC_MARGIN = 5.0
+# How long a prefill worker may take to stop a prefill the router no longer needs: the
+# step in flight and the drain of its writes (kv_export.DRAIN_SECONDS).
+CANCEL_TIMEOUT = 30.0
 # Prefill failures after which the decode worker prefills locally instead: the prefill
 # worker is gone or full, the KV transfer failed or ran out of lease, or the two workers
 # turned out not to match (a restart into another build). Each is counted.
@@ -70,6 +73,7 @@ class Handoff:
         # decode stream finished every choice (then nothing is left to release).
         self._handle: worker_pb2.KVHandle | None = None
         self._writer: asyncio.Future | None = None
+        self._writer_worker: Worker | None = None   # the prefill worker `_writer` calls
         self._finished = False
         # The first token, once sent to the client ahead of the decode stream (n = 1):
         # a later attempt continues from it rather than sampling another.
@@ -136,7 +140,7 @@ class Handoff:
                 # The request counts on the worker until its release is sent: a departed
                 # worker's channel stays open for it (WorkerSet._close_when_idle).
                 self.workers.spawn(self._release_after(self._writer, decode, self._handle, "request ended early",
-                                                       then=decode.request_ended))
+                                                       then=decode.request_ended, prefill=self._writer_worker))
             else:
                 decode.request_ended()
 
@@ -151,6 +155,7 @@ class Handoff:
             self._handle = await self._reserve(decode)
             # The wait for blocks can be long: the prefill worker may be gone by now.
             self._writer = self._start_prefill(prefill) if prefill.info is not None else None
+            self._writer_worker = prefill
         except BaseException:
             prefill.prompt_dropped(n)               # planned there, never sent
             raise
@@ -340,11 +345,17 @@ class Handoff:
                             "stop string")
 
     async def _release_after(self, writer: asyncio.Future | None, decode: Worker, handle: worker_pb2.KVHandle,
-                             reason: str, then: Callable[[], None] = lambda: None) -> None:
-        """Release once `writer` (the prefill writing into the blocks) has ended; `then`
-        after it, whatever happens."""
+                             reason: str, then: Callable[[], None] = lambda: None,
+                             prefill: Worker | None = None) -> None:
+        """Release once `writer` (the prefill writing into the blocks) has ended, or its
+        worker (`prefill`) has stopped it: a request that ends while its prompt is still
+        being prefilled frees the prefill worker and the blocks at once, not when the
+        prompt is done; `then` after it, whatever happens."""
         try:
-            if writer is not None:
+            if writer is not None and not writer.done() and prefill is not None \
+                    and await _stopped(prefill, handle.request_id):
+                writer.cancel()
+            elif writer is not None:
                 try:
                     await writer
                 except BaseException:
@@ -369,6 +380,19 @@ class Handoff:
             # The lease expires the blocks if the worker is alive but unreachable now.
             why = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             log.warning("release of %s on %s failed: %s", handle.request_id, decode.address, why)
+
+
+async def _stopped(prefill: Worker, request_id: str) -> bool:
+    """Whether `prefill` has stopped the request's prefill (nothing of it can still be
+    written): False where it cannot say (gone, or an older worker)."""
+    try:
+        answer = await prefill.stub.Cancel(worker_pb2.CancelRequest(request_id=request_id), timeout=CANCEL_TIMEOUT)
+    except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+        why = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+        log.info("cancelling the prefill of %s on %s failed (%s): its blocks wait for it", request_id,
+                 prefill.address, why)
+        return False
+    return answer.stopped
 
 
 async def unless_unreachable(worker: Worker, answer: Awaitable[T]) -> T:

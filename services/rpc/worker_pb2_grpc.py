@@ -293,6 +293,11 @@ class PrefillWorkerStub:
                 request_serializer=worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.Cancel = channel.unary_unary(
+                '/pdserve.v1.PrefillWorker/Cancel',
+                request_serializer=worker__pb2.CancelRequest.SerializeToString,
+                response_deserializer=worker__pb2.CancelResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -316,6 +321,12 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Cancel(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -333,6 +344,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=worker__pb2.PrefillRequest.FromString,
                     response_serializer=worker__pb2.PrefillResponse.SerializeToString,
+            ),
+            'Cancel': grpc.unary_unary_rpc_method_handler(
+                    servicer.Cancel,
+                    request_deserializer=worker__pb2.CancelRequest.FromString,
+                    response_serializer=worker__pb2.CancelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -416,6 +432,33 @@ class PrefillWorker:
             '/pdserve.v1.PrefillWorker/Prefill',
             worker__pb2.PrefillRequest.SerializeToString,
             worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Cancel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/Cancel',
+            worker__pb2.CancelRequest.SerializeToString,
+            worker__pb2.CancelResponse.FromString,
             options,
             channel_credentials,
             insecure,
