@@ -5,6 +5,7 @@ keep-alive and the route on a stream's last chunk."""
 from __future__ import annotations
 
 import json
+import math
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -868,3 +869,57 @@ def test_reasoning_streamed_under_a_grammar_and_through_the_responses_and_messag
     assert [(b.type, b.thinking) for b in message.content] == [("thinking", mused)]
     with claude.messages.stream(**ask_claude) as stream:
         assert [(b.type, b.thinking) for b in stream.get_final_message().content] == [("thinking", mused)]
+
+
+@pytest.mark.parametrize("length_penalty", [1.0, 0.0, -0.5])
+def test_beam_search_stops_once_no_running_beam_can_rank_and_finds_the_same(length_penalty):
+    """Once `n` beams have finished and none still running could score above the worst
+    of them, the search stops: the answer is the one running every step gives (vLLM's
+    runs them all: 20 s for two answers that ended at their 5th and 9th token in a
+    review's run). A toy model over a 12-token vocabulary, seeded, stands in for the
+    cluster: every run of steps is the same tree."""
+    import asyncio
+    import random
+    from types import SimpleNamespace
+
+    from services.engine.core.sampling import SamplingParams, TokenLogprob
+    from services.router import beam_search
+    from services.router.frontend import Collected
+    from services.router.generation import Generation
+    eos, steps = 2, []
+
+    def logprobs(tokens: list[int]) -> list[float]:
+        rng = random.Random(hash(tuple(tokens)))
+        raw = [rng.random() ** 3 * (4 if t == eos and len(tokens) > 5 else 1) for t in range(12)]
+        return [math.log(x / sum(raw)) for x in raw]
+
+    class Running:
+        def __init__(self, prompts):
+            self.prompts = prompts
+
+        async def collect(self):
+            out = []
+            for [gen] in self.prompts:
+                lp = logprobs(gen.prompt_ids)
+                top = sorted(range(12), key=lambda t: -lp[t])
+                out.append(Collected("", [top[0]], [TokenLogprob(top[0], lp[top[0]], top, [lp[t] for t in top])]))
+            return out
+
+    def start_prompts(prompts, deadline, tenant):
+        steps.append(len(prompts))
+        return Running(prompts)
+    fe = SimpleNamespace(tokenizer=SimpleNamespace(eos_token_id=eos), request_timeout=60, start_prompts=start_prompts)
+    template = Generation("r", [5, 6, 7], SamplingParams(max_tokens=40, temperature=0))
+
+    def run():
+        steps.clear()
+        beams = asyncio.run(beam_search.search(fe, template, 3, length_penalty, False, ""))
+        return [(b.tokens, b.finish_reason) for b in beams], len(steps)
+    found, taken = run()
+    original = beam_search._settled
+    beam_search._settled = lambda *args: False
+    try:
+        every, all_steps = run()
+    finally:
+        beam_search._settled = original
+    assert found == every and taken < all_steps         # here 27, 4 and 4 of 40

@@ -6,7 +6,8 @@ cluster's own requests: each step asks one token of every live beam, the beam's 
 text as its prompt (the prefix cache holds all but its last block), with the 2n likeliest
 tokens' log probabilities; every beam grows by each of them, and the n best sums go on.
 A beam that would take the end-of-sequence token is set aside as finished, unless
-`ignore_eos`. After `max_tokens` steps (or when no beam is left) the n best of the
+`ignore_eos`. After `max_tokens` steps (or when no beam is left, or none still running
+could rank among the n best finished: `_settled`) the n best of the
 finished and the live ones by `cumulative logprob / length ** length_penalty` (the length
 counting the prompt, without a final EOS) are the choices, best first.
 
@@ -96,7 +97,7 @@ async def search(fe: FrontEnd, template: Generation, width: int, length_penalty:
         grown.sort(key=lambda g: g[0], reverse=True)
         live = [Beam(beam.tokens + [token], total, beam.logprobs + [entry])
                 for total, token, beam, entry in grown[:width]]
-        if not live:
+        if not live or _settled(finished, live, width, eos, length_penalty, prompt_len + params.max_tokens):
             break
     for beam in live:
         beam.finish_reason = "length"
@@ -104,6 +105,21 @@ async def search(fe: FrontEnd, template: Generation, width: int, length_penalty:
     for beam in beams:
         del beam.tokens[:prompt_len]
     return beams
+
+
+def _settled(finished: list[Beam], live: list[Beam], width: int, eos: int | None, length_penalty: float,
+             longest: int) -> bool:
+    """Whether no live beam can still rank among the `width` best: `width` have finished
+    and the worst of them scores at least what any live beam could reach. Its sum only
+    falls, so with a positive length penalty the most it can reach is its sum over the
+    longest length (`longest` tokens), else its score now. The answer is then the one
+    running to max_tokens gives (vLLM's runs them all)."""
+    if len(finished) < width:
+        return False
+    worst = min(b.score(eos, length_penalty) for b in finished)
+    if length_penalty > 0:
+        return all(b.cum_logprob / longest ** length_penalty <= worst for b in live)
+    return all(b.score(eos, length_penalty) <= worst for b in live)
 
 
 def _alternatives(lp: TokenLogprob, count: int) -> list[tuple[int, float]]:
