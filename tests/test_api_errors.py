@@ -334,8 +334,25 @@ def test_worker_undecodable_request_is_invalid_argument(cluster, role, method):
     assert _grpc_raw(cluster, GOOD_GRPC.SerializeToString())
 
 
+def test_grpc_requests_are_held_to_the_http_bodys_size_and_ids_to_the_context_first(cluster):
+    """A Generate message is taken up to the HTTP body's 8 MiB (the cluster's own calls
+    take 64 MiB: KV handles); token ids past the context are refused before they are
+    walked (40 MB of them held the router's event loop for 5 s)."""
+    huge = generate_pb2.GenerateRequest(prompt_token_ids=generate_pb2.TokenIds(ids=[1000] * 5_000_000),
+                                        sampling=generate_pb2.SamplingParams(max_tokens=2))
+    assert huge.ByteSize() > 8 * 2**20
+    with pytest.raises(grpc.RpcError) as e:
+        _grpc_generate(cluster, huge)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+    long = generate_pb2.GenerateRequest(prompt_token_ids=generate_pb2.TokenIds(ids=[1000] * 1_000_000),
+                                        sampling=generate_pb2.SamplingParams(max_tokens=2))
+    with pytest.raises(grpc.RpcError) as e:
+        _grpc_generate(cluster, long)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "maximum context length" in e.value.details()
+
+
 def test_grpc_200000_stop_strings_are_refused(cluster):
-    """The HTTP API's cap on stop strings holds over gRPC, whose message may carry 64 MB."""
+    """The HTTP API's cap on stop strings holds over gRPC."""
     req = generate_pb2.GenerateRequest(prompt="hi", sampling=generate_pb2.SamplingParams(
         max_tokens=2, stop=[f"stop {i}" for i in range(200_000)]))
     with pytest.raises(grpc.RpcError) as e:

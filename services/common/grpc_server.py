@@ -28,9 +28,14 @@ DIAL_OPTIONS = CHANNEL_OPTIONS + [
 class ServiceHost:
     """Builds the server; `serving()` flips health to SERVING once the service is ready."""
 
-    def __init__(self, service_names: list[str], interceptors: list | None = None) -> None:
+    def __init__(self, service_names: list[str], interceptors: list | None = None,
+                 max_receive_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        """`max_receive_bytes`: the largest request taken (a public service's clients are
+        held to what its HTTP side takes; the cluster's own calls carry KV handles)."""
         # DecodeRequests last: a caller is authenticated before its bytes are read.
-        self.server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[*(interceptors or ()), DecodeRequests()])
+        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", max_receive_bytes)]
+        self.server = grpc.aio.server(options=options, interceptors=[*(interceptors or ()), DecodeRequests()])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._names = service_names

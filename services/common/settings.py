@@ -427,7 +427,7 @@ class RouterSettings(RoutingSettings):
     request_timeout: float = setting(600.0, "seconds a request may take end to end")
     prefill_timeout: float = setting(120.0, "seconds a remote prefill may take; also the KV write lease a "
                                             "reservation asks for")
-    max_body_bytes: int = setting(8 * 1024 * 1024, "largest HTTP request body accepted")
+    max_body_bytes: int = setting(8 * 1024 * 1024, "largest request accepted: an HTTP body, a gRPC message")
     cluster_secret_file: str | None = setting(None, CLUSTER_SECRET_HELP, metavar="FILE")
     worker_tls_ca: str | None = setting(None, "reach workers over TLS, verifying their certificates with this CA "
                                               "(PEM)", metavar="FILE")

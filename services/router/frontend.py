@@ -148,6 +148,9 @@ class FrontEnd:
             check_unicode(t, param)
 
     def _check_ids(self, ids: list[int], param: str) -> None:
+        if len(ids) > self.max_model_len:       # first: walking millions of ids holds the event loop
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
+                                f"has {len(ids)}.", code="context_length_exceeded", param=param)
         vocab = len(self.tokenizer)
         if any(not 0 <= t < vocab for t in ids):
             raise bad_request(f"{param} token ids must be in [0, {vocab})", param=param)
