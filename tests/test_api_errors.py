@@ -145,6 +145,8 @@ GRPC_BAD = {
     "unknown_model": (generate_pb2.GenerateRequest(model="other", prompt="hi"), grpc.StatusCode.NOT_FOUND),
     "stop_past_the_cap": (generate_pb2.GenerateRequest(prompt="hi", sampling=generate_pb2.SamplingParams(
         stop=[f"s{i}" for i in range(17)])), grpc.StatusCode.INVALID_ARGUMENT),
+    "schema_nested_past_the_recursion_limit": (generate_pb2.GenerateRequest(
+        prompt="hi", sampling=generate_pb2.SamplingParams(json_schema="[" * 200_000)), grpc.StatusCode.INVALID_ARGUMENT),
 }
 
 
@@ -157,6 +159,35 @@ def test_grpc_bad_request_gets_precise_status(cluster, name):
     ok = _grpc_generate(cluster, generate_pb2.GenerateRequest(
         prompt="hi", sampling=generate_pb2.SamplingParams(max_tokens=2)))
     assert ok[-1].finish_reason in ("stop", "length")
+
+
+def test_grpc_errors_carry_what_http_headers_and_bodies_say(cluster):
+    """A refused call's trailing metadata names the request (x-request-id) and the
+    error's code (as HTTP's body does: here invalid_json_schema); a caller's request id
+    that metadata cannot carry (a newline) is answered under the router's own instead of
+    failing the whole call after it ran."""
+    bad = generate_pb2.GenerateRequest(prompt="hi", request_id="mine",
+                                       sampling=generate_pb2.SamplingParams(json_schema="[" * 200_000))
+    with pytest.raises(grpc.RpcError) as e:
+        _grpc_generate(cluster, bad)
+    trailing = dict(e.value.trailing_metadata())
+    assert trailing["x-request-id"] == "mine" and trailing["pdserve-error-code"] == "invalid_json_schema"
+    assert "Recursion" not in e.value.details()
+    odd = _grpc_generate(cluster, generate_pb2.GenerateRequest(
+        prompt="hi", request_id="bad\nid", sampling=generate_pb2.SamplingParams(max_tokens=2)))
+    assert odd[-1].request_id == "bad\nid" and odd[-1].finish_reason in ("stop", "length")
+
+
+def test_grpc_streamed_usage_counts_the_tokens_sent_so_far(cluster):
+    """Each message's usage counts its choice's tokens the caller has been sent, not
+    those made and still queued behind them."""
+    messages = _grpc_generate(cluster, generate_pb2.GenerateRequest(
+        prompt="Count:", n=2, sampling=generate_pb2.SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2)))
+    sent = [0, 0]
+    for m in messages:
+        sent[m.index] += len(m.token_ids)
+        assert m.usage.completion_tokens == sent[m.index]
+    assert sent == [24, 24]
 
 
 def test_a_lone_surrogate_is_named_without_tokenizer_internals(cluster):

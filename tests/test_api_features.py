@@ -175,6 +175,7 @@ def test_beam_search_finds_what_vllms_finds_over_transformers_logits(cluster, hf
                                    timeout=120))
         assert [(list(m.token_ids), m.finish_reason, m.index) for m in found] == [
             (ids, reason, i) for i, (ids, reason) in enumerate(want)]
+        assert not any(m.logprobs for m in found)               # none asked for
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(generate_pb2.GenerateRequest(prompt="x", n=11, sampling=sampling), timeout=120))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "beam width" in e.value.details()

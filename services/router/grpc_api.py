@@ -1,6 +1,8 @@
 """The public gRPC `Generate` API: same validation, same pipeline as HTTP."""
 from __future__ import annotations
 
+import logging
+
 import grpc
 
 from services.common.security import KeyCheck
@@ -8,21 +10,41 @@ from services.router.access import AccessLog
 from services.router.admission import TENANT
 from services.router.frontend import FrontEnd, choices
 from services.router.generation import Generation, new_request_id
+from services.router.http_input import usable_request_id
 from services.router.protocol import MAX_CHOICES, APIError, bad_request
 from services.router.reasoning import Thinking, ThinkingStream, thought_and_answer
 from services.router import beam_search, structured
 from services.router.sampling import resolve_sampling
 from services.rpc import generate_pb2, generate_pb2_grpc
-from services.worker.wire import logprob_to_proto
+from services.worker.wire import ERROR_CODE_KEY, logprob_to_proto
 
+log = logging.getLogger(__name__)
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 GENERATE = "/pdserve.v1.Generator/Generate"
 
 
-def _usage(gen: Generation) -> generate_pb2.Usage:
-    """A choice's usage so far: its prompt's tokens, its output's, and of those its thinking."""
-    return generate_pb2.Usage(prompt_tokens=len(gen.prompt_ids), completion_tokens=gen.completion_tokens,
-                              reasoning_tokens=gen.thinking.count if gen.thinking is not None else 0)
+def _usage(gen: Generation, sent: int | None = None) -> generate_pb2.Usage:
+    """A choice's usage so far: its prompt's tokens, its output's (`sent`: those the
+    caller has been sent, where more may be queued behind them), and of those its
+    thinking."""
+    completion = gen.completion_tokens if sent is None else sent
+    thinking = min(gen.thinking.count, completion) if gen.thinking is not None else 0
+    return generate_pb2.Usage(prompt_tokens=len(gen.prompt_ids), completion_tokens=completion,
+                              reasoning_tokens=thinking)
+
+
+INTERNAL = APIError(500, "internal error", type_="server_error", grpc_code="INTERNAL")
+
+
+async def _abort(context, exc: APIError, request_id: str) -> None:
+    """End the call with `exc`'s status, and in its trailing metadata what HTTP says in
+    headers and body: the request id, a refusal's retry-after, the error's code."""
+    trailing = [("x-request-id", request_id)]
+    trailing += [(k.lower(), v) for k, v in (exc.headers or {}).items() if k.lower() == "retry-after"]
+    if exc.code:
+        trailing.append((ERROR_CODE_KEY, exc.code))
+    context.set_trailing_metadata(tuple(trailing))
+    await context.abort(getattr(grpc.StatusCode, exc.grpc_code), exc.message)
 
 
 class GeneratorService(generate_pb2_grpc.GeneratorServicer):
@@ -98,7 +120,7 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
             out.append(generate_pb2.GenerateResponse(
                 request_id=echoed, text=text, reasoning=reasoning or "", token_ids=result.token_ids,
                 finish_reason=gen.finish_reason or "", index=i, usage=_usage(gen),
-                logprobs=[logprob_to_proto(lp) for lp in result.logprobs]))
+                logprobs=[logprob_to_proto(lp) for lp in result.logprobs] if gen.params.logprobs is not None else []))
         return out
 
     def _tenant(self, context) -> str:
@@ -114,6 +136,8 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
         # What the caller reads back: its own id, from the request or the metadata, else
         # the router's for the request (not a choice's: n > 1 names each "<id>-<i>").
         echoed, trailing = request.request_id or given or own, given or request.request_id or own
+        if not usable_request_id(trailing.encode("utf-8", "replace")):    # metadata takes visible ASCII alone
+            trailing = own
         with self.access.grpc_call(GENERATE, context) as call:
             call.request_id = trailing
             tenant = self._tenant(context)
@@ -127,12 +151,17 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
                     return
                 running = self.fe.start(gens, context.time_remaining(), tenant)
             except APIError as exc:
-                await context.abort(getattr(grpc.StatusCode, exc.grpc_code), exc.message)
+                await _abort(context, exc, trailing)
+            except Exception:                   # no Python error text to the caller (as HTTP's 500)
+                log.exception("request %s failed", own)
+                await _abort(context, INTERNAL, trailing)
             gen = gens[0]
             scored = gen.params.prompt_logprobs is not None       # sent with choice 0's first message
             split = [ThinkingStream(thinking) for _ in gens] if thinking is not None else None
+            sent = [0] * len(gens)
             try:
                 async for d in running.deltas():
+                    sent[d.index] += len(d.token_ids)
                     prompt = None
                     if scored and d.index == 0:
                         prompt, scored = [logprob_to_proto(lp) for lp in gen.prompt_logprobs or ()], False
@@ -140,9 +169,9 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
                         d.text, final=bool(d.finish_reason))
                     yield generate_pb2.GenerateResponse(
                         request_id=echoed, text=text, reasoning=reasoning, token_ids=d.token_ids,
-                        finish_reason=d.finish_reason or "", index=d.index, usage=_usage(gens[d.index]),
+                        finish_reason=d.finish_reason or "", index=d.index, usage=_usage(gens[d.index], sent[d.index]),
                         logprobs=[logprob_to_proto(lp) for lp in d.logprobs or ()], prompt_logprobs=prompt)
             except APIError as exc:
-                await context.abort(getattr(grpc.StatusCode, exc.grpc_code), exc.message)
+                await _abort(context, exc, trailing)
             context.set_trailing_metadata((("x-pdserve-route", gen.route()),
                                            ("x-request-id", trailing)))

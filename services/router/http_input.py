@@ -82,6 +82,12 @@ class RequireAPIKey:
 REQUEST_ID_MAX = 128
 
 
+def usable_request_id(given: bytes) -> bool:
+    """Whether a caller's request id may be sent back as it is (a header, gRPC metadata):
+    visible ASCII, at most REQUEST_ID_MAX characters."""
+    return 0 < len(given) <= REQUEST_ID_MAX and all(0x21 <= c <= 0x7E for c in given)
+
+
 class RequestId:
     """ASGI middleware: every response carries `x-request-id`, the caller's own (visible
     ASCII, at most 128 characters) or a new one, errors and streams included; on
@@ -94,8 +100,7 @@ class RequestId:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         given = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"")
-        ok = 0 < len(given) <= REQUEST_ID_MAX and all(0x21 <= c <= 0x7E for c in given)
-        rid = given if ok else uuid.uuid4().hex.encode()
+        rid = given if usable_request_id(given) else uuid.uuid4().hex.encode()
 
         names = (b"x-request-id", b"request-id") if scope["path"].startswith("/v1/messages") else (b"x-request-id",)
 

@@ -86,6 +86,9 @@ async def check(fe, kind: str, value, param: str) -> Structure:
             except json.JSONDecodeError as exc:
                 raise bad_request(f"the JSON schema is not JSON: {exc}", param=param,
                                   code="invalid_json_schema") from None
+            except RecursionError:
+                raise bad_request("the JSON schema is nested too deeply", param=param,
+                                  code="invalid_json_schema") from None
             text = value
         else:
             text = json.dumps(value)
@@ -102,6 +105,9 @@ async def check(fe, kind: str, value, param: str) -> Structure:
             tag = json.loads(value)
         except json.JSONDecodeError as exc:
             raise bad_request(f"the structural tag is not JSON: {exc}", param=param,
+                              code="invalid_structural_tag") from None
+        except RecursionError:
+            raise bad_request("the structural tag is nested too deeply", param=param,
                               code="invalid_structural_tag") from None
         if isinstance(tag, dict) and "structures" in tag and "format" not in tag:
             return kind, json.dumps(first_form(tag, param))
