@@ -187,7 +187,9 @@ def test_beam_search_finds_what_vllms_finds_over_transformers_logits(cluster, hf
         (tok.decode(ids, skip_special_tokens=True), reason) for ids, reason in want]
     assert all(len(t.top_logprobs) == 2 for c in r.choices for t in c.logprobs.content)
     for extra, param in (({"stream": True}, "stream"), ({"n": 11}, "n"),
-                         ({"response_format": {"type": "json_object"}}, "use_beam_search")):
+                         ({"response_format": {"type": "json_object"}}, "use_beam_search"),
+                         ({"stop": [" Paris"]}, "stop"), ({"min_tokens": 3}, "min_tokens"),
+                         ({"logit_bias": {"7042": -100}}, "logit_bias")):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=MODEL, prompt="x", max_tokens=2,
                                       extra_body={"use_beam_search": True, **extra})

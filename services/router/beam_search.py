@@ -188,7 +188,8 @@ async def searched(fe: FrontEnd, prompts: list[list[Generation]], width: int, le
 def refuse_what_it_cannot(params: SamplingParams, width: int, length_penalty: float) -> None:
     """What beam search cannot do for a request of `width` beams, refused by name: more
     beams than a step's alternatives allow, prompt logprobs, an infinite penalty; and a
-    grammar (structured outputs), which vLLM's would leave unapplied."""
+    grammar (structured outputs), stop strings and tokens, min_tokens and the token
+    constraints, which vLLM's would leave unapplied."""
     if width > MAX_BEAMS:
         raise bad_request(f"n is the beam width with use_beam_search: at most {MAX_BEAMS} (each step asks for 2n "
                           f"alternatives, {MAX_TOP_LOGPROBS} at most)", param="n")
@@ -199,6 +200,13 @@ def refuse_what_it_cannot(params: SamplingParams, width: int, length_penalty: fl
     if params.structure is not None:
         raise bad_request("structured outputs (response_format, structured_outputs, guided_*) are not applied "
                           "with use_beam_search", param="use_beam_search")
+    # what each step's one-token requests would need to carry and the search to apply
+    # (vLLM's leaves them unapplied, silently)
+    for param, asked in (("stop", params.stop), ("stop_token_ids", params.stop_token_ids),
+                         ("min_tokens", params.min_tokens), ("logit_bias", params.logit_bias),
+                         ("allowed_token_ids", params.allowed_token_ids), ("bad_words", params.bad_words)):
+        if asked:
+            raise bad_request(f"{param} is not applied with use_beam_search", param=param)
 
 
 async def respond(fe: FrontEnd, req: CommonRequest, request_id: str, prompts: list[list[Generation]], shape: Shape,
