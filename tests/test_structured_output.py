@@ -296,6 +296,54 @@ def test_a_long_compile_delays_only_its_own_request(grammars):
         compiled.compile("a" * (MAX_CHARS + 1), "regex")
 
 
+def test_one_constraint_compiles_once_however_many_ask_and_the_cache_is_bounded_in_bytes(grammars, monkeypatch):
+    """Requests that bring one new schema at once share its compile (four compiled it
+    four times, each a thread of the worker's); compiled grammars are kept within
+    CACHE_BYTES (xgrammar's own cache kept every one: 3.8 GB for 400 schemas)."""
+    from services.engine import structured
+    tokenizer = grammars[0]
+    compiled = Grammars(lambda: tokenizer, len(tokenizer), frozenset({tokenizer.eos_token_id}))
+    compiles = []
+    original = compiled._compile
+
+    def counted(*args):
+        compiles.append(args[0])
+        time.sleep(0.3)
+        return original(*args)
+    monkeypatch.setattr(compiled, "_compile", counted)
+    with ThreadPoolExecutor(4) as pool:
+        found = list(pool.map(lambda _: compiled.compile("[a-z]{3}[0-9]", "regex"), range(4)))
+    assert len(compiles) == 1 and all(f is found[0] for f in found)
+    monkeypatch.setattr(structured, "CACHE_BYTES", found[0].memory_size_bytes * 2)
+    for i in range(6):
+        compiled.compile(f"[a-z]{{{i + 1}}}", "regex")
+    assert 1 <= len(compiled._cache) <= 3                # the newest is kept, whatever its size
+    assert compiled._cached_bytes <= structured.CACHE_BYTES or len(compiled._cache) == 1
+
+
+def test_a_grammar_too_costly_to_follow_ends_its_sequence_with_its_error(grammars, monkeypatch):
+    """An ambiguous grammar costs more with every token (1.1 s a token after 125 of
+    this one), and every sequence of a step waits for its mask: past TOKEN_SECONDS for a
+    token the grammar's rows allow none (the sequence ends: sampler.NO_TOKEN), and the
+    worker answers with this error, the grammar's code."""
+    import torch
+    import xgrammar as xgr
+
+    from services.engine import structured
+    from services.worker.main import no_token_error
+    from services.engine.core.sampling import SamplingParams
+    tokenizer, compiled = grammars
+    ambiguous = 'root ::= s\ns ::= s s | "a" | ""'
+    constraint = compiled.constraint(ambiguous, "grammar")
+    mask = xgr.allocate_token_bitmask(1, len(tokenizer))
+    assert constraint.fill(mask, 0) and int(mask.count_nonzero()) > 0 and constraint.failure is None
+    monkeypatch.setattr(structured, "TOKEN_SECONDS", 0.0)          # each token now over the budget
+    assert constraint.fill(mask, 0) and int(mask.count_nonzero()) == 0
+    error = no_token_error(SamplingParams(max_tokens=4, grammar=ambiguous), constraint, 3)
+    assert isinstance(error, SchemaError) and error.code == "invalid_grammar" and "too costly" in str(error)
+    assert torch.equal(mask, torch.zeros_like(mask))
+
+
 def _client(http: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{http}/v1", api_key="unused", max_retries=0, timeout=120)
 

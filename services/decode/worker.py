@@ -34,7 +34,7 @@ from services.common.metrics import WorkerMetrics
 from services.common.settings import WorkerSettings
 from services.common.shm import SHM_DIR, shm_free_bytes, sweep_stale_segments
 from services.engine.core.block_pool import NoFreeBlocks
-from services.engine.core.sampling import MAX_CHOICES, SamplingParams, no_token_left
+from services.engine.core.sampling import MAX_CHOICES, SamplingParams
 from services.engine.core.sequence import NO_TOKEN_LEFT, Sequence
 from services.engine.core.speculation import Speculator
 from services.engine.engine import EngineOutput, StepStats
@@ -43,7 +43,7 @@ from services.engine.model.kv_cache import KVPoolMemory
 from services.engine.model.runner import ModelRunner
 from services.rpc import worker_pb2, worker_pb2_grpc
 from services.worker.engine_worker import EngineWorker
-from services.worker.main import EngineStatus, WorkerParts, prepare, refuse
+from services.worker.main import EngineStatus, WorkerParts, no_token_error, prepared, refuse
 from services.worker.wire import (check_request_id, check_tokens, logprob_to_proto, prompt_logprobs_to_proto,
                                   sampling_from_proto)
 
@@ -363,12 +363,12 @@ class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
             if n > MAX_CHOICES:
                 raise ValueError(f"n must be between 1 and {MAX_CHOICES}, not {n}")
             taken = taken_tokens(request)
-            constraint = await asyncio.to_thread(prepare, params, e.runner.vocab_size, e.grammars, taken)
+            constraint = await prepared(params, e.runner.vocab_size, e.grammars, taken)
             forks = []
             for i in range(1, n):           # each its own seed, and its own place in the grammar
                 p = params.for_choice(i)
                 forks.append(Sequence(f"{request.request_id}#{i}", [], len(prompt), p, e.eos,
-                                      constraint=await asyncio.to_thread(prepare, p, e.runner.vocab_size, e.grammars),
+                                      constraint=await prepared(p, e.runner.vocab_size, e.grammars),
                                       priority=request.priority))
         except ValueError as exc:
             await refuse(context, exc)
@@ -399,7 +399,7 @@ class DecodeService(EngineStatus, worker_pb2_grpc.DecodeWorkerServicer):
                 if reason == "error":
                     await context.abort(grpc.StatusCode.INTERNAL, "decode step failed")
                 if reason == NO_TOKEN_LEFT:
-                    await refuse(context, no_token_left(params, made[index]))
+                    await refuse(context, no_token_error(params, (seq, *forks)[index].constraint, made[index]))
                 if reason:
                     running.discard(index)
                 yield worker_pb2.DecodeChunk(token_ids=o.token_ids, finish_reason=reason, index=index,

@@ -16,7 +16,10 @@ items, as `json.dumps` writes them, and no other (xgrammar's default separators)
 model left free to add whitespace can fill its whole budget with it.
 
 The masks of a step are filled on a thread of their own while the forward pass runs
-(engine.py), so their cost hides behind the step's.
+(engine.py), so their cost hides behind the step's; a grammar whose following takes past
+TOKEN_SECONDS for a token (an ambiguous one costs more with every token) ends its
+sequence with its error rather than stall every other one. Constraints compile on
+threads of their own (`Grammars.executor`), once however many requests bring one.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -33,8 +37,19 @@ from services.engine.text import json_schema
 
 log = logging.getLogger(__name__)
 
-# Compiled grammars kept per process (schemas repeat: a client sends the same one).
+# Compiled grammars kept per process (schemas repeat: a client sends the same one), at
+# most this many and this much memory (one schema of many patterns compiled to 228 MB;
+# xgrammar's own cache, unbounded, is off).
 CACHE_SIZE = 256
+CACHE_BYTES = 1 << 30
+# Threads that compile constraints, apart from the worker's default executor (which
+# writes KV): a schema that takes a minute to compile holds one of them, not an export.
+COMPILE_THREADS = 2
+# The longest following a grammar may take for one token (its mask, or taking a token):
+# an ambiguous grammar costs more with every token (1.1 s a token after 125 of
+# `s ::= s s | "a" | ""`), and every sequence of the step waits for its mask. Past it,
+# the sequence ends with the grammar's error (`Constraint.failure`).
+TOKEN_SECONDS = 0.25
 # The longest constraint of any kind (text/json_schema.py's bound on schemas): its size
 # bounds the time xgrammar takes to compile it, about a second for this many characters
 # of choices.
@@ -67,14 +82,17 @@ class Grammars:
         self.stop_token_ids = sorted(stop_token_ids)
         self._compiler = None
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._cached_bytes = 0
+        self._compiling: dict[tuple[str, str], Future] = {}     # by key: one compile of a constraint at a time
         self._lock = threading.Lock()
+        self.executor = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
 
     def _compiler_for(self):
         if self._compiler is None:
             import xgrammar as xgr
             info = xgr.TokenizerInfo.from_huggingface(self._load(), vocab_size=self.vocab_size,
                                                       stop_token_ids=self.stop_token_ids or None)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
 
     def compile(self, text: str, kind: str = "json_schema"):
@@ -91,6 +109,25 @@ class Grammars:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
+            pending = self._compiling.get(key)
+            if pending is None:
+                mine = self._compiling[key] = Future()
+        if pending is not None:             # another request's compile of it: its result
+            return pending.result()
+        try:
+            grammar = self._compile(text, kind, name, code)
+        except BaseException as exc:
+            mine.set_exception(exc)
+            raise
+        else:
+            mine.set_result(grammar)
+        finally:
+            with self._lock:
+                del self._compiling[key]
+        return grammar
+
+    def _compile(self, text: str, kind: str, name: str, code: str):
+        key = (kind, text)
         if kind == "json_schema":
             try:
                 json_schema.parse(text)
@@ -112,15 +149,16 @@ class Grammars:
             log.warning("compiling a %s of %d characters took %.1f s", name, len(text), took)
         with self._lock:
             self._cache[key] = grammar
-            if len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+            self._cached_bytes += grammar.memory_size_bytes
+            while len(self._cache) > 1 and (len(self._cache) > CACHE_SIZE or self._cached_bytes > CACHE_BYTES):
+                self._cached_bytes -= self._cache.popitem(last=False)[1].memory_size_bytes
         return grammar
 
     def constraint(self, text: str, kind: str = "json_schema", after: tuple[int, ...] = (),
                    opens: tuple[int, ...] = ()) -> "Constraint":
         import xgrammar as xgr
         # the matcher can roll back any number of tokens
-        return Constraint(xgr.GrammarMatcher(self.compile(text, kind)), self.vocab_size, after, opens)
+        return Constraint(xgr.GrammarMatcher(self.compile(text, kind)), self.vocab_size, after, opens, kind)
 
 
 class Constraint:
@@ -136,9 +174,14 @@ class Constraint:
     and the grammar refuses it; otherwise the grammar holds the output from its first
     token. The first token's mask allows it besides the grammar's."""
 
-    def __init__(self, matcher, vocab_size: int, after: tuple[int, ...] = (), opens: tuple[int, ...] = ()) -> None:
+    def __init__(self, matcher, vocab_size: int, after: tuple[int, ...] = (), opens: tuple[int, ...] = (),
+                 kind: str = "json_schema") -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
+        self.kind = kind
+        # Why the grammar can no longer be followed (it took past TOKEN_SECONDS for a
+        # token): its rows then allow no token, and the sequence ends with this error.
+        self.failure: SchemaError | None = None
         self._stuck = False
         self._after = tuple(after)
         self._recent: tuple[int, ...] = ()         # the output's last tokens while `after` is awaited
@@ -168,7 +211,9 @@ class Constraint:
         if self._waiting:
             self._recent, self._waiting = self._awaited(self._recent, token_id)
             return True
+        started = time.perf_counter()
         ok = self._matcher.accept_token(token_id)
+        self._timed(started, "taking a token")
         if not ok and not self._stuck:
             log.warning("no token fits the output's grammar here (token %d came); the output ends", token_id)
         self._stuck = self._stuck or not ok
@@ -202,16 +247,33 @@ class Constraint:
         """The mask of the next token, or of the token after `ahead` (drafted tokens,
         which the grammar accepts: `fitting`), in row `row`; False (row untouched) where
         the grammar does not hold that token yet."""
+        if self.failure is not None:
+            bitmask[row] = 0                        # no token: the sequence ends with the failure
+            return True
         _, fed, waiting = self._walk(ahead)
         try:
             if not waiting:
+                started = time.perf_counter()
                 self._matcher.fill_next_token_bitmask(bitmask, row)
+                if self._timed(started, "masking a token"):
+                    bitmask[row] = 0
                 if self._opens is not None and not ahead:
                     _allow(bitmask, row, self._opens)
         finally:                    # a failed fill leaves the matcher where the sequence is
             if fed:
                 self._matcher.rollback(fed)
         return not waiting
+
+    def _timed(self, started: float, what: str) -> bool:
+        """Whether following the grammar has become too slow (`failure` set): one token's
+        `what` took past TOKEN_SECONDS."""
+        took = time.perf_counter() - started
+        if took > TOKEN_SECONDS and self.failure is None:
+            name, code = _KINDS[self.kind]
+            log.warning("a %s took %.2f s %s: the sequence ends", name, took, what)
+            self.failure = SchemaError(f"the {name} became too costly to follow: {what} took {took:.2f} s (at most "
+                                       f"{TOKEN_SECONDS:g} s); an ambiguous grammar costs more with every token", code)
+        return self.failure is not None
 
     def fitting(self, draft: list[int]) -> list[int]:
         """The leading tokens of `draft` the grammar allows from here (speculative

@@ -29,7 +29,6 @@ from kv_transfer.base import IncompatiblePeer, TransferError
 from services.common.metrics import WorkerMetrics
 from services.common.settings import WorkerSettings
 from services.engine.core.block_pool import NoFreeBlocks
-from services.engine.core.sampling import no_token_left
 from services.engine.core.sequence import NO_TOKEN_LEFT, Sequence
 from services.engine.engine import EngineOutput, StepStats
 from services.engine.model.kv_cache import KVPoolMemory
@@ -39,7 +38,7 @@ from services.engine.model.runner import ModelRunner
 from services.rpc import worker_pb2, worker_pb2_grpc
 from services.worker.engine_worker import EngineWorker
 from services.worker.kv_export import Export, KVExporter, LeaseExpired, PrefillCancelled
-from services.worker.main import EngineStatus, WorkerParts, prepare, refuse
+from services.worker.main import EngineStatus, WorkerParts, no_token_error, prepared, refuse
 from services.worker.wire import (ERROR_CODE_KEY, REFUSED_UNSTARTED, check_request_id, check_tokens, logprob_to_proto,
                                   prompt_logprobs_to_proto, sampling_from_proto)
 
@@ -167,7 +166,7 @@ class PrefillWorker(EngineWorker):
         if handle.num_tokens != len(tokens) or len(handle.block_ids) != self.blocks.blocks_for(len(tokens)):
             raise TransferError("handle does not match the prompt length")
         params = sampling_from_proto(req.sampling)
-        constraint = await asyncio.to_thread(prepare, params, self.runner.vocab_size, self.grammars)
+        constraint = await prepared(params, self.runner.vocab_size, self.grammars)
         seq = Sequence(f"{req.request_id}#{next(self._ids)}", list(tokens), len(tokens), params, self.eos,
                        constraint=constraint, priority=req.priority)
         export = await asyncio.to_thread(self.exporter.open, seq.request_id, handle, arrived)
@@ -189,7 +188,7 @@ class PrefillWorker(EngineWorker):
             if export.failure is not None:
                 raise export.failure
             if first.finish_reason == NO_TOKEN_LEFT:
-                raise no_token_left(params, 0)
+                raise no_token_error(params, constraint, 0)
             if not first.token_ids:
                 raise TransferError(f"the prefill ended without a token ({first.finish_reason})")
             after_compute = time.perf_counter()

@@ -29,7 +29,7 @@ from services.common.settings import SHUTDOWN_GRACE_SECONDS, WorkerSettings
 from services.engine.text.model_store import checkpoint_parameters, resolve_model
 from services.engine.model.runner import ModelRunner, pick_device
 from services.engine.core.scheduler import SchedulerConfig
-from services.engine.core.sampling import InvalidSampling, SamplingParams
+from services.engine.core.sampling import InvalidSampling, SamplingParams, no_token_left
 from services.engine.structured import Grammars, SchemaError
 from services.engine.text.tokenizer import eos_token_ids, load_tokenizer
 from services.worker.ranks import rank_device, start_ranks
@@ -73,6 +73,21 @@ def prepare(params: SamplingParams, vocab_size: int, grammars: Grammars, taken: 
         if not constraint.accept(token):
             raise ValueError(f"token {token} does not fit the request's {kind}")
     return constraint
+
+
+async def prepared(params: SamplingParams, vocab_size: int, grammars: Grammars, taken: list[int] = ()):
+    """`prepare` on the grammar compilers' own threads (a slow compile holds one of them,
+    not the threads that write KV)."""
+    return await asyncio.get_running_loop().run_in_executor(grammars.executor, prepare, params, vocab_size,
+                                                            grammars, taken)
+
+
+def no_token_error(params: SamplingParams, constraint, position: int) -> ValueError:
+    """The caller's error for a sequence that ended with no token left at output
+    `position`: its grammar's, where following it became too costly, else its
+    constraints'."""
+    failure = getattr(constraint, "failure", None)
+    return failure if failure is not None else no_token_left(params, position)
 
 
 async def refuse(context, exc: ValueError) -> None:
