@@ -59,6 +59,22 @@ def test_each_kind_allows_its_sentences_and_no_other(grammars):
     assert not _allows(grammars, legacy, "structural_tag", "<function=g>{}")
 
 
+def test_schemas_xgrammar_would_close_too_far_allow_what_they_require(grammars):
+    """xgrammar closes objects that say nothing of additional properties, so a required
+    name missing from `properties` could only give output without it (`{}` for
+    `{"required": ["x"]}`: every answer a 500 after the whole generation), and it refused
+    an array's minItems without items: those are stated for it. An object that names its
+    properties stays closed to others, as before."""
+    required = '{"type": "object", "required": ["x"]}'
+    assert _allows(grammars, required, "json_schema", '{"x": 1}') and not _allows(grammars, required, "json_schema", "{}")
+    partly = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}'
+    assert _allows(grammars, partly, "json_schema", '{"a": 1, "b": "q"}')
+    assert _allows(grammars, '{"type": "array", "minItems": 1}', "json_schema", "[1]")
+    assert _allows(grammars, '{"type": "object", "minProperties": 1}', "json_schema", '{"k": 2}')
+    closed = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
+    assert not _allows(grammars, closed, "json_schema", '{"a": 1, "b": 2}')
+
+
 def test_a_draft_stops_short_of_the_grammars_end(grammars):
     """Speculative decoding drafts what the grammar allows, but not the stop token that
     ends it: the verify step's row after that token would ask a finished matcher for a

@@ -23,6 +23,7 @@ threads of their own (`Grammars.executor`), once however many requests bring one
 """
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -137,7 +138,8 @@ class Grammars:
             compiler = self._compiler_for()
         started = time.perf_counter()
         try:
-            grammar = compiler.compile_json_schema(text, any_whitespace=False) if kind == "json_schema" \
+            grammar = compiler.compile_json_schema(json.dumps(json_schema.for_the_grammar(json.loads(text))),
+                                                   any_whitespace=False) if kind == "json_schema" \
                 else compiler.compile_regex(text) if kind == "regex" \
                 else compiler.compile_grammar(text) if kind == "grammar" \
                 else compiler.compile_structural_tag(text)

@@ -98,6 +98,52 @@ def check(schema: dict | bool) -> None:
         raise ValueError(f"no output can match the JSON schema: {reason[:MAX_MESSAGE]}")
 
 
+# Keys whose values are schemas, or maps or lists of schemas (values of `const`, `enum`,
+# `default` and `examples` are data, and never rewritten).
+_SUBSCHEMA_KEYS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+                   "additionalItems", "unevaluatedItems", "unevaluatedProperties")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def for_the_grammar(schema):
+    """`schema` (parsed) as xgrammar compiles what it means: xgrammar closes objects
+    that say nothing of additional properties (its strict mode) and leaves out `required`
+    names missing from `properties`, so `{"required": ["x"]}` could only give `{}`, which
+    breaks it; and refuses an array's minItems or an object's minProperties that only
+    its unnamed items or properties can meet. Such names, items and properties are
+    stated (each as `additionalProperties` says, else any value). The rest is as given."""
+    if isinstance(schema, list):
+        return [for_the_grammar(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_KEYS:
+        if key in out:
+            out[key] = for_the_grammar(out[key])
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: for_the_grammar(s) for name, s in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = for_the_grammar(out[key])
+    required = out.get("required")
+    extra = out.get("additionalProperties")
+    if isinstance(required, list) and ("properties" in out or "object" in _kinds(out.get("type"))) \
+            and extra is not False:
+        properties = dict(out.get("properties") or {})
+        for name in required:
+            if isinstance(name, str) and name not in properties:
+                properties[name] = extra if isinstance(extra, dict) else {}
+        out["properties"] = properties
+    if "items" not in out and "prefixItems" not in out and isinstance(out.get("minItems"), int) and out["minItems"] > 0:
+        out["items"] = {}
+    if isinstance(out.get("minProperties"), int) and out["minProperties"] > len(out.get("properties") or {}) \
+            and "additionalProperties" not in out:
+        out["additionalProperties"] = True
+    return out
+
+
 def output_violation(schema: str, output: str) -> str | None:
     """Why `output`, the whole text of a sequence constrained by `schema` (JSON text),
     does not match it; None if it does, or if it cannot be checked (nesting or numbers
