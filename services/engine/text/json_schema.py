@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from urllib.parse import quote
 
 import jsonschema_rs
@@ -41,6 +42,11 @@ _ROOT = "urn:pdserve:schema"               # the schema's name in the registry o
 MAX_DEPTH = 64
 MAX_CONJUNCTS = 64
 MAX_PINNED_CHECKS = 256
+# ... and the time those validations may take, all told: each builds a validator of what
+# its subschema's references reach (0.4 s each for a large anyOf of patterns, 44 s for a
+# schema of 256 such checks, on the router's tokenizer threads). Past it, what is not yet
+# decided counts as satisfiable, and the output guard checks the answer.
+PINNED_SECONDS = 0.5
 MAX_MESSAGE = 300
 
 # Keywords that constrain nothing: `not` of a schema made only of these excludes every value.
@@ -213,6 +219,7 @@ class _Satisfiability:
         self._memo: dict[int, str | None] = {}
         self._registry = None
         self._pinned_checks = 0
+        self._pinned_until = time.monotonic() + PINNED_SECONDS
 
     def unmet(self, node, path: str, depth: int) -> str | None:
         """Why no value meets `node` (found at JSON pointer `path`), or None."""
@@ -363,7 +370,7 @@ class _Satisfiability:
     def _no_pinned_value(self, pinned: list, path: str) -> str | None:
         if not pinned:
             return f"the const and enum values of {_where(path)} have none in common"
-        if self._pinned_checks >= MAX_PINNED_CHECKS:
+        if self._pinned_checks >= MAX_PINNED_CHECKS or time.monotonic() > self._pinned_until:
             return None
         self._pinned_checks += 1
         try:
