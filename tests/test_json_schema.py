@@ -199,3 +199,16 @@ def test_the_checks_of_pinned_values_stop_at_their_time_budget(monkeypatch):
         json_schema.parse('{"const": 5, "maximum": 3}')
     monkeypatch.setattr(json_schema, "PINNED_SECONDS", -1.0)
     json_schema.parse('{"const": 5, "maximum": 3}')
+
+
+def test_the_guard_reads_what_the_validator_cannot_and_catches_what_json_hides():
+    """Integers past 64 bits are checked as doubles (they went unchecked: 10**33 passed a
+    maximum of 5); a number past a double's range is not checked (it read as infinity,
+    which the validator takes for null: a 500 for valid output); a key named twice in one
+    object, and an unpaired surrogate (the grammar allows both), are violations."""
+    from services.engine.text.json_schema import output_violation
+    assert "maximum" in output_violation('{"allOf": [{"type": "integer"}, {"maximum": 5}]}', "1" + "0" * 33)
+    assert output_violation('{"type": "number"}', "1e400") is None
+    assert "twice" in output_violation('{"type": "object", "minProperties": 2}', '{"a": 1, "a": 2}')
+    assert "surrogate" in output_violation('{"type": "object"}', '{"a": "\\ud800"}')
+    assert output_violation('{"type": "object"}', '{"a": "\\ud83d\\ude00"}') is None

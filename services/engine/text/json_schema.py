@@ -155,11 +155,17 @@ def output_violation(schema: str, output: str) -> str | None:
     does not match it; None if it does, or if it cannot be checked (nesting or numbers
     past what the validator reads)."""
     try:
-        value = json.loads(output)
+        value = json.loads(output, object_pairs_hook=_no_repeated_keys, parse_float=_finite, parse_int=_readable_int)
     except json.JSONDecodeError as exc:
         return f"the output is not JSON ({exc.msg} at character {exc.pos})"
+    except _Repeated as exc:
+        return f"the output names {str(exc)[:80]} twice in one object"
     except (RecursionError, ValueError):
         return None
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"the output holds an unpaired UTF-16 surrogate (U+{ord(exc.object[exc.start]):04X}), no character"
     try:
         error = next(jsonschema_rs.validator_for(json.loads(schema), **_OPTIONS).iter_errors(value), None)
     except (jsonschema_rs.ValidationError, jsonschema_rs.ReferencingError, ValueError, RecursionError):
@@ -168,6 +174,36 @@ def output_violation(schema: str, output: str) -> str | None:
         return None
     where = "/" + "/".join(str(p) for p in error.instance_path)
     return f"at {where}: {_first_line(error)}"[:MAX_MESSAGE]
+
+
+class _Repeated(ValueError):
+    """An object of the output names a key twice (JSON allows it; one value would be lost)."""
+
+
+def _no_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Repeated(json.dumps(key))
+        out[key] = value
+    return out
+
+
+def _finite(text: str) -> float:
+    """A JSON number as the validator can read it: one past a double's range (1e400) is
+    not checked (ValueError), where Python would read it as infinity, which the validator
+    takes for null."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is past a double's range")
+    return value
+
+
+def _readable_int(text: str) -> int | float:
+    """A JSON integer as the validator can read it: past 64 bits, as the nearest double
+    (it reads no larger integers, and the answer went unchecked)."""
+    value = int(text)
+    return value if -2**63 <= value < 2**64 else float(value)
 
 
 def _first_line(exc: Exception) -> str:
