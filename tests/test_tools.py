@@ -620,3 +620,29 @@ def test_a_text_valued_syntaxs_calls_are_typed_by_the_tools_whole_and_streamed()
     stream = plan.stream()
     pieces = [p for i in range(0, len(QWEN3_CODER), 5) for p in stream.pieces(QWEN3_CODER[i:i + 5])] + stream.close()
     assert _names(split(pieces)[1]) == _names(calls)
+
+
+def test_required_calls_keep_the_tools_own_definitions_where_their_references_resolve():
+    """tool_choice required nests each tool's parameters in one schema: a Pydantic-style
+    `"$ref": "#/$defs/Unit"` then resolved against that schema's root and was refused
+    (Pointer '/$defs/Unit' does not exist); definitions move to the root, and a name two
+    tools define differently is refused by name."""
+    from services.engine.text import json_schema
+    from services.router.protocol import APIError, ChatCompletionRequest
+    units = {"$defs": {"Unit": {"type": "string", "enum": ["c", "f"]}}, "type": "object",
+             "properties": {"city": {"type": "string"}, "unit": {"$ref": "#/$defs/Unit"}},
+             "required": ["city", "unit"]}
+
+    def ask(*parameters):
+        return ChatCompletionRequest.model_validate({
+            "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",
+            "tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": p}}
+                      for i, p in enumerate(parameters)]})
+    plan = plan_tools(ask(units, units), True)
+    schema = json_schema.parse(plan.schema)
+    assert schema["$defs"]["Unit"]["enum"] == ["c", "f"]
+    assert json_schema.output_violation(plan.schema, '[{"name": "f0", "arguments": {"city": "x", "unit": "c"}}]') \
+        is None
+    other = {**units, "$defs": {"Unit": {"type": "integer"}}}
+    with pytest.raises(APIError, match="Unit"):
+        plan_tools(ask(units, other), True)

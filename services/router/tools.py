@@ -198,9 +198,11 @@ def plan_tools(req: ChatCompletionRequest, template_supports_tools: bool,
                               param="tool_choice")
         return ToolPlan(tools, "named", json.dumps(fn.parameters), fn.name)
     if choice == "required":
-        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": fn.parameters},
+        defs: dict[str, dict] = {}
+        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": _hoisted(fn.parameters, name,
+                                                                                                   defs)},
                   "required": ["name", "arguments"]} for name, fn in functions.items()]
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **defs}
         if req.parallel_tool_calls is False:
             schema["maxItems"] = 1
         return ToolPlan(tools, "required", json.dumps(schema))
@@ -208,6 +210,26 @@ def plan_tools(req: ChatCompletionRequest, template_supports_tools: bool,
         raise unsupported("tool_choice", "tool_choice auto (the default with tools) is off on this server "
                                          "(--no-enable-auto-tool-choice): ask for required, none or a named function")
     return ToolPlan(tools, "auto", syntax=SYNTAXES[parser], one_call=req.parallel_tool_calls is False)
+
+
+def _hoisted(parameters, tool: str, defs: dict[str, dict]):
+    """A tool's parameters nested in the calls' schema, their local definitions (`$defs`,
+    `definitions`: Pydantic's) moved to its root, where their `#/$defs/...` references
+    resolve from; a name two tools define differently is refused by the tool's name."""
+    if not isinstance(parameters, dict):
+        return parameters
+    out = dict(parameters)
+    for key in ("$defs", "definitions"):
+        local = out.pop(key, None)
+        if not isinstance(local, dict):
+            continue
+        shared = defs.setdefault(key, {})
+        for name, schema in local.items():
+            if shared.get(name, schema) != schema:
+                raise bad_request(f"tool {tool!r} defines {key}/{name} unlike another tool, which tool_choice "
+                                  "required cannot hold in one schema: rename one", param="tools")
+            shared[name] = schema
+    return out
 
 
 def grammar_holds(syntax) -> bool:
