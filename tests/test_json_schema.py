@@ -212,3 +212,10 @@ def test_the_guard_reads_what_the_validator_cannot_and_catches_what_json_hides()
     assert "twice" in output_violation('{"type": "object", "minProperties": 2}', '{"a": 1, "a": 2}')
     assert "surrogate" in output_violation('{"type": "object"}', '{"a": "\\ud800"}')
     assert output_violation('{"type": "object"}', '{"a": "\\ud83d\\ude00"}') is None
+
+
+def test_a_bounds_name_in_a_schemas_data_bounds_nothing():
+    from services.engine.text.json_schema import parse
+    parse('{"enum": [{"maxItems": 1000000}], "default": {"maxLength": 200000}}')
+    with pytest.raises(ValueError, match="maxItems"):
+        parse('{"type": "array", "maxItems": 1000000}')

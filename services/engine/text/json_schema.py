@@ -77,8 +77,13 @@ def parse(schema: str) -> dict | bool:
     return parsed
 
 
+# Keys whose values are data, not schemas: a bound's name in them bounds nothing.
+_DATA_KEYS = frozenset({"const", "enum", "default", "examples"})
+
+
 def _check_bounds(node) -> None:
-    """ValueError for a length or count bound past MAX_BOUND anywhere in the schema."""
+    """ValueError for a length or count bound past MAX_BOUND anywhere in the schema
+    (not in its data: `{"enum": [{"maxItems": 1000000}]}` has none)."""
     stack = [node]
     while stack:
         node = stack.pop()
@@ -87,7 +92,7 @@ def _check_bounds(node) -> None:
                 value = node.get(key)
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and value > MAX_BOUND:
                     raise ValueError(f"the JSON schema's {key} of {value} is above the {MAX_BOUND} supported")
-            stack.extend(node.values())
+            stack.extend(v for k, v in node.items() if k not in _DATA_KEYS)
         elif isinstance(node, list):
             stack.extend(node)
 
