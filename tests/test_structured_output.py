@@ -73,6 +73,13 @@ def test_schemas_xgrammar_would_close_too_far_allow_what_they_require(grammars):
     assert _allows(grammars, '{"type": "object", "minProperties": 1}', "json_schema", '{"k": 2}')
     closed = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
     assert not _allows(grammars, closed, "json_schema", '{"a": 1, "b": 2}')
+    # xgrammar takes an allOf of two or more branches for any value: they are merged first
+    described = '{"allOf": [{"type": "integer"}, {"description": "a count"}]}'
+    assert _allows(grammars, described, "json_schema", "12") and not _allows(grammars, described, "json_schema", '"zz"')
+    both = ('{"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, '
+            '{"properties": {"b": {"type": "string"}}, "required": ["b"]}]}')
+    assert _allows(grammars, both, "json_schema", '{"a": 1, "b": "x"}')
+    assert not _allows(grammars, both, "json_schema", '{"a": 1}')
 
 
 def test_a_draft_stops_short_of_the_grammars_end(grammars):

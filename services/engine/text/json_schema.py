@@ -138,6 +138,7 @@ def for_the_grammar(schema):
     for key in _SUBSCHEMA_LISTS:
         if isinstance(out.get(key), list):
             out[key] = for_the_grammar(out[key])
+    out = _merged_all_of(out)
     required = out.get("required")
     extra = out.get("additionalProperties")
     if isinstance(required, list) and ("properties" in out or "object" in _kinds(out.get("type"))) \
@@ -153,6 +154,36 @@ def for_the_grammar(schema):
             and "additionalProperties" not in out:
         out["additionalProperties"] = True
     return out
+
+
+def _merged_all_of(schema: dict) -> dict:
+    """`schema` with its `allOf` branches merged into it where they do not conflict:
+    xgrammar takes an allOf of two or more branches for any JSON value, so
+    `{"allOf": [{"type": "integer"}, {"minimum": 5}]}` let "zz" through. Properties are
+    merged by name, `required` names joined; a key two branches give different values
+    (other than those) leaves the allOf as it was, for the output guard."""
+    branches = schema.get("allOf")
+    if not isinstance(branches, list) or not all(isinstance(b, dict) for b in branches):
+        return schema
+    merged = {k: v for k, v in schema.items() if k != "allOf"}
+    for branch in branches:
+        for key, value in branch.items():
+            if key == "properties" and isinstance(value, dict):
+                properties = dict(merged.get("properties") or {})
+                for name, sub in value.items():
+                    if properties.get(name, sub) != sub:
+                        return schema
+                    properties[name] = sub
+                merged["properties"] = properties
+            elif key == "required" and isinstance(value, list):
+                merged["required"] = list(dict.fromkeys([*(merged.get("required") or []), *value]))
+            elif key in _ANNOTATIONS:
+                merged.setdefault(key, value)
+            elif merged.get(key, value) != value:
+                return schema
+            else:
+                merged[key] = value
+    return merged
 
 
 def output_violation(schema: str, output: str) -> str | None:
