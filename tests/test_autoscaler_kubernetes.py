@@ -258,6 +258,7 @@ def test_stand_in_autoscaler_scales_a_deployment_and_adopts_a_manual_edit(api, r
                                       actuator="kubernetes", interval=1, namespace=NS,
                                       prefill_deployment="pdserve-prefill", decode_deployment="pdserve-decode")
         scaler = Autoscaler(settings, registry, actuator(api))
+        await scaler.tick()                     # a load signal acts on its second tick over
         decisions = await scaler.tick()
         assert decisions[Role.PREFILL].reason is Reason.SCALE_OUT_LOAD
         assert api.deployments["pdserve-prefill"].replicas == 2
