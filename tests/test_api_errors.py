@@ -145,8 +145,12 @@ GRPC_BAD = {
     "unknown_model": (generate_pb2.GenerateRequest(model="other", prompt="hi"), grpc.StatusCode.NOT_FOUND),
     "stop_past_the_cap": (generate_pb2.GenerateRequest(prompt="hi", sampling=generate_pb2.SamplingParams(
         stop=[f"s{i}" for i in range(17)])), grpc.StatusCode.INVALID_ARGUMENT),
+    "stop_past_the_cap_with_empty_ones": (generate_pb2.GenerateRequest(
+        prompt="hi", sampling=generate_pb2.SamplingParams(stop=["", ""] + [f"s{i}" for i in range(15)])),
+        grpc.StatusCode.INVALID_ARGUMENT),
     "schema_nested_past_the_recursion_limit": (generate_pb2.GenerateRequest(
-        prompt="hi", sampling=generate_pb2.SamplingParams(json_schema="[" * 200_000)), grpc.StatusCode.INVALID_ARGUMENT),
+        prompt="hi", sampling=generate_pb2.SamplingParams(json_schema="[" * 200_000)),
+        grpc.StatusCode.INVALID_ARGUMENT),
 }
 
 

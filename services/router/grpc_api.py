@@ -11,6 +11,7 @@ from services.router.admission import TENANT
 from services.router.frontend import FrontEnd, choices
 from services.router.generation import Generation, new_request_id
 from services.router.http_input import usable_request_id
+from services.engine.core.sampling import MAX_STOP
 from services.router.protocol import MAX_CHOICES, APIError, bad_request
 from services.router.reasoning import Thinking, ThinkingStream, thought_and_answer
 from services.router import beam_search, structured
@@ -79,6 +80,8 @@ class GeneratorService(generate_pb2_grpc.GeneratorServicer):
         prompt_ids = await self._prompt(request)
         s = request.sampling
         opt = lambda name: getattr(s, name) if s.HasField(name) else None  # noqa: E731
+        if len(s.stop) > MAX_STOP:                  # empty ones count, as over HTTP
+            raise bad_request(f"at most {MAX_STOP} stop sequences", param="sampling.stop")
         structure = await structured.resolve(self.fe, [
             (f"sampling.{name}", kind, value) for name, kind, value in (
                 ("json_schema", "json", s.json_schema), ("regex", "regex", s.regex), ("grammar", "grammar", s.grammar),
