@@ -224,3 +224,27 @@ def test_a_budget_lowered_below_what_is_held_is_met_a_worker_at_a_time():
     w.run(1800)
     assert w.pools[P].current + w.pools[D].current <= 4
     assert any(reason == "budget" for role in ROLES for _, _, reason in w.changes(role))
+
+
+def test_the_planners_timers_never_step_and_a_fast_clocked_host_does_not_keep_its_worker_warming():
+    """The planner runs on time.monotonic (a wall clock stepped 15 min forward cancelled
+    pending capacity at once); a worker's start, reported on its host's clock, is taken
+    no later than when the autoscaler first saw it (a host an hour ahead kept its worker
+    warming, out of every signal, for that hour)."""
+    import time
+
+    from services.autoscaler.service import Autoscaler
+    from services.autoscaler.settings import AutoscalerSettings
+    from services.rpc import worker_pb2
+    settings = AutoscalerSettings(redis=None, policy=Policy(), limits=Limits(PoolBounds(1, 4), PoolBounds(1, 4)))
+    assert Autoscaler(settings, None, None).planner.clock is time.monotonic
+    wall, mono = Clock(), Clock()
+    mono.t = 50.0
+    scaler = Autoscaler(settings, None, None, clock=wall)
+    scaler.planner.clock = mono
+    ahead = worker_pb2.WorkerInfo(epoch="ahead", started_at=wall.t + 3600)
+    steady = worker_pb2.WorkerInfo(epoch="steady", started_at=wall.t - 1000)
+    assert scaler._started([ahead, steady]) == {"ahead": 50.0, "steady": 50.0 - 1000}
+    wall.t += 200
+    mono.t += 200
+    assert scaler._started([ahead, steady])["ahead"] == 50.0           # 200 s old now, warm after warmup

@@ -73,7 +73,10 @@ class Autoscaler:
         self.registry = registry
         self.actuator = actuator
         self.clock = clock
-        self.planner = Planner(settings.policy, clock)
+        # The planner's timers (cooldowns, holds, pending capacity) run on a clock that
+        # never steps; a test's own clock stands for both.
+        self.planner = Planner(settings.policy, time.monotonic if clock is time.time else clock)
+        self._first_seen: dict[str, float] = {}     # worker epoch -> when this autoscaler first saw it
         self.deltas = CumulativeDeltas()
         self.busy = BusyFraction()
         self.timeline: list[Change] = []
@@ -134,9 +137,10 @@ class Autoscaler:
         latency = self._new_latency(await self.registry.latency_reports())
         out = {}
         self.busy.forget_except({w.epoch for w in workers})
+        started = self._started(workers)
         for role in ROLES:
             mine = [w for w in workers if w.role == role.value]
-            samples = tuple(WorkerSample(w.epoch, w.address, w.started_at, w.queued_prefill_tokens,
+            samples = tuple(WorkerSample(w.epoch, w.address, started[w.epoch], w.queued_prefill_tokens,
                                          w.num_blocks - w.free_blocks, w.num_blocks, w.running + w.waiting,
                                          latency.get((role, w.epoch), EMPTY),
                                          self.busy.update(w.epoch, w.reported_at, w.busy_seconds)
@@ -144,6 +148,15 @@ class Autoscaler:
             size = self.actuator.observe(role, len(mine))
             out[role] = PoolObservation(role, size.replicas, samples, size.draining)
         return out
+
+    def _started(self, workers) -> dict[str, float]:
+        """Each worker's start on the planner's clock: its own report of it (its host's
+        wall clock), but never later than when this autoscaler first saw it, so a host
+        whose clock runs ahead does not keep its worker warming for ever."""
+        wall, now = self.clock(), self.planner.clock()
+        seen = {w.epoch: self._first_seen.get(w.epoch, now) for w in workers}
+        self._first_seen = seen
+        return {w.epoch: min(now - max(0.0, wall - w.started_at), seen[w.epoch]) for w in workers}
 
     def _new_latency(self, reports: list[autoscaler_pb2.LatencyReport]) -> dict[tuple[Role, str], tuple]:
         """Samples new since the last tick per (pool, worker epoch), over every router."""
