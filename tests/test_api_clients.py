@@ -215,6 +215,12 @@ def test_text_parts_of_every_kind_a_client_sends_back_read_as_text(cluster):
                for m in (refused, plain)]
     assert [a.status_code for a in answers] == [200, 200], answers[0].text
     assert answers[0].json()["choices"][0]["message"] == answers[1].json()["choices"][0]["message"]
+    # several text parts of a message read as one text, a part a line, as vLLM joins them
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Summarize this:"},
+                                          {"type": "text", "text": "The cat sat."}]}]
+    lines = [{"role": "user", "content": "Summarize this:\nThe cat sat."}]
+    tokens = [_post(cluster.http, "/tokenize", {"messages": m}).json()["tokens"] for m in (parts, lines)]
+    assert tokens[0] == tokens[1]
     back = _post(cluster.http, "/v1/responses", {"max_output_tokens": 2, "input": [
         {"role": "user", "content": "Hi"},
         {"type": "message", "role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},

@@ -108,7 +108,7 @@ Block = Annotated[Union[Annotated[TextBlock, Tag("text")], Annotated[ToolUseBloc
 def _text(content) -> str:
     if content is None:
         return ""
-    return content if isinstance(content, str) else "".join(b.text for b in content)
+    return content if isinstance(content, str) else "\n".join(b.text for b in content)     # as chat's parts
 
 
 class Message(BaseModel):
@@ -292,11 +292,11 @@ class MessagesRequest(BaseModel):
                         "name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}})
                 elif isinstance(block, ToolResultBlock):     # a tool message each, in order
                     if text:
-                        out.append({"role": message.role, "content": "".join(text)})
+                        out.append({"role": message.role, "content": "\n".join(text)})
                         text = []
                     out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
             if text or calls or not message.content:
-                m = {"role": message.role, "content": "".join(text) if text or not calls else None}
+                m = {"role": message.role, "content": "\n".join(text) if text or not calls else None}
                 if calls:
                     m["tool_calls"] = calls
                 out.append(m)

@@ -164,7 +164,7 @@ class ChatMessage(BaseModel):
             return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.value for p in self.content)
+        return "\n".join(p.value for p in self.content)      # vLLM's join of text parts
 
 
 def text_parts_only(parts, text_types: tuple[str, ...], noun: str = "part"):

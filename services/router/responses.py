@@ -54,7 +54,7 @@ class ContentText(BaseModel):
 
 
 def _text(content: list[ContentText]) -> str:
-    return "".join(part_text(p) for p in content)
+    return "\n".join(part_text(p) for p in content)      # as chat's parts (vLLM's join)
 
 
 def _as_parts(value):
