@@ -646,3 +646,17 @@ def test_required_calls_keep_the_tools_own_definitions_where_their_references_re
     other = {**units, "$defs": {"Unit": {"type": "integer"}}}
     with pytest.raises(APIError, match="Unit"):
         plan_tools(ask(units, other), True)
+
+
+@pytest.mark.parametrize("syntax,text", [
+    ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\nhi\n</function>\n"
+                    "</tool_call>"),
+    ("minimax_m2", '<minimax:tool_call>\n<invoke name="f">\n<parameter name="a">1</parameter>\n'
+                   '<parameter name="b">hi\n</invoke>\n</minimax:tool_call>')])
+def test_a_last_parameter_left_unclosed_ends_with_its_function(syntax, text):
+    """A model that writes the last parameter without its closing tag: its value runs to
+    the end of the function (vLLM's reads it so); it was dropped, silently."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}}}]
+    _, calls = parse_calls(ToolPlan(tools, "auto", syntax=SYNTAXES[syntax]), text)
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"a": 1, "b": "hi"}]

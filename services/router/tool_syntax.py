@@ -130,7 +130,9 @@ class Qwen3Xml(Tagged):
     BODY_START, BODY_END = "<function=", "</function>"
     _CALL = re.compile(r"<tool_call>\s*(<function=.*?</function>)\s*</tool_call>", re.DOTALL)
     _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*)</function>", re.DOTALL)
-    _PARAMETER = re.compile(r"<\s*parameter\s*=\s*([^>]*)>(.*?)(?:<\s*/\s*parameter\s*>|(?=<\s*parameter\s*=))",
+    # a value ends at its closing tag, at the next parameter, or at the end of the
+    # function's body (the last one left unclosed: vLLM's reads it too)
+    _PARAMETER = re.compile(r"<\s*parameter\s*=\s*([^>]*)>(.*?)(?:<\s*/\s*parameter\s*>|(?=<\s*parameter\s*=)|$)",
                             re.DOTALL)
 
     def calls(self, body: str) -> list[dict] | None:
@@ -186,7 +188,7 @@ class MiniMaxM2(Tagged):
     _NAME = r"""(?:"([^"]*)"|'([^']*)'|([^>\s"']+))"""
     _INVOKE = re.compile(r"<invoke\s+name\s*=\s*" + _NAME + r"\s*>(.*?)</invoke>\s*", re.DOTALL)
     _PARAMETER = re.compile(r"<\s*parameter\s+name\s*=\s*" + _NAME + r"\s*>(.*?)"
-                            r"(?:<\s*/\s*parameter\s*>|(?=<\s*parameter\s+name\s*=))", re.DOTALL)
+                            r"(?:<\s*/\s*parameter\s*>|(?=<\s*parameter\s+name\s*=)|$)", re.DOTALL)
 
     def calls(self, body: str) -> list[dict] | None:
         invokes = list(self._INVOKE.finditer(body))
