@@ -189,3 +189,27 @@ def test_a_requests_absent_sampling_fields_take_the_models_generation_config(tmp
     for bad in ("{temperature", "[1]"):
         with pytest.raises(ValueError, match="--override-generation-config"):
             RouterSettings(override_generation_config=bad)
+
+
+def test_a_byte_fallback_tokenizer_leaves_out_every_byte_of_a_character_cut_short():
+    """Llama 2's and Mistral's tokenizers fall back to a token a byte, and decode each byte
+    of a character cut short as its own U+FFFD (one for each): an output stopped inside €
+    ended in two of them. A small tokenizer of that kind is built here."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    from services.engine.text.tokenizer import IncrementalDetokenizer
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁": 3, "a": 4, "b": 5, "▁a": 6}
+    vocab.update({f"<0x{b:02X}>": 7 + b for b in range(256)})
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[("▁", "a")], byte_fallback=True, unk_token="<unk>",
+                                fuse_unk=True))
+    core.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    core.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                      decoders.Strip(" ", 1, 0)])
+    fallback = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    for text in ("a€b", "ab 日本 a", "€€ a", " a 🙂b"):
+        ids = fallback.encode(text, add_special_tokens=False)
+        for cut in range(1, len(ids) + 1):
+            d = IncrementalDetokenizer(fallback)
+            out = "".join(d.push([i]) for i in ids[:cut]) + d.flush()
+            assert "\ufffd" not in out and text.startswith(out), (text, cut, out)

@@ -146,14 +146,15 @@ class IncrementalDetokenizer:
         stopped inside (max_tokens after two of its three bytes), which is left out, as
         vLLM leaves it out, rather than written as U+FFFD. A replacement character the
         tokens spell whole stays."""
+        # The tokens of a character left unfinished are left out, however many: a
+        # byte-fallback tokenizer (Llama 2's, Mistral's) writes a U+FFFD a byte.
+        end = len(self._ids)
+        while end > self._read_offset and _ends_inside_a_character(self._tok, self._ids[self._read_offset:end]):
+            end -= 1
         prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        full = self._decode(self._ids[self._prefix_offset:])
-        held = self._ids[self._read_offset:]
+        full = self._decode(self._ids[self._prefix_offset:end])
         self._prefix_offset = self._read_offset = len(self._ids)
-        text = full[len(prefix):] if len(full) > len(prefix) else ""
-        if text.endswith("\ufffd") and _ends_inside_a_character(self._tok, held):
-            text = text[:-1]
-        return text
+        return full[len(prefix):] if len(full) > len(prefix) else ""
 
 
 def _ends_inside_a_character(tokenizer, ids: list[int]) -> bool:
