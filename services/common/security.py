@@ -23,7 +23,7 @@ import hmac
 import logging
 import os
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable
 
@@ -60,13 +60,16 @@ class ApiKey:
     """An accepted API key and what its line in the key file says of it:
     `KEY [name=N] [weight=W] [max_concurrency=C] [tokens_per_minute=T]` (the router's
     fair share among keys, services/router/fairness.py). Its tenant names it in metrics
-    and logs: `name`, or a hash of the key, never the key."""
+    and logs: `name`, or its place among the keys (`key-2`), never the key nor anything
+    computed from it (an open /metrics showed a 48-bit hash of each unnamed key: a guessed
+    weak key could be checked offline)."""
     key: str
     options: tuple[tuple[str, str], ...] = ()
+    number: int = 0                     # its place among the accepted keys, from 1
 
     @property
     def tenant(self) -> str:
-        return dict(self.options).get("name") or "key-" + hashlib.sha256(self.key.encode()).hexdigest()[:12]
+        return dict(self.options).get("name") or f"key-{self.number}"
 
     def line(self) -> str:
         return " ".join([self.key, *(f"{k}={v}" for k, v in self.options)])
@@ -102,7 +105,7 @@ def read_api_keys(keys: Iterable[str], key_file: str | None) -> list[ApiKey]:
                     raise ValueError(f"{key_file} line {number}: {exc}") from None
         if not out:
             raise ValueError(f"the API key file {key_file} holds no key")
-    return out
+    return [replace(k, number=i) for i, k in enumerate(out, 1)]
 
 
 class KeyCheck:
@@ -112,6 +115,7 @@ class KeyCheck:
 
     def __init__(self, keys: Iterable[ApiKey | str]) -> None:
         self._keys = [k if isinstance(k, ApiKey) else ApiKey(k) for k in keys]
+        self._keys = [k if k.number else replace(k, number=i) for i, k in enumerate(self._keys, 1)]
         self._digests = [hashlib.sha256(k.key.encode()).digest() for k in self._keys]
 
     def __bool__(self) -> bool:
