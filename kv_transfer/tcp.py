@@ -45,6 +45,11 @@ HELLO = struct.Struct("!I32s")           # magic, shared token
 _IOV_MAX = 512                           # buffers per sendmsg/recvmsg call (Linux allows 1024)
 ACCEPT_RETRY_SECONDS = 0.1               # after a failed accept (out of descriptors): its next try
 MAX_FINISHED = 4096                      # outcomes kept for transfers nobody polled (bounded, as NIXL's)
+# A connection that has not sent its hello (the pool's token) within HELLO_SECONDS is
+# closed, and no more than MAX_UNPROVEN wait at once: each holds a thread, and anyone who
+# reaches the port could open them by the thousand.
+HELLO_SECONDS = 5.0
+MAX_UNPROVEN = 64
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
@@ -129,6 +134,7 @@ class TcpTransport:
         self._version = 0                   # bumped whenever a transfer leaves PENDING
         self._next = 0
         self._closed = False
+        self._unproven = 0                  # accepted connections yet to send their hello
 
     # ---- receiving side ----
     def register(self, pool: KVPoolMemory, compat_hash: str) -> bytes:
@@ -152,16 +158,39 @@ class TcpTransport:
                 time.sleep(ACCEPT_RETRY_SECONDS)
                 continue
             _tune(conn)
+            with self._lock:
+                strangers = self._unproven
+                self._unproven += strangers < MAX_UNPROVEN
+            if strangers >= MAX_UNPROVEN:           # connections that have not said who they are
+                conn.close()
+                continue
             self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="kv-tcp-recv", daemon=True).start()
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name="kv-tcp-recv", daemon=True).start()
+            except RuntimeError as exc:             # no thread to be had now: this writer retries
+                log.warning("KV receiver cannot serve a writer (%s)", exc)
+                self._proven(None)
+                self._conns.discard(conn)
+                conn.close()
+
+    def _proven(self, conn: socket.socket | None) -> None:
+        """A connection has said who it is (or gone): one less waited on to."""
+        with self._lock:
+            self._unproven -= 1
+        if conn is not None:
+            conn.settimeout(None)
 
     def _serve(self, conn: socket.socket) -> None:
+        proven = False
         try:
             hello = bytearray(HELLO.size)
+            conn.settimeout(HELLO_SECONDS)          # a writer says who it is at once, or is let go
             _recv_all(conn, [memoryview(hello)])
             magic, token = HELLO.unpack(hello)
             if magic != MAGIC or not secrets.compare_digest(token, self._token):
                 raise ConnectionError("bad hello from a KV writer")
+            proven = True
+            self._proven(conn)
             header = bytearray(HEADER.size)
             while True:
                 _recv_all(conn, [memoryview(header)])
@@ -179,6 +208,8 @@ class TcpTransport:
             if not self._closed:
                 log.debug("KV writer connection ended: %s", exc)
         finally:
+            if not proven:
+                self._proven(None)
             self._conns.discard(conn)
             conn.close()
 

@@ -371,3 +371,38 @@ def test_a_pool_on_a_gpu_is_never_offered_through_a_host_only_backend():
     finally:
         for t in host.values():
             t.shutdown()
+
+
+def test_tcp_receiver_lets_go_of_connections_that_never_say_who_they_are(monkeypatch):
+    """Each accepted connection held a thread waiting for its hello for ever, and anyone
+    who reached the port could open them by the thousand: one that sends no hello
+    within HELLO_SECONDS is closed, and no more than MAX_UNPROVEN wait at once; writers
+    still pair and write."""
+    import socket
+
+    import kv_transfer.tcp as tcp
+    monkeypatch.setattr(tcp, "HELLO_SECONDS", 0.5)
+    monkeypatch.setattr(tcp, "MAX_UNPROVEN", 4)
+    receiver, sender = create_transport("tcp"), create_transport("tcp", streams=1)
+    pool, local = KVPoolMemory.allocate(LAYOUT), KVPoolMemory.allocate(LAYOUT)
+    local.tensor.copy_(torch.randn(local.tensor.shape))
+    meta = receiver.register(pool, "h")
+    port = receiver._listener.getsockname()[1]
+    silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(8)]
+    try:
+        time.sleep(0.2)
+        assert receiver._unproven <= 4
+        time.sleep(1.0)
+        assert receiver._unproven == 0
+        for s in silent:                         # each closed by the receiver by now
+            s.settimeout(2)
+            assert s.recv(1) == b""
+        sender.register(local, "h")
+        peer = sender.connect(meta, "h")
+        wait_for(sender, [sender.write(peer, [1, 2], [3, 4])], time.monotonic() + 10)
+        assert torch.equal(pool.tensor[:, :, [3, 4]], local.tensor[:, :, [1, 2]])
+    finally:
+        for s in silent:
+            s.close()
+        sender.shutdown()
+        receiver.shutdown()
