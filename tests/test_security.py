@@ -255,6 +255,8 @@ def test_json_routes_take_only_json_and_cors_only_for_allowed_origins(secure):
     r = httpx.options(f"{secure.http}/v1/completions", headers={**preflight, "origin": "https://evil.example"},
                       verify=secure.tls_context())
     assert "access-control-allow-origin" not in r.headers
+    for path in ("/v1/completions", "/v1/nope"):          # no preflight: the key check, as any method
+        assert httpx.options(f"{secure.http}{path}", verify=secure.tls_context()).status_code == 401, path
 
 
 def test_responses_name_workers_by_id_not_address(secure):

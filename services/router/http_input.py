@@ -65,7 +65,8 @@ class RequireAPIKey:
         self.open_paths = open_paths
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in self.open_paths or scope["method"] == "OPTIONS":
+        # (a CORS preflight, which carries no key, is answered outside: CORSMiddleware)
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
         authorization = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
         if authorization is None:
