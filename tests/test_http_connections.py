@@ -150,3 +150,34 @@ def test_a_body_that_trickles_in_is_cut_off_with_a_408(router):
     ok = httpx.post(f"http://127.0.0.1:{router}/v1/completions", timeout=60,
                     json={"prompt": "Hello", "max_tokens": 2, "temperature": 0})
     assert ok.status_code == 200, ok.text
+
+
+def test_a_public_grpc_port_closes_connections_that_run_no_call(monkeypatch):
+    """Idle HTTP/2 connections to the router's gRPC port were held for ever (by the
+    thousand, they took its file descriptors): with no call running one is closed after
+    PUBLIC_IDLE_MS, and the client's channel reconnects for its next call."""
+    import asyncio
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from services.common import grpc_server
+
+    monkeypatch.setattr(grpc_server, "PUBLIC_IDLE_MS", 300)
+
+    async def run():
+        host = grpc_server.ServiceHost([], public=True)
+        port = host.bind("127.0.0.1", 0)
+        await host.server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = health_pb2_grpc.HealthStub(ch)
+                await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                assert ch.get_state() is grpc.ChannelConnectivity.READY
+                await asyncio.sleep(1.5)
+                gone = ch.get_state()
+                await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                return gone
+        finally:
+            await host.server.stop(0)
+    assert asyncio.run(run()) is grpc.ChannelConnectivity.IDLE

@@ -25,16 +25,28 @@ DIAL_OPTIONS = CHANNEL_OPTIONS + [
 ]
 
 
+# A public gRPC port's bounds per connection (ServiceHost `public`), as its HTTP side
+# has a header deadline and a cap per client address.
+PUBLIC_IDLE_MS = 30_000
+PUBLIC_STREAMS = 512
+
+
 class ServiceHost:
     """Builds the server; `serving()` flips health to SERVING once the service is ready."""
 
     def __init__(self, service_names: list[str], interceptors: list | None = None,
-                 max_receive_bytes: int = MAX_MESSAGE_BYTES) -> None:
+                 max_receive_bytes: int = MAX_MESSAGE_BYTES, public: bool = False) -> None:
         """`max_receive_bytes`: the largest request taken (a public service's clients are
-        held to what its HTTP side takes; the cluster's own calls carry KV handles)."""
+        held to what its HTTP side takes; the cluster's own calls carry KV handles).
+        `public`: clients are anyone's, so a connection with no call running is closed
+        after PUBLIC_IDLE_MS (idle connections by the thousand filled the router's file
+        descriptors), and one connection runs at most PUBLIC_STREAMS calls at once."""
         # DecodeRequests last: a caller is authenticated before its bytes are read.
         options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", max_receive_bytes)]
+        if public:
+            options += [("grpc.max_connection_idle_ms", PUBLIC_IDLE_MS),
+                        ("grpc.max_concurrent_streams", PUBLIC_STREAMS)]
         self.server = grpc.aio.server(options=options, interceptors=[*(interceptors or ()), DecodeRequests()])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -66,7 +66,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     keys = KeyCheck(api_keys)
     tls = TLSFiles(settings.tls_cert, settings.tls_key)
     host = ServiceHost(["pdserve.v1.Generator"], [RequireBearer(keys, "API key")] if keys else None,
-                       max_receive_bytes=settings.max_body_bytes)
+                       max_receive_bytes=settings.max_body_bytes, public=True)
     generate_pb2_grpc.add_GeneratorServicer_to_server(GeneratorService(fe, keys), host.server)
     grpc_port = host.bind(settings.host, settings.grpc_port, tls.server_credentials())
 
