@@ -213,3 +213,7 @@ def test_a_byte_fallback_tokenizer_leaves_out_every_byte_of_a_character_cut_shor
             d = IncrementalDetokenizer(fallback)
             out = "".join(d.push([i]) for i in ids[:cut]) + d.flush()
             assert "\ufffd" not in out and text.startswith(out), (text, cut, out)
+    # bytes that can never be a character (a lead byte after a lead byte) stay U+FFFD
+    lead = fallback.convert_tokens_to_ids("<0xE4>")
+    d = IncrementalDetokenizer(fallback)
+    assert "".join(d.push([lead]) for _ in range(4)) + d.flush() == "\ufffd" * 3

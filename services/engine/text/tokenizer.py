@@ -146,15 +146,34 @@ class IncrementalDetokenizer:
         stopped inside (max_tokens after two of its three bytes), which is left out, as
         vLLM leaves it out, rather than written as U+FFFD. A replacement character the
         tokens spell whole stays."""
-        # The tokens of a character left unfinished are left out, however many: a
-        # byte-fallback tokenizer (Llama 2's, Mistral's) writes a U+FFFD a byte.
-        end = len(self._ids)
-        while end > self._read_offset and _ends_inside_a_character(self._tok, self._ids[self._read_offset:end]):
-            end -= 1
+        # The tokens that hold only the bytes of a character left unfinished are left
+        # out, however many: a byte-fallback tokenizer (Llama 2's, Mistral's) writes a
+        # U+FFFD a byte. Bytes that can never be a character (a lead byte followed by
+        # another) stay U+FFFD, as vLLM writes them.
+        held = self._ids[self._read_offset:]
+        end = len(self._ids) - _unfinished_tokens(self._tok, held)
         prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
         full = self._decode(self._ids[self._prefix_offset:end])
         self._prefix_offset = self._read_offset = len(self._ids)
-        return full[len(prefix):] if len(full) > len(prefix) else ""
+        text = full[len(prefix):] if len(full) > len(prefix) else ""
+        if end == len(self._ids) and text.endswith("\ufffd") and _ends_inside_a_character(self._tok, held):
+            text = text[:-1]                # a token of the character's bytes and others before them
+        return text
+
+
+def _unfinished_tokens(tokenizer, ids: list[int]) -> int:
+    """How many of the last of `ids` hold nothing but the bytes of a UTF-8 character the
+    output stopped inside (0 where there is none, or where a token holds those bytes and
+    others)."""
+    pieces = [token_bytes(tokenizer, i, tokenizer.decode([i])) for i in ids[-4:]]
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(b"".join(pieces), final=False)
+    pending = len(decoder.getstate()[0])
+    covered = count = 0
+    while covered < pending and count < len(pieces):
+        count += 1
+        covered += len(pieces[-count])
+    return count if pending and covered == pending else 0
 
 
 def _ends_inside_a_character(tokenizer, ids: list[int]) -> bool:
