@@ -854,3 +854,16 @@ def test_messages_errors_are_anthropics(cluster, body, status, kind, words):
     with pytest.raises(anthropic.APIStatusError) as e:
         _anthropic(cluster.http).messages.create(**named, extra_body=request)
     assert e.value.status_code == status and e.value.body["error"]["type"] == kind
+
+
+def test_a_first_token_that_ends_the_output_goes_out_with_its_end(cluster):
+    """The prefill worker's first token is sent ahead of the decode stream; one that
+    ends the output (a stop token id) went out as text of its own, before the end that
+    said it was a stop: its text reached the client and stop_reason was null. It now
+    goes out with the end: no text, stop_reason its id, streamed or not."""
+    first = _complete(cluster.http, prompt=PROMPTS[0], max_tokens=1)["choices"][0]["token_ids"][0]
+    body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "stop_token_ids": [first]}
+    whole = _complete(cluster.http, **body)["choices"][0]
+    assert whole["finish_reason"] == "stop" and whole["stop_reason"] == first and whole["text"] == "", whole
+    streamed = _streamed(cluster.http, **body)[0]
+    assert (streamed["text"], streamed["finish_reason"], streamed["stop_reason"]) == ("", "stop", first), streamed

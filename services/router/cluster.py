@@ -25,9 +25,12 @@ from services.router.workers import WorkerSet
 
 
 class Cluster:
-    def __init__(self, settings: RouterSettings, tokenizer, metrics: RouterMetrics) -> None:
+    def __init__(self, settings: RouterSettings, tokenizer, metrics: RouterMetrics,
+                 end_ids: frozenset[int] = frozenset()) -> None:
+        """`end_ids`: the model's end-of-sequence tokens (eos_token_ids)."""
         self.settings = settings
         self.tokenizer = tokenizer
+        self.end_ids = end_ids
         self.metrics = metrics
         self.cost = CostModel()
         self.latency = LatencyLedger()
@@ -60,7 +63,7 @@ class Cluster:
         """Yields text deltas of every choice (`gens`: one per choice, the first leading:
         its prompt, workers and route are the request's); raises APIError on failure.
         Closing the iterator early (client gone) cancels the request on every worker."""
-        handoff = Handoff(gens[0], len(gens), self.workers, self.settings, self.metrics, self.cost)
+        handoff = Handoff(gens[0], len(gens), self.workers, self.settings, self.metrics, self.cost, self.end_ids)
         output = OutputProcessor(self.tokenizer, gens, handoff.end_choice)
         async with aclosing(handoff.tokens()) as tokens:
             async for index, token_ids, finish, logprobs in tokens:

@@ -62,8 +62,11 @@ class Handoff:
     here) through the workers."""
 
     def __init__(self, gen: Generation, n: int, workers: WorkerSet, settings: RouterSettings,
-                 metrics: RouterMetrics, cost: CostModel) -> None:
+                 metrics: RouterMetrics, cost: CostModel, end_ids: frozenset[int] = frozenset()) -> None:
+        """`end_ids`: the model's end-of-sequence tokens: a first token among them (or
+        the request's stop tokens) is not sent ahead of the decode stream (`_may_end`)."""
         self.gen = gen
+        self.end_ids = end_ids
         self.n = n
         self.workers = workers
         self.settings = settings
@@ -124,7 +127,7 @@ class Handoff:
                 req = self._decode_request(first_token=self._sent_first or 0, local=True, epoch="")
             else:
                 gen.decision = "remote"
-                if self._sent_first is None and self.n == 1:
+                if self._sent_first is None and self.n == 1 and not self._may_end(first):
                     # Sent now, not when the decode batch takes the sequence: that can be
                     # a whole decode step away, and the token is already final.
                     self._sent_first = first
@@ -189,9 +192,18 @@ class Handoff:
                     if first is not None:
                         # n > 1: the prefill's token goes out once the decode worker has
                         # the sequence in its batch (its first, empty, message), with the
-                        # other choices' first tokens one step behind.
+                        # other choices' first tokens one step behind. A token that ended
+                        # the output goes out with that end, as one delta (its text is
+                        # then a stop token's, and the stop's reason its id).
                         self._decoded = True
-                        yield 0, [first], "", [first_logprob] if first_logprob else None
+                        lps = [first_logprob] if first_logprob else None
+                        if index == 0 and finish and not token_ids:
+                            ended.add(0)
+                            self._finished = len(ended) == self.n
+                            yield 0, [first], finish, lps
+                            first = None
+                            continue
+                        yield 0, [first], "", lps
                         first = None
                     if not token_ids and not finish:
                         continue
@@ -203,6 +215,13 @@ class Handoff:
         finally:
             decode.batch_left()
             decode.local_prefill_answered(local_tokens)
+
+    def _may_end(self, token: int) -> bool:
+        """Whether the prefill's first token may end the output (a stop token, or an end
+        of sequence not ignored, with no min_tokens to wait for): it goes out with the
+        decode stream's first message then, which says whether it did."""
+        p = self.gen.params
+        return p.min_tokens <= 1 and (token in p.stop_token_ids or (token in self.end_ids and not p.ignore_eos))
 
     def _decode_request(self, first_token: int, local: bool, epoch: str) -> worker_pb2.DecodeRequest:
         gen = self.gen

@@ -17,7 +17,7 @@ from services.common.metrics import RouterMetrics
 from services.common.security import KeyCheck, RequireBearer, TLSFiles, read_api_keys
 from services.common.settings import RouterSettings
 from services.engine.text.model_store import context_length, read_config, resolve_model
-from services.engine.text.tokenizer import load_tokenizer
+from services.engine.text.tokenizer import eos_token_ids, load_tokenizer
 from services.router.admission import Admission, tenant_policies
 from services.router.cluster import Cluster
 from services.router.connections import http_protocol
@@ -53,7 +53,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         log.warning("a request that leaves them out takes these sampling defaults, the model's generation config "
                     "with --override-generation-config: %s (--generation-config vllm: OpenAI's)",
                     json.dumps(defaults))
-    cluster = Cluster(settings, tokenizer, metrics)
+    cluster = Cluster(settings, tokenizer, metrics, eos_token_ids(model_dir))
     await cluster.start()
     max_model_len = context_length(read_config(model_dir), settings.max_model_len)
     fe = FrontEnd(cluster, admission, tokenizer, served_model_name, max_model_len, settings.max_body_bytes,
