@@ -125,21 +125,27 @@ class Grammars:
         finally:
             with self._lock:
                 del self._compiling[key]
+        with self._lock:
+            self._cache[key] = grammar
+            self._cached_bytes += grammar.memory_size_bytes
+            while len(self._cache) > 1 and (len(self._cache) > CACHE_SIZE or self._cached_bytes > CACHE_BYTES):
+                self._cached_bytes -= self._cache.popitem(last=False)[1].memory_size_bytes
         return grammar
 
     def _compile(self, text: str, kind: str, name: str, code: str):
-        key = (kind, text)
+        """`text` compiled by xgrammar (a JSON schema checked first, then as xgrammar is
+        to read it: json_schema.for_the_grammar); SchemaError if it cannot be."""
+        read = text
         if kind == "json_schema":
             try:
-                json_schema.parse(text)
+                read = json.dumps(json_schema.for_the_grammar(json_schema.parse(text)))
             except ValueError as exc:
                 raise SchemaError(str(exc)) from None
         with self._lock:
             compiler = self._compiler_for()
         started = time.perf_counter()
         try:
-            grammar = compiler.compile_json_schema(json.dumps(json_schema.for_the_grammar(json.loads(text))),
-                                                   any_whitespace=False) if kind == "json_schema" \
+            grammar = compiler.compile_json_schema(read, any_whitespace=False) if kind == "json_schema" \
                 else compiler.compile_regex(text) if kind == "regex" \
                 else compiler.compile_grammar(text) if kind == "grammar" \
                 else compiler.compile_structural_tag(text)
@@ -149,11 +155,6 @@ class Grammars:
         took = time.perf_counter() - started
         if took > SLOW_COMPILE_SECONDS:
             log.warning("compiling a %s of %d characters took %.1f s", name, len(text), took)
-        with self._lock:
-            self._cache[key] = grammar
-            self._cached_bytes += grammar.memory_size_bytes
-            while len(self._cache) > 1 and (len(self._cache) > CACHE_SIZE or self._cached_bytes > CACHE_BYTES):
-                self._cached_bytes -= self._cache.popitem(last=False)[1].memory_size_bytes
         return grammar
 
     def constraint(self, text: str, kind: str = "json_schema", after: tuple[int, ...] = (),
