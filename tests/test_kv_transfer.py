@@ -316,8 +316,9 @@ def test_a_tensor_parallel_decode_worker_offers_shm_only_where_every_ranks_pool_
     from types import SimpleNamespace
 
     import services.decode.worker as decode
+    import services.engine.model.kv_cache as memory
     from services.common.settings import WorkerSettings
-    monkeypatch.setattr(decode, "shm_free_bytes", lambda: LAYOUT.nbytes * 3 // 2)
+    monkeypatch.setattr(memory, "shm_free_bytes", lambda: LAYOUT.nbytes * 3 // 2)
     shm, tcp = create_transport("shm"), create_transport("tcp")
     worker = SimpleNamespace(transports={"shm": shm, "tcp": tcp}, layout=LAYOUT, runner=SimpleNamespace(kv_heads=None))
     pool = decode.DecodeWorker._allocate_pool(worker, WorkerSettings(role="decode", tensor_parallel_size=2), "cpu")

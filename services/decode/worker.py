@@ -32,7 +32,7 @@ from kv_transfer.handoff import HandoffError, HandoffState, HandoffTable, KVHand
 from services.common.mailbox import Mailbox
 from services.common.metrics import WorkerMetrics
 from services.common.settings import WorkerSettings
-from services.common.shm import SHM_DIR, shm_free_bytes, sweep_stale_segments
+from services.common.shm import sweep_stale_segments
 from services.engine.core.block_pool import NoFreeBlocks
 from services.engine.core.sampling import MAX_CHOICES, SamplingParams
 from services.engine.core.sequence import NO_TOKEN_LEFT, Sequence
@@ -112,11 +112,8 @@ class DecodeWorker(EngineWorker):
         if "shm" not in self.transports:
             return KVPoolMemory.allocate(self.layout, device=device, heads=heads)
         try:
-            ranks = settings.tensor_parallel_size
-            if ranks > 1 and shm_free_bytes() < ranks * self.layout.nbytes:
-                raise MemoryError(f"{SHM_DIR} has {shm_free_bytes() / 2**20:.0f} MiB free, the KV pools of "
-                                  f"{ranks} ranks need {ranks * self.layout.nbytes / 2**20:.0f} MiB")
-            return KVPoolMemory.allocate(self.layout, shared=True, device=device, heads=heads)
+            return KVPoolMemory.allocate(self.layout, shared=True, device=device, heads=heads,
+                                         pools=settings.tensor_parallel_size)
         except MemoryError as exc:
             if len(self.transports) == 1:
                 raise ValueError(f"--kv-transport shm: {exc}") from None

@@ -108,17 +108,20 @@ class KVPoolMemory:
 
     @classmethod
     def allocate(cls, layout: KVLayout, shared: bool = False, device: str = "cpu",
-                 heads: range | None = None) -> "KVPoolMemory":
-        """`heads`: the model's KV heads it holds (a tensor-parallel rank's; None: all)."""
+                 heads: range | None = None, pools: int = 1) -> "KVPoolMemory":
+        """`heads`: the model's KV heads it holds (a tensor-parallel rank's; None: all);
+        `pools`: with shared memory, how many pools of this size /dev/shm must hold
+        (every tensor-parallel rank's goes there if this one does)."""
         if not shared:
             return cls(layout, torch.zeros(layout.shape, dtype=layout.torch_dtype, device=device), heads=heads)
         nbytes = layout.nbytes
         free = shm_free_bytes()
-        if free < nbytes:
+        if free < nbytes * pools:
             # tmpfs pages are only taken on first write: an oversized segment would be
             # created fine and then kill the process with SIGBUS mid-request.
-            raise MemoryError(f"{SHM_DIR} has {free / 2**20:.0f} MiB free, the KV pool needs "
-                              f"{nbytes / 2**20:.0f} MiB (in containers, mount a larger /dev/shm)")
+            whose = "the KV pool needs" if pools == 1 else f"the KV pools of {pools} ranks need"
+            raise MemoryError(f"{SHM_DIR} has {free / 2**20:.0f} MiB free, {whose} "
+                              f"{nbytes * pools / 2**20:.0f} MiB (in containers, mount a larger /dev/shm)")
         path = new_segment_path()
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
