@@ -370,7 +370,8 @@ class Planner:
     def _scale_out(self, v: _View, mem: _PoolMemory, now: float) -> Decision:
         p = self.policy
         target = min(max(v.ready + 1, math.ceil(v.ready * v.pressure)), 2 * v.ready)
-        if target - v.ready - v.warming - v.pending <= 0:
+        adding = target - v.ready - v.warming - v.pending     # capacity still coming counts
+        if adding <= 0:
             return v.decide(v.current, Reason.SETTLING, f"x{v.pressure:.2f} ({v.text}), but {v.pending} pending "
                                                         f"and {v.warming} warming: none added until they serve")
         if v.kind == "load" and mem.hot_ticks < 2:      # one snapshot is not a trend
@@ -379,7 +380,7 @@ class Planner:
             return v.decide(v.current, Reason.COOLDOWN, f"x{v.pressure:.2f} ({v.text}), but the pool changed "
                                                         f"{now - mem.changed_at:.0f} s ago")
         reason = Reason.SCALE_OUT_SLO if v.kind == "slo" else Reason.SCALE_OUT_LOAD
-        return v.decide(v.current + target - v.ready - v.warming - v.pending, reason, f"x{v.pressure:.2f}: {v.text}")
+        return v.decide(v.current + adding, reason, f"x{v.pressure:.2f}: {v.text}")
 
     # ---- the shared budget ----
     def _fit_budget(self, decisions: dict[Role, Decision], limits: Limits, now: float) -> dict[Role, Decision]:
